@@ -1,0 +1,1 @@
+"""diagnostics: model-agnostic measurement of per-layer activation and gradient variance."""

@@ -1,0 +1,1 @@
+"""props: a property-based suite that proves the numerics claims tinylm rests on."""

@@ -1,0 +1,3 @@
+from reports.cli import console_main
+
+console_main()

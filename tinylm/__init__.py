@@ -1,0 +1,47 @@
+"""tinylm: one complete, readable decoder-only Transformer LM (CS336 assignment-1 names and keys).
+
+Pre-norm RMSNorm, SwiGLU, RoPE, causal multi-head attention; ablations (post-norm,
+no norm, NoPE, SiLU FFN) chosen by :class:`ModelConfig`; named init schemes in
+:mod:`tinylm.init`; checkpoints in :mod:`tinylm.checkpoint`.
+"""
+
+from . import functional, init
+from .config import PRESETS, ModelConfig, default_d_ff, preset
+from .errors import CheckpointError, ConfigError, MissingOptionError, TinyLMError, UnsafeCheckpointError
+from .layers import (
+    Embedding,
+    Linear,
+    MultiHeadSelfAttention,
+    RMSNorm,
+    RotaryPositionalEmbedding,
+    SiLUFFN,
+    SwiGLU,
+    Tap,
+)
+from .model import TransformerBlock, TransformerLM
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModelConfig",
+    "PRESETS",
+    "preset",
+    "default_d_ff",
+    "Linear",
+    "Embedding",
+    "RMSNorm",
+    "SwiGLU",
+    "SiLUFFN",
+    "RotaryPositionalEmbedding",
+    "MultiHeadSelfAttention",
+    "Tap",
+    "TransformerBlock",
+    "TransformerLM",
+    "functional",
+    "init",
+    "TinyLMError",
+    "ConfigError",
+    "CheckpointError",
+    "MissingOptionError",
+    "UnsafeCheckpointError",
+]

@@ -1,0 +1,370 @@
+"""Saving and loading models: the tinylm format, bare and training state dicts, safetensors.
+
+Loading never executes code from the file: torch pickles are read with
+``torch.load(weights_only=True)`` and safetensors by its own parser. The file
+is opened read-only and never written. Every way a file can be wrong ends in a
+:class:`~tinylm.errors.CheckpointError` whose message names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickletools
+import re
+import tempfile
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
+from .layers import RotaryPositionalEmbedding
+from .model import TransformerLM
+
+__all__ = ["save", "load", "read_state", "infer_config", "CheckpointInfo", "atomic_write"]
+
+FORMAT, VERSION = "tinylm", 1
+PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel wrappers
+SAFE_GLOBAL_MODULES = ("torch", "collections", "builtins", "numpy.core.multiarray", "_codecs")
+
+_FLAGS = {"num_heads": "--num-heads", "rope_theta": "--rope-theta", "context_length": "--context-length"}
+
+
+@dataclass
+class CheckpointInfo:
+    """What ``load`` learned about a file besides the weights."""
+
+    path: str
+    format: str  # "tinylm", "safetensors", "training", "state_dict" or "module-pickle"
+    config_source: str  # "stored" or "inferred"
+    version: int | None = None
+    iteration: int | None = None
+    has_optimizer: bool = False
+    history: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    nonfinite: list[str] = field(default_factory=list)  # parameters holding NaN or inf
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """Call ``write(tmp_path)`` and rename the result onto ``path``: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save(path: str | os.PathLike, model: TransformerLM, **extra: Any) -> None:
+    """Write ``model`` (with its config and any ``extra`` entries) to ``path`` atomically.
+
+    ``.pt`` (any suffix but ``.safetensors``): a torch.save'd dict
+    ``{"format": "tinylm", "version": 1, "config": {...}, "model": state_dict, **extra}``.
+    ``.safetensors``: the tensors, with format, version, config and JSON-able extras in
+    the metadata (a tied lm_head.weight is stored once, as token_embeddings.weight).
+    """
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):
+        raise ConfigError("save() needs a model with a tinylm ModelConfig in .config (a TransformerLM)")
+    reserved = {"format", "version", "config", "model"} & set(extra)
+    if reserved:
+        raise ConfigError(f"extra key(s) {sorted(reserved)} are reserved by the tinylm format")
+    state = model.state_dict()
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        if config.tie_embeddings:
+            state.pop("lm_head.weight", None)
+        tensors = {k: v.detach().contiguous() for k, v in state.items()}
+        try:
+            meta = {"format": FORMAT, "version": str(VERSION), "config": json.dumps(config.to_dict())}
+            meta.update({k: json.dumps(v) for k, v in extra.items()})
+        except TypeError as e:
+            raise ConfigError(f"safetensors metadata must be JSON: {e}; save extras such as optimizer state as .pt") from None
+        atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
+    else:
+        obj = {"format": FORMAT, "version": VERSION, "config": config.to_dict(), "model": state, **extra}
+        atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file; check the path")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory; pass the checkpoint file inside it")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file; pass a checkpoint file")
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod u+r)")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path}: empty file (0 bytes); the save was probably interrupted; use another checkpoint")
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """Names of the globals a pickle would import, read by opcode (nothing is executed)."""
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING"):
+                strings.append(arg)
+            elif op.name == "GLOBAL":
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+    except Exception:  # a damaged stream: report what was found before the damage
+        pass
+    return names
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    try:
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as zf:
+                pkl = next((n for n in zf.namelist() if n.endswith("data.pkl")), None)
+                data = zf.read(pkl) if pkl else b""
+        else:
+            data = path.read_bytes()
+    except Exception:
+        return []
+    return [n for n in _pickle_globals(data) if not n.startswith(SAFE_GLOBAL_MODULES)]
+
+
+def _torch_load(path: Path, unsafe: bool) -> Any:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with open(path, "rb") as f:
+                return torch.load(f, map_location="cpu", weights_only=not unsafe)
+    except CheckpointError:
+        raise
+    except Exception as e:  # torch raises many types for a damaged file; classify them for the user
+        if not unsafe:
+            bad = _unsafe_globals(path)
+            if bad:
+                raise UnsafeCheckpointError(
+                    f"{path}: holds pickled Python objects ({', '.join(sorted(set(bad))[:3])}) that a safe load will "
+                    "not execute; if it is a whole pickled model you trust, rerun with --unsafe-load, or convert it once: "
+                    "torch.save(torch.load(p, weights_only=False).state_dict(), 'state.pt')"
+                ) from None
+        msg = str(e).lower()
+        if isinstance(e, EOFError) or "central directory" in msg or "truncat" in msg or "unexpected end" in msg:
+            why = "truncated or damaged (the save was probably interrupted or the copy is incomplete)"
+        elif _looks_like_text(path):
+            why = "a text file, not a checkpoint"
+        else:
+            why = "not a PyTorch checkpoint (unreadable or corrupt data)"
+        raise CheckpointError(f"{path}: {why}; pass a file written by torch.save or safetensors") from None
+
+
+def _looks_like_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(512)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\x00" not in head
+
+
+def _is_safetensors(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return head[8:9] == b"{" and 0 < n <= path.stat().st_size - 8
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
+    try:
+        tensors = {}
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            for k in f.keys():
+                tensors[k] = f.get_tensor(k)
+        return tensors, meta
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: corrupt safetensors file ({str(e).splitlines()[0][:120]}); re-export it"
+        ) from None
+
+
+def _strip_prefixes(state: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in state.items():
+        for p in PREFIXES:
+            while k.startswith(p):
+                k = k[len(p):]
+        out[k] = v
+    return out
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and len(obj) > 0 and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+
+
+def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, CheckpointInfo]:
+    """Read a file into (state_dict, stored config dict or None, info); no model is built."""
+    path = Path(path)
+    _check_file(path)
+    if _is_safetensors(path) or path.suffix == ".safetensors":
+        state, meta = _read_safetensors(path)
+        config = None
+        info = CheckpointInfo(str(path), "safetensors", "inferred")
+        if "config" in meta:
+            try:
+                config = json.loads(meta["config"])
+            except json.JSONDecodeError:
+                raise CheckpointError(f"{path}: the config in its safetensors metadata is not valid JSON; re-export it") from None
+            info.config_source = "stored"
+        for k, v in meta.items():
+            if k not in ("format", "version", "config"):
+                try:
+                    info.extra[k] = json.loads(v)
+                except json.JSONDecodeError:
+                    info.extra[k] = v
+        info.iteration = info.extra.pop("iteration", None)
+        info.history = info.extra.pop("history", None)
+        return _strip_prefixes(state), config, info
+
+    obj = _torch_load(path, unsafe)
+    if isinstance(obj, nn.Module):  # only reachable with unsafe=True
+        warnings.warn(f"{path}: loaded a whole pickled module (--unsafe-load); its code ran on load")
+        cfg = getattr(obj, "config", None)
+        info = CheckpointInfo(str(path), "module-pickle", "stored" if isinstance(cfg, ModelConfig) else "inferred")
+        return _strip_prefixes(obj.state_dict()), cfg.to_dict() if isinstance(cfg, ModelConfig) else None, info
+    if isinstance(obj, dict) and obj.get("format") == FORMAT:
+        state = obj.get("model")
+        if not _is_state_dict(state):
+            raise CheckpointError(f"{path}: a tinylm checkpoint whose 'model' entry is not a state dict; the file is damaged")
+        info = CheckpointInfo(str(path), "tinylm", "stored", version=obj.get("version"))
+        info.iteration = obj.get("iteration")
+        info.has_optimizer = "optimizer" in obj
+        info.history = obj.get("history")
+        info.extra = {k: v for k, v in obj.items() if k not in ("format", "version", "config", "model", "optimizer", "iteration", "history")}
+        return _strip_prefixes(state), obj.get("config"), info
+    if isinstance(obj, dict) and _is_state_dict(obj.get("model")):
+        info = CheckpointInfo(str(path), "training", "inferred", iteration=obj.get("iteration"), has_optimizer="optimizer" in obj)
+        return _strip_prefixes(obj["model"]), obj.get("config") if isinstance(obj.get("config"), dict) else None, info
+    if _is_state_dict(obj):
+        return _strip_prefixes(obj), None, CheckpointInfo(str(path), "state_dict", "inferred")
+    raise CheckpointError(
+        f"{path}: holds a {type(obj).__name__}, not a model state dict; save model.state_dict() "
+        "or use tinylm.checkpoint.save"
+    )
+
+
+def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfig:
+    """Rebuild a ModelConfig from a state dict's keys and shapes, plus ``overrides``.
+
+    Shapes determine vocab_size, d_model, d_ff, num_layers, the FFN kind, tied
+    embeddings and norm placement (ln1 and ln_final: pre; ln1 only: post; none:
+    none). num_heads, rope_theta and context_length cannot be seen in the weights
+    and must be given; a missing one raises an error naming its flag.
+    """
+    emb = state.get("token_embeddings.weight")
+    if emb is None or emb.dim() != 2:
+        raise CheckpointError(
+            "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
+            f"(first keys: {', '.join(list(state)[:4])})"
+        )
+    blocks = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
+    if not blocks:
+        raise CheckpointError("no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model")
+    w1 = state.get("layers.0.ffn.w1.weight")
+    if w1 is None or w1.dim() != 2:
+        raise CheckpointError("no 2-D 'layers.0.ffn.w1.weight': cannot tell d_ff; is this a CS336/tinylm model?")
+    if "layers.0.ln1.weight" in state:
+        norm = "pre" if "ln_final.weight" in state else "post"
+    else:
+        norm = "none"
+    lm = state.get("lm_head.weight")
+    tied = lm is None or (lm.data_ptr() == emb.data_ptr() and lm.shape == emb.shape)
+    fields = dict(
+        vocab_size=emb.shape[0],
+        d_model=emb.shape[1],
+        num_layers=max(blocks) + 1,
+        d_ff=w1.shape[0],
+        ffn="swiglu" if "layers.0.ffn.w3.weight" in state else "silu",
+        norm=norm,
+        tie_embeddings=bool(tied),
+    )
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    needed = ["num_heads", "context_length"] + (["rope_theta"] if fields.get("rope", True) else [])
+    for name in needed:
+        if name not in fields:
+            raise MissingOptionError(name, _FLAGS[name], f"the checkpoint stores no config, so {name} is unknown")
+    return ModelConfig(**fields)
+
+
+def _validate_state(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
+        raise CheckpointError(f"{path}: the state dict does not match the model ({'; '.join(parts)}); check the config flags or the file")
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items() if state[k].shape != v.shape]
+    if wrong:
+        raise CheckpointError(f"{path}: wrong shapes: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; check the config flags or the file")
+    bad = [f"{k} ({v.dtype})" for k, v in state.items() if not v.is_floating_point()]
+    if bad:
+        raise CheckpointError(f"{path}: non-float weights: {', '.join(bad[:3])}; weights must be floating point")
+
+
+def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> tuple[TransformerLM, CheckpointInfo]:
+    """Load a model from any supported file; returns (model in eval mode, info).
+
+    ``overrides`` set config fields: required (num_heads, rope_theta,
+    context_length) where the file has no config, optional otherwise.
+    ``unsafe=True`` allows a whole pickled module (runs code from the file!).
+    """
+    state, config_dict, info = read_state(path, unsafe=unsafe)
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if config_dict is not None:
+        try:
+            config = ModelConfig.from_dict({**config_dict, **overrides})
+        except ConfigError as e:
+            raise CheckpointError(f"{path}: stored config is invalid: {e}") from None
+    else:
+        config = infer_config(state, **overrides)
+    if config.tie_embeddings and "lm_head.weight" not in state and "token_embeddings.weight" in state:
+        state = {**state, "lm_head.weight": state["token_embeddings.weight"]}
+    emb = state.get("token_embeddings.weight")
+    dtype = emb.dtype if emb is not None and emb.is_floating_point() else torch.float32
+    model = TransformerLM(config, device="meta", dtype=dtype)
+    _validate_state(model, state, str(path))
+    model.to_empty(device="cpu")
+    for mod in model.modules():  # non-persistent buffers (RoPE tables) are not in the file: rebuild them
+        if isinstance(mod, RotaryPositionalEmbedding):
+            mod.reset_parameters()
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    info.nonfinite = [k for k, v in model.named_parameters() if not torch.isfinite(v).all()]
+    return model, info

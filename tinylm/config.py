@@ -1,0 +1,146 @@
+"""``ModelConfig``: the single source of truth for a model's shape and variant.
+
+A checkpoint stores it as a plain dict (``to_dict``) and loading rebuilds the
+model from it (``from_dict``). Construction validates every field, so an
+invalid model cannot be described, let alone built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["ModelConfig", "default_d_ff", "PRESETS", "preset"]
+
+NORMS = ("pre", "post", "none")
+FFNS = ("swiglu", "silu")
+
+
+def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
+    """The SwiGLU hidden size 8/3 * d_model, rounded up to a multiple of ``multiple_of``.
+
+    With three matrices of d_model x d_ff, 8/3 d_model keeps the parameter count
+    at 8 d_model^2, the same as a ReLU FFN of width 4 d_model.
+    """
+    if d_model <= 0 or multiple_of <= 0:
+        raise ConfigError(f"d_model={d_model}, multiple_of={multiple_of}: both must be positive")
+    return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes and architectural choices of a :class:`tinylm.TransformerLM`.
+
+    Args:
+        vocab_size: number of token ids V.
+        context_length: longest sequence the model accepts (RoPE tables are this long).
+        d_model: width of the residual stream d.
+        num_layers: number of Transformer blocks L.
+        num_heads: attention heads H; d_model must be divisible by H.
+        d_ff: hidden width of the feed-forward network.
+        rope_theta: RoPE base theta (angles are position * theta^(-2k/d_head)).
+        eps: RMSNorm epsilon, added to the mean square inside the square root.
+        norm: "pre" (x + f(norm(x))), "post" (norm(x + f(x))) or "none".
+        ffn: "swiglu" (w2(silu(w1 x) * w3 x)) or "silu" (w2(silu(w1 x))).
+        rope: False turns rotary embeddings off (NoPE).
+        tie_embeddings: lm_head shares the token embedding matrix.
+        dropout: residual and attention dropout probability (0 disables).
+        init: name of the init scheme a fresh model gets (see ``tinylm.init``).
+    """
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    norm: str = "pre"
+    ffn: str = "swiglu"
+    rope: bool = True
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    init: str = "cs336"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name}={value!r}: must be an integer")
+            if value <= 0:
+                raise ConfigError(f"{name}={value}: must be positive")
+        if self.d_model % self.num_heads:
+            raise ConfigError(
+                f"d_model={self.d_model}, num_heads={self.num_heads}: d_model must be divisible by num_heads"
+            )
+        if self.rope and self.head_dim % 2:
+            raise ConfigError(
+                f"head dimension d_model/num_heads={self.head_dim} is odd: RoPE rotates pairs, so it must be even "
+                "(change num_heads, or set rope=False)"
+            )
+        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ConfigError(f"rope_theta={self.rope_theta!r}: must be a positive finite number")
+        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0):
+            raise ConfigError(f"eps={self.eps!r}: must be a finite number >= 0")
+        if self.norm not in NORMS:
+            raise ConfigError(f"norm={self.norm!r}: must be one of {', '.join(NORMS)}")
+        if self.ffn not in FFNS:
+            raise ConfigError(f"ffn={self.ffn!r}: must be one of {', '.join(FFNS)}")
+        if not isinstance(self.rope, bool) or not isinstance(self.tie_embeddings, bool):
+            raise ConfigError(f"rope={self.rope!r}, tie_embeddings={self.tie_embeddings!r}: must be booleans")
+        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
+            raise ConfigError(f"dropout={self.dropout!r}: must be in [0, 1)")
+        if not isinstance(self.init, str) or not self.init:
+            raise ConfigError(f"init={self.init!r}: must name an init scheme")
+
+    @property
+    def head_dim(self) -> int:
+        """d_k = d_model / num_heads."""
+        return self.d_model // self.num_heads
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """Build from a dict, naming any key that is not a field."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a dict of fields, got {type(data).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+        missing = sorted(f.name for f in fields(cls) if f.default is dataclasses.MISSING and f.name not in data)
+        if missing:
+            raise ConfigError(f"config lacks field(s) {', '.join(missing)}")
+        return cls(**data)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The shape of the CS336 assignment-1 test fixture.
+    "tiny": ModelConfig(vocab_size=10000, context_length=16, d_model=64, num_layers=3, num_heads=4, d_ff=128),
+    # The CS336 TinyStories model.
+    "tinystories": ModelConfig(
+        vocab_size=10000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344
+    ),
+    # GPT-2 small's sizes with SwiGLU (d_ff = 8/3 d rounded to 64) and RoPE.
+    "gpt2-small": ModelConfig(
+        vocab_size=50257, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=2048
+    ),
+}
+
+
+def preset(name: str, **changes: Any) -> ModelConfig:
+    """The named preset, optionally with fields changed."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name].replace(**changes) if changes else PRESETS[name]

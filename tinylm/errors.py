@@ -1,0 +1,35 @@
+"""Errors a user can cause, each saying what is wrong and how to fix it.
+
+Every error here subclasses :class:`TinyLMError` (itself a ``ValueError``), so
+the command line can turn any of them into a one-line message and exit code 2
+without catching our own bugs by mistake.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TinyLMError", "ConfigError", "CheckpointError", "MissingOptionError", "UnsafeCheckpointError"]
+
+
+class TinyLMError(ValueError):
+    """Base class for mistakes in what the user gave us (never for our bugs)."""
+
+
+class ConfigError(TinyLMError):
+    """A ``ModelConfig`` field breaks a rule; the message names field, value and rule."""
+
+
+class CheckpointError(TinyLMError):
+    """A checkpoint cannot be read as a model; the message says why and what to do."""
+
+
+class MissingOptionError(CheckpointError):
+    """The checkpoint lacks a setting that must come from the user (e.g. ``--num-heads``)."""
+
+    def __init__(self, field: str, flag: str, why: str) -> None:
+        self.field = field
+        self.flag = flag
+        super().__init__(f"{why}; pass {flag} N (or {field}=... to tinylm.checkpoint.load)")
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The file holds pickled Python objects that a safe load refuses to execute."""

@@ -1,0 +1,160 @@
+"""Parameter-free operations of the model, as plain functions.
+
+Each function states the formula it computes. Modules in ``tinylm.layers`` hold
+parameters and call these; nothing here holds state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum
+from torch import Tensor
+
+__all__ = [
+    "softmax",
+    "log_softmax",
+    "logsumexp",
+    "cross_entropy",
+    "silu",
+    "rms_norm",
+    "dropout",
+    "causal_mask",
+    "attention_scores",
+    "scaled_dot_product_attention",
+    "rope_angles",
+    "apply_rope",
+]
+
+
+def logsumexp(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
+    """log sum_i exp(x_i) computed as m + log sum_i exp(x_i - m), m = max_i x_i.
+
+    Rows that are entirely -inf give -inf (not NaN).
+    """
+    m = x.amax(dim=dim, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows: shift by 0
+    out = m + torch.log(torch.exp(x - m).sum(dim=dim, keepdim=True))
+    return out if keepdim else out.squeeze(dim)
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """softmax(x)_i = exp(x_i - m) / sum_j exp(x_j - m), with m = max_j x_j.
+
+    Subtracting the max changes nothing mathematically (softmax is invariant to a
+    shift) and keeps every exponent <= 0, so nothing overflows.
+    """
+    z = torch.exp(x - x.amax(dim=dim, keepdim=True))
+    return z / z.sum(dim=dim, keepdim=True)
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """log_softmax(x)_i = x_i - logsumexp(x); finite where log(softmax(x)) underflows to -inf."""
+    return x - logsumexp(x, dim=dim, keepdim=True)
+
+
+def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean over all leading positions of -sum_c q_c log p_c, with p = softmax(logits).
+
+    Shape: logits (..., C), targets (...) integer class ids; returns a scalar.
+    Without smoothing q = onehot(target), so the loss is logsumexp(z) - z_target.
+    With smoothing eps, q = (1 - eps) onehot + eps / C (the uniform part covers all
+    C classes, the target included, as in ``torch.nn.functional.cross_entropy``).
+    The gradient with respect to the logits is (p - q) / N for N positions.
+    """
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: must be in [0, 1]")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} and targets shape {tuple(targets.shape)}: "
+            "targets must have the logits' shape without the last (class) dimension"
+        )
+    logp = log_softmax(logits, dim=-1)
+    nll = -logp.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
+    if label_smoothing == 0.0:
+        return nll.mean()
+    uniform = -logp.mean(dim=-1)  # -(1/C) sum_c log p_c
+    return ((1.0 - label_smoothing) * nll + label_smoothing * uniform).mean()
+
+
+def silu(x: Tensor) -> Tensor:
+    """silu(x) = x * sigmoid(x)."""
+    return x * torch.sigmoid(x)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2 over the last dim) + eps) * weight, computed in float32.
+
+    The input is upcast to float32 (at least) so that squares of large bf16/fp16
+    values cannot overflow; the result is cast back to the input dtype.
+    """
+    in_dtype = x.dtype
+    xf = x.to(torch.promote_types(in_dtype, torch.float32))
+    rms = torch.sqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    out = xf / rms
+    if weight is not None:
+        out = out * weight.to(out.dtype)
+    return out.to(in_dtype)
+
+
+def dropout(x: Tensor, p: float, training: bool = True, generator: torch.Generator | None = None) -> Tensor:
+    """Inverted dropout: y = x * m / (1 - p), m_i ~ Bernoulli(1 - p); identity when not training.
+
+    E[y] = x and Var(y) = p / (1 - p) x^2.
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"p={p}: dropout probability must be in [0, 1)")
+    if not training or p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
+    return x * keep.to(x.dtype) / (1.0 - p)
+
+
+def causal_mask(seq_len: int, device: torch.device | None = None) -> Tensor:
+    """(T, T) boolean mask, True where query i may attend to key j, i.e. j <= i."""
+    idx = torch.arange(seq_len, device=device)
+    return idx[:, None] >= idx[None, :]
+
+
+def attention_scores(Q: Tensor, K: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Scaled scores S = Q K^T / sqrt(d_k), with -inf where ``mask`` is False.
+
+    Shape: Q (..., T_q, d_k), K (..., T_k, d_k), mask broadcastable to (..., T_q, T_k).
+    """
+    d_k = Q.shape[-1]
+    scores = einsum(Q, K, "... q d, ... k d -> ... q k") / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+def scaled_dot_product_attention(Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None) -> Tensor:
+    """softmax(Q K^T / sqrt(d_k), masked) V.
+
+    Shape: Q (..., T_q, d_k), K (..., T_k, d_k), V (..., T_k, d_v), any leading
+    dimensions; mask (True = may attend) broadcastable to (..., T_q, T_k).
+    Returns (..., T_q, d_v). Masked positions get exactly zero weight.
+    """
+    probs = softmax(attention_scores(Q, K, mask), dim=-1)
+    return einsum(probs, V, "... q k, ... k d -> ... q d")
+
+
+def rope_angles(theta: float, d_k: int, positions: Tensor) -> Tensor:
+    """Angles position * theta^(-2k/d_k) for k = 0 .. d_k/2 - 1; shape (*positions.shape, d_k/2)."""
+    if d_k % 2:
+        raise ValueError(f"d_k={d_k}: RoPE rotates pairs of dimensions, so d_k must be even")
+    inv_freq = theta ** (-torch.arange(0, d_k, 2, dtype=torch.float64) / d_k)  # (d_k/2,)
+    return positions.to(torch.float64)[..., None] * inv_freq
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate adjacent pairs (x_{2k}, x_{2k+1}) by the angle whose cos/sin are given.
+
+    Shape: x (..., T, d_k); cos, sin broadcastable to (..., T, d_k/2).
+    out_{2k} = x_{2k} cos - x_{2k+1} sin;  out_{2k+1} = x_{2k} sin + x_{2k+1} cos.
+    """
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]  # (..., T, d_k/2) each
+    out_even = x_even * cos - x_odd * sin
+    out_odd = x_even * sin + x_odd * cos
+    return torch.stack((out_even, out_odd), dim=-1).flatten(-2)  # interleave back to (..., T, d_k)

@@ -1,0 +1,268 @@
+"""The modules of the model: each holds parameters (or buffers) and calls ``tinylm.functional``.
+
+Names, constructor arguments and state-dict keys follow the Stanford CS336
+assignment-1 reference, so a student's checkpoint loads as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import einsum, rearrange
+from torch import Tensor, nn
+
+from . import functional as F
+
+__all__ = [
+    "Tap",
+    "Linear",
+    "Embedding",
+    "RMSNorm",
+    "SwiGLU",
+    "SiLUFFN",
+    "RotaryPositionalEmbedding",
+    "MultiHeadSelfAttention",
+]
+
+
+class Tap(nn.Identity):
+    """An identity that names a point of the forward pass (e.g. attention scores).
+
+    It holds nothing and changes nothing; it exists so that instrumentation can
+    hook a tensor that no parameterised module outputs, by the Tap's module name.
+    """
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b): a contraction of the last dimension, any leading dimensions.
+
+    Args:
+        in_features: d_in.  out_features: d_out.  bias: add a learned bias (off by default).
+    Shape: x (..., d_in) -> y (..., d_out).  Parameters: ``weight`` (d_out, d_in), ``bias`` (d_out).
+    Init (``reset_parameters``): the cs336 rule, N(0, 2/(d_in + d_out)) truncated at +-3 sigma; bias 0.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = math.sqrt(2.0 / (self.in_features + self.out_features))
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = einsum(x, self.weight, "... d_in, d_out d_in -> ... d_out")
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Embedding(nn.Module):
+    """Lookup table: out = weight[token_ids].
+
+    Shape: token_ids (...) integers in [0, num_embeddings) -> (..., embedding_dim).
+    Init: N(0, 1) truncated at [-3, 3].
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+
+    def forward(self, token_ids: Tensor) -> Tensor:
+        return self.weight[token_ids]
+
+    def extra_repr(self) -> str:
+        return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm(a) = a / sqrt(mean(a^2) + eps) * g over the last dimension.
+
+    Computes in float32 and returns the input dtype. Parameter ``weight`` (d_model,), init 1.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, device=None, dtype=None):
+        super().__init__()
+        self.d_model = d_model
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(d_model, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"
+
+
+class SwiGLU(nn.Module):
+    """out = w2(silu(w1 x) * w3 x): a gated feed-forward network.
+
+    Shape: (..., d_model) -> hidden (..., d_ff) -> (..., d_model).
+    Parameters: ``w1`` (d_ff, d), ``w3`` (d_ff, d), ``w2`` (d, d_ff); 3 d d_ff in all.
+    The ``hidden`` Tap marks the gated product that w2 reads.
+    """
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.d_model, self.d_ff = d_model, d_ff
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.hidden = Tap()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.w1, self.w2, self.w3):
+            lin.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.hidden(F.silu(self.w1(x)) * self.w3(x)))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}"
+
+
+class SiLUFFN(nn.Module):
+    """out = w2(silu(w1 x)): the ungated ablation of SwiGLU.
+
+    Parameters: ``w1`` (d_ff, d), ``w2`` (d, d_ff).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+        super().__init__()
+        self.d_model, self.d_ff = d_model, d_ff
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.hidden = Tap()
+
+    def reset_parameters(self) -> None:
+        self.w1.reset_parameters()
+        self.w2.reset_parameters()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(self.hidden(F.silu(self.w1(x))))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, d_ff={self.d_ff}"
+
+
+class RotaryPositionalEmbedding(nn.Module):
+    """Rotary position embedding: rotates adjacent pairs (x_{2k}, x_{2k+1}) of each
+    position-i vector by the angle i * theta^(-2k/d_k).
+
+    A rotation preserves norms, and q_i . k_j after rotation depends on i - j only.
+    cos/sin tables (max_seq_len, d_k/2) live in non-persistent buffers of this
+    module (no module-level cache), so they never enter the state dict.
+
+    forward(x, token_positions): x (..., T, d_k), token_positions (..., T) integer
+    positions (leading dims broadcast against x's).
+    """
+
+    def __init__(self, theta: float, d_k: int, max_seq_len: int, device=None):
+        super().__init__()
+        if d_k % 2:
+            raise ValueError(f"d_k={d_k}: RoPE rotates pairs of dimensions, so d_k must be even")
+        self.theta, self.d_k, self.max_seq_len = theta, d_k, max_seq_len
+        self.register_buffer("cos", torch.empty(max_seq_len, d_k // 2, device=device), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, d_k // 2, device=device), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        angles = F.rope_angles(self.theta, self.d_k, torch.arange(self.max_seq_len))  # (T_max, d_k/2), float64
+        self.cos.copy_(torch.cos(angles))
+        self.sin.copy_(torch.sin(angles))
+
+    def forward(self, x: Tensor, token_positions: Tensor) -> Tensor:
+        if token_positions.numel() and int(token_positions.max()) >= self.max_seq_len:
+            raise ValueError(
+                f"token position {int(token_positions.max())} >= max_seq_len={self.max_seq_len}: "
+                "the sequence is longer than the RoPE table"
+            )
+        cos = self.cos[token_positions].to(x.dtype)  # (..., T, d_k/2)
+        sin = self.sin[token_positions].to(x.dtype)
+        return F.apply_rope(x, cos, sin)
+
+    def extra_repr(self) -> str:
+        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Causal multi-head self-attention.
+
+    out = output_proj(concat_h softmax(Q_h K_h^T / sqrt(d_k) + causal) V_h), with
+    Q = q_proj(x) etc. split into heads along the feature dimension (heads are
+    stacked along the rows of each projection's weight). RoPE rotates Q and K when
+    ``theta`` is given.
+
+    Shape: x (..., T, d_model) -> (..., T, d_model). Taps: ``scores`` (pre-softmax,
+    masked entries -inf) and ``probs`` (attention weights), each (..., H, T, T).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        max_seq_len: int | None = None,
+        theta: float | None = None,
+        dropout: float = 0.0,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model}, num_heads={num_heads}: d_model must be divisible by num_heads")
+        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        self.dropout = dropout
+        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        if theta is not None:
+            if max_seq_len is None:
+                raise ValueError("theta given without max_seq_len: RoPE needs max_seq_len for its tables")
+            self.rope = RotaryPositionalEmbedding(theta, self.d_k, max_seq_len, device=device)
+        else:
+            self.rope = None
+        self.scores = Tap()
+        self.probs = Tap()
+
+    def reset_parameters(self) -> None:
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.output_proj):
+            lin.reset_parameters()
+
+    def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
+        T = x.shape[-2]
+        split = "... t (h d) -> ... h t d"
+        q = rearrange(self.q_proj(x), split, h=self.num_heads)  # (..., H, T, d_k)
+        k = rearrange(self.k_proj(x), split, h=self.num_heads)
+        v = rearrange(self.v_proj(x), split, h=self.num_heads)
+        if self.rope is not None:
+            if token_positions is None:
+                token_positions = torch.arange(T, device=x.device)
+            pos = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (..., 1, T)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        scores = self.scores(F.attention_scores(q, k, F.causal_mask(T, device=x.device)))  # (..., H, T, T)
+        probs = self.probs(F.softmax(scores, dim=-1))
+        probs = F.dropout(probs, self.dropout, self.training)
+        heads = einsum(probs, v, "... h q k, ... h k d -> ... h q d")  # (..., H, T, d_k)
+        return self.output_proj(rearrange(heads, "... h t d -> ... t (h d)"))
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, rope={self.rope is not None}"
