@@ -25,7 +25,6 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
-from .layers import RotaryPositionalEmbedding
 from .model import TransformerLM
 
 __all__ = ["save", "load", "read_state", "infer_config", "CheckpointInfo", "atomic_write"]
@@ -360,10 +359,7 @@ def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> 
     dtype = emb.dtype if emb is not None and emb.is_floating_point() else torch.float32
     model = TransformerLM(config, device="meta", dtype=dtype)
     _validate_state(model, state, str(path))
-    model.to_empty(device="cpu")
-    for mod in model.modules():  # non-persistent buffers (RoPE tables) are not in the file: rebuild them
-        if isinstance(mod, RotaryPositionalEmbedding):
-            mod.reset_parameters()
+    model.materialize("cpu")
     model.load_state_dict(state, strict=True)
     model.eval()
     info.nonfinite = [k for k, v in model.named_parameters() if not torch.isfinite(v).all()]

@@ -180,8 +180,10 @@ class RotaryPositionalEmbedding(nn.Module):
         if d_k % 2:
             raise ValueError(f"d_k={d_k}: RoPE rotates pairs of dimensions, so d_k must be even")
         self.theta, self.d_k, self.max_seq_len = theta, d_k, max_seq_len
-        self.register_buffer("cos", torch.empty(max_seq_len, d_k // 2, device=device), persistent=False)
-        self.register_buffer("sin", torch.empty(max_seq_len, d_k // 2, device=device), persistent=False)
+        # float64 tables (a few KiB), cast to the input's dtype at use: exact to float64 precision.
+        table = dict(device=device, dtype=torch.float64)
+        self.register_buffer("cos", torch.empty(max_seq_len, d_k // 2, **table), persistent=False)
+        self.register_buffer("sin", torch.empty(max_seq_len, d_k // 2, **table), persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -103,13 +103,24 @@ class TransformerLM(nn.Module):
             self.lm_head.weight = self.token_embeddings.weight
         device = torch.device("cpu" if device is None else device)
         if device.type != "meta":
-            self.to_empty(device=device)
-            for mod in self.modules():
-                if isinstance(mod, RotaryPositionalEmbedding):  # buffers computed, not learned
-                    mod.reset_parameters()
+            self.materialize(device)
             from . import init  # the registry imports the layer types; import here to keep the graph acyclic
 
             init.apply(self, c.init, generator=generator)
+
+    def materialize(self, device: torch.device | str = "cpu") -> "TransformerLM":
+        """Allocate a meta-built model's storage on ``device`` (values uninitialised).
+
+        Recomputes the RoPE tables (buffers, not learned) and re-ties lm_head to the
+        embeddings, which ``to_empty`` would otherwise split into two parameters.
+        """
+        self.to_empty(device=device)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
+        for mod in self.modules():
+            if isinstance(mod, RotaryPositionalEmbedding):
+                mod.reset_parameters()
+        return self
 
     def forward(self, token_ids: Tensor, token_positions: Tensor | None = None) -> Tensor:
         T = token_ids.shape[-1]

@@ -1,0 +1,104 @@
+"""An independent reference of the default tinylm architecture built from torch built-ins.
+
+``BuiltinLM`` uses ``nn.Linear``, ``nn.Embedding``, ``F.rms_norm``,
+``F.scaled_dot_product_attention(is_causal=True)`` and ``F.silu`` and has the same
+state-dict keys as :class:`tinylm.TransformerLM`, so one model's weights load
+into the other. It serves two purposes: a check that tinylm computes the same
+function (tests), and the speed baseline of ``benchmarks/bench_model.py``.
+Covered: pre-norm, SwiGLU or SiLU FFN, RoPE on or off, tied embeddings, no dropout.
+RoPE here is written as multiplication by complex phases, a different route to
+the same rotation of adjacent pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .errors import ConfigError
+
+__all__ = ["BuiltinLM"]
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        up = torch.promote_types(x.dtype, torch.float32)
+        return F.rms_norm(x.to(up), (x.shape[-1],), self.weight.to(up), self.eps).to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        d = c.d_model
+        self.h = c.num_heads
+        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
+        if c.rope:
+            inv = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+            ang = torch.arange(c.context_length, dtype=torch.float64)[:, None] * inv  # (T, d_k/2)
+            self.register_buffer("phase", torch.polar(torch.ones_like(ang), ang), persistent=False)
+        else:
+            self.phase = None
+
+    def _rope(self, x):  # x (B, H, T, d_k)
+        z = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())  # pairs -> complex
+        return torch.view_as_real(z * self.phase[: x.shape[-2]]).flatten(-2).to(x.dtype)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = (p(x).view(B, T, self.h, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.phase is not None:
+            q, k = self._rope(q), self._rope(k)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, d_k)
+        return self.output_proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+class _FFN(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(c.d_model, c.d_ff, bias=False)
+        self.w2 = nn.Linear(c.d_ff, c.d_model, bias=False)
+        self.w3 = nn.Linear(c.d_model, c.d_ff, bias=False) if c.ffn == "swiglu" else None
+
+    def forward(self, x):
+        h = F.silu(self.w1(x))
+        return self.w2(h * self.w3(x) if self.w3 is not None else h)
+
+
+class _Block(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.ln1, self.ln2 = _RMSNorm(c.d_model, c.eps), _RMSNorm(c.d_model, c.eps)
+        self.attn, self.ffn = _Attention(c), _FFN(c)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.ffn(self.ln2(x))
+
+
+class BuiltinLM(nn.Module):
+    """The default tinylm architecture from torch built-ins; same state-dict keys as TransformerLM."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.norm != "pre" or config.dropout:
+            raise ConfigError(f"BuiltinLM covers pre-norm without dropout; got norm={config.norm!r}, dropout={config.dropout}")
+        self.config = config
+        self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(_Block(config) for _ in range(config.num_layers))
+        self.ln_final = _RMSNorm(config.d_model, config.eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
+
+    def forward(self, token_ids):
+        x = self.token_embeddings(token_ids)
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.ln_final(x))
