@@ -1,1 +1,31 @@
-"""diagnostics: model-agnostic measurement of per-layer activation and gradient variance."""
+"""diagnostics: model-agnostic measurement of per-layer activation and gradient variance.
+
+``probe`` measures, ``theory`` predicts, ``verdicts`` judge, ``diagnose`` does all
+three, ``compare`` runs init schemes side by side. See diagnostics/API.md.
+"""
+
+from .options import DiagnoseOptions, OptionsError, ProbeOptions
+from .result import (
+    SCHEMA_VERSION,
+    AttentionRow,
+    DepthRow,
+    DiagnoseResult,
+    Finding,
+    Header,
+    ParamRow,
+    TensorRow,
+)
+
+__all__ = [
+    "DiagnoseOptions",
+    "ProbeOptions",
+    "OptionsError",
+    "SCHEMA_VERSION",
+    "AttentionRow",
+    "DepthRow",
+    "DiagnoseResult",
+    "Finding",
+    "Header",
+    "ParamRow",
+    "TensorRow",
+]

@@ -1,0 +1,91 @@
+"""The options of a probe and of a diagnosis: one dataclass each, validated eagerly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tinylm.errors import TinyLMError
+
+__all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "Progress", "THEORY_MODES"]
+
+#: progress(done, total, description): called as work advances (the CLI draws a bar).
+Progress = Callable[[int, int, str], None]
+
+THEORY_MODES = ("auto", "local", "global", "none")
+
+
+class OptionsError(TinyLMError):
+    """An option value that cannot work; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """What a :func:`diagnostics.probe` instruments and measures.
+
+    modules: module names to instrument; None = the default set (each leaf module
+        with parameters, plus for tinylm the block outputs, the attention and FFN
+        branches and the Taps).
+    backward: also measure the gradient of the loss w.r.t. each instrumented tensor.
+    attention: the attention panel (entropy, saturated rows) on ``*.attn.probs`` Taps.
+    cosine: mean cosine similarity between tokens at the residual points.
+    params: per-parameter statistics on exit (std, grad std, drift).
+    spectral: spectral norm and stable rank of each matrix on exit (an SVD each:
+        off by default to keep a probe cheap; ``diagnose`` turns it on).
+    restore_grads: on exit put every parameter's ``.grad`` back as it was on entry
+        (True keeps the model exactly as it was; a training loop that probes its own
+        backward passes False so its optimizer still sees the gradients).
+    eval_mode: run under ``model.eval()`` (dropout off); ``training`` is restored on exit.
+    """
+
+    modules: tuple[str, ...] | None = None
+    backward: bool = True
+    attention: bool = True
+    cosine: bool = True
+    params: bool = True
+    spectral: bool = False
+    restore_grads: bool = True
+    eval_mode: bool = True
+
+
+@dataclass(frozen=True)
+class DiagnoseOptions:
+    """Everything :func:`diagnostics.diagnose` needs besides the model.
+
+    batch_size, seq_len: shape of each measured batch (seq_len None = min(model
+        context, 128)); the model sees ``seq_len`` tokens and predicts the next.
+    batches: independent batches per seed (replicates for the 99% intervals).
+    seeds: 1 measures the model as given; n > 1 re-initialises n copies of a tinylm
+        model from its own scheme (config.init) with seeds seed..seed+n-1 (a fresh-init
+        study; never for a trained checkpoint).
+    seed: seeds the random tokens (when none are given) and the re-initialisations.
+    theory: "local" (each layer from its measured input and actual weights), "global"
+        (analytic at init), "auto" (global if every parameter's std matches its declared
+        init within 5%, else local) or "none".
+    thresholds: a diagnostics.verdicts.Thresholds (None = the documented defaults).
+    progress: progress(done, total, description) callback, or None.
+    """
+
+    batch_size: int = 8
+    seq_len: int | None = None
+    batches: int = 4
+    seeds: int = 1
+    seed: int = 0
+    theory: str = "auto"
+    thresholds: object | None = None
+    progress: Progress | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "batches", "seeds"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise OptionsError(f"{name}={v!r}: must be an integer >= 1")
+        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)
+                                         or self.seq_len < 2):
+            raise OptionsError(f"seq_len={self.seq_len!r}: must be an integer >= 2 (or None for the default)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise OptionsError(f"seed={self.seed!r}: must be an integer >= 0")
+        if self.theory not in THEORY_MODES:
+            raise OptionsError(f"theory={self.theory!r}: choose one of {', '.join(THEORY_MODES)}")
+        if self.progress is not None and not callable(self.progress):
+            raise OptionsError(f"progress={self.progress!r}: must be a callable (done, total, description)")
