@@ -5,6 +5,8 @@ three, ``compare`` runs init schemes side by side. See diagnostics/API.md.
 """
 
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
+from .probe import ProbeRun, instrument_points, probe
+from .stats import AttnMoments, Moments, ParamStats, ProbeStats
 from .result import (
     SCHEMA_VERSION,
     AttentionRow,
@@ -17,6 +19,13 @@ from .result import (
 )
 
 __all__ = [
+    "probe",
+    "ProbeRun",
+    "instrument_points",
+    "Moments",
+    "AttnMoments",
+    "ParamStats",
+    "ProbeStats",
     "DiagnoseOptions",
     "ProbeOptions",
     "OptionsError",

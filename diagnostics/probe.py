@@ -1,0 +1,291 @@
+"""``probe``: forward and gradient hooks that reduce each tensor at once, removed whatever happens.
+
+    with probe(model) as run:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+    stats = run.stats
+
+Which tensors (the default ``instrument_points``): every module that holds
+parameters of its own (for tinylm: each Linear, RMSNorm and the Embedding; the
+lm_head's output is the logits), every ``tinylm.Tap`` (``layers.i.resid_mid``,
+``layers.i.attn.scores``, ``layers.i.attn.probs``, ``layers.i.ffn.hidden``) and,
+for a tinylm model, each block's output (the residual stream; the embedding
+output is block 0's input) and the attention and FFN branches before they are
+added (outputs of ``layers.i.attn`` and ``layers.i.ffn``).
+
+The forward hook reduces the output under ``no_grad`` to float64 moments and, when
+the output needs a gradient, puts a hook on that tensor which reduces the
+gradient of the loss w.r.t. it the same way. Nothing else is kept. On exit the
+hooks are removed and the model's ``training`` flags, ``requires_grad`` and (by
+default) ``.grad`` are put back as they were on entry; a gradient hook left on a
+graph the caller still holds does nothing once the probe has exited.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+import tinylm
+from tinylm.init import declare
+
+from .options import OptionsError, ProbeOptions
+from .stats import (
+    AttnMoments,
+    Moments,
+    ParamStats,
+    ProbeStats,
+    merge_attention_vectors,
+    merge_vectors,
+    summarize,
+    summarize_attention,
+    summarize_cosine,
+)
+
+__all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats"]
+
+_BLOCK = re.compile(r"^layers\.(\d+)(?:\.|$)")
+_TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden"}
+_CAUSAL_KINDS = ("attn_scores", "attn_probs")
+
+
+def block_index(name: str) -> int | None:
+    """i for a name ``layers.i`` or ``layers.i.*``, else None."""
+    m = _BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _is_tinylm(model: nn.Module) -> bool:
+    return isinstance(model, tinylm.TransformerLM)
+
+
+def instrument_points(model: nn.Module) -> dict[str, str]:
+    """The default {module name: kind} a probe instruments, in module order (each tensor once per name)."""
+    points: dict[str, str] = {}
+    tiny = _is_tinylm(model)
+    for name, mod in model.named_modules():
+        if mod is model:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(mod, tinylm.Tap):
+            points[name] = _TAP_KINDS.get(leaf, "module")
+        elif tiny and isinstance(mod, tinylm.TransformerBlock):
+            points[name] = "residual"
+        elif tiny and isinstance(mod, tinylm.MultiHeadSelfAttention):
+            points[name] = "attn_branch"
+        elif tiny and isinstance(mod, (tinylm.SwiGLU, tinylm.SiLUFFN)):
+            points[name] = "ffn_branch"
+        elif any(True for _ in mod.parameters(recurse=False)):
+            if isinstance(mod, (tinylm.Embedding, nn.Embedding)):
+                points[name] = "embedding"
+            elif tiny and name == "lm_head":
+                points[name] = "logits"
+            elif isinstance(mod, (tinylm.Linear, nn.Linear)):
+                points[name] = "linear"
+            elif isinstance(mod, (tinylm.RMSNorm, nn.LayerNorm)) or type(mod).__name__ in ("RMSNorm", "LayerNorm"):
+                points[name] = "norm"
+            else:
+                points[name] = "module"
+    return points
+
+
+def _first_tensor(output) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        for o in output:
+            if isinstance(o, Tensor):
+                return o
+    return None
+
+
+def _causal_valid(t: Tensor) -> Tensor | None:
+    if t.dim() >= 2 and t.shape[-1] == t.shape[-2]:
+        T = t.shape[-1]
+        return torch.ones(T, T, dtype=torch.bool, device=t.device).tril()
+    return None
+
+
+@torch.no_grad()
+def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tensor | None] | None = None
+                ) -> dict[str, ParamStats]:
+    """Per-parameter statistics (tied parameters once), with declared std from ``model.config.init``.
+
+    std = sqrt(mean((w - mean w)^2)) in float64; grad_std likewise for ``grads[name]``
+    (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank = sum sigma^2 / sigma_max^2
+    (torch.linalg.svdvals, float64), for 2-D finite parameters when ``spectral``.
+    """
+    decl = {}
+    config = getattr(model, "config", None)
+    if config is not None and isinstance(getattr(config, "init", None), str):
+        try:
+            decl = declare(model, config.init)
+        except tinylm.TinyLMError:
+            decl = {}
+    out: dict[str, ParamStats] = {}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        w = p.detach().double()
+        finite = torch.isfinite(w)
+        nonfinite = 1.0 - finite.double().mean().item() if w.numel() else 0.0
+        std = w.std(correction=0).item() if w.numel() else math.nan
+        g = grads.get(name) if grads is not None else p.grad
+        grad_std = grad_nf = None
+        if g is not None:
+            g64 = g.detach().double()
+            grad_std = g64.std(correction=0).item() if g64.numel() else math.nan
+            grad_nf = 1.0 - torch.isfinite(g64).double().mean().item() if g64.numel() else 0.0
+        spec = srank = None
+        if spectral and w.dim() == 2 and nonfinite == 0.0 and w.numel():
+            sv = torch.linalg.svdvals(w)
+            spec = sv[0].item()
+            srank = (sv.square().sum() / sv[0].square()).item() if spec > 0 else 0.0
+        d = decl.get(name)
+        out[name] = ParamStats(
+            shape=tuple(p.shape), std=std, grad_std=grad_std, frac_nonfinite=nonfinite, grad_frac_nonfinite=grad_nf,
+            declared_std=d.actual_std if d is not None else None, declared=d.describe() if d is not None else "",
+            spectral_norm=spec, stable_rank=srank,
+        )
+    return out
+
+
+class ProbeRun:
+    """The live state of one probe; ``stats`` converts the accumulated tensors once and caches."""
+
+    def __init__(self, model: nn.Module, options: ProbeOptions):
+        self.model, self.options = model, options
+        self.active = False
+        self._vec: dict[tuple[str, str], Tensor] = {}
+        self._attn: dict[str, Tensor] = {}
+        self._cos: dict[str, Tensor] = {}
+        self.kinds: dict[str, str] = {}
+        self.order: list[str] = []
+        self.steps = 0
+        self.params: dict[str, ParamStats] = {}
+        self._stats: ProbeStats | None = None
+
+    # -- accumulation (called from hooks; no host sync) --
+    def _add(self, store: dict, key, vec: Tensor, merge) -> None:
+        store[key] = merge(store[key], vec) if key in store else vec
+        self._stats = None
+
+    def _forward(self, name: str, kind: str, out: Tensor) -> None:
+        if name not in self.kinds:
+            self.kinds[name] = kind
+            self.order.append(name)
+        if name == self.order[0]:
+            self.steps += 1
+        valid = _causal_valid(out) if kind in _CAUSAL_KINDS else None
+        self._add(self._vec, (name, "forward"), summarize(out, valid), merge_vectors)
+        if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
+            self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
+        if self.options.cosine and (kind == "residual" or (kind == "embedding" and _is_tinylm(self.model))) \
+                and out.dim() >= 3:
+            self._add(self._cos, name, summarize_cosine(out), merge_vectors)
+        if self.options.backward and out.requires_grad:
+            out.register_hook(self._grad_hook(name, kind))
+
+    def _grad_hook(self, name: str, kind: str):
+        def hook(grad: Tensor) -> None:
+            if not self.active:
+                return None
+            with torch.no_grad():
+                valid = _causal_valid(grad) if kind in _CAUSAL_KINDS else None
+                self._add(self._vec, (name, "backward"), summarize(grad, valid), merge_vectors)
+            return None
+        return hook
+
+    @property
+    def stats(self) -> ProbeStats:
+        """Everything measured so far, as Python floats (one device sync for all tensors)."""
+        if self._stats is None:
+            keys = list(self._vec)
+            rows = torch.stack([self._vec[k] for k in keys]).tolist() if keys else []
+            tensors = {k: Moments.from_vector(r) for k, r in zip(keys, rows)}
+            attn = {k: AttnMoments.from_vector(v.tolist()) for k, v in self._attn.items()}
+            cos = {k: Moments.from_vector(v.tolist()) for k, v in self._cos.items()}
+            self._stats = ProbeStats(tensors=tensors, kinds=dict(self.kinds), order=list(self.order),
+                                     attention=attn, cosine=cos, params=dict(self.params), steps=self.steps)
+        return self._stats
+
+
+@contextmanager
+def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[ProbeRun]:
+    """Instrument ``model`` for the duration of the ``with`` block; yields a :class:`ProbeRun`.
+
+    Per instrumented tensor and direction the run accumulates count, mean, M2 (variance),
+    max |x|, exact zeros, non-finite entries and fp16/bf16 under/overflow counts; see
+    :mod:`diagnostics.stats`. Raises OptionsError for a name in ``options.modules`` that
+    the model does not have.
+    """
+    if not isinstance(model, nn.Module):
+        raise OptionsError(f"model={type(model).__name__}: probe needs a torch.nn.Module")
+    options = options or ProbeOptions()
+    points = instrument_points(model)
+    if options.modules is not None:
+        named = dict(model.named_modules())
+        missing = [m for m in options.modules if m not in named]
+        if missing:
+            raise OptionsError(f"modules={missing!r}: no such module in the model; names look like "
+                               f"{', '.join(list(points)[:3])}")
+        points = {m: points.get(m, "module") for m in options.modules}
+    run = ProbeRun(model, options)
+    training = {m: m.training for m in model.modules()}
+    requires = {n: p.requires_grad for n, p in model.named_parameters()}
+    grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+    grad_objs = {n: p.grad for n, p in model.named_parameters()}
+    handles = []
+    ok = False
+    try:
+        named = dict(model.named_modules())
+        for name, kind in points.items():
+            def fwd(module, inputs, output, _name=name, _kind=kind):
+                if not run.active:
+                    return None
+                t = _first_tensor(output)
+                if t is not None and t.is_floating_point():
+                    run._forward(_name, _kind, t)
+                return None
+            handles.append(named[name].register_forward_hook(fwd))
+        if options.eval_mode:
+            model.eval()
+        run.active = True
+        yield run
+        ok = True
+    finally:
+        run.active = False
+        for h in handles:
+            h.remove()
+        try:
+            if ok and options.params:
+                now = {n: p.grad for n, p in model.named_parameters()}
+                delta = {}
+                for n, g in now.items():
+                    before = grads.get(n)
+                    delta[n] = g if (g is None or before is None) else g.detach() - before
+                run.params = param_stats(model, spectral=options.spectral, grads=delta)
+                run._stats = None
+        finally:
+            for m, flag in training.items():
+                m.training = flag
+            params = dict(model.named_parameters())
+            for n, flag in requires.items():
+                params[n].requires_grad_(flag)
+            if options.restore_grads:
+                for n, p in params.items():
+                    saved = grads.get(n)
+                    if saved is None:
+                        p.grad = None
+                    else:
+                        obj = grad_objs[n]
+                        with torch.no_grad():
+                            obj.copy_(saved)
+                        p.grad = obj

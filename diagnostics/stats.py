@@ -1,0 +1,365 @@
+"""Streaming, mergeable statistics of tensors, reduced at once (no activation is kept).
+
+A tensor is reduced inside the hook, under ``no_grad``, to a fixed float64 vector
+(:data:`FIELDS`); vectors merge with Chan's pairwise update
+
+    n = n_a + n_b,  delta = mean_b - mean_a,
+    mean = mean_a + delta n_b / n,  M2 = M2_a + M2_b + delta^2 n_a n_b / n,
+
+and by sums / maxima / minima for the rest, so a run's memory does not grow with
+the number of batches and two runs merge into what one run over both gives (up
+to float64 rounding). Hooks keep 0-d/1-D tensors (no ``.item()``); a run converts
+all of them to Python floats once, when its statistics are read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FIELDS",
+    "ATTN_FIELDS",
+    "FP16_TINY",
+    "FP16_MAX",
+    "BF16_TINY",
+    "BF16_MAX",
+    "summarize",
+    "summarize_attention",
+    "summarize_cosine",
+    "merge_vectors",
+    "merge_attention_vectors",
+    "Moments",
+    "AttnMoments",
+    "ParamStats",
+    "ProbeStats",
+]
+
+FP16_TINY = float(torch.finfo(torch.float16).tiny)   # 6.1035e-05, smallest normal
+FP16_MAX = float(torch.finfo(torch.float16).max)     # 65504
+BF16_TINY = float(torch.finfo(torch.bfloat16).tiny)  # 1.1755e-38
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)    # 3.3895e+38
+
+#: Layout of a tensor summary vector (float64).
+FIELDS = ("n_total", "count", "mean", "m2", "max_abs", "n_zero",
+          "n_fp16_under", "n_fp16_over", "n_bf16_under", "n_bf16_over")
+_I = {name: i for i, name in enumerate(FIELDS)}
+
+#: Layout of an attention summary vector: rows (all query rows), entropy mean / M2 over
+#: rows, min entropy over rows t >= 1, rows t >= 1, rows t >= 1 with max prob > 0.99.
+ATTN_FIELDS = ("rows", "entropy_mean", "entropy_m2", "entropy_min", "rows_after_first", "rows_saturated")
+SATURATED_PROB = 0.99
+
+
+@torch.no_grad()
+def summarize(x: Tensor, valid: Tensor | None = None) -> Tensor:
+    """Reduce ``x`` (any shape, any float dtype) to a float64 vector laid out as :data:`FIELDS`.
+
+    ``valid`` (bool, broadcastable to x) selects the entries measured (e.g. the causal
+    entries of attention scores); all others are ignored. Moments (count, mean, M2)
+    are over the finite entries, computed in float64; the fractions are over all
+    measured entries: exact zeros, nonzero |x| below the smallest fp16/bf16 normal
+    (underflow), |x| above the largest finite fp16/bf16 (overflow, infinities included).
+    """
+    x = x.detach()
+    if valid is not None:
+        x = x.masked_select(valid)
+    a = x.abs() if x.dtype in (torch.float32, torch.float64) else x.float().abs()
+    n_total = float(x.numel())
+    if n_total == 0:
+        return torch.zeros(len(FIELDS), dtype=torch.float64, device=x.device)
+    finite = torch.isfinite(a)
+    n = finite.sum().double()
+    x64 = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device)).double()
+    var_all, mean_all = torch.var_mean(x64, correction=0)
+    # The non-finite entries entered as zeros: undo their share exactly (Chan, reversed).
+    n_safe = n.clamp(min=1.0)
+    mean = mean_all * n_total / n_safe
+    m2 = var_all * n_total - mean * mean * n * (n_total - n) / n_total
+    m2 = m2.clamp(min=0.0)
+    max_abs = torch.where(finite, a, torch.zeros((), dtype=a.dtype, device=a.device)).amax().double()
+    n_zero = (a == 0).sum()
+    out = torch.stack([
+        torch.tensor(n_total, dtype=torch.float64, device=x.device), n,
+        torch.where(n > 0, mean, torch.zeros_like(mean)), torch.where(n > 0, m2, torch.zeros_like(m2)),
+        max_abs, n_zero.double(),
+        ((a < FP16_TINY).sum() - n_zero).double(), (a > FP16_MAX).sum().double(),
+        ((a < BF16_TINY).sum() - n_zero).double(), (a > BF16_MAX).sum().double(),
+    ])
+    return out
+
+
+def _chan(na: Tensor, ma: Tensor, m2a: Tensor, nb: Tensor, mb: Tensor, m2b: Tensor) -> tuple[Tensor, Tensor]:
+    n = na + nb
+    safe = torch.where(n > 0, n, torch.ones_like(n))
+    delta = mb - ma
+    mean = torch.where(n > 0, ma + delta * nb / safe, torch.zeros_like(ma))
+    m2 = m2a + m2b + delta * delta * na * nb / safe
+    return mean, m2
+
+
+@torch.no_grad()
+def merge_vectors(a: Tensor, b: Tensor) -> Tensor:
+    """Merge two :func:`summarize` vectors (Chan for mean/M2, sums and max for the rest)."""
+    mean, m2 = _chan(a[1], a[2], a[3], b[1], b[2], b[3])
+    out = a + b
+    out[2] = mean
+    out[3] = m2
+    out[4] = torch.maximum(a[4], b[4])
+    return out
+
+
+@torch.no_grad()
+def summarize_attention(probs: Tensor) -> Tensor:
+    """Attention panel of probabilities ``probs`` (..., T, T) (rows sum to 1), laid out as ATTN_FIELDS.
+
+    Entropy of row t is H_t = -sum_j p_tj ln p_tj (0 ln 0 = 0). The first query row of
+    causal attention has one key and is always saturated, so the minimum entropy and
+    the saturated fraction (max_j p_tj > 0.99) are taken over rows t >= 1.
+    """
+    p = probs.detach()
+    if p.dtype not in (torch.float32, torch.float64):
+        p = p.float()
+    ent = torch.special.entr(p).sum(-1, dtype=torch.float64)  # (..., T)
+    rows = float(ent.numel())
+    var, mean = torch.var_mean(ent, correction=0)
+    later = ent[..., 1:]
+    if later.numel():
+        ent_min = later.amin()
+        sat = (p[..., 1:, :].amax(-1) > SATURATED_PROB).sum().double()
+    else:
+        ent_min = torch.tensor(math.inf, dtype=torch.float64, device=p.device)
+        sat = torch.zeros((), dtype=torch.float64, device=p.device)
+    dev = p.device
+    return torch.stack([torch.tensor(rows, dtype=torch.float64, device=dev), mean, var * rows, ent_min,
+                        torch.tensor(float(later.numel()), dtype=torch.float64, device=dev), sat])
+
+
+@torch.no_grad()
+def merge_attention_vectors(a: Tensor, b: Tensor) -> Tensor:
+    mean, m2 = _chan(a[0], a[1], a[2], b[0], b[1], b[2])
+    out = a + b
+    out[1] = mean
+    out[2] = m2
+    out[3] = torch.minimum(a[3], b[3])
+    return out
+
+
+@torch.no_grad()
+def summarize_cosine(x: Tensor) -> Tensor:
+    """Per-sequence mean cosine similarity between different tokens, as a summary vector.
+
+    For x (B, T, d) with unit vectors u_t = x_t/|x_t|: |sum_t u_t|^2 = T + sum_{s != t} cos(x_s, x_t),
+    so the mean over the T(T-1) ordered pairs is (|sum_t u_t|^2 - T) / (T (T-1)). The B
+    per-sequence values are summarised like any tensor (count B).
+    """
+    x = x.detach().double()
+    T = x.shape[-2]
+    if x.dim() < 2 or T < 2:
+        return summarize(torch.zeros(0, dtype=torch.float64))
+    u = x / x.norm(dim=-1, keepdim=True).clamp(min=1e-300)
+    s = u.sum(-2)  # (..., d)
+    cos = ((s * s).sum(-1) - T) / (T * (T - 1))
+    return summarize(cos.reshape(-1))
+
+
+def _vec_to_dict(v: list[float], names: tuple[str, ...]) -> dict[str, float]:
+    return dict(zip(names, v))
+
+
+@dataclass
+class Moments:
+    """Merged statistics of one tensor (see :data:`FIELDS`); plain Python floats.
+
+    var = m2 / count (population variance of the finite entries);
+    mean_square = var + mean^2; fractions are over all measured entries.
+    """
+
+    n_total: float = 0.0
+    count: float = 0.0
+    mean: float = 0.0
+    m2: float = 0.0
+    max_abs: float = 0.0
+    n_zero: float = 0.0
+    n_fp16_under: float = 0.0
+    n_fp16_over: float = 0.0
+    n_bf16_under: float = 0.0
+    n_bf16_over: float = 0.0
+
+    @classmethod
+    def from_vector(cls, v: list[float]) -> "Moments":
+        return cls(**_vec_to_dict(v, FIELDS))
+
+    def vector(self) -> list[float]:
+        return [getattr(self, f) for f in FIELDS]
+
+    @property
+    def var(self) -> float:
+        return self.m2 / self.count if self.count else math.nan
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var) if self.count else math.nan
+
+    @property
+    def mean_square(self) -> float:
+        return self.var + self.mean**2 if self.count else math.nan
+
+    def _frac(self, n: float) -> float:
+        return n / self.n_total if self.n_total else 0.0
+
+    @property
+    def frac_zero(self) -> float:
+        return self._frac(self.n_zero)
+
+    @property
+    def frac_nonfinite(self) -> float:
+        return self._frac(self.n_total - self.count)
+
+    @property
+    def frac_fp16_underflow(self) -> float:
+        return self._frac(self.n_fp16_under)
+
+    @property
+    def frac_fp16_overflow(self) -> float:
+        return self._frac(self.n_fp16_over)
+
+    @property
+    def frac_bf16_underflow(self) -> float:
+        return self._frac(self.n_bf16_under)
+
+    @property
+    def frac_bf16_overflow(self) -> float:
+        return self._frac(self.n_bf16_over)
+
+    def merge(self, other: "Moments") -> "Moments":
+        """Chan's merge (a new object; neither input changes)."""
+        n = self.count + other.count
+        delta = other.mean - self.mean
+        mean = self.mean + delta * other.count / n if n else 0.0
+        m2 = self.m2 + other.m2 + (delta * delta * self.count * other.count / n if n else 0.0)
+        out = Moments(*[a + b for a, b in zip(self.vector(), other.vector())])
+        out.mean, out.m2, out.max_abs = mean, m2, max(self.max_abs, other.max_abs)
+        return out
+
+
+@dataclass
+class AttnMoments:
+    """Merged attention panel of one probs Tap (see :data:`ATTN_FIELDS`)."""
+
+    rows: float = 0.0
+    entropy_mean: float = 0.0
+    entropy_m2: float = 0.0
+    entropy_min: float = math.inf
+    rows_after_first: float = 0.0
+    rows_saturated: float = 0.0
+
+    @classmethod
+    def from_vector(cls, v: list[float]) -> "AttnMoments":
+        return cls(**_vec_to_dict(v, ATTN_FIELDS))
+
+    def vector(self) -> list[float]:
+        return [getattr(self, f) for f in ATTN_FIELDS]
+
+    @property
+    def saturated_frac(self) -> float:
+        return self.rows_saturated / self.rows_after_first if self.rows_after_first else 0.0
+
+    def merge(self, other: "AttnMoments") -> "AttnMoments":
+        n = self.rows + other.rows
+        delta = other.entropy_mean - self.entropy_mean
+        out = AttnMoments(*[a + b for a, b in zip(self.vector(), other.vector())])
+        out.entropy_mean = self.entropy_mean + delta * other.rows / n if n else 0.0
+        out.entropy_m2 = self.entropy_m2 + other.entropy_m2 + (delta * delta * self.rows * other.rows / n if n else 0.0)
+        out.entropy_min = min(self.entropy_min, other.entropy_min)
+        return out
+
+
+@dataclass
+class ParamStats:
+    """One parameter at the end of a run.
+
+    std, grad_std: population std of the entries / of the gradient the run produced
+    (None: no gradient). declared_std: of its init scheme (None: unknown);
+    drift = std / declared_std. spectral_norm = largest singular value; stable_rank =
+    ||W||_F^2 / ||W||_2^2 (2-D parameters, when asked). frac_nonfinite of the entries.
+    """
+
+    shape: tuple[int, ...]
+    std: float
+    grad_std: float | None
+    frac_nonfinite: float
+    grad_frac_nonfinite: float | None = None
+    declared_std: float | None = None
+    declared: str = ""
+    spectral_norm: float | None = None
+    stable_rank: float | None = None
+
+    @property
+    def drift(self) -> float | None:
+        if self.declared_std is None or self.declared_std == 0 or not math.isfinite(self.std):
+            return None
+        return self.std / self.declared_std
+
+
+@dataclass
+class ProbeStats:
+    """What a probe measured: merged moments per (tensor name, direction), and more.
+
+    tensors: {(name, "forward"|"backward"): Moments}. kinds: {name: kind}. order: names
+    in the order their forward outputs first appeared. attention: {probs Tap name:
+    AttnMoments}. cosine: {residual point name: Moments of per-sequence cosine}.
+    params: {parameter name: ParamStats} (the model at the end of the first run merged).
+    steps: forward passes measured.
+    """
+
+    tensors: dict[tuple[str, str], Moments] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    attention: dict[str, AttnMoments] = field(default_factory=dict)
+    cosine: dict[str, Moments] = field(default_factory=dict)
+    params: dict[str, ParamStats] = field(default_factory=dict)
+    steps: int = 0
+
+    def merge(self, other: "ProbeStats") -> "ProbeStats":
+        """A new ProbeStats over both runs (moments merged; params kept from ``self`` when present)."""
+        def both(a: dict, b: dict) -> dict:
+            out = dict(a)
+            for k, v in b.items():
+                out[k] = out[k].merge(v) if k in out else v
+            return out
+
+        order = list(self.order) + [n for n in other.order if n not in set(self.order)]
+        return ProbeStats(
+            tensors=both(self.tensors, other.tensors), kinds={**other.kinds, **self.kinds}, order=order,
+            attention=both(self.attention, other.attention), cosine=both(self.cosine, other.cosine),
+            params=dict(self.params) if self.params else dict(other.params), steps=self.steps + other.steps,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-compatible dict (infinite floats kept as Python floats: use json allow_nan)."""
+        return {
+            "tensors": [[name, d, m.vector()] for (name, d), m in self.tensors.items()],
+            "kinds": dict(self.kinds),
+            "order": list(self.order),
+            "attention": {k: v.vector() for k, v in self.attention.items()},
+            "cosine": {k: v.vector() for k, v in self.cosine.items()},
+            "params": {k: {**asdict(v), "shape": list(v.shape)} for k, v in self.params.items()},
+            "steps": self.steps,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ProbeStats":
+        return cls(
+            tensors={(name, direction): Moments.from_vector(v) for name, direction, v in d["tensors"]},
+            kinds=dict(d["kinds"]),
+            order=list(d["order"]),
+            attention={k: AttnMoments.from_vector(v) for k, v in d["attention"].items()},
+            cosine={k: Moments.from_vector(v) for k, v in d["cosine"].items()},
+            params={k: ParamStats(**{**v, "shape": tuple(v["shape"])}) for k, v in d["params"].items()},
+            steps=int(d["steps"]),
+        )
