@@ -1,0 +1,159 @@
+"""Measure per-layer activation and gradient variance against theory and say whether the model is healthy.
+
+``diagnose [CHECKPOINT]`` (also ``tinylm diagnose``). With no checkpoint: a
+freshly initialised default model (``tinystories`` preset, ``cs336`` init,
+seed 0). Exit codes: 0 healthy (or no ``--check``), 1 findings with
+``--check``, 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .cli import EXIT_FINDINGS, EXIT_OK, UsageError
+from .intake import check_outputs, load_model, load_token_stream, parse_dtype, positive_int, resolve_device
+from .progress import progress_bar
+
+try:  # the lead's memory estimate; while it is absent, the batch is not checked before allocating
+    from diagnostics.memory import check_fits
+except ImportError:  # pragma: no cover
+    check_fits = None
+
+# Defaults sized so that the no-argument run (the README Quickstart's main job)
+# finishes in well under a minute on two CPU cores.
+DEFAULT_BATCH_SIZE, DEFAULT_BATCHES, DEFAULT_SEEDS = 2, 2, 2
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
+                   help="a tinylm, CS336 (bare or training) state dict, or .safetensors file; "
+                        "none: a fresh tinystories-preset model (cs336 init, seed 0)")
+    g = p.add_argument_group("model (where the checkpoint has no config)")
+    g.add_argument("--num-heads", type=positive_int, help="attention heads")
+    g.add_argument("--rope-theta", type=float, help="RoPE base theta")
+    g.add_argument("--context-length", type=positive_int, help="longest sequence the model takes")
+    g.add_argument("--unsafe-load", action="store_true",
+                   help="allow a whole pickled model (runs code from the file: only for files you trust)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--data", metavar="PATH", help="token file: .npy, .bin (uint16, CS336) or .txt (bytes); default random tokens")
+    g.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, help=f"sequences per batch (default {DEFAULT_BATCH_SIZE})")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the context length)")
+    g.add_argument("--batches", type=positive_int, default=DEFAULT_BATCHES, help=f"batches per seed (default {DEFAULT_BATCHES})")
+    g.add_argument("--seeds", type=positive_int,
+                   help="fresh model only: re-initialise N copies (seeds --seed..--seed+N-1) as replicates "
+                        f"(default {DEFAULT_SEEDS} for a fresh model, 1 for a checkpoint)")
+    g.add_argument("--seed", type=int, default=0, help="base seed of the tokens (and of the fresh model) (default 0)")
+    g.add_argument("--device", help="cpu or cuda (default: cuda when available, else cpu)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="model dtype; statistics always accumulate in float64 (default float32)")
+    g.add_argument("--theory", default="auto", choices=["auto", "local", "global"],
+                   help="prediction mode: global (from the init scheme; fresh models), local (from the measured "
+                        "inputs of each layer), auto chooses (default auto)")
+    g = p.add_argument_group("output")
+    g.add_argument("--check", action="store_true", help="exit 1 when any finding is not ok (for CI)")
+    g.add_argument("--json", metavar="PATH", help="write the result (versioned schema) as JSON")
+    g.add_argument("--csv", metavar="PATH", help="write the tidy per-tensor rows as CSV")
+    g.add_argument("--html", metavar="PATH", help="write the rendered report as HTML")
+    g.add_argument("--svg", metavar="PATH", help="write the rendered report as SVG")
+    g.add_argument("--plot", metavar="PATH", help="write a PNG of variance over depth (forward and backward)")
+    g.add_argument("--all", action="store_true", help="every instrumented tensor in the per-layer table, not the summary")
+    g.add_argument("--width", type=positive_int, help="report width in columns (default: the terminal's)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _outputs(args: argparse.Namespace) -> dict[str, str | None]:
+    return {"--json": args.json, "--csv": args.csv, "--html": args.html, "--svg": args.svg, "--plot": args.plot}
+
+
+def _seeds(args: argparse.Namespace, fresh: bool) -> int:
+    if args.seeds is not None:
+        if args.seeds > 1 and not fresh:
+            raise UsageError(f"--seeds {args.seeds} re-initialises the model, which would discard the checkpoint's "
+                             "weights; a checkpoint is measured as it is: use --batches N for replicates")
+        return args.seeds
+    return DEFAULT_SEEDS if fresh else 1
+
+
+def _history_panel(history: Any) -> Any:
+    """The training engineer's "during training" panel, when that module exists and the checkpoint has a history."""
+    if history is None:
+        return None
+    try:
+        from . import watch_view
+    except ImportError:
+        return None
+    render = getattr(watch_view, "render_history", None)
+    return render(history) if render is not None else None
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import export
+    from .render import ReportContext, report
+
+    outputs = _outputs(args)
+    check_outputs(outputs, {"checkpoint": args.checkpoint, "--data file": args.data})
+    dtype = parse_dtype(args.dtype)
+    device = resolve_device(args.device)
+
+    source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
+                        context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed)
+    model, config = source.model, source.model.config
+    seq_len = args.seq_len if args.seq_len is not None else config.context_length
+    if seq_len > config.context_length:
+        raise UsageError(f"--seq-len {seq_len} is above the model's context length {config.context_length}; "
+                         f"use --seq-len {config.context_length} or less")
+    if seq_len < 2:
+        raise UsageError(f"--seq-len {seq_len}: need at least 2 tokens to score a next token")
+    seeds = _seeds(args, source.fresh)
+    tokens = load_token_stream(args.data, config.vocab_size, seq_len)
+    if check_fits is not None:
+        check_fits(config, args.batch_size, seq_len, dtype)
+
+    from diagnostics import DiagnoseOptions, diagnose
+
+    model.to(device=device, dtype=dtype)
+    show_progress = False if args.no_progress else None
+    with progress_bar("diagnose", enabled=show_progress) as update:
+        options = DiagnoseOptions(batch_size=args.batch_size, seq_len=seq_len, batches=args.batches, seeds=seeds,
+                                  seed=args.seed, theory=args.theory,
+                                  progress=lambda done, total, what: update(done, total, what))
+        result = diagnose(model, tokens, options)
+
+    data_text = (f"{args.data} ({len(tokens):,} tokens)" if tokens is not None
+                 else f"uniform random tokens over [0, {config.vocab_size})")
+    ctx = ReportContext(source=source.description, data=data_text, dtype=args.dtype, device=str(device),
+                        nonfinite_params=source.nonfinite, all_tensors=args.all)
+    history = _history_panel(source.history)
+    doc = report(result, ctx, extra=[history] if history is not None else [])
+
+    record = bool(args.html or args.svg)
+    console = Console(width=args.width, record=record, highlight=False)
+    console.print(doc)
+
+    if args.json:
+        export.write_json(args.json, result)
+    if args.csv:
+        export.write_csv(args.csv, result.to_frame())
+    if args.html:
+        export.write_console(args.html, console, "html")
+    if args.svg:
+        export.write_console(args.svg, console, "svg")
+    if args.plot:
+        from .plots import depth_figure
+
+        fig = depth_figure(result, history=source.history)
+        try:
+            export.write_figure(args.plot, fig)
+        finally:
+            import matplotlib.pyplot as plt
+
+            plt.close(fig)
+    written = [f"{flag[2:]} {path}" for flag, path in outputs.items() if path]
+    if written:
+        print(f"wrote {', '.join(written)}", file=sys.stderr)
+    unhealthy = not result.healthy or bool(source.nonfinite)
+    return EXIT_FINDINGS if (args.check and unhealthy) else EXIT_OK

@@ -1,0 +1,69 @@
+"""Number formatting for narrow terminal columns: short, aligned, and honest about NaN and missing values."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["num", "ratio_interval", "pct", "VERDICT_STYLE", "verdict_text"]
+
+#: colour of each verdict kind (the word itself is always printed too).
+VERDICT_STYLE = {
+    "ok": "green",
+    "vanishing": "yellow",
+    "exploding": "bold red",
+    "dead": "red",
+    "saturated": "magenta",
+    "non_finite": "bold white on red",
+}
+
+
+def num(value: float | int | None, digits: int = 3) -> str:
+    """A compact number: ``0.0312``, ``12.3``, ``1.23e-7``, ``4.5e+12``; ``-`` for None; ``nan``/``inf`` as such."""
+    if value is None:
+        return "-"
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if math.isnan(v):
+        return "nan"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v == 0:
+        return "0"
+    a = abs(v)
+    if 1e-2 <= a < 1e4:
+        decimals = max(0, digits - 1 - math.floor(math.log10(a)))
+        return f"{v:.{decimals}f}"
+    mant, exp = f"{v:.{digits - 1}e}".split("e")
+    return f"{mant}e{int(exp)}"
+
+
+def ratio_interval(ratio: float | None, low: float | None, high: float | None, digits: int = 3,
+                   sep: str = ", ") -> str:
+    """``1.02 [0.97, 1.08]`` (the 99% replicate interval), or just the ratio when there is no interval."""
+    if ratio is None:
+        return "-"
+    if low is None or high is None:
+        return num(ratio, digits)
+    return f"{num(ratio, digits)} [{num(low, digits)}{sep}{num(high, digits)}]"
+
+
+def pct(fraction: float | None) -> str:
+    """A fraction as a percentage: ``0.3%``, ``12%``; ``-`` for None."""
+    if fraction is None:
+        return "-"
+    f = float(fraction)
+    if math.isnan(f):
+        return "nan"
+    p = 100.0 * f
+    if p == 0:
+        return "0%"
+    if p < 0.1:
+        return "<0.1%"
+    return f"{p:.1f}%" if p < 10 else f"{p:.0f}%"
+
+
+def verdict_text(kind: str) -> str:
+    """The verdict as words (non_finite -> "non-finite")."""
+    return kind.replace("_", "-")

@@ -1,0 +1,179 @@
+"""What the ``diagnose`` and ``compare`` commands take in: a model, token batches, output paths.
+
+Nothing the user gave is modified: checkpoints are read only through
+``tinylm.checkpoint.load`` (``weights_only``), token files through
+``diagnostics.data.load_tokens`` (memory-mapped, read-only), and an output path
+that resolves to the checkpoint or the data file is refused before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cli import UsageError
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "DEFAULT_INIT",
+    "ModelSource",
+    "parse_int_list",
+    "parse_dtype",
+    "resolve_device",
+    "load_model",
+    "load_token_stream",
+    "check_outputs",
+]
+
+DEFAULT_PRESET, DEFAULT_INIT = "tinystories", "cs336"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ModelSource:
+    """The model under examination and what is known about where it came from."""
+
+    model: Any  # tinylm.TransformerLM (eval mode)
+    description: str  # one line for the report header
+    path: str | None = None  # the checkpoint, None for a fresh model
+    format: str = "fresh"  # "fresh" or CheckpointInfo.format
+    iteration: int | None = None
+    fresh: bool = True  # True: initialised here by a known scheme (theory can be global)
+    scheme: str | None = None  # the init scheme of a fresh model
+    history: Any = None  # a training history stored in the checkpoint, if any
+    nonfinite: list[str] = field(default_factory=list)  # parameters holding NaN or inf
+
+
+def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """``"2,8,32"`` -> [2, 8, 32]; a bad entry is a one-line UsageError naming the flag."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: {part!r} is not an integer; give a comma-separated list such as 2,8,32") from None
+        if value < minimum:
+            raise UsageError(f"{flag} {text!r}: {value} is below {minimum}; give integers >= {minimum}")
+        out.append(value)
+    if not out:
+        raise UsageError(f"{flag} {text!r}: empty; give a comma-separated list such as 2,8,32")
+    return out
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise UsageError(f"--dtype {name}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """``None`` -> cuda when available, else cpu; an unavailable device is a UsageError."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device name; use cpu or cuda (or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: only cpu and cuda are supported")
+    return dev
+
+
+def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_theta: float | None = None,
+               context_length: int | None = None, unsafe: bool = False, seed: int = 0) -> ModelSource:
+    """The checkpoint's model (read-only, through tinylm.checkpoint.load), or a fresh default one.
+
+    No checkpoint: ``tinystories`` preset, ``cs336`` init, drawn from a generator seeded with ``seed``.
+    """
+    import tinylm
+    from tinylm import checkpoint as ckpt
+
+    if checkpoint is None:
+        flags = [f for f, v in (("--num-heads", num_heads), ("--rope-theta", rope_theta)) if v is not None]
+        if flags:
+            raise UsageError(f"{', '.join(flags)} describe a checkpoint without a config; pass a CHECKPOINT or drop them")
+        changes = {"init": DEFAULT_INIT}
+        if context_length is not None:
+            changes["context_length"] = context_length
+        config = tinylm.preset(DEFAULT_PRESET, **changes)
+        model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(seed))
+        model.eval()
+        return ModelSource(model, f"fresh {DEFAULT_PRESET} preset, {DEFAULT_INIT} init, seed {seed}",
+                           scheme=DEFAULT_INIT)
+    model, info = ckpt.load(checkpoint, unsafe=unsafe, num_heads=num_heads, rope_theta=rope_theta,
+                            context_length=context_length)
+    where = f"{info.format} checkpoint {checkpoint}"
+    if info.iteration is not None:
+        where += f", iteration {info.iteration:,}" if isinstance(info.iteration, int) else f", iteration {info.iteration}"
+    if info.config_source == "inferred":
+        where += ", config inferred from shapes"
+    return ModelSource(model, where, path=str(checkpoint), format=info.format, iteration=info.iteration,
+                       fresh=False, history=info.history, nonfinite=list(info.nonfinite))
+
+
+def load_token_stream(data: str | None, vocab_size: int, seq_len: int) -> Any:
+    """The token file ``data`` as a 1-D integer array checked against the vocabulary (None: random tokens)."""
+    if data is None:
+        return None
+    from diagnostics.data import load_tokens
+
+    tokens = load_tokens(data, vocab_size)
+    if len(tokens) < seq_len + 1:
+        raise UsageError(f"--data {data}: {len(tokens)} tokens are fewer than --seq-len + 1 = {seq_len + 1}; "
+                         "use more data or a shorter --seq-len")
+    return tokens
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return a.resolve() == b.resolve()
+
+
+def check_outputs(outputs: dict[str, str | None], protected: dict[str, str | None]) -> None:
+    """Refuse an output path that is an input (checkpoint, data), a directory, or given twice.
+
+    ``outputs`` maps a flag (``--json``) to its path; ``protected`` maps a name
+    (``checkpoint``) to an input path. Raises UsageError naming the flag.
+    """
+    seen: dict[Path, str] = {}
+    for flag, value in outputs.items():
+        if value is None:
+            continue
+        path = Path(value)
+        for name, src in protected.items():
+            if src is not None and _same_file(path, Path(src)):
+                raise UsageError(f"{flag} {value} is the {name} itself; choose another output path (inputs are never overwritten)")
+        if path.is_dir():
+            raise UsageError(f"{flag} {value} is a directory; give a file name such as {path / ('report' + _SUFFIX.get(flag, ''))}")
+        key = path.resolve()
+        if key in seen:
+            raise UsageError(f"{flag} and {seen[key]} both write {value}; give each output its own path")
+        seen[key] = flag
+
+
+_SUFFIX = {"--json": ".json", "--csv": ".csv", "--html": ".html", "--svg": ".svg", "--plot": ".png"}

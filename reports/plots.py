@@ -1,0 +1,152 @@
+"""Matplotlib figures (Agg backend, no display needed): variance over depth, and the compare grid.
+
+The figures draw fields of a :class:`diagnostics.DiagnoseResult` or the tidy
+frame of ``diagnostics.compare``; nothing is computed here beyond choosing what
+goes on which axis.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["PLOT_KINDS", "depth_figure", "compare_figure"]
+
+#: tensor kinds drawn over depth, with their colours.
+PLOT_KINDS = {
+    "residual": "tab:blue",
+    "resid_mid": "tab:cyan",
+    "attn_branch": "tab:orange",
+    "ffn_branch": "tab:green",
+    "attn_scores": "tab:purple",
+}
+
+
+def _ok(v: Any) -> bool:
+    return v is not None and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+
+
+def _series(result: Any, kind: str, direction: str, field: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in result.tensors:
+        if r.kind == kind and r.direction == direction and r.block is not None:
+            v = getattr(r, field)
+            if _ok(v):
+                xs.append(r.block + 1)  # depth k = output of block k-1, as in the depth rows
+                ys.append(v)
+    return xs, ys
+
+
+def _shade_thresholds(ax: Any, result: Any, direction: str) -> None:
+    """Shade the per-block gain beyond the verdict thresholds, anchored at the embedding's variance.
+
+    The band shows where the residual variance would be if it grew (or shrank) by
+    the threshold factor per block from the embedding output: outside it, the
+    verdict is exploding (above) or vanishing (below).
+    """
+    th = result.thresholds or {}
+    up = th.get("explode_gain") or th.get("exploding_gain") or th.get("gain_high")
+    down = th.get("vanish_gain") or th.get("vanishing_gain") or th.get("gain_low")
+    rows = [r for r in result.depth]
+    if not rows:
+        return
+    start = rows[0].forward_var if direction == "forward" else rows[-1].backward_var
+    if not _ok(start):
+        return
+    n = len(rows) - 1
+    xs = list(range(len(rows)))
+    if direction == "forward":
+        steps = xs
+    else:  # the gradient flows from the top down
+        steps = [n - x for x in xs]
+    lo, hi = ax.get_ylim()
+    if _ok(up):
+        ax.fill_between(xs, [start * up**s for s in steps], [max(hi, start * up**n) * 10] * len(xs),
+                        color="red", alpha=0.08, label=f"exploding (x{up:g}/block)")
+    if _ok(down):
+        ax.fill_between(xs, [min(lo, start * down**n) / 10] * len(xs), [start * down**s for s in steps],
+                        color="gold", alpha=0.12, label=f"vanishing (x{down:g}/block)")
+    ax.set_ylim(lo, hi)
+
+
+def depth_figure(result: Any, history: Any = None) -> Any:
+    """Variance over depth: forward (activations) and backward (gradients), one line per tensor kind,
+    measured solid, predicted dashed, the verdict thresholds shaded. Returns the Figure."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    for ax, direction in zip(axes, ("forward", "backward")):
+        drew = False
+        for kind, colour in PLOT_KINDS.items():
+            xs, ys = _series(result, kind, direction, "var")
+            if xs:
+                ax.plot(xs, ys, "o-", color=colour, ms=3, lw=1.5, label=kind)
+                drew = True
+            px, py = _series(result, kind, direction, "predicted")
+            if px:
+                ax.plot(px, py, "--", color=colour, lw=1, alpha=0.8, label=f"{kind} predicted")
+        depth = result.depth
+        key, pkey = ("forward_var", "forward_predicted") if direction == "forward" else ("backward_var", "backward_predicted")
+        if depth:
+            x0 = [r.index for r in depth if r.index == 0 and _ok(getattr(r, key))]
+            if x0:
+                ax.plot([0], [getattr(depth[0], key)], "s", color="black", ms=4, label="embedding output")
+        if drew:
+            ax.set_yscale("log")
+            _shade_thresholds(ax, result, direction)
+        else:
+            ax.text(0.5, 0.5, "nothing finite to draw", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("depth (0 = embedding output, k = after block k-1)")
+        ax.set_ylabel("variance of activations" if direction == "forward" else "variance of gradients")
+        ax.set_title(f"{direction}: measured (solid) vs predicted (dashed)", fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+        if drew:
+            ax.legend(fontsize=7, loc="best")
+    verdict = "healthy" if result.healthy else f"{len(result.findings)} finding(s): " + ", ".join(
+        sorted({f.kind.replace('_', '-') for f in result.findings}))
+    cfg = result.header.config or {}
+    fig.suptitle(f"{result.header.model_class} L={cfg.get('num_layers', '?')} d={cfg.get('d_model', '?')} "
+                 f"init={result.header.init or '?'}: {verdict}", fontsize=11)
+    return fig
+
+
+def compare_figure(frame: Any, schemes: Sequence[str] | None = None) -> Any:
+    """A grid, one row per scheme and one column per direction, of residual variance over depth.
+
+    ``frame`` is the tidy frame of ``diagnostics.compare`` with columns scheme, depth
+    (the model's number of blocks), index (position in the stream), direction, var
+    and, optionally, predicted and width. One line per model depth.
+    """
+    schemes = list(schemes) if schemes is not None else list(dict.fromkeys(frame["scheme"]))
+    n = max(len(schemes), 1)
+    fig, axes = plt.subplots(n, 2, figsize=(10, 2.4 * n + 0.6), squeeze=False, constrained_layout=True)
+    cmap = plt.get_cmap("viridis")
+    depths = sorted(set(int(d) for d in frame["depth"])) if len(frame) else []
+    for i, scheme in enumerate(schemes):
+        for j, direction in enumerate(("forward", "backward")):
+            ax = axes[i][j]
+            sub = frame[(frame["scheme"] == scheme) & (frame["direction"] == direction)]
+            for k, depth in enumerate(depths):
+                d = sub[sub["depth"] == depth]
+                if "width" in d and d["width"].nunique() > 1:
+                    d = d[d["width"] == d["width"].max()]
+                d = d.groupby("index", as_index=False).mean(numeric_only=True).sort_values("index")
+                ys = d["var"].where(d["var"] > 0)
+                colour = cmap(k / max(len(depths) - 1, 1))
+                ax.plot(d["index"], ys, "-", color=colour, lw=1.4, label=f"L={depth}")
+                if "predicted" in d and d["predicted"].notna().any():
+                    ax.plot(d["index"], d["predicted"], "--", color=colour, lw=0.9, alpha=0.8)
+            ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.set_title(f"{scheme}: {direction}", fontsize=9)
+            if i == n - 1:
+                ax.set_xlabel("depth in the stream")
+            if j == 0:
+                ax.set_ylabel("variance")
+            if i == 0 and j == 1 and depths:
+                ax.legend(fontsize=7, loc="best")
+    fig.suptitle("Residual variance over depth per init scheme (solid measured, dashed predicted)", fontsize=10)
+    return fig

@@ -1,0 +1,316 @@
+"""The ``diagnose`` report: header, verdict, depth chart, per-layer table, attention panel.
+
+Each piece is a function from a :class:`diagnostics.DiagnoseResult` (plus what
+the command line knows about where the model came from) to a rich renderable;
+:func:`report` puts them in the order a reader needs them: what was measured,
+is it healthy (and if not, where, the number, the threshold and what to try),
+the shape over depth, the details. Every figure drawn is a field of the result;
+nothing is computed here. Verdicts are printed as words as well as colours, so
+the report reads the same on a terminal without colour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .charts import DepthChart, DepthSeries
+from .fmt import VERDICT_STYLE, num, pct, ratio_interval, verdict_text
+
+__all__ = [
+    "ReportContext",
+    "SUMMARY_KINDS",
+    "header_table",
+    "verdict_panel",
+    "depth_chart",
+    "LayerTable",
+    "layer_table",
+    "attention_table",
+    "report",
+]
+
+#: tensor kinds the per-layer table shows by default (``all_tensors`` shows every row);
+#: any tensor whose verdict is not ok is shown as well.
+SUMMARY_KINDS = ("embedding", "attn_branch", "ffn_branch", "residual", "logits")
+
+# The weight whose std goes beside a tensor of this kind: suffixes tried in order on the tensor's name.
+_WEIGHT_OF = {
+    "embedding": (".weight",),
+    "linear": (".weight",),
+    "norm": (".weight",),
+    "logits": (".weight",),
+    "attn_branch": (".output_proj.weight",),
+    "ffn_branch": (".w2.weight",),
+}
+
+
+@dataclass
+class ReportContext:
+    """What the command line knows besides the result: where the model and the tokens came from."""
+
+    source: str = "a model"  # e.g. "tinylm checkpoint model.pt, iteration 5,000"
+    data: str = ""  # e.g. "uniform random tokens over [0, 10000)"
+    dtype: str = "float32"
+    device: str = "cpu"
+    nonfinite_params: list[str] = field(default_factory=list)  # from the checkpoint loader
+    all_tensors: bool = False
+
+
+def _kv(table: Table, key: str, value: str | Text) -> None:
+    table.add_row(Text(key, style="bold"), value if isinstance(value, Text) else Text(value))
+
+
+def _config_line(cfg: dict[str, Any] | None) -> str:
+    if not cfg:
+        return "(not a tinylm model: no config)"
+    parts = [f"V={cfg.get('vocab_size')}", f"ctx={cfg.get('context_length')}", f"d={cfg.get('d_model')}",
+             f"L={cfg.get('num_layers')}", f"H={cfg.get('num_heads')}", f"d_ff={cfg.get('d_ff')}"]
+    variant = [f"{cfg.get('norm', 'pre')}-norm", cfg.get("ffn", "swiglu"), "RoPE" if cfg.get("rope", True) else "NoPE"]
+    if cfg.get("tie_embeddings"):
+        variant.append("tied embeddings")
+    return " ".join(parts) + " · " + ", ".join(variant)
+
+
+def header_table(result: Any, ctx: ReportContext) -> Table:
+    """Model config, parameter count, source (format, iteration), data, tokens measured, seeds, theory, loss."""
+    h = result.header
+    t = Table.grid(padding=(0, 2))
+    t.add_column(no_wrap=True)
+    t.add_column(overflow="fold")
+    _kv(t, "model", f"{h.model_class} {_config_line(h.config)}")
+    _kv(t, "parameters", f"{h.parameter_count:,} ({ctx.dtype} on {ctx.device})")
+    _kv(t, "source", ctx.source)
+    _kv(t, "tokens", f"{h.tokens_measured:,} measured = {h.seeds} seed(s) x {h.batches} batch(es) x "
+                     f"{h.batch_size} x {h.seq_len}; {ctx.data or h.token_source}")
+    seeds = f"seed {h.seed}" if h.seeds == 1 else f"seeds {h.seed}..{h.seed + h.seeds - 1}"
+    init = f", init {h.init}" if h.init else ""
+    _kv(t, "theory", f"{h.theory}{init}; {seeds}")
+    loss = Text(f"{num(h.loss, 4)}")
+    if h.loss_uniform is not None:
+        loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
+    _kv(t, "loss", loss)
+    return t
+
+
+def _finding_row(f: Any) -> tuple[Text, Text]:
+    style = VERDICT_STYLE.get(f.kind, "bold")
+    line = Text(verdict_text(f.kind).upper(), style=style)
+    where = f.where
+    extra = [x for x in (f"block {f.block}" if f.block is not None else "", f.direction or "") if x]
+    if extra:
+        where += f" ({', '.join(extra)})"
+    line.append(f"  {where}: ", style="bold")
+    line.append(f.message)
+    stat = f.statistic or "value"
+    line.append(f"\n{stat} = {num(f.value)}, threshold {num(f.threshold)}", style="dim")
+    if f.suggestion:
+        line.append("\n→ try: ", style="bold")
+        line.append(f.suggestion)
+    return Text("✗", style=style), line
+
+
+def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: int = 6) -> Panel:
+    """The verdict in plain words: healthy, or each finding with its number, threshold and suggestion."""
+    ctx = ctx or ReportContext()
+    body: list[RenderableType] = []
+    # The loader's list of non-finite weights is shown only when no finding already reports them.
+    nonfinite = [] if any(f.kind == "non_finite" for f in result.findings) else list(ctx.nonfinite_params)
+    if result.healthy and not nonfinite:
+        t = Text("✓ HEALTHY", style="bold green")
+        t.append(": no tensor vanishes, explodes, dies, saturates or turns non-finite", style="green")
+        h = result.header
+        if h.loss_uniform is not None:
+            t.append(f"; loss {num(h.loss, 4)} vs ln V {num(h.loss_uniform, 4)}", style="dim")
+        body.append(t)
+        title, border = "verdict: healthy", "green"
+    else:
+        n = len(result.findings) + (1 if nonfinite else 0)
+        head = Text(f"✗ NOT HEALTHY: {n} finding{'s' if n != 1 else ''}", style="bold red")
+        kinds = sorted({verdict_text(f.kind) for f in result.findings} | ({"non-finite"} if nonfinite else set()))
+        head.append(f" ({', '.join(kinds)})", style="red")
+        body.append(head)
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        grid.add_column(overflow="fold")
+        if nonfinite:
+            t = Text("NON-FINITE WEIGHTS", style=VERDICT_STYLE["non_finite"])
+            t.append(f"  {len(nonfinite)} parameter(s) hold NaN or inf: {', '.join(nonfinite[:4])}"
+                     f"{' ...' if len(nonfinite) > 4 else ''}")
+            grid.add_row(Text("✗", style="bold red"), t)
+        for f in result.findings[:max_findings]:
+            grid.add_row(*_finding_row(f))
+        body.append(grid)
+        if len(result.findings) > max_findings:
+            body.append(Text(f"... and {len(result.findings) - max_findings} more (see the table below and --json)",
+                             style="dim"))
+        title, border = "verdict: not healthy", "red"
+    return Panel(Group(*body), title=title, title_align="left", border_style=border, box=box.ROUNDED)
+
+
+def _depth_label(row: Any) -> str:
+    return "embed" if row.index == 0 else f"block {row.index - 1}"
+
+
+def depth_chart(result: Any) -> DepthChart:
+    """The residual stream over depth: forward variance and its gradient's, each beside its prediction."""
+    rows = result.depth
+    labels = [_depth_label(r) for r in rows]
+    fwd = DepthSeries("forward: residual variance", [r.forward_var for r in rows],
+                      [r.forward_predicted for r in rows], style="cyan")
+    bwd = DepthSeries("backward: gradient variance", [r.backward_var for r in rows],
+                      [r.backward_predicted for r in rows], style="magenta")
+    return DepthChart(labels, [fwd, bwd], title="Variance over depth (residual stream)")
+
+
+def _verdict_cell(kinds: Iterable[str], note: str = "") -> Text:
+    bad = [k for k in kinds if k and k != "ok"]
+    if not bad:
+        t = Text("ok", style=VERDICT_STYLE["ok"])
+    else:
+        t = Text()
+        for i, k in enumerate(dict.fromkeys(bad)):
+            if i:
+                t.append(", ")
+            t.append(verdict_text(k), style=VERDICT_STYLE.get(k, "bold"))
+    if note:
+        t.append(f" {note}", style="dim")
+    return t
+
+
+def _param_index(result: Any) -> dict[str, Any]:
+    return {p.name: p for p in result.params}
+
+
+def _weight_for(name: str, kind: str, params: dict[str, Any]) -> Any:
+    for suffix in _WEIGHT_OF.get(kind, ()):
+        p = params.get(name + suffix)
+        if p is not None:
+            return p
+    return None
+
+
+def _selected(result: Any, all_tensors: bool) -> list[str]:
+    """Tensor names in the order they were produced: the summary kinds plus anything flagged."""
+    names: list[str] = []
+    flagged = {r.name for r in result.tensors if r.verdict != "ok"} | {f.where for f in result.findings}
+    for r in result.tensors:
+        if r.name in names:
+            continue
+        if all_tensors or r.kind in SUMMARY_KINDS or r.name in flagged:
+            names.append(r.name)
+    return names
+
+
+class LayerTable:
+    """One row per tensor: forward variance vs predicted, ratio with its 99% interval, gradient variance
+    vs predicted, weight std / declared init std, and the verdict in words.
+
+    A renderable that fits itself to the width: below 110 columns numbers get two
+    significant digits and intervals lose their spaces, so the table fits 80 columns.
+    """
+
+    def __init__(self, result: Any, all_tensors: bool = False) -> None:
+        self.result = result
+        self.all_tensors = all_tensors
+
+    def table(self, width: int = 120) -> Table:
+        compact = width < 110
+        d = 2 if compact else 3
+
+        def n(v: Any) -> str:
+            text = num(v, d)
+            return num(v, 1) if compact and len(text) > 6 else text  # 9.0e-10 -> 9e-10
+
+        def interval(r: Any) -> str:
+            return ratio_interval(r.ratio, r.ratio_low, r.ratio_high, d, "," if compact else ", ")
+
+        result = self.result
+        rows = {(r.name, r.direction): r for r in result.tensors}
+        params = _param_index(result)
+        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, title="Per layer",
+                  title_justify="left", title_style="bold",
+                  caption="ratio = measured/predicted [99% interval over replicates]; w/init = weight std / "
+                          "declared init std; * = prediction outside its validity",
+                  caption_justify="left", caption_style="dim")
+        t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=13 if compact else 28)
+        t.add_column("fwd" if compact else "fwd var", justify="right", no_wrap=True)
+        t.add_column("pred", justify="right", no_wrap=True)
+        t.add_column("ratio [99%]", justify="right", no_wrap=True)
+        t.add_column("grad" if compact else "grad var", justify="right", no_wrap=True)
+        t.add_column("pred", justify="right", no_wrap=True)
+        t.add_column("w/init", justify="right", no_wrap=True)
+        t.add_column("flags", min_width=9, overflow="fold")
+        for name in _selected(result, self.all_tensors):
+            f, b = rows.get((name, "forward")), rows.get((name, "backward"))
+            w = _weight_for(name, (f or b).kind, params)
+            kinds = [r.verdict for r in (f, b) if r is not None] + ([w.verdict] if w is not None else [])
+            invalid = any(r is not None and r.predicted is not None and not r.valid for r in (f, b))
+
+            def pred(r: Any) -> str:
+                if r is None:
+                    return "-"
+                return n(r.predicted) + ("*" if r.predicted is not None and not r.valid else "")
+
+            t.add_row(
+                name,
+                n(f.var) if f else "-",
+                pred(f),
+                interval(f) if f else "-",
+                n(b.var) if b else "-",
+                pred(b),
+                "-" if w is None or w.drift is None else f"{w.drift:.2f}",
+                _verdict_cell(kinds, "*" if invalid else ""),
+            )
+        return t
+
+    def __rich_console__(self, console: Any, options: Any):
+        yield self.table(options.max_width)
+
+
+def layer_table(result: Any, all_tensors: bool = False, width: int = 120) -> Table:
+    """The per-layer table as a rich Table laid out for ``width`` columns (see :class:`LayerTable`)."""
+    return LayerTable(result, all_tensors).table(width)
+
+
+def attention_table(result: Any) -> Table:
+    """Per attention layer: score std, entropy (mean, min, uniform), saturated rows, and the
+    rank-collapse signal: mean cosine similarity between tokens after that block."""
+    cos_after = {r.index - 1: r.cosine for r in result.depth if r.index >= 1}
+    embed_cos = next((r.cosine for r in result.depth if r.index == 0), None)
+    caption = "entropy in nats (uniform: causal attention spread evenly); saturated: rows with max prob > 0.99; " \
+              "cosine: between tokens after the block (towards 1 = rank collapse)"
+    if embed_cos is not None:
+        caption += f"; after the embedding {num(embed_cos)}"
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False, title="Attention and rank collapse",
+              title_justify="left", title_style="bold", caption=caption, caption_justify="left", caption_style="dim")
+    for col in ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine"):
+        t.add_column(col, justify="right", no_wrap=True)
+    t.add_column("flags")
+    blocks_seen = set()
+    for a in result.attention:
+        blocks_seen.add(a.block)
+        t.add_row(str(a.block), num(a.score_std), num(a.entropy_mean), num(a.entropy_min), num(a.entropy_uniform),
+                  pct(a.saturated_frac), num(cos_after.get(a.block)), _verdict_cell([a.verdict]))
+    for blk in sorted(set(cos_after) - blocks_seen):  # blocks without an attention row still show cosine
+        t.add_row(str(blk), "-", "-", "-", "-", "-", num(cos_after[blk]), Text("-"))
+    return t
+
+
+def report(result: Any, ctx: ReportContext | None = None, extra: Sequence[RenderableType] = ()) -> Group:
+    """The whole report, in reading order: header, verdict, depth chart, per-layer table, attention panel, extras."""
+    ctx = ctx or ReportContext()
+    parts: list[RenderableType] = [header_table(result, ctx), Text(""), verdict_panel(result, ctx)]
+    if result.depth:
+        parts += [Text(""), depth_chart(result)]
+    parts += [Text(""), LayerTable(result, ctx.all_tensors)]
+    if result.attention or result.depth:
+        parts += [attention_table(result)]
+    for e in extra:
+        parts += [Text(""), e]
+    return Group(*parts)
