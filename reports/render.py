@@ -233,12 +233,12 @@ class LayerTable:
         result = self.result
         rows = {(r.name, r.direction): r for r in result.tensors}
         params = _param_index(result)
-        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, title="Per layer",
+        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1 if not compact else 0), pad_edge=False, show_edge=False, title="Per layer",
                   title_justify="left", title_style="bold",
                   caption="ratio = measured/predicted [99% interval over replicates]; w/init = weight std / "
                           "declared init std; * = prediction outside its validity",
                   caption_justify="left", caption_style="dim")
-        t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=13 if compact else 28)
+        t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=16 if compact else 28)
         t.add_column("fwd" if compact else "fwd var", justify="right", no_wrap=True)
         t.add_column("pred", justify="right", no_wrap=True)
         t.add_column("ratio [99%]", justify="right", no_wrap=True)
