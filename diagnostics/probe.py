@@ -11,7 +11,8 @@ lm_head's output is the logits), every ``tinylm.Tap`` (``layers.i.resid_mid``,
 ``layers.i.attn.scores``, ``layers.i.attn.probs``, ``layers.i.ffn.hidden``) and,
 for a tinylm model, each block's output (the residual stream; the embedding
 output is block 0's input) and the attention and FFN branches before they are
-added (outputs of ``layers.i.attn`` and ``layers.i.ffn``).
+added (outputs of ``layers.i.attn`` and ``layers.i.ffn``), and the attention heads
+before ``output_proj`` (``layers.i.attn.heads``, that module's input).
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
 the output needs a gradient, puts a hook on that tensor which reduces the
@@ -78,6 +79,7 @@ def instrument_points(model: nn.Module) -> dict[str, str]:
             points[name] = "residual"
         elif tiny and isinstance(mod, tinylm.MultiHeadSelfAttention):
             points[name] = "attn_branch"
+            points[f"{name}.heads"] = "attn_heads"  # output_proj's input: the heads, concatenated
         elif tiny and isinstance(mod, (tinylm.SwiGLU, tinylm.SiLUFFN)):
             points[name] = "ffn_branch"
         elif any(True for _ in mod.parameters(recurse=False)):
@@ -232,7 +234,7 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     points = instrument_points(model)
     if options.modules is not None:
         named = dict(model.named_modules())
-        missing = [m for m in options.modules if m not in named]
+        missing = [m for m in options.modules if m not in named and m not in points]
         if missing:
             raise OptionsError(f"modules={missing!r}: no such module in the model; names look like "
                                f"{', '.join(list(points)[:3])}")
@@ -254,6 +256,13 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
                 if t is not None and t.is_floating_point():
                     run._forward(_name, _kind, t)
                 return None
+            if kind == "attn_heads":  # not a module: the input of the attention's output_proj
+                def pre(module, inputs, _name=name, _kind=kind):
+                    if run.active and inputs and isinstance(inputs[0], Tensor):
+                        run._forward(_name, _kind, inputs[0])
+                    return None
+                handles.append(named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(pre))
+                continue
             handles.append(named[name].register_forward_hook(fwd))
         if options.eval_mode:
             model.eval()

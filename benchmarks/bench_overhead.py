@@ -1,0 +1,103 @@
+"""Overhead of the probe: forward+backward of the tinystories preset, bare versus probed.
+
+    python benchmarks/bench_overhead.py [--batch 4] [--seq 256] [--repeats 5] [--threads N]
+
+Both run in this one process on the same model and batch, alternating, after one
+warm-up each; the figure is the ratio of the median times (target <= 1.10). Peak
+memory is measured with tracemalloc-free means: torch's CPU allocator is not seen
+by tracemalloc, so we report the process's peak RSS growth (resource.getrusage)
+over a bare pass and over a probed pass, each measured in a fresh child process
+so that one pass's peak does not hide the other's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _model_and_batch(batch: int, seq: int):
+    import torch
+
+    import tinylm
+
+    config = tinylm.preset("tinystories")
+    model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    return model, tokens
+
+
+def _step(model, tokens) -> None:
+    import tinylm
+
+    loss = tinylm.functional.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _probed(model, tokens) -> None:
+    from diagnostics import probe
+
+    with probe(model) as run:
+        _step(model, tokens)
+    run.stats  # the one conversion to Python floats belongs to the cost
+
+
+def _peak(kind: str, batch: int, seq: int) -> None:
+    """Child: print the RSS growth (MiB) of one pass of ``kind`` over the model's resident size."""
+    import resource
+
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    model, tokens = _model_and_batch(batch, seq)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    (_probed if kind == "probed" else _step)(model, tokens)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"kind": kind, "growth_mib": (peak - base) / 1024}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--peak-child", choices=["bare", "probed"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.peak_child:
+        _peak(args.peak_child, args.batch, args.seq)
+        return 0
+    model, tokens = _model_and_batch(args.batch, args.seq)
+    _step(model, tokens)
+    _probed(model, tokens)
+    bare, probed = [], []
+    for _ in range(args.repeats):
+        t = time.perf_counter(); _step(model, tokens); bare.append(time.perf_counter() - t)
+        t = time.perf_counter(); _probed(model, tokens); probed.append(time.perf_counter() - t)
+    b, p = statistics.median(bare), statistics.median(probed)
+    threads = torch.get_num_threads()
+    print(f"tinystories preset, batch {args.batch} x {args.seq}, {threads} torch thread(s), {args.repeats} repeats")
+    print(f"forward+backward bare   : {b * 1000:8.1f} ms (median)")
+    print(f"forward+backward probed : {p * 1000:8.1f} ms (median)")
+    print(f"ratio probed/bare       : {p / b:8.3f}  (target <= 1.10)")
+    env = dict(os.environ, BENCH_THREADS=str(threads))
+    for kind in ("bare", "probed"):
+        out = subprocess.run([sys.executable, __file__, "--peak-child", kind, "--batch", str(args.batch),
+                              "--seq", str(args.seq)], capture_output=True, text=True, env=env, check=True)
+        growth = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
+        print(f"peak RSS growth of one {kind:6s} pass: {growth:8.1f} MiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
