@@ -31,7 +31,7 @@ __all__ = ["save", "load", "read_state", "infer_config", "CheckpointInfo", "atom
 
 FORMAT, VERSION = "tinylm", 1
 PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel wrappers
-SAFE_GLOBAL_MODULES = ("torch", "collections", "builtins", "numpy.core.multiarray", "_codecs")
+SAFE_GLOBAL_MODULES = ("torch", "collections", "builtins", "__builtin__", "numpy.core.multiarray", "_codecs")
 
 _FLAGS = {"num_heads": "--num-heads", "rope_theta": "--rope-theta", "context_length": "--context-length"}
 
@@ -106,7 +106,8 @@ def save(path: str | os.PathLike, model: TransformerLM, **extra: Any) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def _check_file(path: Path) -> None:
+def _check_file(path: Path) -> bytes:
+    """Refuse what is not a readable, non-empty file; return its first 16 bytes (format sniffing)."""
     if not path.exists():
         raise CheckpointError(f"{path}: no such file; check the path")
     if path.is_dir():
@@ -117,6 +118,13 @@ def _check_file(path: Path) -> None:
         raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod u+r)")
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path}: empty file (0 bytes); the save was probably interrupted; use another checkpoint")
+    try:
+        with open(path, "rb") as f:
+            return f.read(16)
+    except PermissionError:
+        raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod u+r)") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e}); check the file and its disk") from None
 
 
 def _pickle_globals(data: bytes) -> list[str]:
@@ -145,7 +153,8 @@ def _unsafe_globals(path: Path) -> list[str]:
             data = path.read_bytes()
     except Exception:
         return []
-    return [n for n in _pickle_globals(data) if not n.startswith(SAFE_GLOBAL_MODULES)]
+    bad = [n for n in _pickle_globals(data) if not n.startswith(SAFE_GLOBAL_MODULES)]
+    return list(dict.fromkeys(bad))  # unique, in order of appearance
 
 
 def _torch_load(path: Path, unsafe: bool) -> Any:
@@ -156,17 +165,19 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
                 return torch.load(f, map_location="cpu", weights_only=not unsafe)
     except CheckpointError:
         raise
+    except PermissionError:
+        raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod u+r)") from None
     except Exception as e:  # torch raises many types for a damaged file; classify them for the user
         if not unsafe:
             bad = _unsafe_globals(path)
             if bad:
                 raise UnsafeCheckpointError(
-                    f"{path}: holds pickled Python objects ({', '.join(sorted(set(bad))[:3])}) that a safe load will "
+                    f"{path}: holds pickled Python objects ({', '.join(bad[:3])}) that a safe load will "
                     "not execute; if it is a whole pickled model you trust, rerun with --unsafe-load, or convert it once: "
                     "torch.save(torch.load(p, weights_only=False).state_dict(), 'state.pt')"
                 ) from None
         msg = str(e).lower()
-        if isinstance(e, EOFError) or "central directory" in msg or "truncat" in msg or "unexpected end" in msg:
+        if isinstance(e, EOFError) or _is_broken_zip(path) or "central directory" in msg or "truncat" in msg:
             why = "truncated or damaged (the save was probably interrupted or the copy is incomplete)"
         elif _looks_like_text(path):
             why = "a text file, not a checkpoint"
@@ -175,23 +186,32 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
         raise CheckpointError(f"{path}: {why}; pass a file written by torch.save or safetensors") from None
 
 
-def _looks_like_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(512)
+def _is_broken_zip(path: Path) -> bool:
+    """Starts like a zip archive (torch's format) but has no readable end: cut short."""
     try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        return head == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+    except OSError:
+        return False
+
+
+def _looks_like_text(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(512)
         head.decode("utf-8")
-    except UnicodeDecodeError:
+    except (OSError, UnicodeDecodeError):
         return False
     return b"\x00" not in head
 
 
-def _is_safetensors(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(9)
+def _is_safetensors(head: bytes, size: int) -> bool:
+    """safetensors: 8-byte little-endian header length, then a JSON object."""
     if len(head) < 9:
         return False
     n = int.from_bytes(head[:8], "little")
-    return head[8:9] == b"{" and 0 < n <= path.stat().st_size - 8
+    return head[8:9] == b"{" and 0 < n <= size - 8
 
 
 def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -227,8 +247,8 @@ def _is_state_dict(obj: Any) -> bool:
 def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, CheckpointInfo]:
     """Read a file into (state_dict, stored config dict or None, info); no model is built."""
     path = Path(path)
-    _check_file(path)
-    if _is_safetensors(path) or path.suffix == ".safetensors":
+    head = _check_file(path)
+    if _is_safetensors(head, path.stat().st_size) or path.suffix == ".safetensors":
         state, meta = _read_safetensors(path)
         config = None
         info = CheckpointInfo(str(path), "safetensors", "inferred")
@@ -292,10 +312,13 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     blocks = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
     if not blocks:
         raise CheckpointError("no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model")
-    w1 = state.get("layers.0.ffn.w1.weight")
+    def any_block(suffix: str) -> str | None:  # the first block that has this key (one may be missing)
+        return next((f"layers.{i}.{suffix}" for i in sorted(blocks) if f"layers.{i}.{suffix}" in state), None)
+
+    w1 = state.get(any_block("ffn.w1.weight") or "")
     if w1 is None or w1.dim() != 2:
-        raise CheckpointError("no 2-D 'layers.0.ffn.w1.weight': cannot tell d_ff; is this a CS336/tinylm model?")
-    if "layers.0.ln1.weight" in state:
+        raise CheckpointError("no 2-D 'layers.N.ffn.w1.weight': cannot tell d_ff; is this a CS336/tinylm model?")
+    if any_block("ln1.weight") or any_block("ln2.weight"):
         norm = "pre" if "ln_final.weight" in state else "post"
     else:
         norm = "none"
@@ -306,7 +329,7 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
         d_model=emb.shape[1],
         num_layers=max(blocks) + 1,
         d_ff=w1.shape[0],
-        ffn="swiglu" if "layers.0.ffn.w3.weight" in state else "silu",
+        ffn="swiglu" if any_block("ffn.w3.weight") else "silu",
         norm=norm,
         tie_embeddings=bool(tied),
     )
