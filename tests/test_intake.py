@@ -13,6 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+# The ci profile runs 25 examples by default; thorough (500) scales the fuzz up 20-fold.
+SCALE = max(1, settings.default.max_examples // 25)
+
 import tinylm
 from diagnostics.memory import MemoryLimitError, check_fits, estimate_bytes
 from tinylm import checkpoint
@@ -217,7 +220,7 @@ def corrupt(data: bytes, kind: str, draw) -> bytes:
     return bytes(b)
 
 
-@settings(max_examples=320, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=320 * SCALE, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_checkpoints_load_or_fail_cleanly(tmp_path, valid_bytes, data):
     """Random bytes, bit flips and truncations of each format: a model or a CheckpointError, within 10 s."""

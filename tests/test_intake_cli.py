@@ -14,6 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+# The ci profile runs 25 examples by default; thorough (500) scales the fuzz up 20-fold.
+SCALE = max(1, settings.default.max_examples // 25)
+
 import tinylm
 from reports.cli import main
 from tinylm import checkpoint
@@ -157,7 +160,7 @@ def test_no_traceback_through_a_real_subprocess(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
-@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=40 * SCALE, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_checkpoints_through_the_cli(tmp_path, model, capsys, data):
     """Bit flips and truncations of a valid checkpoint: exit 0/1 with a report, or exit 2 in one line."""
