@@ -4,9 +4,12 @@
 three, ``compare`` runs init schemes side by side. See diagnostics/API.md.
 """
 
+from .diagnose import diagnose
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
 from .probe import ProbeRun, instrument_points, probe
 from .stats import AttnMoments, Moments, ParamStats, ProbeStats
+from .theory import Prediction, predict
+from .verdicts import Thresholds
 from .result import (
     SCHEMA_VERSION,
     AttentionRow,
@@ -19,6 +22,10 @@ from .result import (
 )
 
 __all__ = [
+    "diagnose",
+    "Thresholds",
+    "predict",
+    "Prediction",
     "probe",
     "ProbeRun",
     "instrument_points",

@@ -118,8 +118,9 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
                 ) -> dict[str, ParamStats]:
     """Per-parameter statistics (tied parameters once), with declared std from ``model.config.init``.
 
-    std = sqrt(mean((w - mean w)^2)) in float64; grad_std likewise for ``grads[name]``
-    (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank = sum sigma^2 / sigma_max^2
+    std = sqrt(mean((w - mean w)^2)) in float64 (NaN when any entry is non-finite; the
+    non-finite fraction says how many); grad_std likewise over the finite entries of
+    ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank = sum sigma^2 / sigma_max^2
     (torch.linalg.svdvals, float64), for 2-D finite parameters when ``spectral``.
     """
     decl = {}
@@ -129,30 +130,43 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
             decl = declare(model, config.init)
         except tinylm.TinyLMError:
             decl = {}
-    out: dict[str, ParamStats] = {}
+    names, plist, glist = [], [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
-        w = p.detach().double()
-        finite = torch.isfinite(w)
-        nonfinite = 1.0 - finite.double().mean().item() if w.numel() else 0.0
-        std = w.std(correction=0).item() if w.numel() else math.nan
-        g = grads.get(name) if grads is not None else p.grad
-        grad_std = grad_nf = None
-        if g is not None:
+        names.append(name)
+        plist.append(p)
+        glist.append(grads.get(name) if grads is not None else p.grad)
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    rows = []  # per parameter: std, nonfinite fraction, grad std, grad nonfinite fraction (0-d tensors)
+    for p, g in zip(plist, glist):
+        w = p.detach()
+        n = max(w.numel(), 1)
+        w64 = torch.nan_to_num(w.double(), nan=0.0, posinf=0.0, neginf=0.0)
+        nf = (w.numel() - torch.count_nonzero(torch.isfinite(w))).double() / n
+        std = w64.std(correction=0) if w.numel() else nan
+        std = torch.where(nf > 0, nan, std)
+        if g is not None and g.numel():
             g64 = g.detach().double()
-            grad_std = g64.std(correction=0).item() if g64.numel() else math.nan
-            grad_nf = 1.0 - torch.isfinite(g64).double().mean().item() if g64.numel() else 0.0
+            gnf = (g.numel() - torch.count_nonzero(torch.isfinite(g64))).double() / g.numel()
+            gstd = torch.nan_to_num(g64, nan=0.0, posinf=0.0, neginf=0.0).std(correction=0)
+        else:
+            gnf = gstd = nan
+        rows.append(torch.stack([std, nf, gstd, gnf]))
+    values = torch.stack(rows).tolist() if rows else []
+    out: dict[str, ParamStats] = {}
+    for name, p, g, (std, nf, gstd, gnf) in zip(names, plist, glist, values):
         spec = srank = None
-        if spectral and w.dim() == 2 and nonfinite == 0.0 and w.numel():
-            sv = torch.linalg.svdvals(w)
-            spec = sv[0].item()
-            srank = (sv.square().sum() / sv[0].square()).item() if spec > 0 else 0.0
+        if spectral and p.dim() == 2 and nf == 0.0 and p.numel():
+            sv = torch.linalg.svdvals(p.detach().double())
+            spec = float(sv[0])
+            srank = float(sv.square().sum() / sv[0].square()) if spec > 0 else 0.0
         d = decl.get(name)
         out[name] = ParamStats(
-            shape=tuple(p.shape), std=std, grad_std=grad_std, frac_nonfinite=nonfinite, grad_frac_nonfinite=grad_nf,
+            shape=tuple(p.shape), std=std, grad_std=None if g is None else gstd, frac_nonfinite=nf,
+            grad_frac_nonfinite=None if g is None else gnf,
             declared_std=d.actual_std if d is not None else None, declared=d.describe() if d is not None else "",
             spectral_norm=spec, stable_rank=srank,
         )

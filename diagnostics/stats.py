@@ -66,20 +66,23 @@ def _ones(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     return _ONES[key]
 
 
-def _sums64(v: Tensor) -> tuple[Tensor, Tensor]:
+def _sums64(v: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     """(sum v, sum v^2) of a flat finite tensor, as float64 0-d tensors.
 
     float32 data is summed in rows of 1024 (BLAS matrix-vector products, float32,
     relative error ~1e-7 per row) and the row sums are added in float64; float64
-    data is summed in float64.
+    data is summed in float64. float32 data is divided by ``scale`` (max |v|, float64 0-d)
+    first so that no square overflows, and the sums are scaled back in float64.
     """
     if v.dtype == torch.float64:
         return v.sum(), torch.dot(v, v)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    v = v / scale.to(v.dtype)  # |v| <= 1: the squares cannot overflow float32
     k = v.numel() // _ROW
     main, tail = v[: k * _ROW].view(k, _ROW), v[k * _ROW:]
     s1 = (main @ _ones(_ROW, v.dtype, v.device)).double().sum() + tail.double().sum()
     s2 = torch.linalg.vecdot(main, main).double().sum() + tail.double().square().sum()
-    return s1, s2
+    return s1 * scale, s2 * scale * scale
 
 
 @torch.no_grad()
@@ -106,32 +109,71 @@ def summarize(x: Tensor, valid: Tensor | None = None) -> Tensor:
         n_masked = (x.numel() // (T * T)) * (T * (T - 1) // 2)
         x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
     flat = x.reshape(-1)
-    n_total = float(flat.numel() - n_masked)
+    numel = flat.numel()
     dev = flat.device
-    if flat.numel() == 0:
+    if numel == 0:
         return torch.zeros(len(FIELDS), dtype=torch.float64, device=dev)
+    n_total = float(numel - n_masked)
     f32 = flat if flat.dtype == torch.float32 else flat.float()
-    expo = torch.bitwise_and(torch.bitwise_right_shift(f32.view(torch.int32), 23), 0xFF).to(torch.uint8)
-    hist = torch.bincount(expo, minlength=256).double()  # (256,) float32 exponent histogram
-    n_zero = (flat.numel() - torch.count_nonzero(flat)).double()  # NaN counts as nonzero
-    n_nonfinite = hist[255]
-    if flat.dtype == torch.float64:  # exponent of the float32 rounding is not the float64 one at the extremes
-        n_nonfinite = (~torch.isfinite(flat)).sum().double()
+    expo = torch.bitwise_and(torch.bitwise_right_shift(f32.view(torch.int32), 23), 0xFF)
+    counts = _selector(dev) @ torch.bincount(expo, minlength=256).double()  # nf, <2^-14, >=2^16, subnormal/0, >=2^127
+    nz = torch.count_nonzero(flat).double()  # NaN counts as nonzero
+    if flat.dtype == torch.float64:  # the float32 exponent misjudges float64 extremes as non-finite
+        counts = torch.cat([(numel - torch.count_nonzero(torch.isfinite(flat))).double().reshape(1), counts[1:]])
     clean = torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0)
-    s1, s2 = _sums64(clean)
-    n = n_total - n_nonfinite
-    safe = n.clamp(min=1.0)
-    mean = torch.where(n > 0, s1 / safe, torch.zeros_like(s1))
-    m2 = torch.where(n > 0, (s2 - s1 * mean).clamp(min=0.0), torch.zeros_like(s2))
     lo, hi = torch.aminmax(clean)
     max_abs = torch.maximum(-lo, hi).double()
-    n_zero = n_zero - n_masked
-    fp16_under = hist[:113].sum() - n_zero - n_masked  # exponent < 127-14: |x| < 2^-14
-    bf16_under = hist[0] - n_zero - n_masked           # float32 subnormals: |x| < 2^-126
-    fp16_over = hist[143:255].sum()                    # finite |x| >= 2^16
-    bf16_over = hist[254]                              # finite |x| >= 2^127 (bf16's top binade)
-    return torch.stack([torch.tensor(n_total, dtype=torch.float64, device=dev), n, mean, m2, max_abs, n_zero,
-                        fp16_under, fp16_over, bf16_under, bf16_over])
+    if flat.dtype == torch.float64 or numel <= _SMALL:
+        c64 = clean.double()
+        s1, s2 = c64.sum(), torch.dot(c64, c64)
+    else:
+        s1, s2 = _sums64(clean, max_abs)
+    n = (n_total - counts[0]).clamp(min=1.0)
+    mean = s1 / n
+    m2 = (s2 - s1 * mean).clamp(min=0.0)
+    raw = torch.cat([counts, torch.stack([nz, mean, m2, max_abs])])
+    const = torch.tensor([n_total, n_total, 0.0, 0.0, 0.0, numel - n_masked, -numel, 0.0, -numel, 0.0],
+                         dtype=torch.float64, device=dev)
+    return const + _assemble(dev) @ raw
+
+
+_SMALL = 1 << 16
+_SEL: dict[torch.device, Tensor] = {}
+_ASM: dict[torch.device, Tensor] = {}
+
+
+def _selector(dev: torch.device) -> Tensor:
+    """(5, 256) 0/1 rows over float32 exponents: 255 (inf/NaN), < 113 (|x| < 2^-14), 143..254
+    (finite |x| >= 2^16), 0 (zero or subnormal: |x| < 2^-126), 254 (finite |x| >= 2^127)."""
+    if dev not in _SEL:
+        sel = torch.zeros(5, 256, dtype=torch.float64)
+        sel[0, 255] = 1
+        sel[1, :113] = 1
+        sel[2, 143:255] = 1
+        sel[3, 0] = 1
+        sel[4, 254] = 1
+        _SEL[dev] = sel.to(dev)
+    return _SEL[dev]
+
+
+def _assemble(dev: torch.device) -> Tensor:
+    """(10, 9) map from raw = (nf, c113, c143, c0, c254, nonzero, mean, m2, max_abs) to FIELDS
+    (plus the constant vector built in summarize):
+    count = n_total - nf; n_zero = numel - n_masked - nonzero; fp16 underflow = c113 - zeros
+    - masked = c113 + nonzero - numel; bf16 underflow = c0 + nonzero - numel."""
+    if dev not in _ASM:
+        a = torch.zeros(10, 9, dtype=torch.float64)
+        a[1, 0] = -1          # count
+        a[2, 6] = 1           # mean
+        a[3, 7] = 1           # m2
+        a[4, 8] = 1           # max_abs
+        a[5, 5] = -1          # n_zero
+        a[6, 1], a[6, 5] = 1, 1   # fp16 underflow
+        a[7, 2] = 1           # fp16 overflow
+        a[8, 3], a[8, 5] = 1, 1   # bf16 underflow
+        a[9, 4] = 1           # bf16 overflow
+        _ASM[dev] = a.to(dev)
+    return _ASM[dev]
 
 
 def _chan(na: Tensor, ma: Tensor, m2a: Tensor, nb: Tensor, mb: Tensor, m2b: Tensor) -> tuple[Tensor, Tensor]:

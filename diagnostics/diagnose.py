@@ -1,0 +1,286 @@
+"""``diagnose``: probe + theory + verdicts in one call, returning a :class:`DiagnoseResult`.
+
+Replicates are the (seed, batch) pairs: each is measured by its own probe, so the
+99% interval of measured/predicted is a Student-t interval over replicates,
+mean_r(ratio_r) +- t_{0.995, R-1} sd_r / sqrt(R), never over the elements of one tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from datetime import datetime, timezone
+from functools import lru_cache
+
+import numpy as np
+import torch
+from scipy import stats as sstats
+from torch import Tensor, nn
+
+import tinylm
+from tinylm.init import declare
+
+from .options import DiagnoseOptions, OptionsError, ProbeOptions
+from .probe import block_index, probe
+from .result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
+from .stats import ProbeStats
+from .theory import Prediction, predict
+from .verdicts import Thresholds, judge
+
+__all__ = ["diagnose", "replicate_ratios", "t_interval"]
+
+CONFIDENCE = 0.99
+
+
+@lru_cache(maxsize=256)
+def _t_quantile(q: float, df: int) -> float:
+    return float(sstats.t.ppf(q, df))
+
+
+def t_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float | None, float | None]:
+    """(mean, low, high): Student-t interval of the mean of independent replicates (None, None if < 2)."""
+    v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
+    if v.size == 0:
+        return math.nan, None, None
+    m = float(v.mean())
+    if v.size < 2:
+        return m, None, None
+    half = _t_quantile(0.5 + confidence / 2, int(v.size - 1)) * float(v.std(ddof=1)) / math.sqrt(v.size)
+    return m, m - half, m + half
+
+
+def _vocab(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return config.vocab_size
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, tinylm.Embedding)):
+            return m.num_embeddings
+    return None
+
+
+def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -> tuple[list[Tensor], str]:
+    """The measured batches, each (B, seq_len + 1) int64."""
+    if tokens is None:
+        vocab = _vocab(model)
+        if vocab is None:
+            raise OptionsError("tokens=None: cannot draw random tokens for a model without a vocabulary "
+                               "(no config.vocab_size, no Embedding); pass tokens=")
+        gen = torch.Generator().manual_seed(options.seed)
+        return [torch.randint(0, vocab, (options.batch_size, seq_len + 1), generator=gen)
+                for _ in range(options.batches)], "random"
+    t = torch.as_tensor(np.asarray(tokens)) if not isinstance(tokens, Tensor) else tokens
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise OptionsError(f"tokens dtype {t.dtype}: token ids must be integers")
+    t = t.long()
+    if t.dim() == 1:
+        from .data import get_batch
+
+        gen = torch.Generator().manual_seed(options.seed)
+        out = []
+        for _ in range(options.batches):
+            x, y = get_batch(t.numpy(), options.batch_size, seq_len, gen)
+            out.append(torch.cat([x, y[:, -1:]], dim=1))
+        return out, "given"
+    if t.dim() != 2 or t.shape[1] < 3:
+        raise OptionsError(f"tokens shape {tuple(t.shape)}: pass (N, T+1) windows with T >= 2, or a 1-D token stream")
+    b = options.batch_size
+    chunks = [t[i:i + b] for i in range(0, t.shape[0], b)]
+    if len(chunks) > 1 and chunks[-1].shape[0] < b:
+        chunks = chunks[:-1]
+    return chunks, "given"
+
+
+def _loss(model: nn.Module, batch: Tensor) -> Tensor:
+    logits = model(batch[:, :-1])
+    return tinylm.functional.cross_entropy(logits.float(), batch[:, 1:])
+
+
+def _models(model: nn.Module, options: DiagnoseOptions) -> list[nn.Module]:
+    if options.seeds == 1:
+        return [model]
+    if not isinstance(model, tinylm.TransformerLM):
+        raise OptionsError(f"seeds={options.seeds}: re-initialising needs a tinylm.TransformerLM; use seeds=1")
+    out = []
+    for i in range(options.seeds):
+        m = copy.deepcopy(model)
+        tinylm.init.apply(m, model.config.init, generator=torch.Generator().manual_seed(options.seed + i))
+        m.zero_grad(set_to_none=True)
+        out.append(m)
+    return out
+
+
+def _fresh_init(stats: ProbeStats) -> bool:
+    drifts = [p.drift for p in stats.params.values() if p.drift is not None]
+    consts = [p for p in stats.params.values() if p.declared_std == 0]
+    return bool(drifts) and all(abs(d - 1) < 0.05 for d in drifts) and all(p.std == 0 for p in consts)
+
+
+def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = None) -> DiagnoseResult:
+    """Measure every instrumented tensor forward and backward, predict it, judge it.
+
+    Args:
+        model: maps token ids (B, T) to logits (B, T, V); theory, the depth chart and the
+            attention panel need a tinylm.TransformerLM. Left exactly as it was.
+        tokens: (N, T+1) windows, a 1-D token stream, or None (uniform random, seeded).
+        options: :class:`DiagnoseOptions`.
+    Returns: a :class:`DiagnoseResult` (see diagnostics/API.md).
+    """
+    options = options or DiagnoseOptions()
+    if not isinstance(options, DiagnoseOptions):
+        raise OptionsError(f"options={type(options).__name__}: pass a diagnostics.DiagnoseOptions")
+    if not isinstance(model, nn.Module):
+        raise OptionsError(f"model={type(model).__name__}: diagnose needs a torch.nn.Module")
+    thresholds = options.thresholds or Thresholds()
+    if not isinstance(thresholds, Thresholds):
+        raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
+    tiny = isinstance(model, tinylm.TransformerLM)
+    context = model.config.context_length if tiny else None
+    seq_len = options.seq_len or (min(context, 128) if context else 128)
+    if context and seq_len > context:
+        raise OptionsError(f"seq_len={seq_len} > the model's context_length={context}: pass seq_len <= {context}")
+    batches, source = _batches(model, tokens, options, seq_len)
+    seq_len = batches[0].shape[1] - 1
+    if context and seq_len > context:
+        raise OptionsError(f"tokens of length {seq_len} + 1 > the model's context_length={context} + 1: "
+                           "cut the windows")
+    models = _models(model, options)
+    progress = options.progress
+    total = len(models) * len(batches) + 2
+    done = 0
+
+    replicates: list[tuple[ProbeStats, nn.Module, int]] = []
+    losses: list[float] = []
+    for mi, m in enumerate(models):
+        for bi, batch in enumerate(batches):
+            popts = ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))
+            with probe(m, popts) as run:
+                loss = _loss(m, batch)
+                loss.backward()
+            losses.append(float(loss.detach()))
+            replicates.append((run.stats, m, batch.shape[0] * seq_len))
+            done += 1
+            if progress:
+                progress(done, total, f"measured seed {options.seed + mi}, batch {bi + 1}/{len(batches)}")
+    pooled = replicates[0][0]
+    for st, _, _ in replicates[1:]:
+        pooled = pooled.merge(st)
+    first_params = replicates[0][0].params
+
+    # theory
+    mode = options.theory
+    if not tiny:
+        mode = "none"
+    elif mode == "auto":
+        mode = "global" if _fresh_init(replicates[0][0]) else "local"
+    per_rep: list[dict[tuple[str, str], Prediction]] = []
+    pooled_pred: dict[tuple[str, str], Prediction] = {}
+    if mode != "none":
+        for st, m, n_tok in replicates:
+            if mode == "global" and per_rep:
+                per_rep.append(per_rep[0])
+                continue
+            per_rep.append(predict(m, mode, st, seq_len=seq_len, tokens=n_tok))
+        pooled_pred = per_rep[0] if mode == "global" else predict(models[0], mode, pooled, seq_len=seq_len,
+                                                                      tokens=replicates[0][2])
+    done += 1
+    if progress:
+        progress(done, total, f"theory ({mode})")
+
+    # tensor rows
+    rows: list[TensorRow] = []
+    names = list(pooled.order)
+    for direction in ("forward", "backward"):
+        seq = names if direction == "forward" else list(reversed(names))
+        for name in seq:
+            mom = pooled.tensors.get((name, direction))
+            if mom is None:
+                continue
+            pred = pooled_pred.get((name, direction))
+            ratio = low = high = None
+            if pred is not None and pred.var > 0:
+                rs = []
+                for (st, _, _), pr in zip(replicates, per_rep):
+                    mm, pp = st.tensors.get((name, direction)), pr.get((name, direction))
+                    if mm is not None and pp is not None and pp.var > 0 and mm.count:
+                        rs.append(mm.var / pp.var)
+                ratio, low, high = t_interval(rs)
+                if not math.isfinite(ratio):
+                    ratio = None
+            rows.append(TensorRow(
+                name=name, block=block_index(name), kind=pooled.kinds.get(name, "module"), direction=direction,
+                count=int(mom.count), mean=mom.mean, var=mom.var, mean_square=mom.mean_square, max_abs=mom.max_abs,
+                frac_zero=mom.frac_zero, frac_nonfinite=mom.frac_nonfinite,
+                frac_fp16_underflow=mom.frac_fp16_underflow, frac_fp16_overflow=mom.frac_fp16_overflow,
+                frac_bf16_underflow=mom.frac_bf16_underflow, frac_bf16_overflow=mom.frac_bf16_overflow,
+                predicted=pred.var if pred is not None else None, ratio=ratio, ratio_low=low, ratio_high=high,
+                theory=mode if pred is not None else "", valid=pred.valid if pred is not None else True,
+                validity=pred.validity if pred is not None else "",
+            ))
+
+    params = [ParamRow(
+        name=n, block=block_index(n), shape=tuple(p.shape), std=p.std, declared_std=p.declared_std,
+        declared=p.declared, drift=p.drift, spectral_norm=p.spectral_norm, stable_rank=p.stable_rank,
+        grad_std=p.grad_std, frac_nonfinite=p.frac_nonfinite) for n, p in first_params.items()]
+
+    attention: list[AttentionRow] = []
+    for name, am in pooled.attention.items():
+        base = name[: -len(".probs")] if name.endswith(".probs") else name
+        sc = pooled.tensors.get((f"{base}.scores", "forward"))
+        T = seq_len
+        attention.append(AttentionRow(
+            name=base, block=block_index(name) if block_index(name) is not None else -1,
+            score_std=sc.std if sc is not None else math.nan, entropy_mean=am.entropy_mean,
+            entropy_min=am.entropy_min, entropy_uniform=float(np.mean(np.log(np.arange(1, T + 1)))),
+            saturated_frac=am.saturated_frac))
+
+    depth: list[DepthRow] = []
+    if tiny:
+        points = ["token_embeddings"] + [f"layers.{i}" for i in range(model.config.num_layers)]
+        for k, name in enumerate(points):
+            f = pooled.tensors.get((name, "forward"))
+            if f is None:
+                continue
+            b = pooled.tensors.get((name, "backward"))
+            pf, pb = pooled_pred.get((name, "forward")), pooled_pred.get((name, "backward"))
+            cos = pooled.cosine.get(name)
+            depth.append(DepthRow(index=k, name=name, forward_var=f.var, forward_predicted=pf.var if pf else None,
+                                  backward_var=b.var if b is not None else None,
+                                  backward_predicted=pb.var if pb else None,
+                                  cosine=cos.mean if cos is not None else math.nan))
+
+    # verdicts
+    deliberate: set[str] = set()
+    if tiny:
+        decl = declare(model, model.config.init) if model.config.init in tinylm.init.SCHEMES else {}
+        named = dict(model.named_parameters())
+        for pname, dist in decl.items():
+            if dist.family == "constant" and dist.value == 0 and pname.endswith(".weight") \
+                    and not bool(named[pname].detach().any()):
+                mod = pname[: -len(".weight")]
+                deliberate.add(mod)
+                if mod.endswith("attn.output_proj"):
+                    deliberate.add(mod[: -len(".output_proj")])
+                if mod.endswith("ffn.w2"):
+                    deliberate.add(mod[: -len(".w2")])
+    findings, tv, pv, av = judge(rows, params, attention, depth, list(pooled.order), thresholds, deliberate)
+    rows = [dataclasses.replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows]
+    params = [dataclasses.replace(p, verdict=pv.get(p.name, "ok")) for p in params]
+    attention = [dataclasses.replace(a, verdict=av.get(a.name, "ok")) for a in attention]
+    done += 1
+    if progress:
+        progress(done, total, "verdicts")
+
+    config = model.config.to_dict() if tiny else None
+    vocab = _vocab(model)
+    header = Header(
+        model_class=type(model).__name__, config=config,
+        parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        init=model.config.init if tiny else "", tokens_measured=sum(b.shape[0] for b in batches) * seq_len * len(models),
+        batch_size=options.batch_size, seq_len=seq_len, batches=len(batches), seeds=len(models), seed=options.seed,
+        theory=mode, loss=float(np.mean(losses)), loss_uniform=math.log(vocab) if vocab else None,
+        token_source=source)
+    return DiagnoseResult(header=header, tensors=rows, params=params, attention=attention, depth=depth,
+                          findings=findings, thresholds=thresholds.to_dict(),
+                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -1,0 +1,263 @@
+"""Verdicts: ok, vanishing, exploding, dead, saturated attention, non-finite.
+
+Every finding carries the number that triggered it and the threshold it crossed.
+All thresholds live in :class:`Thresholds`, each with its default and rationale.
+
+The residual stream is judged by its per-block gain r_k = Var(out_k) / Var(in_k)
+(forward) and the gradient's gain on the way down, not by the total growth: a
+pre-norm stream adds a bounded branch variance per block, so it grows linearly
+(about 40x over 48 blocks at d_model 128 under cs336, each gain close to 1), while an
+unnormalised stream multiplies per block (geometric growth, gains far above 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from .options import OptionsError
+from .probe import block_index as block_of
+from .result import AttentionRow, DepthRow, Finding, ParamRow, TensorRow
+
+__all__ = ["Thresholds", "judge", "growth"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Thresholds of every verdict (defaults, and why).
+
+    exploding_gain = 4.0: a block multiplying the stream's variance (forward) or its
+        gradient's (backward) by more than 4. A pre-norm block adds one normalised
+        branch, so its gain is 1 + Var(branch)/Var(stream) <= 2 at init for every
+        registered scheme; an unnormalised block at cs336 init multiplies by ~10-1000.
+    exploding_total = 1e4: the stream's variance from the embedding to the last block
+        grew more than 1e4-fold even though no single block crossed exploding_gain
+        (sustained geometric growth); linear pre-norm growth needs ~1e4 blocks to get there.
+    vanishing_gain = 0.25: a block shrinking the stream gradient (on the way down) or the
+        stream (forward) to under a quarter: four such blocks lose 2.4 decades.
+    vanishing_branch = 1e-6: a residual branch whose variance is below a millionth of the
+        stream it is added to contributes nothing (the block is the identity, its
+        weights get no signal). An exactly-zero branch from a deliberately zero
+        initialised output (zero-residual scheme) is exempt.
+    vanishing_grad = 1e-4: a block whose median weight-gradient std is below 1e-4 of
+        the largest in the model learns 1e4 times slower than the rest under SGD (healthy
+        inits measure 0.02-1; q/k weights alone may sit near 5e-3, hence the median).
+        Exempt: blocks with a deliberately zero-initialised weight (zero-residual), whose
+        earlier weights get no gradient on the first step by design.
+    dead_fraction = 0.9: more than 90% of a tensor's entries exactly zero (dead units);
+        exempt: the outputs of a deliberately zero-initialised Linear.
+    saturated_rows = 0.5: more than half the query rows (t >= 1) put > 0.99 of their
+        attention on one key: softmax gradients vanish there (p(1-p) < 0.01).
+    nonfinite_fraction = 0.0: any inf or NaN is a finding.
+    """
+
+    exploding_gain: float = 4.0
+    exploding_total: float = 1e4
+    vanishing_gain: float = 0.25
+    vanishing_branch: float = 1e-6
+    vanishing_grad: float = 1e-4
+    dead_fraction: float = 0.9
+    saturated_rows: float = 0.5
+    nonfinite_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise OptionsError(f"{f.name}={v!r}: a threshold must be a finite number >= 0")
+        if self.exploding_gain <= 1 or self.vanishing_gain >= 1:
+            raise OptionsError(f"exploding_gain={self.exploding_gain}, vanishing_gain={self.vanishing_gain}: "
+                               "need exploding_gain > 1 > vanishing_gain")
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in asdict(self).items()}
+
+
+def growth(values: list[float]) -> str:
+    """"geometric" when log-variance over depth is fitted better by a line than the variance
+    itself (R^2 compared), "linear" otherwise, "flat" under 2x total change, "" if undefined."""
+    v = [x for x in values if x is not None and math.isfinite(x) and x > 0]
+    if len(v) < 3:
+        return ""
+    if max(v) / min(v) < 2:
+        return "flat"
+
+    def r2(ys: list[float]) -> float:
+        n = len(ys)
+        xs = list(range(n))
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+        syy = sum((y - my) ** 2 for y in ys)
+        return (sxy * sxy / (sxx * syy)) if syy > 0 else 1.0
+
+    return "geometric" if r2([math.log(x) for x in v]) > r2(v) else "linear"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
+          order: list[str], thresholds: Thresholds, deliberate_zero: set[str] = frozenset()
+          ) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
+    """All findings, and the verdict of each tensor (name, direction), parameter and attention layer.
+
+    ``order``: tensor names in forward execution order (the first non-finite one is named).
+    ``deliberate_zero``: tensor names that are exactly zero by design (output of a Linear
+    whose init scheme declares it constant 0, e.g. the zero-residual scheme).
+    """
+    th = thresholds
+    findings: list[Finding] = []
+    tv: dict[tuple[str, str], str] = {}
+    pv: dict[str, str] = {}
+    av: dict[str, str] = {}
+    rows = {(r.name, r.direction): r for r in tensors}
+    rank = {n: i for i, n in enumerate(order)}
+
+    # non-finite: the first tensor (forward order, then backward in reverse order) to hold inf/NaN
+    bad_fwd = sorted((r for r in tensors if r.direction == "forward" and r.frac_nonfinite > th.nonfinite_fraction),
+                     key=lambda r: rank.get(r.name, 1 << 30))
+    bad_bwd = sorted((r for r in tensors if r.direction == "backward" and r.frac_nonfinite > th.nonfinite_fraction),
+                     key=lambda r: -rank.get(r.name, -1))
+    bad_params = [p for p in params if p.frac_nonfinite > th.nonfinite_fraction]
+    for r in bad_fwd + bad_bwd:
+        tv[(r.name, r.direction)] = "non_finite"
+    for p in bad_params:
+        pv[p.name] = "non_finite"
+    if bad_fwd or bad_bwd or bad_params:
+        first = (bad_fwd or bad_bwd or [None])[0]
+        where = first.name if first is not None else bad_params[0].name
+        value = first.frac_nonfinite if first is not None else bad_params[0].frac_nonfinite
+        held = f"; parameter(s) holding inf/NaN: {', '.join(p.name for p in bad_params[:3])}" if bad_params else ""
+        findings.append(Finding(
+            kind="non_finite", where=where, value=value, threshold=th.nonfinite_fraction,
+            statistic="fraction of entries non-finite", direction=first.direction if first else None,
+            block=first.block if first else bad_params[0].block,
+            message=f"{where} is the first tensor with non-finite entries ({_fmt(100 * value)}% > "
+                    f"{_fmt(100 * th.nonfinite_fraction)}%){held}",
+            suggestion="restore the weights from a finite checkpoint" if bad_params else
+                       "look at the op that produces this tensor: overflow (lower the learning rate, "
+                       "add or fix a norm) or a division by zero / log of zero"))
+
+    # exploding / vanishing along the residual stream
+    fwd = [d.forward_var for d in depth]
+    bwd = [d.backward_var for d in depth]
+    kind_of = growth(fwd)
+    for direction, vals in (("forward", fwd), ("backward", bwd)):
+        if len(vals) < 2 or any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
+            continue
+        if direction == "forward":  # block k takes index k to k+1
+            gains = [(k, vals[k + 1] / vals[k]) for k in range(len(vals) - 1)]
+        else:  # on the way down block k takes the gradient at k+1 to k
+            gains = [(k, vals[k] / vals[k + 1]) for k in reversed(range(len(vals) - 1))]
+        what = "variance" if direction == "forward" else "gradient variance"
+        up = [(k, g) for k, g in gains if g > th.exploding_gain]
+        down = [(k, g) for k, g in gains if g < th.vanishing_gain]
+        total = vals[-1] / vals[0] if direction == "forward" else vals[0] / vals[-1]
+        if up:
+            k, g = up[0]
+            findings.append(Finding(
+                kind="exploding", where=f"layers.{k}", value=g, threshold=th.exploding_gain,
+                statistic=f"per-block {direction} {what} gain", direction=direction, block=k,
+                message=f"block {k} multiplies the residual stream's {what} by {_fmt(g)} (> {_fmt(th.exploding_gain)}); "
+                        f"{len(up)} of {len(gains)} blocks do, {_fmt(total)}x in all ({kind_of or 'geometric'} growth)",
+                suggestion="normalise the branches (pre-norm RMSNorm) or scale the residual outputs down "
+                           "(e.g. gpt2's 1/sqrt(2L) or small-init)"))
+        elif total > th.exploding_total:
+            geo = total ** (1 / max(len(gains), 1))
+            k = next((k for k, g in gains if g >= geo), gains[0][0])
+            findings.append(Finding(
+                kind="exploding", where=f"layers.{k}", value=total, threshold=th.exploding_total,
+                statistic=f"total {direction} {what} growth over depth", direction=direction, block=k,
+                message=f"the residual stream's {what} grows {_fmt(total)}x over {len(gains)} blocks "
+                        f"(> {_fmt(th.exploding_total)}; {_fmt(geo)}x per block, {kind_of or 'geometric'} growth)",
+                suggestion="scale the residual outputs by 1/sqrt(2L) or use pre-norm"))
+        if down:
+            k, g = down[0]
+            findings.append(Finding(
+                kind="vanishing", where=f"layers.{k}", value=g, threshold=th.vanishing_gain,
+                statistic=f"per-block {direction} {what} gain", direction=direction, block=k,
+                message=f"block {k} shrinks the residual stream's {what} by a factor {_fmt(g)} (< {_fmt(th.vanishing_gain)}); "
+                        f"{len(down)} of {len(gains)} blocks do",
+                suggestion="check the norm placement and the scale of the residual branches"))
+
+    # vanishing branches (forward) and vanishing weight gradients (backward), per block
+    small_branches = []
+    for r in tensors:
+        if r.direction != "forward" or r.kind not in ("attn_branch", "ffn_branch") or r.block is None:
+            continue
+        if r.name in deliberate_zero:
+            continue
+        stream = (f"layers.{r.block - 1}" if r.block > 0 else "token_embeddings") if r.kind == "attn_branch" \
+            else f"layers.{r.block}.resid_mid"
+        s = rows.get((stream, "forward"))
+        if s is None or not s.var > 0 or not math.isfinite(r.var):
+            continue
+        ratio = r.var / s.var
+        if ratio < th.vanishing_branch:
+            small_branches.append((r, ratio))
+            tv[(r.name, "forward")] = "vanishing"
+    if small_branches:
+        r, ratio = small_branches[0]
+        findings.append(Finding(
+            kind="vanishing", where=r.name, value=ratio, threshold=th.vanishing_branch,
+            statistic="branch variance / stream variance", direction="forward", block=r.block,
+            message=f"{r.name} adds {_fmt(ratio)} of the stream's variance (< {_fmt(th.vanishing_branch)}); "
+                    f"{len(small_branches)} branches are this small, so their blocks act as the identity",
+            suggestion="the weights are far too small for their fan-in: re-initialise with a scheme whose "
+                       "std is ~1/sqrt(d_in) (cs336, kaiming)"))
+    grads = [(p, p.grad_std) for p in params if p.grad_std is not None and math.isfinite(p.grad_std) and len(p.shape) == 2]
+    top = max((g for _, g in grads), default=0.0)
+    exempt = {block_of(n) for n in deliberate_zero} - {None}
+    if top > 0:
+        per_block: dict[int, list[float]] = {}
+        for p, g in grads:
+            if p.block is not None and p.block not in exempt:
+                per_block.setdefault(p.block, []).append(g / top)
+        medians = {b: sorted(v)[len(v) // 2] for b, v in per_block.items()}
+        weak = sorted((b, r) for b, r in medians.items() if r < th.vanishing_grad)
+        for b, _ in weak:
+            for q, _g in grads:
+                if q.block == b:
+                    pv[q.name] = "vanishing"
+        if weak:
+            b, ratio = weak[0]
+            findings.append(Finding(
+                kind="vanishing", where=f"layers.{b}", value=ratio, threshold=th.vanishing_grad,
+                statistic="median weight-gradient std in the block / largest in the model", direction="backward",
+                block=b,
+                message=f"the weights of block {b} get gradients {_fmt(ratio)} times the model's largest (median; "
+                        f"< {_fmt(th.vanishing_grad)}); {len(weak)} of {len(medians)} blocks are this starved",
+                suggestion="the signal reaching these weights is too small: larger init std for the branch "
+                           "weights, or normalise the branch inputs"))
+
+    # dead tensors
+    dead = [r for r in tensors if r.direction == "forward" and r.kind not in ("attn_probs", "attn_scores")
+            and r.name not in deliberate_zero and r.frac_zero > th.dead_fraction]
+    for r in dead:
+        tv[(r.name, "forward")] = "dead"
+    if dead:
+        r = sorted(dead, key=lambda r: rank.get(r.name, 1 << 30))[0]
+        findings.append(Finding(
+            kind="dead", where=r.name, value=r.frac_zero, threshold=th.dead_fraction,
+            statistic="fraction of entries exactly zero", direction="forward", block=r.block,
+            message=f"{_fmt(100 * r.frac_zero)}% of {r.name}'s entries are exactly zero (> {_fmt(100 * th.dead_fraction)}%); "
+                    f"{len(dead)} tensors are this dead",
+            suggestion="units that output exactly zero get no gradient: check for a zeroed weight or a "
+                       "saturated gate"))
+
+    # saturated attention
+    sat = [a for a in attention if a.saturated_frac > th.saturated_rows]
+    for a in sat:
+        av[a.name] = "saturated"
+    if sat:
+        a = sat[0]
+        findings.append(Finding(
+            kind="saturated", where=a.name, value=a.saturated_frac, threshold=th.saturated_rows,
+            statistic="fraction of query rows with max probability > 0.99", direction="forward", block=a.block,
+            message=f"{_fmt(100 * a.saturated_frac)}% of {a.name}'s query rows put > 0.99 on one key "
+                    f"(> {_fmt(100 * th.saturated_rows)}%); score std {_fmt(a.score_std)}",
+            suggestion="the attention logits are too large: check the 1/sqrt(d_k) scaling and the q/k weight "
+                       "scale (or add QK-norm)"))
+    return findings, tv, pv, av
