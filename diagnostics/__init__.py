@@ -4,6 +4,7 @@
 three, ``compare`` runs init schemes side by side. See diagnostics/API.md.
 """
 
+from .compare import compare
 from .diagnose import diagnose
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
 from .probe import ProbeRun, instrument_points, probe
@@ -23,6 +24,7 @@ from .result import (
 
 __all__ = [
     "diagnose",
+    "compare",
     "Thresholds",
     "predict",
     "Prediction",
