@@ -1,0 +1,215 @@
+"""Train a small model while watching per-layer statistics (tinylm train).
+
+``tinylm train --preset tiny --steps 200 -o model.pt`` trains on the built-in
+corpus (the Python standard library's source, as bytes); ``--data`` takes a
+.npy/.bin (uint16) token file or a .txt file. Every ``--watch-every`` steps the
+watch records per-layer moments into the checkpoint's history, which
+``tinylm diagnose model.pt`` draws as its "during training" panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from .cli import UsageError
+
+# Hyper-parameter flags: default None so that a resumed run keeps the stored value unless the flag is given.
+_TRAIN_FLAGS = {
+    "steps": (int, "total optimizer steps (default 200; a resumed run continues up to this number)"),
+    "batch_size": (int, "sequences per step (default 32)"),
+    "lr": (float, "peak learning rate after warmup (default 3e-3)"),
+    "min_lr": (float, "floor of the cosine decay (default lr/10)"),
+    "warmup": (int, "linear warmup steps (default min(100, steps/10))"),
+    "weight_decay": (float, "AdamW weight decay (default 0.1)"),
+    "clip": (float, "maximum global gradient norm, 0 disables clipping (default 1.0)"),
+    "watch_every": (int, "record the watch every K steps, 0 turns it off (default 25)"),
+    "spike_factor": (float, "a loss above this multiple of the running loss is a spike (default 1.5)"),
+    "checkpoint_every": (int, "also save the checkpoint every N steps (default 0: at the end only)"),
+}
+_MODEL_FLAGS = ("norm", "ffn", "d_model", "d_ff", "num_layers", "num_heads", "context_length", "vocab_size")
+DEFAULT_STEPS = 200
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tinylm.config import PRESETS
+    from tinylm.init import SCHEMES
+
+    p.add_argument("--preset", help=f"model sizes: {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--init", help=f"init scheme: {', '.join(SCHEMES)} (default cs336)")
+    p.add_argument("--data", help="token file: .npy or .bin (uint16 ids) or .txt (bytes); default: the built-in corpus")
+    p.add_argument("-o", "--output", required=True, help="where to write the checkpoint (.pt)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint written by tinylm train")
+    p.add_argument("--seed", type=int, help="seed of the init draws and the batch sampler (default 0)")
+    for name, (kind, text) in _TRAIN_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
+    p.add_argument("--norm", choices=["pre", "post", "none"], help="norm placement (default: the preset's, pre)")
+    p.add_argument("--ffn", choices=["swiglu", "silu"], help="feed-forward kind (default swiglu)")
+    p.add_argument("--d-model", type=int, help="override the preset's width (d_ff follows as 8/3 d unless --d-ff)")
+    p.add_argument("--d-ff", type=int, help="override the feed-forward width")
+    p.add_argument("--num-layers", type=int, help="override the preset's number of blocks")
+    p.add_argument("--num-heads", type=int, help="override the preset's number of heads")
+    p.add_argument("--context-length", type=int, help="override the preset's context length (the training window)")
+    p.add_argument("--vocab-size", type=int, help="override the preset's vocabulary (>= 256 for byte data)")
+    p.add_argument("--watch-json", metavar="PATH", help="also write the watch history as JSON")
+    p.add_argument("--watch-csv", metavar="PATH", help="also write the watch history as tidy CSV rows")
+    p.add_argument("--quiet", action="store_true", help="no progress display, only the summary")
+
+
+def _check_output(path: Path, force: bool, resume: str | None) -> None:
+    if path.is_dir():
+        raise UsageError(f"-o {path} is a directory; give a file name such as {path / 'model.pt'}")
+    same = resume is not None and Path(resume).resolve() == path.resolve()
+    if path.exists() and not force and not same:
+        raise UsageError(f"{path} exists; pass --force to overwrite it or choose another -o")
+
+
+def _build_model(args: argparse.Namespace):
+    import torch
+
+    from tinylm import TransformerLM, default_d_ff, preset
+    from tinylm.init import get
+
+    init = args.init or "cs336"
+    get(init)  # unknown scheme: a clear error before any work
+    changes = {"init": init}
+    for name in _MODEL_FLAGS:
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if "d_model" in changes and "d_ff" not in changes:
+        changes["d_ff"] = default_d_ff(changes["d_model"])
+    config = preset(args.preset or "tiny", **changes)
+    return TransformerLM(config, generator=torch.Generator().manual_seed(args.seed or 0))
+
+
+def _load_data(args: argparse.Namespace, vocab_size: int):
+    from diagnostics.data import DataError, load_tokens, stdlib_corpus
+
+    if args.data is not None:
+        return load_tokens(args.data, vocab_size), str(args.data)
+    if vocab_size < 256:
+        raise DataError(f"the built-in corpus is bytes (ids 0..255) but vocab_size={vocab_size}; "
+                        "use --vocab-size 256 or more, or pass --data with your own token file")
+    return stdlib_corpus(), "the built-in corpus (Python standard library source, as bytes)"
+
+
+def _options(args: argparse.Namespace, stored: dict | None):
+    from diagnostics.train import TrainOptions
+
+    given = {name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None}
+    if args.seed is not None:
+        given["seed"] = args.seed
+    if stored:
+        return TrainOptions.from_dict(stored, **given)
+    given.setdefault("steps", DEFAULT_STEPS)
+    return TrainOptions(**given)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from diagnostics import watch as watchmod
+    from diagnostics.train import load_training, train
+
+    out = Path(args.output)
+    resume = None
+    if args.resume is not None:
+        shaped = [n for n in ("preset", "init", *_MODEL_FLAGS) if getattr(args, n) is not None]
+        if shaped:
+            flags = ", ".join("--" + n.replace("_", "-") for n in shaped)
+            raise UsageError(f"{flags}: a resumed run keeps the checkpoint's model; drop these flags or start a new run")
+        model, resume = load_training(args.resume)
+        options = _options(args, resume.get("options"))
+        if args.data is None and resume.get("data"):  # the run's own data, if it is still there
+            if not Path(resume["data"]).is_file():
+                raise UsageError(f"the checkpoint was trained on {resume['data']}, which is gone; pass --data")
+            args.data = resume["data"]
+    else:
+        options = _options(args, None)
+        model = _build_model(args)
+    _check_output(out, args.force, args.resume)
+    for flag in ("watch_json", "watch_csv"):
+        target = getattr(args, flag)
+        if target is not None and Path(target).is_dir():
+            raise UsageError(f"--{flag.replace('_', '-')} {target} is a directory; give a file name")
+    tokens, source = _load_data(args, model.config.vocab_size)
+
+    console = Console(highlight=False, soft_wrap=True)
+    c = model.config
+    console.print(
+        f"training {model.num_parameters():,} parameters (d={c.d_model}, L={c.num_layers}, H={c.num_heads}, "
+        f"norm={c.norm}, V={c.vocab_size}, T={c.context_length}) on {source}: {len(tokens):,} tokens"
+    )
+    if resume is not None:
+        console.print(f"resuming from {args.resume} at iteration {resume['iteration']}")
+    display = _Display(console, options.steps, quiet=args.quiet)
+    with display:
+        result = train(model, tokens, options, output=out, resume=resume, on_step=display.step,
+                       on_event=display.event, data=None if args.data is None else str(Path(args.data).resolve()))
+    _summary(console, result, options, out)
+    for flag, writer in (("watch_json", watchmod.write_json), ("watch_csv", watchmod.write_csv)):
+        target = getattr(args, flag)
+        if target is not None:
+            writer(result.history, target)
+            console.print(f"wrote the watch history to {target}")
+    return 0
+
+
+class _Display:
+    """A rich progress bar with step, loss, tokens/s, learning rate and gradient norm."""
+
+    def __init__(self, console, steps: int, quiet: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.console = console
+        self.lines = not quiet and not console.is_terminal  # a pipe or a log file: plain lines
+        self.progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(bar_width=24),
+            TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  lr {task.fields[lr]}  |g| {task.fields[gn]}"),
+            TimeElapsedColumn(), console=console, transient=False, disable=quiet or self.lines,
+        )
+        self.task = self.progress.add_task("train", total=steps, loss="-", tps="-", lr="-", gn="-")
+        self.last_print = 0
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def step(self, info) -> None:
+        self.progress.update(self.task, completed=info.step, loss=f"{info.loss:.4f}", tps=f"{info.tokens_per_s:,.0f}",
+                             lr=f"{info.lr:.2e}", gn=f"{info.grad_norm:.3g}")
+        if self.lines and (info.step - self.last_print >= max(1, info.steps // 10) or info.step == info.steps):
+            # no live display: a line every tenth of the run
+            self.last_print = info.step
+            self.console.print(f"step {info.step}/{info.steps}  loss {info.loss:.4f}  {info.tokens_per_s:,.0f} tok/s  "
+                               f"lr {info.lr:.2e}  |g| {info.grad_norm:.3g}")
+
+    def event(self, event) -> None:
+        self.console.print(f"[bold red]watch:[/] {event.message}")
+
+
+def _summary(console, result, options, out: Path) -> None:
+    from diagnostics.watch import first_departure
+
+    losses = [x for x in result.history["series"]["loss"]]
+    k = max(1, min(10, len(losses) // 4))
+    first = sum(losses[:k]) / k if losses else math.nan
+    last = sum(losses[-k:]) / k if losses else math.nan
+    console.print(
+        f"{result.iteration} steps, {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s; "
+        f"loss {first:.4f} -> {last:.4f} (mean of the first and last {k} steps); wrote {out}"
+    )
+    if result.stopped:
+        console.print(f"[bold red]stopped:[/] {result.stopped}")
+    dep = first_departure(result.history)
+    if options.watch_every:
+        if dep is None:
+            console.print(f"watch: {len(result.history['records'])} records, every verdict ok")
+        else:
+            console.print(f"watch: first verdict other than ok at step {dep['step']}: {dep['site']} {dep['verdict']} "
+                          f"({dep['stat']} = {dep['value']:.3g})")

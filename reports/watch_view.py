@@ -1,0 +1,191 @@
+"""The "during training" panel: a watch history (``diagnostics.watch``) drawn in the terminal and as a plot.
+
+``render_history(history)`` returns a rich renderable: per block, the residual
+stream's activation and gradient variance over the recorded steps as a line of
+block characters on one shared log scale, the first and last values, and the
+first step at which any verdict left ok. ``plot_history(history, path)`` draws
+the same with matplotlib (Agg); ``plot_histories({label: history}, path)`` puts
+several runs side by side (the README's ablation figure). Nothing here computes
+a statistic: the numbers and verdicts come from ``diagnostics.watch``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["render_history", "plot_history", "plot_histories", "chart_sites"]
+
+BARS = "▁▂▃▄▅▆▇█"
+MAX_COLUMNS = 48
+
+
+def chart_sites(history: dict[str, Any]) -> list[str]:
+    """The sites charted: the embedding output, each block's output (residual stream), and the logits."""
+    sites = history.get("sites") or []
+    return [s for s in sites if s == "token_embeddings" or (s.startswith("layers.") and s.count(".") == 1)
+            or s == "lm_head"]
+
+
+def _series(history: dict[str, Any], site: str, key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for rec in history.get("records") or []:
+        st = rec["stats"].get(site)
+        if st is not None:
+            steps.append(rec["step"])
+            values.append(st.get(key, math.nan))
+    return steps, values
+
+
+def _thin(values: list[float], n: int) -> list[float]:
+    """At most n values: the max of |log| deviation is not needed, keep every k-th and the last."""
+    if len(values) <= n:
+        return values
+    k = math.ceil(len(values) / n)
+    picked = values[::k]
+    if (len(values) - 1) % k:
+        picked.append(values[-1])
+    return picked
+
+
+def _spark(values: list[float], lo: float, hi: float) -> str:
+    chars = []
+    for v in values:
+        if v is None or not math.isfinite(v) or v <= 0:
+            chars.append("×" if v is None or not (v == v) or math.isinf(v) else " ")
+            continue
+        x = (math.log10(v) - lo) / (hi - lo) if hi > lo else 0.5
+        chars.append(BARS[min(len(BARS) - 1, max(0, int(x * len(BARS))))])
+    return "".join(chars)
+
+
+def _log_range(rows: list[list[float]]) -> tuple[float, float]:
+    logs = [math.log10(v) for vals in rows for v in vals if v is not None and math.isfinite(v) and v > 0]
+    if not logs:
+        return 0.0, 1.0
+    return min(logs), max(logs)
+
+
+def _fmt(v: float | None) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "nan"
+    return f"{v:.3g}"
+
+
+def render_history(history: dict[str, Any]):
+    """A rich renderable of a watch history (see the module docstring); an empty history says so."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+    from rich.text import Text
+
+    from diagnostics.watch import first_departure, verdicts
+
+    records = history.get("records") or []
+    series = history.get("series") or {}
+    losses = series.get("loss") or []
+    lines: list[Any] = []
+    if losses:
+        k = max(1, min(10, len(losses) // 4))
+        lines.append(Text(f"{len(losses)} steps trained (loss {sum(losses[:k]) / k:.4g} -> {sum(losses[-k:]) / k:.4g}, "
+                          f"means of the first and last {k}); {len(records)} watch records, "
+                          f"every {history.get('watch_every')} steps"))
+    if not records:
+        lines.append(Text("no watch records (trained with --watch-every 0)"))
+        return Panel(Group(*lines), title="during training", expand=False)
+
+    bad = {}
+    for row in verdicts(history):
+        bad.setdefault(row["site"], row)
+    sites = chart_sites(history)
+    for key, label in (("fwd_var", "activation variance"), ("grad_var", "gradient variance")):
+        rows = [_thin(_series(history, s, key)[1], MAX_COLUMNS) for s in sites]
+        lo, hi = _log_range(rows)
+        table = Table(title=f"{label} over steps {records[0]['step']}..{records[-1]['step']} "
+                            f"(log scale {BARS[0]} 1e{lo:.1f} .. {BARS[-1]} 1e{hi:.1f}; × not finite)",
+                      title_justify="left", box=None, pad_edge=False)
+        table.add_column("site", no_wrap=True)
+        table.add_column("over steps", no_wrap=True)
+        table.add_column("first", justify="right")
+        table.add_column("last", justify="right")
+        table.add_column("verdict", no_wrap=True)
+        for site, vals in zip(sites, rows):
+            row = bad.get(site)
+            verdict = "ok" if row is None else f"{row['verdict']} at step {row['step']}"
+            style = "green" if row is None else "red"
+            table.add_row(site, _spark(vals, lo, hi), _fmt(vals[0] if vals else None), _fmt(vals[-1] if vals else None),
+                          Text(verdict, style=style))
+        lines.append(table)
+    dep = first_departure(history)
+    if dep is None:
+        lines.append(Text(f"every verdict stayed ok over all {len(records)} records", style="green"))
+    else:
+        thr = "" if not math.isfinite(dep["threshold"]) else f" against the threshold {dep['threshold']:.3g}"
+        lines.append(Text(f"first verdict other than ok: step {dep['step']}, {dep['site']} {dep['verdict']} "
+                          f"({dep['stat']} = {_fmt(dep['value'])}{thr})", style="bold red"))
+    for ev in history.get("events") or []:
+        lines.append(Text(f"watch: {ev['message']}", style="yellow"))
+    return Panel(Group(*lines), title="during training", expand=False)
+
+
+def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
+    from diagnostics.watch import first_departure
+
+    series = history.get("series") or {}
+    sites = chart_sites(history)
+    ax_loss, ax_fwd, ax_grad = axes
+    steps, losses = series.get("step") or [], series.get("loss") or []
+    ax_loss.plot(steps, losses, lw=0.8, color="black")
+    ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("training loss (nats)")
+    dep = first_departure(history)
+    n_blocks = max(1, sum(1 for s in sites if s.startswith("layers.")))
+    cmap = __import__("matplotlib").colormaps["viridis"]
+    for key, ax in (("fwd_var", ax_fwd), ("grad_var", ax_grad)):
+        i = 0
+        for site in sites:
+            if not site.startswith("layers."):
+                continue
+            x, y = _series(history, site, key)
+            y = [v if v is not None and math.isfinite(v) and v > 0 else float("nan") for v in y]
+            ax.plot(x, y, lw=1.2, color=cmap(i / max(1, n_blocks - 1)), label=f"block {site.split('.')[1]}")
+            i += 1
+        ax.set_yscale("log")
+    ax_fwd.set_ylabel("residual stream variance")
+    ax_grad.set_ylabel("its gradient variance")
+    for ax in axes:
+        if dep is not None:
+            ax.axvline(dep["step"], color="red", ls="--", lw=0.8)
+        ax.grid(alpha=0.3)
+    if label:
+        ax_loss.set_title(label if dep is None else f"{label}\nfirst non-ok: step {dep['step']}, {dep['site']} ({dep['verdict']})",
+                          fontsize=9)
+    axes[-1].set_xlabel("step")
+    ax_fwd.legend(fontsize=7, loc="upper left")
+
+
+def plot_histories(histories: dict[str, dict[str, Any]], path: str) -> None:
+    """One column per run (label -> history): loss, residual variance per block, gradient variance per block.
+
+    Rows share their y axis across runs so magnitudes compare directly. Written atomically (PNG/SVG/PDF by suffix).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tinylm.checkpoint import atomic_write
+
+    n = max(1, len(histories))
+    fig, axes = plt.subplots(3, n, figsize=(4.2 * n, 8.5), sharex="col", sharey="row", squeeze=False)
+    for j, (label, history) in enumerate(histories.items()):
+        _plot_run(list(axes[:, j]), history, label)
+    fig.tight_layout()
+    suffix = str(path).rsplit(".", 1)[-1] if "." in str(path) else "png"
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=suffix))
+    plt.close(fig)
+
+
+def plot_history(history: dict[str, Any], path: str) -> None:
+    """The "during training" plot of one run: loss, residual variance per block, gradient variance per block."""
+    plot_histories({"": history}, path)
