@@ -6,6 +6,7 @@ three, ``compare`` runs init schemes side by side. See diagnostics/API.md.
 
 from .compare import compare
 from .diagnose import diagnose
+from .distributed import merge_distributed
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
 from .probe import ProbeRun, instrument_points, probe
 from .stats import AttnMoments, Moments, ParamStats, ProbeStats
@@ -25,6 +26,7 @@ from .result import (
 __all__ = [
     "diagnose",
     "compare",
+    "merge_distributed",
     "Thresholds",
     "predict",
     "Prediction",

@@ -1,0 +1,206 @@
+"""The probe: hooks removed whatever happens, the model left exactly as it was, any nn.Module."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import tinylm
+from diagnostics import OptionsError, ProbeOptions, instrument_points, probe
+from diagnostics.stats import Moments
+
+CFG = tinylm.ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=2, d_ff=64)
+
+
+def model_of(seed=0, **changes):
+    return tinylm.TransformerLM(CFG.replace(**changes), generator=torch.Generator().manual_seed(seed))
+
+
+def tokens(seed=0, b=3, t=9):
+    return torch.randint(0, 64, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def step(model, x):
+    loss = tinylm.functional.cross_entropy(model(x[:, :-1]), x[:, 1:])
+    loss.backward()
+    return loss
+
+
+def hook_dicts_empty(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+               and not getattr(m, "_backward_pre_hooks", {}) for m in model.modules())
+
+
+def snapshot(model: nn.Module):
+    return (
+        {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()},
+        {n: b.clone() for n, b in model.named_buffers()},
+        {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
+        {n: p.requires_grad for n, p in model.named_parameters()},
+        {n: m.training for n, m in model.named_modules()},
+    )
+
+
+def same(a, b) -> bool:
+    sa, ba, ga, ra, ta = a
+    sb, bb, gb, rb, tb = b
+    eq = lambda x, y: (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))  # noqa: E731
+    return (sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+            and all(torch.equal(ba[k], bb[k]) for k in ba) and all(eq(ga[k], gb[k]) for k in ga)
+            and ra == rb and ta == tb)
+
+
+def test_default_points_of_tinylm():
+    pts = instrument_points(model_of())
+    assert pts["token_embeddings"] == "embedding" and pts["lm_head"] == "logits"
+    for i in range(2):
+        assert pts[f"layers.{i}"] == "residual"
+        assert pts[f"layers.{i}.attn"] == "attn_branch" and pts[f"layers.{i}.ffn"] == "ffn_branch"
+        assert pts[f"layers.{i}.resid_mid"] == "resid_mid" and pts[f"layers.{i}.ffn.hidden"] == "ffn_hidden"
+        assert pts[f"layers.{i}.attn.scores"] == "attn_scores" and pts[f"layers.{i}.attn.probs"] == "attn_probs"
+        assert pts[f"layers.{i}.attn.heads"] == "attn_heads"
+        for leaf in ("ln1", "ln2"):
+            assert pts[f"layers.{i}.{leaf}"] == "norm"
+        for leaf in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj", "ffn.w1", "ffn.w2", "ffn.w3"):
+            assert pts[f"layers.{i}.{leaf}"] == "linear"
+    assert "" not in pts and "layers" not in pts  # neither the root nor containers
+
+
+def test_measures_forward_and_backward_exactly():
+    model, x = model_of(), tokens()
+    captured = {}
+    h1 = model.layers[1].register_forward_hook(lambda m, i, o: captured.__setitem__("out", o))
+    with probe(model) as run:
+        out = model(x[:, :-1])
+        captured["out"].retain_grad()
+        tinylm.functional.cross_entropy(out, x[:, 1:]).backward()
+    h1.remove()
+    st = run.stats
+    ref, gref = captured["out"].detach().double(), captured["out"].grad.double()
+    f, b = st.tensors[("layers.1", "forward")], st.tensors[("layers.1", "backward")]
+    assert f.count == ref.numel() and abs(f.var - ref.var(correction=0).item()) < 1e-6 * ref.var().item()
+    assert abs(b.var - gref.var(correction=0).item()) < 1e-6 * gref.var().item()
+    assert st.steps == 1 and st.order[0] == "token_embeddings"
+    assert set(st.attention) == {"layers.0.attn.probs", "layers.1.attn.probs"}
+    assert set(st.cosine) == {"token_embeddings", "layers.0", "layers.1"}
+    assert st.params["layers.0.ffn.w1.weight"].grad_std > 0
+
+
+def test_model_left_exactly_as_it_was():
+    model, x = model_of(), tokens()
+    step(model, x)  # existing gradients must survive
+    model.train()
+    model.layers[0].ln1.weight.requires_grad_(False)
+    before = snapshot(model)
+    with probe(model) as run:
+        assert not model.training  # eval mode inside (dropout off)
+        step(model, x)
+    assert run.stats.tensors
+    assert hook_dicts_empty(model)
+    assert same(before, snapshot(model))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_exception_inside_removes_hooks_and_restores(where):
+    model, x = model_of(), tokens()
+    model.train()
+    before = snapshot(model)
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe(model):
+            if where == "forward":
+                model(x[:, :-1])
+                raise RuntimeError("boom")
+            out = model(x[:, :-1])
+            out.register_hook(boom)
+            tinylm.functional.cross_entropy(out, x[:, 1:]).backward()
+    assert hook_dicts_empty(model)
+    assert same(before, snapshot(model))
+
+
+def test_hooks_are_inert_after_exit():
+    model, x = model_of(), tokens()
+    with probe(model) as run:
+        loss = tinylm.functional.cross_entropy(model(x[:, :-1]), x[:, 1:])
+    assert ("layers.0", "backward") not in run.stats.tensors
+    loss.backward()  # the graph outlived the probe: its tensor hooks must do nothing
+    assert ("layers.0", "backward") not in run.stats.tensors
+
+
+def test_restore_grads_false_keeps_the_new_gradients():
+    model, x = model_of(), tokens()
+    with probe(model, ProbeOptions(restore_grads=False)):
+        step(model, x)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_no_activation_is_kept():
+    model, x = model_of(), tokens()
+    refs = []
+    h = model.layers[0].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    with probe(model) as run:
+        step(model, x)
+    h.remove()
+    gc.collect()
+    assert refs and all(r() is None for r in refs)
+    assert run.stats.tensors  # the statistics survive, the tensors do not
+
+
+def test_two_batches_in_one_probe_equal_two_probes_merged():
+    model = model_of()
+    x1, x2 = tokens(1), tokens(2)
+    with probe(model) as both:
+        step(model, x1)
+        step(model, x2)
+    with probe(model) as r1:
+        step(model, x1)
+    with probe(model) as r2:
+        step(model, x2)
+    merged = r1.stats.merge(r2.stats)
+    assert both.stats.steps == merged.steps == 2
+    assert both.stats.tensors.keys() == merged.tensors.keys()
+    for k, m in both.stats.tensors.items():
+        n = merged.tensors[k]
+        assert m.count == n.count and m.n_zero == n.n_zero and m.max_abs == n.max_abs
+        # same Chan update in float64 on both sides: equal to rounding
+        assert abs(m.mean - n.mean) <= 1e-12 * max(abs(m.mean), 1e-30) + 1e-300
+        assert abs(m.m2 - n.m2) <= 1e-12 * m.m2
+
+
+def test_any_module_mlp_and_torch_transformer():
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    with probe(mlp) as run:
+        mlp(x).square().mean().backward()
+    st = run.stats
+    assert set(st.kinds) == {"0", "2"} and st.kinds["0"] == "linear"
+    assert st.tensors[("2", "backward")].count == 20
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2,
+                                enable_nested_tensor=False)
+    before = snapshot(enc)
+    with probe(enc) as run:
+        enc(torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))).sum().backward()
+    st = run.stats
+    assert ("layers.0.linear1", "forward") in st.tensors and ("layers.1.norm2", "backward") in st.tensors
+    assert ("layers.0.self_attn", "forward") in st.tensors  # a module with its own parameters, tuple output
+    assert hook_dicts_empty(enc) and same(before, snapshot(enc))
+
+
+def test_unknown_module_name_is_a_clear_error():
+    with pytest.raises(OptionsError, match="no such module"):
+        with probe(model_of(), ProbeOptions(modules=("layers.9",))):
+            pass
+
+
+def test_moments_of_embedding_match_the_rows_looked_up():
+    model, x = model_of(), tokens()
+    with probe(model, ProbeOptions(modules=("token_embeddings",))) as run:
+        model(x[:, :-1])
+    m: Moments = run.stats.tensors[("token_embeddings", "forward")]
+    ref = model.token_embeddings.weight.detach()[x[:, :-1]].double()
+    assert abs(m.mean - ref.mean().item()) < 1e-12 and abs(m.var - ref.var(correction=0).item()) < 1e-9

@@ -1,0 +1,151 @@
+"""Streaming statistics: exact against float64 references, merges equal one run over both."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from diagnostics.stats import (
+    FIELDS,
+    AttnMoments,
+    Moments,
+    ProbeStats,
+    merge_vectors,
+    summarize,
+    summarize_attention,
+    summarize_cosine,
+)
+
+
+def moments_of(x: torch.Tensor) -> Moments:
+    return Moments.from_vector(summarize(x).tolist())
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+@pytest.mark.parametrize("n", [7, 1000, 70_000, 300_001])  # small (float64 path) and row-summed float32 path
+def test_moments_match_float64_reference(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 3 + 0.5
+    m = moments_of(x)
+    var, mean = torch.var_mean(x.double(), correction=0)
+    assert m.count == n and m.n_total == n
+    # float32 rows summed in float64: relative error a few float32 ulps (2^-24 ~ 6e-8) times sqrt(row)
+    assert rel(m.mean, mean.item()) < 1e-5 and rel(m.var, var.item()) < 1e-5
+    assert m.max_abs == x.abs().max().item()
+    assert rel(m.mean_square, (x.double() ** 2).mean().item()) < 1e-5
+
+
+def test_float64_input_is_summed_in_float64():
+    x = torch.randn(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 1e3
+    m = moments_of(x)
+    var, mean = torch.var_mean(x, correction=0)
+    assert rel(m.mean, mean.item()) < 1e-14 and rel(m.var, var.item()) < 1e-8
+
+
+def test_counts_of_zero_nonfinite_underflow_overflow():
+    x = torch.tensor([0.0, 0.0, 1e-6, -3e-5, 1e-40, 7e4, -1e5, 2e38, math.inf, -math.inf, math.nan, 1.0, -2.0])
+    m = moments_of(x)
+    finite = x[torch.isfinite(x)].double()
+    assert m.n_total == 13 and m.count == 10
+    assert m.frac_nonfinite == pytest.approx(3 / 13)
+    assert m.n_zero == 2
+    assert m.n_fp16_under == 3        # 1e-6, -3e-5, 1e-40 are nonzero and below 2^-14
+    assert m.n_bf16_under == 1        # only 1e-40 is below 2^-126
+    assert m.n_fp16_over == 3         # 7e4, -1e5, 2e38 (finite, >= 2^16)
+    assert m.n_bf16_over == 1         # 2e38 lies in float32's top binade (>= 2^127)
+    assert m.max_abs == pytest.approx(2e38, rel=1e-7)
+    assert rel(m.mean, finite.mean().item()) < 1e-12
+    assert rel(m.var, finite.var(correction=0).item()) < 1e-12
+
+
+def test_counts_negative_control_a_normal_tensor_has_none():
+    m = moments_of(torch.linspace(0.5, 2.0, 100))
+    assert (m.n_zero, m.n_fp16_under, m.n_fp16_over, m.n_bf16_under, m.n_bf16_over, m.frac_nonfinite) == (0, 0, 0, 0, 0, 0)
+
+
+def test_bf16_input_is_upcast_exactly():
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    m = moments_of(x)
+    ref = x.double()
+    assert rel(m.var, ref.var(correction=0).item()) < 1e-12 and rel(m.mean, ref.mean().item()) < 1e-9
+
+
+def test_masked_entries_are_ignored():
+    T = 6
+    valid = torch.ones(T, T, dtype=torch.bool).tril()
+    s = torch.randn(3, 2, T, T, generator=torch.Generator().manual_seed(3)).masked_fill(~valid, -math.inf)
+    m = Moments.from_vector(summarize(s, valid).tolist())
+    ref = s[torch.isfinite(s)].double()
+    assert m.n_total == m.count == ref.numel() == 3 * 2 * T * (T + 1) // 2
+    assert m.frac_nonfinite == 0 and m.n_zero == 0
+    assert rel(m.var, ref.var(correction=0).item()) < 1e-12
+    # negative control: without the mask the -inf entries count as non-finite
+    assert moments_of(s).frac_nonfinite > 0.3
+
+
+def test_huge_values_do_not_overflow_the_squares():
+    x = torch.full((100_000,), 1e30)
+    x[::2] = -1e30
+    m = moments_of(x)
+    assert math.isfinite(m.var) and rel(m.var, 1e60) < 1e-6
+
+
+def test_vector_merge_equals_one_summary_of_both():
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(3000, generator=g) * 2 + 1, torch.randn(5000, generator=g) - 3
+    merged = Moments.from_vector(merge_vectors(summarize(a), summarize(b)).tolist())
+    both = moments_of(torch.cat([a, b]))
+    for f in FIELDS:
+        assert rel(getattr(merged, f), getattr(both, f)) < 1e-12 or getattr(merged, f) == getattr(both, f), f
+
+
+def test_python_merge_equals_tensor_merge_bit_for_bit():
+    g = torch.Generator().manual_seed(5)
+    va, vb = summarize(torch.randn(2000, generator=g)), summarize(torch.randn(777, generator=g) + 5)
+    py = Moments.from_vector(va.tolist()).merge(Moments.from_vector(vb.tolist()))
+    t = Moments.from_vector(merge_vectors(va, vb).tolist())
+    assert py.vector() == t.vector()
+
+
+def test_merge_is_associative_to_rounding():
+    g = torch.Generator().manual_seed(6)
+    parts = [moments_of(torch.randn(n, generator=g) * (i + 1)) for i, n in enumerate([100, 2000, 50])]
+    left = parts[0].merge(parts[1]).merge(parts[2])
+    right = parts[0].merge(parts[1].merge(parts[2]))
+    assert rel(left.var, right.var) < 1e-13 and rel(left.mean, right.mean) < 1e-13
+
+
+def test_attention_summary():
+    T = 5
+    p = torch.full((1, 1, T, T), 0.0)
+    for t in range(T):
+        p[0, 0, t, : t + 1] = 1.0 / (t + 1)  # uniform causal attention
+    p[0, 0, 4] = torch.tensor([0.0, 0.0, 0.0, 0.001, 0.999])  # one saturated row
+    a = AttnMoments.from_vector(summarize_attention(p).tolist())
+    ent = [math.log(t + 1) for t in range(4)] + [-(0.001 * math.log(0.001) + 0.999 * math.log(0.999))]
+    assert a.rows == T and a.rows_after_first == T - 1
+    assert a.entropy_mean == pytest.approx(sum(ent) / T, rel=1e-6)
+    # p ln p is evaluated in float32 (summed in float64): relative error ~ a few ulps of 2^-24 over ln p
+    assert a.entropy_min == pytest.approx(min(ent[1:]), rel=1e-5)
+    assert a.saturated_frac == pytest.approx(1 / 4)  # row 0 (a single key) is not counted
+
+
+def test_cosine_of_identical_and_orthogonal_tokens():
+    same = torch.ones(2, 4, 8)
+    ortho = torch.eye(8)[:4].unsqueeze(0)
+    assert Moments.from_vector(summarize_cosine(same).tolist()).mean == pytest.approx(1.0)
+    assert Moments.from_vector(summarize_cosine(ortho).tolist()).mean == pytest.approx(0.0, abs=1e-12)
+    assert Moments.from_vector(summarize_cosine(-same[:, :2].repeat(1, 1, 1) * torch.tensor([[1.0], [-1.0]])).tolist()).mean \
+        == pytest.approx(-1.0)
+
+
+def test_probe_stats_round_trip_through_json():
+    st = ProbeStats(tensors={("a", "forward"): moments_of(torch.arange(10.0))}, kinds={"a": "linear"}, order=["a"],
+                    attention={"p": AttnMoments(4, 1.0, 0.5, 0.2, 3, 1)}, cosine={"a": moments_of(torch.ones(3))},
+                    steps=2)
+    back = ProbeStats.from_dict(json.loads(json.dumps(st.to_dict())))
+    assert back == st
