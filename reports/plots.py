@@ -50,8 +50,7 @@ def _shade_thresholds(ax: Any, result: Any, direction: str) -> None:
     verdict is exploding (above) or vanishing (below).
     """
     th = result.thresholds or {}
-    up = th.get("explode_gain") or th.get("exploding_gain") or th.get("gain_high")
-    down = th.get("vanish_gain") or th.get("vanishing_gain") or th.get("gain_low")
+    up, down = th.get("exploding_gain"), th.get("vanishing_gain")
     rows = [r for r in result.depth]
     if not rows:
         return
@@ -76,9 +75,22 @@ def _shade_thresholds(ax: Any, result: Any, direction: str) -> None:
 
 def depth_figure(result: Any, history: Any = None) -> Any:
     """Variance over depth: forward (activations) and backward (gradients), one line per tensor kind,
-    measured solid, predicted dashed, the verdict thresholds shaded. Returns the Figure."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
-    for ax, direction in zip(axes, ("forward", "backward")):
+    measured solid, predicted dashed, the verdict thresholds shaded. Returns the Figure.
+
+    With a training ``history`` (from the checkpoint) and ``reports.watch_view.plot_history``
+    available, a third panel shows it.
+    """
+    plot_history = None
+    if history is not None:
+        try:
+            from .watch_view import plot_history
+        except ImportError:
+            plot_history = None
+    ncols = 3 if plot_history is not None else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.2), constrained_layout=True)
+    if plot_history is not None:
+        plot_history(history, axes[2])
+    for ax, direction in zip(axes[:2], ("forward", "backward")):
         drew = False
         for kind, colour in PLOT_KINDS.items():
             xs, ys = _series(result, kind, direction, "var")

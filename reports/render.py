@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 #: tensor kinds the per-layer table shows by default (``all_tensors`` shows every row);
-#: any tensor whose verdict is not ok is shown as well.
+#: a tensor a finding names is shown as well.
 SUMMARY_KINDS = ("embedding", "attn_branch", "ffn_branch", "residual", "logits")
 
 # The weight whose std goes beside a tensor of this kind: suffixes tried in order on the tensor's name.
@@ -168,16 +168,19 @@ def depth_chart(result: Any) -> DepthChart:
     return DepthChart(labels, [fwd, bwd], title="Variance over depth (residual stream)")
 
 
+SEVERITY = ("non_finite", "exploding", "vanishing", "dead", "saturated")
+
+
 def _verdict_cell(kinds: Iterable[str], note: str = "") -> Text:
-    bad = [k for k in kinds if k and k != "ok"]
+    """The worst verdict as a coloured word (``+N`` when the row has N more kinds), ``ok`` otherwise."""
+    bad = list(dict.fromkeys(k for k in kinds if k and k != "ok"))
     if not bad:
         t = Text("ok", style=VERDICT_STYLE["ok"])
     else:
-        t = Text()
-        for i, k in enumerate(dict.fromkeys(bad)):
-            if i:
-                t.append(", ")
-            t.append(verdict_text(k), style=VERDICT_STYLE.get(k, "bold"))
+        bad.sort(key=lambda k: SEVERITY.index(k) if k in SEVERITY else len(SEVERITY))
+        t = Text(verdict_text(bad[0]), style=VERDICT_STYLE.get(bad[0], "bold"))
+        if len(bad) > 1:
+            t.append(f" +{len(bad) - 1}", style="dim")
     if note:
         t.append(f" {note}", style="dim")
     return t
@@ -198,7 +201,7 @@ def _weight_for(name: str, kind: str, params: dict[str, Any]) -> Any:
 def _selected(result: Any, all_tensors: bool) -> list[str]:
     """Tensor names in the order they were produced: the summary kinds plus anything flagged."""
     names: list[str] = []
-    flagged = {r.name for r in result.tensors if r.verdict != "ok"} | {f.where for f in result.findings}
+    flagged = {f.where for f in result.findings}
     for r in result.tensors:
         if r.name in names:
             continue
@@ -238,14 +241,14 @@ class LayerTable:
                   caption="ratio = measured/predicted [99% interval over replicates]; w/init = weight std / "
                           "declared init std; * = prediction outside its validity",
                   caption_justify="left", caption_style="dim")
-        t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=16 if compact else 28)
+        t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=14 if compact else 28)
         t.add_column("fwd" if compact else "fwd var", justify="right", no_wrap=True)
         t.add_column("pred", justify="right", no_wrap=True)
         t.add_column("ratio [99%]", justify="right", no_wrap=True)
         t.add_column("grad" if compact else "grad var", justify="right", no_wrap=True)
         t.add_column("pred", justify="right", no_wrap=True)
         t.add_column("w/init", justify="right", no_wrap=True)
-        t.add_column("flags", min_width=9, overflow="fold")
+        t.add_column("flags", min_width=12, no_wrap=True)
         for name in _selected(result, self.all_tensors):
             f, b = rows.get((name, "forward")), rows.get((name, "backward"))
             w = _weight_for(name, (f or b).kind, params)
@@ -287,11 +290,11 @@ def attention_table(result: Any) -> Table:
               "cosine: between tokens after the block (towards 1 = rank collapse)"
     if embed_cos is not None:
         caption += f"; after the embedding {num(embed_cos)}"
-    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, show_edge=False, title="Attention and rank collapse",
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, title="Attention and rank collapse",
               title_justify="left", title_style="bold", caption=caption, caption_justify="left", caption_style="dim")
     for col in ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine"):
         t.add_column(col, justify="right", no_wrap=True)
-    t.add_column("flags")
+    t.add_column("flags", min_width=9, no_wrap=True)
     blocks_seen = set()
     for a in result.attention:
         blocks_seen.add(a.block)

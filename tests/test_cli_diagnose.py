@@ -92,3 +92,144 @@ def test_bad_data_is_one_line(capsys, ckpt, tmp_path):
     _one_line_error(code, err, "300", "vocabulary")
     code, _, err = run_cli(capsys, ckpt, "--data", tmp_path / "missing.npy", *SMALL)
     _one_line_error(code, err, "no such file")
+
+
+# ----------------------------------------------------------------------------- runs on real models
+
+
+def _check_schema(doc: dict) -> None:
+    """The JSON document against the schema of diagnostics/result.py (version 1): every section present,
+    every row with exactly its dataclass's fields, numbers as numbers or the strings nan/inf/-inf."""
+    from dataclasses import fields
+
+    from diagnostics.result import SCHEMA_VERSION, AttentionRow, DepthRow, Finding, Header, ParamRow, TensorRow
+
+    assert doc["schema_version"] == SCHEMA_VERSION == "1"
+    assert isinstance(doc["created"], str) and doc["created"]
+    assert isinstance(doc["healthy"], bool) and doc["healthy"] == (not doc["findings"])
+    assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "tensors",
+                        "params", "attention", "depth"}
+    assert set(doc["header"]) == {f.name for f in fields(Header)}
+    for key, kind in (("findings", Finding), ("tensors", TensorRow), ("params", ParamRow),
+                      ("attention", AttentionRow), ("depth", DepthRow)):
+        names = {f.name for f in fields(kind)}
+        for row in doc[key]:
+            assert set(row) == names, (key, set(row) ^ names)
+    for row in doc["tensors"]:
+        assert row["direction"] in ("forward", "backward")
+        for k in ("var", "mean", "max_abs", "frac_nonfinite"):
+            v = row[k]
+            assert isinstance(v, (int, float)) or v in ("nan", "inf", "-inf"), (k, v)
+    assert all(isinstance(v, (int, float)) for v in doc["thresholds"].values())
+
+
+def test_every_export_is_written_and_reads_back(capsys, ckpt, tmp_path):
+    from PIL import Image
+
+    from diagnostics import DiagnoseResult
+
+    out = {k: tmp_path / f"report.{k}" for k in ("json", "csv", "html", "svg", "png")}
+    code, stdout, err = run_cli(capsys, ckpt, "--json", out["json"], "--csv", out["csv"], "--html", out["html"],
+                                "--svg", out["svg"], "--plot", out["png"], *SMALL)
+    assert code == 0, err
+    doc = json.loads(out["json"].read_text())
+    _check_schema(doc)
+    result = DiagnoseResult.from_dict(doc)
+    assert result.header.parameter_count == small_model().num_parameters()
+    frame = pd.read_csv(out["csv"])
+    assert list(frame.columns) == ["name", "block", "kind", "direction", "statistic", "value", "predicted", "ratio",
+                                   "ratio_low", "ratio_high", "valid", "verdict"]
+    assert len(frame) == len(result.to_frame()) and {"forward", "backward"} <= set(frame["direction"])
+    var = frame[(frame["statistic"] == "var") & (frame["name"] == "layers.1") & (frame["direction"] == "forward")]
+    assert math.isclose(float(var["value"].iloc[0]), result.tensor("layers.1").var, rel_tol=1e-12)
+    html = out["html"].read_text()
+    assert html.lstrip().lower().startswith("<!doctype html") and "Per layer" in html and "verdict" in html
+    svg = out["svg"].read_text()
+    assert svg.lstrip().startswith("<svg") and svg.rstrip().endswith("</svg>")
+    with Image.open(out["png"]) as img:
+        assert img.format == "PNG" and img.size[0] > 300 and img.size[1] > 200
+        assert len(set(img.convert("L").getdata())) > 10, "the plot is blank"
+    assert "wrote json" in err
+    # no temporary files left beside the outputs
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.pt", *(p.name for p in out.values())])
+
+
+def test_json_is_byte_identical_across_runs_but_the_timestamp(capsys, ckpt, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert run_cli(capsys, ckpt, "--json", a, *SMALL)[0] == 0
+    assert run_cli(capsys, ckpt, "--json", b, *SMALL)[0] == 0
+    da, db = json.loads(a.read_text()), json.loads(b.read_text())
+    da.pop("created"), db.pop("created")
+    assert da == db
+    strip = lambda text: "\n".join(line for line in text.splitlines() if '"created"' not in line)  # noqa: E731
+    assert strip(a.read_text()) == strip(b.read_text())
+
+
+def test_report_of_a_checkpoint_shows_its_source(capsys, ckpt):
+    code, out, err = run_cli(capsys, ckpt, *SMALL)
+    assert code == 0, err
+    assert "tinylm checkpoint" in out and "iteration 7" in out and str(ckpt) in out.replace("\n", "")
+    assert "Per layer" in out and "Variance over depth" in out and "verdict" in out
+
+
+def test_check_exit_codes_healthy_and_nan_weights(capsys, tmp_path, ckpt):
+    code, out, err = run_cli(capsys, ckpt, "--check", *SMALL)
+    assert code == 0, out + err
+    broken = small_model()
+    with torch.no_grad():
+        broken.layers[1].attn.q_proj.weight[0, 0] = float("nan")
+    path = tmp_path / "broken.pt"
+    checkpoint.save(path, broken)
+    code, out, err = run_cli(capsys, path, "--check", *SMALL)
+    assert code == 1, err
+    assert "NOT HEALTHY" in out and "layers.1" in out and "non-finite" in out.lower()
+    # without --check the report is the same but the exit code is 0
+    assert run_cli(capsys, path, *SMALL)[0] == 0
+
+
+def test_exploding_model_is_found(capsys, tmp_path):
+    config = tinylm.ModelConfig(vocab_size=256, context_length=16, d_model=32, num_layers=8, num_heads=4, d_ff=64,
+                                norm="none")
+    path = tmp_path / "nonorm.pt"
+    checkpoint.save(path, tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0)))
+    code, out, err = run_cli(capsys, path, "--check", *SMALL)
+    assert code == 1, out + err
+    assert "EXPLODING" in out and "try" in out
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="100")
+    return env
+
+
+def test_end_to_end_on_init_checkpoint_and_bare_state_dict(tmp_path):
+    """Subprocess: ``tinylm init`` writes a checkpoint, ``diagnose`` reads it; a bare state dict with flags."""
+    exe = [sys.executable, "-m", "reports.cli"]
+    path = tmp_path / "tiny.pt"
+    r = subprocess.run([*exe, "init", "--preset", "tiny", "-o", str(path)], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    bare = tmp_path / "bare.pt"
+    model, _ = checkpoint.load(path)
+    torch.save({f"_orig_mod.{k}": v for k, v in model.state_dict().items()}, bare)
+    script = (
+        "import sys\nfrom reports.cli import main\n"
+        f"a = main(['diagnose', {str(path)!r}, '--check', '--batches', '2', '--no-progress'])\n"
+        f"b = main(['diagnose', {str(bare)!r}, '--num-heads', '4', '--rope-theta', '10000', "
+        "'--context-length', '16', '--batches', '2', '--no-progress'])\n"
+        "sys.exit(10 * a + b)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout.count("HEALTHY") >= 2 and "state_dict checkpoint" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_end_to_end_default_run_no_argument(tmp_path):
+    """The README Quickstart's main job: plain ``diagnose``, the true default, through its console script."""
+    exe = Path(sys.executable).with_name("diagnose")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from reports.cli import diagnose_main; sys.exit(diagnose_main())"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "fresh tinystories preset" in r.stdout and "V=10000 ctx=256 d=512 L=4 H=16 d_ff=1344" in r.stdout
+    assert "verdict" in r.stdout and "Per layer" in r.stdout and "Variance over depth" in r.stdout
+    assert list(tmp_path.iterdir()) == [], "the default run must not write files"

@@ -55,7 +55,7 @@ def make_result(num_layers=3, gain=1.2, findings=(), nan_block=None, cosine=0.02
                                           num_heads=4, d_ff=64, norm="pre", ffn="swiglu", rope=True),
                     12345, "cs336", 256, 4, 16, 2, 2, 0, "global", 4.66, math.log(100), "random")
     return DiagnoseResult(header, tensors, params, attention, depth, list(findings),
-                          {"explode_gain": 4.0, "vanish_gain": 0.25}, "2026-01-01T00:00:00Z")
+                          {"exploding_gain": 4.0, "vanishing_gain": 0.25}, "2026-01-01T00:00:00Z")
 
 
 EXPLODING = Finding("exploding", "layers.1", 31.0, 4.0,
