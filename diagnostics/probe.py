@@ -182,6 +182,7 @@ class ProbeRun:
         self._vec: dict[tuple[str, str], Tensor] = {}
         self._attn: dict[str, Tensor] = {}
         self._cos: dict[str, Tensor] = {}
+        self._inv: dict[str, Tensor] = {}
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
         self.steps = 0
@@ -206,6 +207,11 @@ class ProbeRun:
         if self.options.cosine and (kind == "residual" or (kind == "embedding" and _is_tinylm(self.model))) \
                 and out.dim() >= 3:
             self._add(self._cos, name, summarize_cosine(out), merge_vectors)
+        if self.options.cosine and kind in ("residual", "resid_mid", "embedding") and _is_tinylm(self.model) \
+                and out.dim() >= 2:
+            with torch.no_grad():
+                ms = out.detach().float().square().mean(-1)
+                self._add(self._inv, name, summarize(1.0 / (ms + self.model.config.eps)), merge_vectors)
         if self.options.backward and out.requires_grad:
             out.register_hook(self._grad_hook(name, kind))
 
@@ -228,8 +234,10 @@ class ProbeRun:
             tensors = {k: Moments.from_vector(r) for k, r in zip(keys, rows)}
             attn = {k: AttnMoments.from_vector(v.tolist()) for k, v in self._attn.items()}
             cos = {k: Moments.from_vector(v.tolist()) for k, v in self._cos.items()}
+            inv = {k: Moments.from_vector(v.tolist()) for k, v in self._inv.items()}
             self._stats = ProbeStats(tensors=tensors, kinds=dict(self.kinds), order=list(self.order),
-                                     attention=attn, cosine=cos, params=dict(self.params), steps=self.steps)
+                                     attention=attn, cosine=cos, params=dict(self.params), steps=self.steps,
+                                     inv_ms=inv)
         return self._stats
 
 

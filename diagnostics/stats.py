@@ -397,7 +397,8 @@ class ProbeStats:
     in the order their forward outputs first appeared. attention: {probs Tap name:
     AttnMoments}. cosine: {residual point name: Moments of per-sequence cosine}.
     params: {parameter name: ParamStats} (the model at the end of the first run merged).
-    steps: forward passes measured.
+    steps: forward passes measured. inv_ms: {stream point: Moments of 1/(mean_i x_i^2 + eps)
+    per token} at the residual points a norm reads (RMSNorm's backward scales by it).
     """
 
     tensors: dict[tuple[str, str], Moments] = field(default_factory=dict)
@@ -407,6 +408,7 @@ class ProbeStats:
     cosine: dict[str, Moments] = field(default_factory=dict)
     params: dict[str, ParamStats] = field(default_factory=dict)
     steps: int = 0
+    inv_ms: dict[str, Moments] = field(default_factory=dict)
 
     def merge(self, other: "ProbeStats") -> "ProbeStats":
         """A new ProbeStats over both runs (moments merged; params kept from ``self`` when present)."""
@@ -421,6 +423,7 @@ class ProbeStats:
             tensors=both(self.tensors, other.tensors), kinds={**other.kinds, **self.kinds}, order=order,
             attention=both(self.attention, other.attention), cosine=both(self.cosine, other.cosine),
             params=dict(self.params) if self.params else dict(other.params), steps=self.steps + other.steps,
+            inv_ms=both(self.inv_ms, other.inv_ms),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -433,6 +436,7 @@ class ProbeStats:
             "cosine": {k: v.vector() for k, v in self.cosine.items()},
             "params": {k: {**asdict(v), "shape": list(v.shape)} for k, v in self.params.items()},
             "steps": self.steps,
+            "inv_ms": {k: v.vector() for k, v in self.inv_ms.items()},
         }
 
     @classmethod
@@ -445,4 +449,5 @@ class ProbeStats:
             cosine={k: Moments.from_vector(v) for k, v in d["cosine"].items()},
             params={k: ParamStats(**{**v, "shape": tuple(v["shape"])}) for k, v in d["params"].items()},
             steps=int(d["steps"]),
+            inv_ms={k: Moments.from_vector(v) for k, v in d.get("inv_ms", {}).items()},
         )

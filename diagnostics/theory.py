@@ -17,8 +17,9 @@ Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per el
 * Linear y = W x, W (d_out, d_in): E[y^2] = ||W||_F^2 / d_out E[x^2]  (global: d_in E[w^2] E[x^2]);
   backward E[g_x^2] = ||W||_F^2 / d_in E[g_y^2]  (global: d_out E[w^2] E[g_y^2]).
 * RMSNorm y = gain x / sqrt(ms(x) + eps): E[y^2] = mean(gain^2) ms/(ms + eps); backward
-  E[g_x^2] = mean(gain^2) E[g_y^2] / ms * (d-1)/(d-2) (the projection onto x removes 1/d
-  of the energy; E[1/ms] = d/((d-2) ms) for Gaussian x).
+  E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d (the projection onto x removes
+  1/d of the energy); local mode measures E[1/(ms + eps)] over tokens, global mode takes
+  d/((d-2)(ms + eps)) (chi-square token norms).
 * SwiGLU h = silu(a) * b, a, b independent Gaussians: E[h^2] = E[silu(a)^2] E[b^2];
   backward E[g_b^2] = E[g_h^2] E[silu(a)^2], E[g_a^2] = E[g_h^2] E[b^2] E[silu'(a)^2]
   (Gaussian expectations by scipy.integrate.quad). SiLU FFN: h = silu(a).
@@ -240,11 +241,17 @@ def _norm_fwd(src: _Source, name: str, x_ms: float, out_name: str | None = None)
     return ms
 
 
-def _norm_back(src: _Source, name: str, g_ms: float, x_ms: float) -> float:
+def _norm_back(src: _Source, name: str, g_ms: float, x_ms: float, x_name: str | None = None) -> float:
+    """E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d: local mode reads E[1/(ms+eps)] per
+    token as measured at ``x_name``; global mode takes d/((d-2)(ms + eps)) (chi-square tokens)."""
     d = src.config.d_model
     gain2 = src.second_moment(f"{name}.weight")
-    corr = (d - 1) / (d - 2) if d > 2 else 1.0
-    return gain2 * g_ms / (x_ms + src.config.eps) * corr if x_ms + src.config.eps > 0 else 0.0
+    proj = (d - 1) / d if d > 1 else 1.0
+    inv = src.stats.inv_ms.get(x_name) if (src.mode == "local" and x_name and src.stats is not None) else None
+    if inv is not None and inv.count:
+        return gain2 * g_ms * inv.mean * proj
+    chi = d / (d - 2) if d > 2 else 1.0
+    return gain2 * g_ms / (x_ms + src.config.eps) * chi * proj if x_ms + src.config.eps > 0 else 0.0
 
 
 def _attention_fwd(src: _Source, i: int, x: str) -> None:
@@ -259,8 +266,10 @@ def _attention_fwd(src: _Source, i: int, x: str) -> None:
     mc = softmax_moments(round(sigma, 6), T)
     npairs = T * (T + 1) / 2
     p_ms = float(mc["s2"][:T].sum()) / npairs
+    pvalid, pwhy = (True, "") if i == 0 else (False, "beyond block 0 the scores of different keys are correlated "
+                                                      "(tokens share a component); the iid-score softmax overestimates")
     src.put(f"{p}.probs", "forward", p_ms, "softmax of Gaussian scores, S2(t+1) by Monte Carlo",
-            mean=2.0 / (T + 1))
+            mean=2.0 / (T + 1), valid=pvalid, why=pwhy)
     a2 = (src.ms(f"{p}.probs") * npairs / T) if src.mode == "local" else float(mc["s2"][:T].mean())
     valid, why = (True, "") if i == 0 else outside
     src.put(f"{p}.heads", "forward", src.ms(f"{p}.v_proj") * a2, "heads: E[v^2] mean_t E[sum_j a_tj^2]",
@@ -385,7 +394,7 @@ def _backward(src: _Source) -> None:
     last = f"layers.{L - 1}"
     if src.has("ln_final"):
         src.put("ln_final", "backward", g_head_in, "linear backward: d_out E[w^2] E[g_y^2]")
-        src.put(last, "backward", _norm_back(src, "ln_final", src.ms("ln_final", "backward"), src.ms(last)),
+        src.put(last, "backward", _norm_back(src, "ln_final", src.ms("ln_final", "backward"), src.ms(last), last),
                 "rmsnorm backward")
     else:
         src.put(last, "backward", g_head_in, "linear backward: d_out E[w^2] E[g_y^2]")
@@ -398,13 +407,14 @@ def _backward(src: _Source) -> None:
             g_ln2 = _ffn_back(src, i, g_out)
             src.put(f"{b}.ln2", "backward", g_ln2, "linear backward into the norm output")
             src.put(f"{b}.resid_mid", "backward",
-                    g_out + _norm_back(src, f"{b}.ln2", src.ms(f"{b}.ln2", "backward"), src.ms(f"{b}.resid_mid")),
+                    g_out + _norm_back(src, f"{b}.ln2", src.ms(f"{b}.ln2", "backward"), src.ms(f"{b}.resid_mid"),
+                                       f"{b}.resid_mid"),
                     "residual backward: g_out + rmsnorm backward")
             g_mid = src.ms(f"{b}.resid_mid", "backward")
             src.put(f"{b}.attn", "backward", g_mid, "attention branch gradient = stream gradient")
             g_ln1 = _attention_back(src, i, g_mid)
             src.put(f"{b}.ln1", "backward", g_ln1, "linear backward into the norm output")
-            src.put(x, "backward", g_mid + _norm_back(src, f"{b}.ln1", src.ms(f"{b}.ln1", "backward"), src.ms(x)),
+            src.put(x, "backward", g_mid + _norm_back(src, f"{b}.ln1", src.ms(f"{b}.ln1", "backward"), src.ms(x), x),
                     "residual backward: g_mid + rmsnorm backward")
         elif c.norm == "post":
             src.put(f"{b}.ln2", "backward", g_out, "block output")
