@@ -8,8 +8,10 @@ over depth (``diagnostics.compare`` does the computing) and prints one table.
 from __future__ import annotations
 
 import argparse
+import sys
 
-from .intake import positive_int
+from .intake import check_outputs, parse_int_list, positive_int
+from .progress import progress_bar
 
 DEFAULT_DEPTHS, DEFAULT_WIDTHS, DEFAULT_SEEDS = "2,8,32", "128", 3
 
@@ -20,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--widths", default=DEFAULT_WIDTHS, help=f"d_model values (default {DEFAULT_WIDTHS})")
     p.add_argument("--seeds", type=positive_int, default=DEFAULT_SEEDS, help=f"models per cell, the source of the intervals (default {DEFAULT_SEEDS})")
     p.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
-    p.add_argument("--steps", type=int, default=0, help="training steps per model before measuring early loss (default 0)")
-    p.add_argument("--data", metavar="PATH", help="token file for --steps and the measurement (.npy, .bin, .txt); default random tokens")
+    p.add_argument("--steps", type=int, default=0,
+                   help="AdamW steps per model on the standard library's bytes, to compare early loss (default 0)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG grid (schemes x direction) of variance over depth")
     p.add_argument("--csv", metavar="PATH", help="write the tidy frame as CSV")
     p.add_argument("--width", type=positive_int, help="table width in columns (default: the terminal's)")
@@ -29,4 +31,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit(0)
+    from rich.console import Console
+
+    import tinylm
+    from diagnostics.compare import compare
+
+    from . import export
+    from .cli import UsageError
+    from .render_compare import CompareTable
+
+    if args.schemes:
+        schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+        for s in schemes:
+            tinylm.init.get(s)  # an unknown name: one line listing the registered ones
+    else:
+        schemes = list(tinylm.init.SCHEMES)
+    depths = parse_int_list(args.depths, "--depths")
+    widths = parse_int_list(args.widths, "--widths")
+    if args.steps < 0:
+        raise UsageError(f"--steps {args.steps}: must be 0 or more")
+    check_outputs({"--plot": args.plot, "--csv": args.csv}, {})
+    with progress_bar("compare", enabled=False if args.no_progress else None) as update:
+        tidy, summary = compare(schemes, depths, widths, args.seeds, args.steps, seed=args.seed,
+                                progress=lambda done, total, what: update(done, total, what))
+    console = Console(width=args.width, highlight=False)
+    console.print(CompareTable(summary))
+    if args.csv:
+        export.write_csv(args.csv, tidy)
+    if args.plot:
+        import matplotlib.pyplot as plt
+
+        from .plots import compare_figure
+
+        fig = compare_figure(tidy, schemes)
+        try:
+            export.write_figure(args.plot, fig)
+        finally:
+            plt.close(fig)
+    written = [f"{flag} {path}" for flag, path in (("csv", args.csv), ("plot", args.plot)) if path]
+    if written:
+        print(f"wrote {', '.join(written)}", file=sys.stderr)
+    return 0

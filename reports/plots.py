@@ -125,40 +125,46 @@ def depth_figure(result: Any, history: Any = None) -> Any:
     return fig
 
 
-def compare_figure(frame: Any, schemes: Sequence[str] | None = None) -> Any:
-    """A grid, one row per scheme and one column per direction, of residual variance over depth.
+def compare_figure(tidy: Any, schemes: Sequence[str] | None = None) -> Any:
+    """A grid, one row per scheme and one column per direction, of residual-stream variance over depth.
 
-    ``frame`` is the tidy frame of ``diagnostics.compare`` with columns scheme, depth
-    (the model's number of blocks), index (position in the stream), direction, var
-    and, optionally, predicted and width. One line per model depth.
+    ``tidy`` is the tidy frame of ``diagnostics.compare`` (columns scheme, depth, width,
+    seed, tensor, kind, block, direction, statistic, value). One colour per model depth L,
+    one thin line per seed; position 0 is the embedding output, k the output of block k-1.
+    With several widths, the widest is drawn.
     """
+    frame = tidy[(tidy["statistic"] == "var") & tidy["kind"].isin(["embedding", "residual"])]
     schemes = list(schemes) if schemes is not None else list(dict.fromkeys(frame["scheme"]))
     n = max(len(schemes), 1)
-    fig, axes = plt.subplots(n, 2, figsize=(10, 2.4 * n + 0.6), squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(n, 2, figsize=(10, 2.3 * n + 0.8), squeeze=False, constrained_layout=True)
     cmap = plt.get_cmap("viridis")
-    depths = sorted(set(int(d) for d in frame["depth"])) if len(frame) else []
+    depths = sorted({int(d) for d in frame["depth"]})
     for i, scheme in enumerate(schemes):
         for j, direction in enumerate(("forward", "backward")):
             ax = axes[i][j]
             sub = frame[(frame["scheme"] == scheme) & (frame["direction"] == direction)]
+            if len(sub) and sub["width"].nunique() > 1:
+                sub = sub[sub["width"] == sub["width"].max()]
+            drew = False
             for k, depth in enumerate(depths):
+                colour = cmap(0.85 * k / max(len(depths) - 1, 1))
                 d = sub[sub["depth"] == depth]
-                if "width" in d and d["width"].nunique() > 1:
-                    d = d[d["width"] == d["width"].max()]
-                d = d.groupby("index", as_index=False).mean(numeric_only=True).sort_values("index")
-                ys = d["var"].where(d["var"] > 0)
-                colour = cmap(k / max(len(depths) - 1, 1))
-                ax.plot(d["index"], ys, "-", color=colour, lw=1.4, label=f"L={depth}")
-                if "predicted" in d and d["predicted"].notna().any():
-                    ax.plot(d["index"], d["predicted"], "--", color=colour, lw=0.9, alpha=0.8)
-            ax.set_yscale("log")
+                for m, (seed, g) in enumerate(d.groupby("seed")):
+                    pos = [0 if kind == "embedding" else int(b) + 1 for kind, b in zip(g["kind"], g["block"])]
+                    pts = sorted((p, v) for p, v in zip(pos, g["value"]) if _ok(v))
+                    if pts:
+                        ax.plot([p for p, _ in pts], [v for _, v in pts], "-", color=colour, lw=1.1, alpha=0.8,
+                                label=f"L={depth}" if m == 0 else None)
+                        drew = True
+            if drew:
+                ax.set_yscale("log")
             ax.grid(True, alpha=0.3)
             ax.set_title(f"{scheme}: {direction}", fontsize=9)
             if i == n - 1:
-                ax.set_xlabel("depth in the stream")
+                ax.set_xlabel("position in the residual stream (0 = embedding)")
             if j == 0:
                 ax.set_ylabel("variance")
-            if i == 0 and j == 1 and depths:
+            if i == 0 and j == 1 and drew:
                 ax.legend(fontsize=7, loc="best")
-    fig.suptitle("Residual variance over depth per init scheme (solid measured, dashed predicted)", fontsize=10)
+    fig.suptitle("Residual stream variance over depth per init scheme (one line per seed)", fontsize=10)
     return fig

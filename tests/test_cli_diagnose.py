@@ -148,7 +148,8 @@ def test_every_export_is_written_and_reads_back(capsys, ckpt, tmp_path):
     assert svg.lstrip().startswith("<svg") and svg.rstrip().endswith("</svg>")
     with Image.open(out["png"]) as img:
         assert img.format == "PNG" and img.size[0] > 300 and img.size[1] > 200
-        assert len(set(img.convert("L").getdata())) > 10, "the plot is blank"
+        lo, hi = img.convert("L").getextrema()
+        assert hi - lo > 100, "the plot is blank"
     assert "wrote json" in err
     # no temporary files left beside the outputs
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.pt", *(p.name for p in out.values())])

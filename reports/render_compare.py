@@ -1,0 +1,92 @@
+"""The ``tinylm compare`` table: one row per init scheme, depth (and width), from ``diagnostics.compare``'s summary."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich import box
+from rich.table import Table
+from rich.text import Text
+
+from .fmt import VERDICT_STYLE, num, verdict_text
+
+__all__ = ["CompareTable", "compare_table"]
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def _signed(v: float, decimals: int) -> str:
+    s = f"{v:+.{decimals}f}" if abs(v) < 100 else f"{v:+.3g}"
+    return s.replace("-", "+") if float(s) == 0 else s  # no "-0.000"
+
+
+def _slope(v: Any, lo: Any, hi: Any, compact: bool = False) -> str:
+    """A per-block slope of ln Var with its 99% interval over seeds: ``+0.120 [+0.10, +0.14]``."""
+    if _missing(v):
+        return "-"
+    s = _signed(v, 2 if compact else 3)
+    if _missing(lo) or _missing(hi):
+        return s
+    sep = "," if compact else ", "
+    return f"{s} [{_signed(lo, 2)}{sep}{_signed(hi, 2)}]"
+
+
+class CompareTable:
+    """A renderable that lays out :func:`compare_table` for the console's width."""
+
+    def __init__(self, summary: Any) -> None:
+        self.summary = summary
+
+    def __rich_console__(self, console: Any, options: Any):
+        yield compare_table(self.summary, options.max_width)
+
+
+def compare_table(summary: Any, width: int = 120) -> Table:
+    """The comparison as a rich Table: scheme, L, d, loss at init vs ln V, forward and backward
+    ln-variance slope per block with the 99% interval over seeds, max/min stream variance, verdict
+    (and the loss after ``steps`` training steps when there are any). Below 100 columns the
+    slopes get two decimals and the gaps one space, so the table fits 80 columns."""
+    compact = width < 100
+    multi_width = summary["width"].nunique() > 1 if len(summary) else False
+    has_steps = bool(len(summary)) and summary["early_loss"].notna().any()
+    ln_v = float(summary["ln_vocab"].iloc[0]) if len(summary) else float("nan")
+    seeds = int(summary["seeds"].iloc[0]) if len(summary) else 0
+    caption = (f"loss at init against ln V = {ln_v:.3f} (a uniform guess); slope: per-block change of ln Var of the "
+               f"residual stream, forward and (gradient) backward, [99% interval over {seeds} seeds]; max/min: "
+               "largest over smallest stream variance across depth")
+    t = Table(box=box.SIMPLE_HEAD, padding=(0, 0 if compact else 1, 0, 0), pad_edge=False, show_edge=False,
+              title="Init schemes side by side", title_justify="left", title_style="bold",
+              caption=caption, caption_justify="left", caption_style="dim")
+    t.add_column("scheme", no_wrap=True)
+    t.add_column("L", justify="right", no_wrap=True)
+    if multi_width:
+        t.add_column("d", justify="right", no_wrap=True)
+    t.add_column("loss" if compact else "loss@init", justify="right", no_wrap=True)
+    t.add_column("fwd slope [99%]", justify="right", no_wrap=True)
+    t.add_column("bwd slope [99%]", justify="right", no_wrap=True)
+    t.add_column("max/min", justify="right", no_wrap=True)
+    if has_steps:
+        steps = int(summary["steps"].iloc[0])
+        t.add_column(f"loss@{steps}", justify="right", no_wrap=True)
+    t.add_column("verdict", no_wrap=True)
+    previous = None
+    for row in summary.itertuples(index=False):
+        if previous is not None and row.scheme != previous:
+            t.add_section()
+        cells = [row.scheme if row.scheme != previous else "", str(row.depth)]
+        previous = row.scheme
+        if multi_width:
+            cells.append(str(row.width))
+        cells += [num(row.initial_loss, 4),
+                  _slope(row.slope_forward, row.slope_forward_low, row.slope_forward_high, compact),
+                  _slope(row.slope_backward, row.slope_backward_low, row.slope_backward_high, compact),
+                  num(row.max_min_ratio)]
+        if has_steps:
+            cells.append(num(row.early_loss, 4))
+        verdict = str(row.verdict)
+        cells.append(Text(verdict_text(verdict), style=VERDICT_STYLE.get(verdict, "bold")))
+        t.add_row(*cells)
+    return t
