@@ -60,6 +60,7 @@ __all__ = [
     "first_mover",
     "judged",
     "to_rows",
+    "loss_summary",
     "write_json",
     "write_csv",
     "GROWTH",
@@ -394,6 +395,16 @@ class Watch:
         s["loss"].append(float(loss))
         s["lr"].append(float(lr))
         s["grad_norm"].append(float(grad_norm))
+
+
+def loss_summary(history: dict[str, Any]) -> tuple[int, float, float]:
+    """(k, mean loss of the first k steps, mean of the last k), k = min(10, steps // 4) (at least 1);
+    NaN means when no step was logged. Non-finite losses count (a diverged run's mean is inf/NaN)."""
+    losses = (history.get("series") or {}).get("loss") or []
+    if not losses:
+        return 0, math.nan, math.nan
+    k = max(1, min(10, len(losses) // 4))
+    return k, sum(losses[:k]) / k, sum(losses[-k:]) / k
 
 
 # --------------------------------------------------------------------------- exports

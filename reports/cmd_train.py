@@ -10,7 +10,6 @@ watch records per-layer moments into the checkpoint's history, which
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from .cli import UsageError
@@ -194,12 +193,9 @@ class _Display:
 
 
 def _summary(console, result, options, out: Path) -> None:
-    from diagnostics.watch import first_departure
+    from diagnostics.watch import first_departure, loss_summary
 
-    losses = [x for x in result.history["series"]["loss"]]
-    k = max(1, min(10, len(losses) // 4))
-    first = sum(losses[:k]) / k if losses else math.nan
-    last = sum(losses[-k:]) / k if losses else math.nan
+    k, first, last = loss_summary(result.history)
     console.print(
         f"{result.iteration} steps, {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s; "
         f"loss {first:.4f} -> {last:.4f} (mean of the first and last {k} steps); wrote {out}"

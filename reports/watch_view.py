@@ -17,7 +17,8 @@ from typing import Any
 __all__ = ["render_history", "plot_history", "plot_histories", "chart_sites"]
 
 BARS = "▁▂▃▄▅▆▇█"
-MAX_COLUMNS = 48
+MAX_COLUMNS = 32
+MAX_EVENTS = 3
 
 
 def chart_sites(history: dict[str, Any]) -> list[str]:
@@ -38,14 +39,17 @@ def _series(history: dict[str, Any], site: str, key: str) -> tuple[list[int], li
 
 
 def _thin(values: list[float], n: int) -> list[float]:
-    """At most n values: the max of |log| deviation is not needed, keep every k-th and the last."""
+    """At most n values: consecutive buckets, each shown by its largest value (NaN if any is not
+    finite), so that a short excursion is never thinned away."""
     if len(values) <= n:
         return values
     k = math.ceil(len(values) / n)
-    picked = values[::k]
-    if (len(values) - 1) % k:
-        picked.append(values[-1])
-    return picked
+    out = []
+    for i in range(0, len(values), k):
+        bucket = values[i:i + k]
+        bad = any(v is None or not math.isfinite(v) for v in bucket)
+        out.append(math.nan if bad else max(bucket))
+    return out
 
 
 def _spark(values: list[float], lo: float, hi: float) -> str:
@@ -79,15 +83,14 @@ def render_history(history: dict[str, Any]):
     from rich.table import Table
     from rich.text import Text
 
-    from diagnostics.watch import first_departure, verdicts
+    from diagnostics.watch import first_departure, loss_summary, verdicts
 
     records = history.get("records") or []
-    series = history.get("series") or {}
-    losses = series.get("loss") or []
+    losses = (history.get("series") or {}).get("loss") or []
     lines: list[Any] = []
     if losses:
-        k = max(1, min(10, len(losses) // 4))
-        lines.append(Text(f"{len(losses)} steps trained (loss {sum(losses[:k]) / k:.4g} -> {sum(losses[-k:]) / k:.4g}, "
+        k, first, last = loss_summary(history)
+        lines.append(Text(f"{len(losses)} steps trained (loss {first:.4g} -> {last:.4g}, "
                           f"means of the first and last {k}); {len(records)} watch records, "
                           f"every {history.get('watch_every')} steps"))
     if not records:
@@ -106,8 +109,8 @@ def render_history(history: dict[str, Any]):
                       title_justify="left", box=None, pad_edge=False)
         table.add_column("site", no_wrap=True)
         table.add_column("over steps", no_wrap=True)
-        table.add_column("first", justify="right")
-        table.add_column("last", justify="right")
+        table.add_column("first", justify="right", no_wrap=True)
+        table.add_column("last", justify="right", no_wrap=True)
         table.add_column("verdict", no_wrap=True)
         for site, vals in zip(sites, rows):
             row = bad.get(site)
@@ -123,8 +126,12 @@ def render_history(history: dict[str, Any]):
         thr = "" if not math.isfinite(dep["threshold"]) else f" against the threshold {dep['threshold']:.3g}"
         lines.append(Text(f"first verdict other than ok: step {dep['step']}, {dep['site']} {dep['verdict']} "
                           f"({dep['stat']} = {_fmt(dep['value'])}{thr})", style="bold red"))
-    for ev in history.get("events") or []:
+    events = history.get("events") or []
+    for ev in events[:MAX_EVENTS]:
         lines.append(Text(f"watch: {ev['message']}", style="yellow"))
+    if len(events) > MAX_EVENTS:
+        lines.append(Text(f"... and {len(events) - MAX_EVENTS} more alarms (steps {', '.join(str(e['step']) for e in events[MAX_EVENTS:][:8])}"
+                          f"{', ...' if len(events) > MAX_EVENTS + 8 else ''})", style="yellow"))
     return Panel(Group(*lines), title="during training", expand=False)
 
 

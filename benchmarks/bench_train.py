@@ -1,0 +1,61 @@
+"""Training throughput with the watch at its default interval against without it, in one process.
+
+Both arms train the same model (same init seed, same batches) for the same steps;
+the arms alternate, round after round, so that a slow spell of a shared machine
+hits both; each arm's figure is its median over the rounds. Target: the watch
+costs <= 5% of tokens/s.
+
+    python benchmarks/bench_train.py                    # tiny preset, built-in corpus
+    python benchmarks/bench_train.py --rounds 5 --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--steps", type=int, default=100, help="steps per arm and round (a multiple of the interval)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--watch-every", type=int, default=25, help="the watch's interval (default: the CLI's default, 25)")
+    args = p.parse_args(argv)
+
+    import tinylm
+    from diagnostics.data import stdlib_corpus
+    from diagnostics.train import TrainOptions, train
+
+    tokens = stdlib_corpus()
+    config = tinylm.preset(args.preset)
+
+    def arm(every: int) -> float:
+        model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+        r = train(model, tokens, TrainOptions(steps=args.steps, batch_size=args.batch_size, watch_every=every))
+        assert len(r.history["records"]) == (0 if every == 0 else -(-args.steps // every))
+        return r.tokens_per_s
+
+    arm(0)  # warm-up: imports, allocator, first-call costs
+    off, on = [], []
+    for k in range(args.rounds):
+        order = ((0, off), (args.watch_every, on)) if k % 2 == 0 else ((args.watch_every, on), (0, off))
+        for every, sink in order:
+            sink.append(arm(every))
+        print(f"round {k + 1}: without watch {off[-1]:,.0f} tok/s, with watch (every {args.watch_every}) {on[-1]:,.0f} tok/s",
+              flush=True)
+    m_off, m_on = statistics.median(off), statistics.median(on)
+    slower = 1.0 - m_on / m_off
+    print(f"preset {args.preset}, batch {args.batch_size} x {config.context_length} tokens, {args.steps} steps per arm, "
+          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
+    print(f"median tokens/s: without watch {m_off:,.0f}; with watch every {args.watch_every} steps {m_on:,.0f}; "
+          f"ratio with/without {m_on / m_off:.3f} ({100 * slower:+.1f}% slower; target <= 5%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The CS336 norm ablations under the watch: same seed, steps, batches and learning rate;
+the pre-norm baseline stays healthy while the no-norm and post-norm ablations leave ok.
+
+The default run uses a reduced model (d=32) for 20 steps; the slow variant trains the
+README's configuration (d=128, T=64, 200 steps, lr 1e-2; ``benchmarks/ablation_demo.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import tinylm
+from diagnostics.data import stdlib_corpus
+from diagnostics.train import TrainOptions, train
+from diagnostics.watch import first_departure
+
+
+def _run(norm: str, d: int, T: int, steps: int, lr: float, batch: int, every: int, tokens):
+    config = tinylm.preset("tinystories", d_model=d, d_ff=tinylm.default_d_ff(d), context_length=T, vocab_size=256, norm=norm)
+    model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+    return train(model, tokens, TrainOptions(steps=steps, batch_size=batch, lr=lr, watch_every=every, seed=0))
+
+
+def _mean(xs):
+    xs = [x for x in xs if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else math.inf
+
+
+def _check(runs):
+    pre, none, post = runs["pre"], runs["none"], runs["post"]
+    # the baseline trains and every verdict stays ok
+    loss = pre.history["series"]["loss"]
+    assert pre.stopped is None and _mean(loss[-5:]) < 0.8 * _mean(loss[:5]), loss
+    assert first_departure(pre.history) is None and pre.history["events"] == []
+    # no norm: the residual stream / attention scores of some block explode (or turn non-finite), and the loss with them
+    dep = first_departure(none.history)
+    assert dep is not None and dep["verdict"] in ("exploding", "non-finite") and dep["site"].startswith("layers."), dep
+    assert none.stopped is not None or max(none.history["series"]["loss"]) > 10 * max(loss), none.history["series"]["loss"]
+    # post-norm: the gradient reaching the lower layers collapses (the post-norm gradient imbalance)
+    dep = first_departure(post.history)
+    assert dep is not None and dep["verdict"] == "vanishing", dep
+    return dep
+
+
+def test_ablations_diverge_where_the_baseline_stays_healthy_reduced():
+    tokens = stdlib_corpus(300_000)
+    runs = {norm: _run(norm, d=32, T=16, steps=20, lr=3e-2, batch=8, every=5, tokens=tokens) for norm in ("pre", "none", "post")}
+    _check(runs)
+
+
+@pytest.mark.slow
+def test_ablations_diverge_where_the_baseline_stays_healthy_readme_configuration():
+    tokens = stdlib_corpus()
+    runs = {norm: _run(norm, d=128, T=64, steps=200, lr=1e-2, batch=16, every=5, tokens=tokens)
+            for norm in ("pre", "none", "post")}
+    _check(runs)
