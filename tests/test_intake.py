@@ -50,7 +50,7 @@ def save_state(tmp_path, state, name="s.pt"):
     return tmp_path / name
 
 
-def expect(path, *phrases, **flags):
+def assert_refused(path, *phrases, **flags):
     with pytest.raises(CheckpointError) as err:
         checkpoint.load(path, **flags)
     msg = str(err.value)
@@ -74,7 +74,7 @@ def test_code_execution_payload_is_refused_and_never_runs(tmp_path):
     target = tmp_path / "PWNED"
     path = tmp_path / "evil.pt"
     torch.save({"model": Payload(target)}, path)
-    msg = expect(path, "executable" if False else "pickled Python objects", "system", "--unsafe-load")
+    msg = assert_refused(path, "executable" if False else "pickled Python objects", "system", "--unsafe-load")
     assert not target.exists()
     assert "state_dict()" in msg  # says how to convert
 
@@ -91,8 +91,8 @@ def test_whole_module_pickle_is_refused_unless_unsafe(tmp_path, model):
 
 
 def test_missing_file_and_directory(tmp_path):
-    expect(tmp_path / "nope.pt", "no such file")
-    expect(tmp_path, "is a directory")
+    assert_refused(tmp_path / "nope.pt", "no such file")
+    assert_refused(tmp_path, "is a directory")
 
 
 def test_unreadable_file(tmp_path, model, monkeypatch):
@@ -106,43 +106,43 @@ def test_unreadable_file(tmp_path, model, monkeypatch):
         return real_open(file, mode, *a, **k)
 
     monkeypatch.setattr(builtins, "open", denying_open)  # root ignores chmod, so deny at open()
-    expect(path, "permission denied", "chmod")
+    assert_refused(path, "permission denied", "chmod")
     monkeypatch.setattr(builtins, "open", real_open)
     monkeypatch.setattr(checkpoint.os, "access", lambda p, m: False)
-    expect(path, "permission denied")
+    assert_refused(path, "permission denied")
 
 
 def test_empty_truncated_random_text_json(tmp_path, valid_bytes):
-    expect(write(tmp_path, "e.pt", b""), "empty file")
+    assert_refused(write(tmp_path, "e.pt", b""), "empty file")
     b = valid_bytes["m.pt"]
-    expect(write(tmp_path, "t.pt", b[: len(b) // 2]), "truncated")
-    expect(write(tmp_path, "r.pt", os.urandom(4096)), "not a PyTorch checkpoint")
-    expect(write(tmp_path, "x.pt", b"hello, world\n" * 20), "text file")
-    expect(write(tmp_path, "j.json", b'{"vocab_size": 10}'), "text file")
+    assert_refused(write(tmp_path, "t.pt", b[: len(b) // 2]), "truncated")
+    assert_refused(write(tmp_path, "r.pt", os.urandom(4096)), "not a PyTorch checkpoint")
+    assert_refused(write(tmp_path, "x.pt", b"hello, world\n" * 20), "text file")
+    assert_refused(write(tmp_path, "j.json", b'{"vocab_size": 10}'), "text file")
 
 
 def test_corrupt_safetensors_header(tmp_path, valid_bytes):
     b = bytearray(valid_bytes["m.safetensors"])
     n = struct.unpack("<Q", b[:8])[0]
     b[8 + n // 2 : 8 + n // 2 + 8] = b"@@@@@@@@"
-    expect(write(tmp_path, "h.safetensors", bytes(b)), "corrupt safetensors")
-    expect(write(tmp_path, "t.safetensors", valid_bytes["m.safetensors"][:-64]), "corrupt safetensors")
+    assert_refused(write(tmp_path, "h.safetensors", bytes(b)), "corrupt safetensors")
+    assert_refused(write(tmp_path, "t.safetensors", valid_bytes["m.safetensors"][:-64]), "corrupt safetensors")
 
 
 def test_state_dict_key_and_shape_mismatches(tmp_path, model):
     sd = model.state_dict()
     missing = {k: v for k, v in sd.items() if k != "layers.1.attn.q_proj.weight"}
-    expect(save_state(tmp_path, missing), "missing 1 key(s): layers.1.attn.q_proj.weight", **FLAGS)
+    assert_refused(save_state(tmp_path, missing), "missing 1 key(s): layers.1.attn.q_proj.weight", **FLAGS)
     extra = {**sd, "layers.0.attn.bias": torch.zeros(2)}
-    expect(save_state(tmp_path, extra), "unexpected 1 key(s): layers.0.attn.bias", **FLAGS)
+    assert_refused(save_state(tmp_path, extra), "unexpected 1 key(s): layers.0.attn.bias", **FLAGS)
     wrong = {**sd, "layers.0.ffn.w2.weight": torch.zeros(16, 31)}
-    expect(save_state(tmp_path, wrong), "layers.0.ffn.w2.weight (16, 31) (expected (16, 32))", **FLAGS)
+    assert_refused(save_state(tmp_path, wrong), "layers.0.ffn.w2.weight (16, 31) (expected (16, 32))", **FLAGS)
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.complex64])
 def test_non_float_weights(tmp_path, model, dtype):
     sd = {k: v.to(dtype) for k, v in model.state_dict().items()}
-    expect(save_state(tmp_path, sd), "non-float weights", str(dtype), **FLAGS)
+    assert_refused(save_state(tmp_path, sd), "non-float weights", str(dtype), **FLAGS)
 
 
 @pytest.mark.parametrize(
@@ -155,13 +155,13 @@ def test_stored_config_that_fails_validation(tmp_path, model, change, phrase):
     obj = torch.load(path, weights_only=True)
     obj["config"].update(change)
     torch.save(obj, path)
-    expect(path, "stored config is invalid", phrase)
+    assert_refused(path, "stored config is invalid", phrase)
 
 
 def test_not_a_state_dict(tmp_path):
-    expect(save_state(tmp_path, [1, 2, 3]), "holds a list")
-    expect(save_state(tmp_path, {}), "not a model state dict")
-    expect(save_state(tmp_path, {"w": torch.ones(2)}), "token_embeddings.weight", **FLAGS)
+    assert_refused(save_state(tmp_path, [1, 2, 3]), "holds a list")
+    assert_refused(save_state(tmp_path, {}), "not a model state dict")
+    assert_refused(save_state(tmp_path, {"w": torch.ones(2)}), "token_embeddings.weight", **FLAGS)
 
 
 def test_nonfinite_weights_are_not_an_error(tmp_path, model):
