@@ -43,6 +43,7 @@ stream is "outside validity"; so is, in both modes, the heads prediction beyond 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -95,8 +96,12 @@ class Prediction:
 def _gauss_expect(f: Callable[[float], float], mu: float, sigma: float) -> float:
     if sigma <= 0:
         return f(mu)
+    if not (math.isfinite(mu) and math.isfinite(sigma)):
+        return math.nan
     dens = lambda z: math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)  # noqa: E731
-    val, _ = integrate.quad(lambda z: f(mu + sigma * z) * dens(z), -12, 12, limit=200, epsabs=0, epsrel=1e-10)
+    with warnings.catch_warnings():  # huge sigma (an exploding model): quad warns about its own tolerance
+        warnings.simplefilter("ignore", integrate.IntegrationWarning)
+        val, _ = integrate.quad(lambda z: f(mu + sigma * z) * dens(z), -12, 12, limit=200, epsabs=0, epsrel=1e-10)
     return val
 
 
@@ -132,16 +137,20 @@ def softmax_moments(sigma: float, n_max: int) -> dict[str, np.ndarray]:
     """
     if n_max < 1:
         raise OptionsError(f"n_max={n_max}: needs at least one position")
+    if not math.isfinite(sigma):
+        nan = np.full(n_max, math.nan)
+        return {"s2": nan, "s3": nan, "s2sq": nan, "entropy": nan}
     rows = max(256, min(_MC_DRAWS, int(4_000_000 // n_max)))
     z = sigma * _normal_draws(rows, n_max)
-    z = z - z.max(axis=1, keepdims=True)  # shift-invariant; keeps exp finite
-    e1 = np.exp(z)
-    c1, c2, c3 = np.cumsum(e1, 1), np.cumsum(e1**2, 1), np.cumsum(e1**3, 1)
-    s2 = c2 / c1**2
-    s3 = c3 / c1**3
-    # entropy: H = ln(c1) - sum e z / c1 (with z the shifted logits)
-    cz = np.cumsum(e1 * z, 1)
-    ent = np.log(c1) - cz / c1
+    with np.errstate(all="ignore"):  # 0 * -inf for huge sigma: those draws carry no weight
+        z = z - z.max(axis=1, keepdims=True)  # shift-invariant; keeps exp finite
+        e1 = np.exp(z)
+        c1, c2, c3 = np.cumsum(e1, 1), np.cumsum(e1**2, 1), np.cumsum(e1**3, 1)
+        s2 = c2 / c1**2
+        s3 = c3 / c1**3
+        # entropy: H = ln(c1) - sum e z / c1 (with z the shifted logits; e z -> 0 where e underflows)
+        cz = np.cumsum(np.where(e1 > 0, e1 * z, 0.0), 1)
+        ent = np.log(c1) - cz / c1
     return {"s2": s2.mean(0), "s3": s3.mean(0), "s2sq": (s2**2).mean(0), "entropy": ent.mean(0)}
 
 

@@ -14,6 +14,15 @@ from diagnostics.stats import Moments
 CFG = tinylm.ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=2, d_ff=64)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def model_of(seed=0, **changes):
     return tinylm.TransformerLM(CFG.replace(**changes), generator=torch.Generator().manual_seed(seed))
 

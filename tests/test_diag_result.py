@@ -1,0 +1,147 @@
+"""diagnose(): the result object, its JSON schema and frame, options, token forms, and the model untouched."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import tinylm
+from diagnostics import SCHEMA_VERSION, DiagnoseOptions, DiagnoseResult, OptionsError, diagnose
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+CFG = tinylm.ModelConfig(vocab_size=128, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64)
+OPTS = DiagnoseOptions(batch_size=2, seq_len=8, batches=3)
+
+
+@pytest.fixture(scope="module")
+def result():
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(0))
+    return model, diagnose(model, options=OPTS)
+
+
+def test_result_exposes_what_the_report_needs(result):
+    model, r = result
+    h = r.header
+    assert h.model_class == "TransformerLM" and h.config == CFG.to_dict() and h.init == "cs336"
+    assert h.parameter_count == model.num_parameters() and h.tokens_measured == 3 * 2 * 8
+    assert h.theory == "global" and h.loss_uniform == pytest.approx(math.log(128)) and h.token_source == "random"
+    row = r.tensor("layers.0.ffn.w1", "forward")
+    assert row.kind == "linear" and row.block == 0 and row.predicted > 0 and row.valid
+    assert row.ratio_low < row.ratio < row.ratio_high  # 3 replicates: a t interval
+    assert {t.direction for t in r.tensors} == {"forward", "backward"}
+    p = next(p for p in r.params if p.name == "layers.1.attn.q_proj.weight")
+    assert p.declared_std > 0 and p.drift == pytest.approx(1, abs=0.2) and p.spectral_norm > 0
+    assert 1 <= p.stable_rank <= 32 and p.grad_std > 0
+    assert [a.name for a in r.attention] == ["layers.0.attn", "layers.1.attn"]
+    assert 0 < r.attention[0].entropy_mean <= r.attention[0].entropy_uniform + 1e-9
+    assert [d.index for d in r.depth] == [0, 1, 2] and r.depth[0].name == "token_embeddings"
+    assert all(d.forward_predicted and d.backward_var > 0 for d in r.depth)
+    assert r.healthy and r.findings == []
+
+
+def test_json_is_versioned_and_deterministic_but_for_created(result):
+    # same inputs, same thread count (reductions over 1 or 2 threads may round differently)
+    model, r = result
+    r2 = diagnose(model, options=OPTS)
+    a, b = json.loads(r.to_json()), json.loads(r2.to_json())
+    assert a["schema_version"] == SCHEMA_VERSION and "created" in a
+    a.pop("created"), b.pop("created")
+    assert a == b
+    assert r.to_json().replace(r.created, "") == r2.to_json().replace(r2.created, "")  # byte-identical
+    back = DiagnoseResult.from_dict(json.loads(r.to_json()))
+    assert back.tensors == r.tensors and back.header == r.header and back.depth == r.depth
+
+
+def test_frame_is_tidy(result):
+    _, r = result
+    df = r.to_frame()
+    assert list(df.columns) == ["name", "block", "kind", "direction", "statistic", "value", "predicted", "ratio",
+                                "ratio_low", "ratio_high", "valid", "verdict"]
+    assert len(df) == len(r.tensors) * 11
+    v = df[(df.name == "lm_head") & (df.direction == "backward") & (df.statistic == "var")]
+    assert len(v) == 1 and v.predicted.iloc[0] > 0
+
+
+def test_model_is_left_exactly_as_it_was():
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(1))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    diagnose(model, options=DiagnoseOptions(batch_size=2, seq_len=8, batches=1))
+    assert model.training and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_progress_and_given_tokens():
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(2))
+    calls = []
+    windows = torch.randint(0, 128, (6, 9), generator=torch.Generator().manual_seed(3))
+    r = diagnose(model, windows, DiagnoseOptions(batch_size=2, progress=lambda d, t, s: calls.append((d, t, s))))
+    assert r.header.token_source == "given" and r.header.batches == 3 and r.header.seq_len == 8
+    assert [c[0] for c in calls] == list(range(1, len(calls) + 1)) and calls[-1][0] == calls[-1][1]
+    stream = np.arange(500) % 128
+    r = diagnose(model, stream, DiagnoseOptions(batch_size=2, seq_len=8, batches=2))
+    assert r.header.tokens_measured == 32
+
+
+def test_seeds_reinitialise_copies():
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(4))
+    before = model.layers[0].ffn.w1.weight.clone()
+    r = diagnose(model, options=DiagnoseOptions(batch_size=2, seq_len=8, batches=1, seeds=3))
+    assert r.header.seeds == 3 and torch.equal(model.layers[0].ffn.w1.weight, before)
+    assert r.tensor("layers.0.ffn.w1").ratio_low is not None
+
+
+def test_trained_looking_model_gets_local_theory():
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model.layers[0].ffn.w1.weight.mul_(3.0)  # drifted from its declared std
+    r = diagnose(model, options=DiagnoseOptions(batch_size=2, seq_len=8, batches=2))
+    assert r.header.theory == "local"
+    assert r.tensor("layers.0.ffn.w1").ratio == pytest.approx(1, abs=0.1)  # local reads the actual weights
+    assert next(p for p in r.params if p.name == "layers.0.ffn.w1.weight").drift == pytest.approx(3, rel=0.05)
+
+
+def test_any_module_without_theory():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(20, 8), nn.Linear(8, 20)
+
+        def forward(self, x):
+            return self.out(torch.tanh(self.emb(x)))
+
+    r = diagnose(Tiny(), options=DiagnoseOptions(batch_size=2, seq_len=5, batches=2))
+    assert r.header.theory == "none" and r.depth == [] and r.tensor("out").predicted is None
+    assert r.header.loss_uniform == pytest.approx(math.log(20))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), "batch_size=0"), (dict(seq_len=1), "seq_len=1"), (dict(theory="exact"), "theory="),
+    (dict(seed=-1), "seed=-1"), (dict(progress=3), "progress="),
+])
+def test_bad_options_are_named(kwargs, match):
+    with pytest.raises(OptionsError, match=match):
+        DiagnoseOptions(**kwargs)
+
+
+def test_bad_inputs_are_named():
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(6))
+    with pytest.raises(OptionsError, match="context_length=16"):
+        diagnose(model, options=DiagnoseOptions(seq_len=64))
+    with pytest.raises(OptionsError, match="dtype"):
+        diagnose(model, torch.rand(4, 9))
+    with pytest.raises(OptionsError, match="seeds=2"):
+        diagnose(nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5)), options=DiagnoseOptions(seeds=2, seq_len=4))

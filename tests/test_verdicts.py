@@ -1,0 +1,120 @@
+"""Verdict defaults: healthy pre-norm at depth 2, 8, 48; exploding, vanishing and non-finite models named."""
+
+import math
+
+import pytest
+import torch
+
+import tinylm
+from diagnostics import DiagnoseOptions, OptionsError, Thresholds, diagnose
+from diagnostics.verdicts import growth
+
+OPTS = DiagnoseOptions(batch_size=2, seq_len=16, batches=1)
+OPTS48 = DiagnoseOptions(batch_size=1, seq_len=16, batches=1)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def model_of(L, norm="pre", init="cs336", d=128, seed=0):
+    cfg = tinylm.ModelConfig(vocab_size=256, context_length=16, d_model=d, num_layers=L, num_heads=4,
+                             d_ff=tinylm.default_d_ff(d), norm=norm, init=init)
+    return tinylm.TransformerLM(cfg, generator=torch.Generator().manual_seed(seed))
+
+
+def tiny_std(site):
+    if site.kind == "linear_weight":
+        return tinylm.init.Dist("normal", std=1e-3, why="every weight std 1e-3 (test)")
+    return tinylm.init.cs336(site)
+
+
+if "test-std-1e-3" not in tinylm.init.SCHEMES:
+    tinylm.init.register("test-std-1e-3", tiny_std)
+
+
+@pytest.mark.parametrize("L", [2, 8, 48])
+def test_cs336_pre_norm_is_healthy(L):
+    r = diagnose(model_of(L), options=OPTS48 if L == 48 else OPTS)
+    assert r.healthy, [f.message for f in r.findings]
+    grown = r.depth[-1].forward_var / r.depth[0].forward_var
+    if L == 48:
+        # the stream grows ~linearly with depth (~40x over 48 blocks at d 128): not geometric, not exploding
+        assert 20 < grown < 80
+        assert growth([d.forward_var for d in r.depth]) == "linear"
+        assert max(b.forward_var / a.forward_var for a, b in zip(r.depth, r.depth[1:])) < 2
+
+
+def test_no_norm_explodes_and_names_the_first_block():
+    r = diagnose(model_of(8, norm="none"), options=OPTS)
+    ex = [f for f in r.findings if f.kind == "exploding" and f.direction == "forward"]
+    assert ex, [f.message for f in r.findings]
+    f = ex[0]
+    gains = [b.forward_var / a.forward_var for a, b in zip(r.depth, r.depth[1:])]
+    first = next(k for k, g in enumerate(gains) if g > 4 and (k + 1 == len(gains) or gains[k + 1] > 4))
+    assert f.where == f"layers.{first}" and f.block == first
+    assert f.value == pytest.approx(gains[first]) and f.threshold == 4.0 and f.value > f.threshold
+    assert all(math.isfinite(d.forward_var) for d in r.depth)  # still finite, yet exploding
+    assert growth([d.forward_var for d in r.depth]) == "geometric"
+    assert not r.healthy
+
+
+def test_tiny_weights_vanish():
+    r = diagnose(model_of(8, norm="none", init="test-std-1e-3"), options=OPTS)
+    kinds = {(f.kind, f.direction) for f in r.findings}
+    assert ("vanishing", "forward") in kinds and ("vanishing", "backward") in kinds, [f.message for f in r.findings]
+    branch = next(f for f in r.findings if f.kind == "vanishing" and f.direction == "forward")
+    assert branch.where == "layers.0.attn" and branch.value < 1e-6 * 1e-2  # many orders below the threshold
+    grads = next(f for f in r.findings if f.kind == "vanishing" and f.direction == "backward")
+    assert grads.value < grads.threshold
+    # the stream itself keeps the embedding's variance
+    assert r.depth[-1].forward_var == pytest.approx(r.depth[0].forward_var, rel=0.01)
+
+
+def test_nan_weight_is_non_finite_and_named():
+    m = model_of(4)
+    with torch.no_grad():
+        m.layers[2].ffn.w1.weight[3, 5] = float("nan")
+    r = diagnose(m, options=OPTS)
+    nf = [f for f in r.findings if f.kind == "non_finite"]
+    assert len(nf) == 1 and nf[0].where == "layers.2.ffn.w1" and "layers.2.ffn.w1.weight" in nf[0].message
+    assert r.tensor("layers.2.ffn.w1").verdict == "non_finite"
+    assert r.tensor("layers.2.ffn.w3").verdict == "ok"  # the sibling reads the same finite input
+
+
+def test_zero_residual_is_not_called_dead_or_vanishing():
+    r = diagnose(model_of(4, init="zero-residual"), options=OPTS)
+    assert r.healthy, [f.message for f in r.findings]
+
+
+def test_saturated_attention_is_flagged():
+    m = model_of(2)
+    with torch.no_grad():
+        m.layers[1].attn.q_proj.weight.mul_(30.0)
+        m.layers[1].attn.k_proj.weight.mul_(30.0)
+    r = diagnose(m, options=OPTS)
+    sat = [f for f in r.findings if f.kind == "saturated"]
+    assert sat and sat[0].where == "layers.1.attn" and sat[0].value > 0.5
+    assert r.attention[0].verdict == "ok" and r.attention[1].verdict == "saturated"
+
+
+def test_thresholds_are_validated_and_change_verdicts():
+    with pytest.raises(OptionsError, match="exploding_gain"):
+        Thresholds(exploding_gain=0.5)
+    with pytest.raises(OptionsError, match="dead_fraction"):
+        Thresholds(dead_fraction=float("nan"))
+    # negative control: a threshold below what a healthy model measures turns it into a finding
+    r = diagnose(model_of(2), options=DiagnoseOptions(batch_size=2, seq_len=16, batches=1,
+                                                       thresholds=Thresholds(exploding_gain=1.01)))
+    assert any(f.kind == "exploding" for f in r.findings)
+
+
+def test_growth_classifier():
+    assert growth([1 + 0.8 * k for k in range(49)]) == "linear"
+    assert growth([1.5**k for k in range(12)]) == "geometric"
+    assert growth([1.0, 1.1, 1.2]) == "flat"
