@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError
@@ -76,16 +77,21 @@ def _seeds(args: argparse.Namespace, fresh: bool) -> int:
     return DEFAULT_SEEDS if fresh else 1
 
 
-def _history_panel(history: Any) -> Any:
-    """The training engineer's "during training" panel, when that module exists and the checkpoint has a history."""
-    if history is None:
+def _watch_view(history: Any) -> Any:
+    """``reports.watch_view`` when the checkpoint holds a training history and that module is there, else None."""
+    if not history:
         return None
     try:
         from . import watch_view
     except ImportError:
         return None
-    render = getattr(watch_view, "render_history", None)
-    return render(history) if render is not None else None
+    return watch_view
+
+
+def _training_plot_path(plot: str) -> Path:
+    """Beside ``--plot report.png``: ``report.training.png`` for the "during training" figure."""
+    p = Path(plot)
+    return p.with_name(f"{p.stem}.training{p.suffix or '.png'}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     from .render import ReportContext, report
 
     outputs = _outputs(args)
+    if args.plot:
+        outputs["--plot (training history)"] = str(_training_plot_path(args.plot))
     check_outputs(outputs, {"checkpoint": args.checkpoint, "--data file": args.data})
     dtype = parse_dtype(args.dtype)
     device = resolve_device(args.device)
@@ -127,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
                  else f"uniform random tokens over [0, {config.vocab_size})")
     ctx = ReportContext(source=source.description, data=data_text, dtype=args.dtype, device=str(device),
                         nonfinite_params=source.nonfinite, all_tensors=args.all)
-    history = _history_panel(source.history)
-    doc = report(result, ctx, extra=[history] if history is not None else [])
+    watch_view = _watch_view(source.history)
+    doc = report(result, ctx, extra=[watch_view.render_history(source.history)] if watch_view else [])
 
     record = bool(args.html or args.svg)
     console = Console(width=args.width, record=record, highlight=False)
@@ -145,13 +153,17 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from .plots import depth_figure
 
-        fig = depth_figure(result, history=source.history)
+        fig = depth_figure(result)
         try:
             export.write_figure(args.plot, fig)
         finally:
             import matplotlib.pyplot as plt
 
             plt.close(fig)
+        if watch_view:
+            watch_view.plot_history(source.history, str(_training_plot_path(args.plot)))
+        else:
+            outputs.pop("--plot (training history)", None)
     written = [f"{flag[2:]} {path}" for flag, path in outputs.items() if path]
     if written:
         print(f"wrote {', '.join(written)}", file=sys.stderr)

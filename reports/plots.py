@@ -73,24 +73,11 @@ def _shade_thresholds(ax: Any, result: Any, direction: str) -> None:
     ax.set_ylim(lo, hi)
 
 
-def depth_figure(result: Any, history: Any = None) -> Any:
+def depth_figure(result: Any) -> Any:
     """Variance over depth: forward (activations) and backward (gradients), one line per tensor kind,
-    measured solid, predicted dashed, the verdict thresholds shaded. Returns the Figure.
-
-    With a training ``history`` (from the checkpoint) and ``reports.watch_view.plot_history``
-    available, a third panel shows it.
-    """
-    plot_history = None
-    if history is not None:
-        try:
-            from .watch_view import plot_history
-        except ImportError:
-            plot_history = None
-    ncols = 3 if plot_history is not None else 2
-    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.2), constrained_layout=True)
-    if plot_history is not None:
-        plot_history(history, axes[2])
-    for ax, direction in zip(axes[:2], ("forward", "backward")):
+    measured solid, predicted dashed, the verdict thresholds shaded. Returns the Figure."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
+    for ax, direction in zip(axes, ("forward", "backward")):
         drew = False
         for kind, colour in PLOT_KINDS.items():
             xs, ys = _series(result, kind, direction, "var")

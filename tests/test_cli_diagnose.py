@@ -234,3 +234,31 @@ def test_end_to_end_default_run_no_argument(tmp_path):
     assert "fresh tinystories preset" in r.stdout and "V=10000 ctx=256 d=512 L=4 H=16 d_ff=1344" in r.stdout
     assert "verdict" in r.stdout and "Per layer" in r.stdout and "Variance over depth" in r.stdout
     assert list(tmp_path.iterdir()) == [], "the default run must not write files"
+
+
+def test_checkpoint_with_training_history_gets_the_during_training_panel_and_plot(capsys, tmp_path):
+    from diagnostics.watch import Watch
+    from tinylm.functional import cross_entropy
+
+    model = small_model()
+    watch = Watch(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for t in range(3):
+        batch = torch.randint(0, 256, (2, 17), generator=gen)
+        with watch.capture():
+            loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+            loss.backward()
+        before = watch.snapshot_params()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        watch.commit(t, float(loss), 0.1, 1.0, before=before)
+        watch.log(t, float(loss), 0.1, 1.0)
+    path = tmp_path / "trained.pt"
+    checkpoint.save(path, model, iteration=3, history=watch.history)
+    png = tmp_path / "depth.png"
+    code, out, err = run_cli(capsys, path, "--plot", png, *SMALL)
+    assert code == 0, err
+    assert "during training" in out and "iteration 3" in out
+    assert png.exists() and (tmp_path / "depth.training.png").stat().st_size > 1000
+    assert "depth.training.png" in err
