@@ -24,6 +24,7 @@ scheme; ``tensors="all"`` probes every default point.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -62,11 +63,18 @@ def _check(name: str, values, kind=int) -> tuple:
     return values
 
 
+@lru_cache(maxsize=1)
+def _corpus():
+    from .data import stdlib_corpus
+
+    return stdlib_corpus(max_bytes=200_000)
+
+
 def _train_steps(model: tinylm.TransformerLM, steps: int, batch_size: int, seq_len: int, seed: int,
                  lr: float) -> float:
-    from .data import get_batch, stdlib_corpus
+    from .data import get_batch
 
-    corpus = stdlib_corpus(max_bytes=400_000)
+    corpus = _corpus()
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
