@@ -4,10 +4,10 @@
 
 Both run in this one process on the same model and batch, alternating, after one
 warm-up each; the figure is the ratio of the median times (target <= 1.10). Peak
-memory is measured with tracemalloc-free means: torch's CPU allocator is not seen
-by tracemalloc, so we report the process's peak RSS growth (resource.getrusage)
-over a bare pass and over a probed pass, each measured in a fresh child process
-so that one pass's peak does not hide the other's.
+memory: torch's CPU allocator is invisible to tracemalloc, so each kind of pass runs
+in a fresh child process that samples its resident set size (/proc/self/statm) every
+millisecond during one pass, after a warm-up pass; the figure is the peak growth over
+the resident size before the pass. Linux only.
 """
 
 from __future__ import annotations
@@ -48,18 +48,38 @@ def _probed(model, tokens) -> None:
     run.stats  # the one conversion to Python floats belongs to the cost
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _peak(kind: str, batch: int, seq: int) -> None:
-    """Child: print the RSS growth (MiB) of one pass of ``kind`` over the model's resident size."""
-    import resource
+    """Child: print the peak growth of resident memory (MiB) during one pass of ``kind``.
+
+    A thread samples /proc/self/statm every millisecond; the baseline is taken after a
+    warm-up pass of the same kind, so allocator caches are already in place.
+    """
+    import threading
 
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     model, tokens = _model_and_batch(batch, seq)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    (_probed if kind == "probed" else _step)(model, tokens)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"kind": kind, "growth_mib": (peak - base) / 1024}))
+    fn = _probed if kind == "probed" else _step
+    fn(model, tokens)
+    base, peak, stop = _rss_mib(), [0.0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mib())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=sample)
+    t.start()
+    fn(model, tokens)
+    stop.set()
+    t.join()
+    print(json.dumps({"kind": kind, "growth_mib": max(peak[0] - base, 0.0), "base_mib": base}))
 
 
 def main() -> int:
@@ -94,8 +114,9 @@ def main() -> int:
     for kind in ("bare", "probed"):
         out = subprocess.run([sys.executable, __file__, "--peak-child", kind, "--batch", str(args.batch),
                               "--seq", str(args.seq)], capture_output=True, text=True, env=env, check=True)
-        growth = json.loads(out.stdout.strip().splitlines()[-1])["growth_mib"]
-        print(f"peak RSS growth of one {kind:6s} pass: {growth:8.1f} MiB")
+        rec = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"peak RSS growth during one {kind:6s} pass: {rec['growth_mib']:8.1f} MiB "
+              f"(resident before: {rec['base_mib']:.0f} MiB)")
     return 0
 
 

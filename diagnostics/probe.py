@@ -183,6 +183,7 @@ class ProbeRun:
         self._attn: dict[str, Tensor] = {}
         self._cos: dict[str, Tensor] = {}
         self._inv: dict[str, Tensor] = {}
+        self._last: dict[str, tuple] = {}  # direction -> (identity of the last tensor summarized, its summary)
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
         self.steps = 0
@@ -190,6 +191,18 @@ class ProbeRun:
         self._stats: ProbeStats | None = None
 
     # -- accumulation (called from hooks; no host sync) --
+    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str) -> Tensor:
+        """summarize(t); a branch output reuses the summary of the hook that ran just before it when
+        that was the very same tensor (an attention's output_proj output is the attention branch,
+        w2's output the FFN branch; their hooks fire back to back, forward and backward)."""
+        key = (direction, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, valid is None)
+        last = self._last.get(direction)
+        if kind in ("attn_branch", "ffn_branch") and last is not None and last[0] == key:
+            return last[1]
+        vec = summarize(t, valid)
+        self._last[direction] = (key, vec)
+        return vec
+
     def _add(self, store: dict, key, vec: Tensor, merge) -> None:
         store[key] = merge(store[key], vec) if key in store else vec
         self._stats = None
@@ -201,7 +214,7 @@ class ProbeRun:
         if name == self.order[0]:
             self.steps += 1
         valid = _causal_valid(out) if kind in _CAUSAL_KINDS else None
-        self._add(self._vec, (name, "forward"), summarize(out, valid), merge_vectors)
+        self._add(self._vec, (name, "forward"), self._summary(out, valid, "forward", kind), merge_vectors)
         if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
             self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
         if self.options.cosine and (kind == "residual" or (kind == "embedding" and _is_tinylm(self.model))) \
@@ -221,7 +234,7 @@ class ProbeRun:
                 return None
             with torch.no_grad():
                 valid = _causal_valid(grad) if kind in _CAUSAL_KINDS else None
-                self._add(self._vec, (name, "backward"), summarize(grad, valid), merge_vectors)
+                self._add(self._vec, (name, "backward"), self._summary(grad, valid, "backward", kind), merge_vectors)
             return None
         return hook
 
