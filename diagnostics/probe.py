@@ -118,9 +118,9 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
                 ) -> dict[str, ParamStats]:
     """Per-parameter statistics (tied parameters once), with declared std from ``model.config.init``.
 
-    std = sqrt(mean((w - mean w)^2)) in float64 (NaN when any entry is non-finite; the
-    non-finite fraction says how many); grad_std likewise over the finite entries of
-    ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank = sum sigma^2 / sigma_max^2
+    std = sqrt(mean((w - mean w)^2)), accumulated in float64 by :func:`summarize` (NaN when
+    any entry is non-finite; the non-finite fraction says how many); grad_std likewise over
+    the finite entries of ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank = sum sigma^2 / sigma_max^2
     (torch.linalg.svdvals, float64), for 2-D finite parameters when ``spectral``.
     """
     decl = {}
@@ -142,16 +142,13 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     nan = torch.tensor(math.nan, dtype=torch.float64)
     rows = []  # per parameter: std, nonfinite fraction, grad std, grad nonfinite fraction (0-d tensors)
     for p, g in zip(plist, glist):
-        w = p.detach()
-        n = max(w.numel(), 1)
-        w64 = torch.nan_to_num(w.double(), nan=0.0, posinf=0.0, neginf=0.0)
-        nf = (w.numel() - torch.count_nonzero(torch.isfinite(w))).double() / n
-        std = w64.std(correction=0) if w.numel() else nan
-        std = torch.where(nf > 0, nan, std)
+        v = summarize(p.detach())  # FIELDS: n_total, count, mean, m2, ...
+        nf = (v[0] - v[1]) / v[0].clamp(min=1.0)
+        std = torch.where(nf > 0, nan, (v[3] / v[1].clamp(min=1.0)).sqrt())
         if g is not None and g.numel():
-            g64 = g.detach().double()
-            gnf = (g.numel() - torch.count_nonzero(torch.isfinite(g64))).double() / g.numel()
-            gstd = torch.nan_to_num(g64, nan=0.0, posinf=0.0, neginf=0.0).std(correction=0)
+            u = summarize(g.detach())
+            gnf = (u[0] - u[1]) / u[0]
+            gstd = (u[3] / u[1].clamp(min=1.0)).sqrt()
         else:
             gnf = gstd = nan
         rows.append(torch.stack([std, nf, gstd, gnf]))

@@ -115,7 +115,8 @@ def summarize(x: Tensor, valid: Tensor | None = None) -> Tensor:
         return torch.zeros(len(FIELDS), dtype=torch.float64, device=dev)
     n_total = float(numel - n_masked)
     f32 = flat if flat.dtype == torch.float32 else flat.float()
-    expo = torch.bitwise_and(torch.bitwise_right_shift(f32.view(torch.int32), 23), 0xFF)
+    # float32 exponent field: shift the bits right by 23; the cast to uint8 keeps the low 8 bits (drops the sign)
+    expo = torch.bitwise_right_shift(f32.view(torch.int32), 23).to(torch.uint8)
     counts = _selector(dev) @ torch.bincount(expo, minlength=256).double()  # nf, <2^-14, >=2^16, subnormal/0, >=2^127
     nz = torch.count_nonzero(flat).double()  # NaN counts as nonzero
     if flat.dtype == torch.float64:  # the float32 exponent misjudges float64 extremes as non-finite

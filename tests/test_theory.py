@@ -91,8 +91,12 @@ def check_acceptance(d, L, seeds, **kw):
 
 
 def test_acceptance_reduced():
-    """Reduced grid of the acceptance: d_model 128, L 3, 3 seeds (batch 4 x 32 tokens)."""
-    check_acceptance(128, 3, 3)
+    """Reduced grid of the acceptance: d_model 128, L 3, 3 seeds of 8 sequences x 32 tokens.
+
+    Beyond block 0 each sequence's tokens share a component, so the sequences (not the
+    tokens) are what average out: fewer than ~24 sequences leave ~5% noise on the output
+    projections of the upper blocks."""
+    check_acceptance(128, 3, 3, B=8)
 
 
 @pytest.mark.slow
