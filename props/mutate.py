@@ -203,6 +203,27 @@ class MutationReport:
         return t
 
 
+    def to_markdown(self) -> str:
+        """The same table as GitHub markdown (for the README), every failing property listed."""
+        killed = sum(r.killed and not r.error for r in self.results)
+        lines = [
+            f"{killed}/{len(self.results)} mutants killed in {self.seconds:.0f} s "
+            f"({self.workers} workers, OMP_NUM_THREADS=1).",
+            "",
+            "| mutant | bug | result | killed by (every failing property) | s |",
+            "| --- | --- | --- | --- | ---: |",
+        ]
+        rows = ([self.baseline] if self.baseline is not None else []) + self.results
+        for r in rows:
+            if r is self.baseline:
+                status = "error" if r.error else ("passes" if not r.killed else "FAILS")
+            else:
+                status = r.status
+            by = r.error or ", ".join(f"`{k}`" for k in r.killers) or "-"
+            lines.append(f"| `{r.mutant.name}` | {r.mutant.bug} | {status} | {by} | {r.seconds:.0f} |")
+        return "\n".join(lines) + "\n"
+
+
 BASELINE = Mutant("baseline (no mutation)", "", "", "", "the unmodified copy: every property must pass")
 
 
@@ -303,6 +324,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", action="append", metavar="NAME", help="run only this mutant (repeatable)")
     p.add_argument("--first-failure", action="store_true", help="stop each mutant's run at its first failing property")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
+    p.add_argument("--markdown", metavar="PATH", help="also write the table as markdown to PATH")
 
 
 def select_mutants(only: list[str] | None) -> list[Mutant]:
@@ -340,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
         on_result=lambda r: console.print(f"  {r.mutant.name}: {r.status if r.mutant is not BASELINE else ('passes' if not r.killed else 'FAILS')} ({r.seconds:.0f} s)"),
     )
     console.print(report)
+    if args.markdown:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        Path(args.markdown).write_text(report.to_markdown() + f"\nLoad average (1, 5, 15 min) at the end of the run: {load}.\n")
     return 0 if report.all_killed else 1
 
 

@@ -40,7 +40,7 @@ def _result_cell(r: PropertyResult) -> Text:
 def suite_table(run: SuiteRun) -> Table:
     """One row per property: name, claim, examples, worst observed, tolerance, false-alarm rate, result."""
     t = Table(title=f"Property suite: implementation {run.impl}", title_justify="left", expand=False)
-    t.add_column("property", overflow="fold", max_width=28)
+    t.add_column("property", overflow="fold", min_width=16, max_width=30)
     t.add_column("claim", overflow="fold", ratio=1)
     t.add_column("ex.", justify="right")
     t.add_column("worst", justify="right", no_wrap=True)

@@ -108,7 +108,8 @@ def test_cli_runs_selected_properties(capsys):
     code = cli.main(["props", "-k", "softmax_rows_sum_to_one or xavier"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "softmax_rows_sum_to_one" in out and "xavier_is_harmonic_compromise" in out and "ALL HOLD: 2 properties" in out
+    assert "ALL HOLD: 2 properties (2 passed)" in " ".join(out.split())
+    assert "softmax_rows" in out and "xavier_is" in out  # names may fold in a narrow console
 
 
 def test_user_impl_skips_missing_and_fails_wrong(tmp_path, monkeypatch):
