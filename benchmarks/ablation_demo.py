@@ -36,12 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--norms", default="pre,none,post")
     p.add_argument("-o", "--output", default=str(ROOT / "docs" / "ablation.png"))
+    p.add_argument("--save-json", metavar="DIR", help="also write each run's watch history as DIR/<norm>.json")
     args = p.parse_args(argv)
 
     import tinylm
     from diagnostics.data import stdlib_corpus
     from diagnostics.train import TrainOptions, train
-    from diagnostics.watch import first_departure
+    from diagnostics.watch import first_departure, write_json
     from reports.watch_view import plot_histories
 
     tokens = stdlib_corpus()
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         print("   peak forward variance: " + ", ".join(f"{s} {v:.3g}" for s, v in peak.items()))
         label = {"pre": "pre-norm (baseline)", "none": "no norm", "post": "post-norm"}.get(norm, norm)
         histories[f"{label}, lr={args.lr:g}"] = r.history
+        if args.save_json:
+            write_json(r.history, str(Path(args.save_json) / f"{norm}.json"))
     plot_histories(histories, args.output)
     print(f"\nwrote {args.output}")
     return 0

@@ -172,7 +172,8 @@ class TrainResult:
     history: dict[str, Any]
     stopped: str | None = None  # why training stopped early (non-finite loss), else None
     events: list[WatchEvent] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall-clock time of the loop
+    cpu_seconds: float = 0.0  # CPU time of this process during the loop (all its threads)
     tokens: int = 0
 
     @property
@@ -303,7 +304,7 @@ def train(
     B, T = options.batch_size, config.context_length
     model.train()
     result = TrainResult(model, optimizer, start, watch.history)
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = F.cross_entropy(model(x), y)
@@ -354,6 +355,7 @@ def train(
             dt = time.perf_counter() - t0
             on_step(StepInfo(t + 1, options.steps, loss, lr, grad_norm, B * T / dt if dt > 0 else float("nan"), recorded))
     result.seconds = time.perf_counter() - t_start
+    result.cpu_seconds = time.process_time() - cpu_start
     result.events = list(watch.events)
     save(result.iteration)
     return result

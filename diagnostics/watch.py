@@ -15,6 +15,7 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
 
     {"format": "tinylm-watch", "version": 1, "watch_every": K, "spike_factor": f,
      "sites": [site, ...],                                    # forward order
+     "norm": "pre" | "post" | "none" | None,                  # the model's norm placement
      "series": {"step": [...], "loss": [...], "lr": [...], "grad_norm": [...]},   # every step
      "records": [{"step": t, "reason": "interval" | "spike" | "nonfinite",
                   "loss": ..., "lr": ..., "grad_norm": ...,
@@ -28,10 +29,14 @@ Verdicts over time (:func:`verdicts`) compare each site with its own earlier
 records (not with the first alone: a badly initialised model starts far from
 healthy, and a healthy one's statistics move while it learns):
 
-    non-finite   a NaN or inf in the tensor or its gradient
+    non-finite   a NaN or inf in the tensor or its gradient (any site)
     exploding    forward variance above GROWTH = 10^3 x the lowest value it had at an earlier record
     vanishing    gradient variance below the highest value it had at an earlier record / SHRINK (10^4)
     ok           otherwise
+
+exploding and vanishing judge the sites that reach a computation at their scale
+(:func:`judged`): attention scores, logits, and the residual stream unless the
+model is pre-norm.
 
 The thresholds are heuristics with a measured margin, not statistical tests: in
 the README's ablation runs the pre-norm baseline's residual-stream variance rose
@@ -155,14 +160,18 @@ def _running_extremes(history: dict[str, Any], key: str, fn) -> list[dict[str, f
     return out
 
 
-def judged(site: str) -> bool:
-    """Sites whose growth is judged: the residual stream (embedding output, resid_mid, block
-    outputs), the attention scores and the logits. Branch outputs (attn, ffn) and attention
-    probabilities are only judged for non-finite values: several init schemes start the
-    branches at or near zero, so their growth is learning, not divergence."""
+def judged(site: str, norm: str | None = None) -> bool:
+    """Sites whose growth is judged: the attention scores and the logits (what softmax reads),
+    and the residual stream (embedding output, resid_mid, block outputs) unless the model is
+    pre-norm (``norm="pre"``: every read of its residual stream goes through an RMSNorm, which
+    is scale-invariant, so the stream's scale does not reach any computation). Branch outputs
+    (attn, ffn) and attention probabilities are only judged for non-finite values: several
+    init schemes start the branches at or near zero, so their growth is learning."""
     leaf = site.rsplit(".", 1)[-1]
-    return site in ("token_embeddings", "lm_head") or leaf in ("resid_mid", "scores") or (
-        site.startswith("layers.") and site.count(".") == 1)
+    if site == "lm_head" or leaf == "scores":
+        return True
+    residual = site == "token_embeddings" or leaf == "resid_mid" or (site.startswith("layers.") and site.count(".") == 1)
+    return residual and norm != "pre"
 
 
 def _site_verdict(st: dict[str, float], low_fwd: float | None, high_grad: float | None,
@@ -195,7 +204,7 @@ def verdicts(history: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for rec, low, high in zip(records, lows, highs):
         for site, st in rec["stats"].items():
-            j = judged(site)
+            j = judged(site, history.get("norm"))
             verdict, key, value, threshold = _site_verdict(st, low.get(site) if j else None,
                                                            high.get(site) if j else None)
             if verdict != "ok":
@@ -214,9 +223,9 @@ def first_departure(history: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def first_mover(history: dict[str, Any], factor: float | None = None) -> dict[str, Any] | None:
-    """The statistic that moved first: the earliest record at which some :func:`judged` site's forward or
-    gradient variance rose above ``factor`` (default MOVE) x the lowest value it had at
-    any earlier record, or stopped being finite. At that record: the first such site in
+    """The statistic that moved first: the earliest record at which some site's tensor or
+    gradient stopped being finite, or a :func:`judged` site's forward or gradient variance
+    rose above ``factor`` (default MOVE) x the lowest value it had at any earlier record. At that record: the first such site in
     forward order among forward variances (the most upstream activation), else the last
     in forward order among gradient variances (the first the backward pass reaches).
     Returns {"site", "stat", "step", "factor"} (factor: the rise, inf if not finite) or None.
@@ -228,17 +237,14 @@ def first_mover(history: dict[str, Any], factor: float | None = None) -> dict[st
     for k, rec in enumerate(records):
         moved = {"fwd_var": [], "grad_var": []}
         for site, st in rec["stats"].items():
-            if not judged(site):
-                continue
+            j = judged(site, history.get("norm"))
             for key in moved:
-                low = lows[key][k].get(site)
-                if low is None:
-                    continue
                 v = st.get(key)
                 nonfinite = st.get(key.split("_")[0] + "_nonfinite", 0.0)
-                if not _finite(v) or (nonfinite or 0.0) > 0:
-                    moved[key].append((order.get(site, len(order)), site, math.inf))
-                elif v > factor * low:
+                low = lows[key][k].get(site)
+                if (nonfinite or 0.0) > 0 or (low is not None and not _finite(v)):
+                    moved[key].append((order.get(site, len(order)), site, math.inf))  # any site
+                elif j and low is not None and v > factor * low:
                     moved[key].append((order.get(site, len(order)), site, v / low))
         if moved["fwd_var"]:
             _, site, rise = min(moved["fwd_var"])
@@ -285,6 +291,7 @@ class Watch:
         else:
             self.history = {"format": FORMAT, "version": VERSION, "watch_every": self.every,
                             "spike_factor": self.spike_factor, "sites": list(self.sites),
+                            "norm": getattr(getattr(model, "config", None), "norm", None),
                             "series": {"step": [], "loss": [], "lr": [], "grad_norm": []},
                             "records": [], "events": []}
         self.events: list[WatchEvent] = []

@@ -28,6 +28,10 @@ def chart_sites(history: dict[str, Any]) -> list[str]:
             or s == "lm_head"]
 
 
+def _is_watch(history: Any) -> bool:
+    return isinstance(history, dict) and history.get("format") == "tinylm-watch" and isinstance(history.get("records"), list)
+
+
 def _series(history: dict[str, Any], site: str, key: str) -> tuple[list[int], list[float]]:
     steps, values = [], []
     for rec in history.get("records") or []:
@@ -85,6 +89,9 @@ def render_history(history: dict[str, Any]):
 
     from diagnostics.watch import first_departure, loss_summary, verdicts
 
+    if not _is_watch(history):
+        return Panel(Text(f"the checkpoint's history ({type(history).__name__}) is not a tinylm watch history; "
+                          "nothing to draw"), title="during training", expand=False)
     records = history.get("records") or []
     losses = (history.get("series") or {}).get("loss") or []
     lines: list[Any] = []
@@ -104,9 +111,9 @@ def render_history(history: dict[str, Any]):
     for key, label in (("fwd_var", "activation variance"), ("grad_var", "gradient variance")):
         rows = [_thin(_series(history, s, key)[1], MAX_COLUMNS) for s in sites]
         lo, hi = _log_range(rows)
-        table = Table(title=f"{label} over steps {records[0]['step']}..{records[-1]['step']} "
-                            f"(log scale {BARS[0]} 1e{lo:.1f} .. {BARS[-1]} 1e{hi:.1f}; × not finite)",
-                      title_justify="left", box=None, pad_edge=False)
+        lines.append(Text(f"{label} over steps {records[0]['step']}..{records[-1]['step']} "
+                          f"(log scale: {BARS[0]} 1e{lo:.1f} .. {BARS[-1]} 1e{hi:.1f}; × not finite)", style="bold"))
+        table = Table(box=None, pad_edge=False)
         table.add_column("site", no_wrap=True)
         table.add_column("over steps", no_wrap=True)
         table.add_column("first", justify="right", no_wrap=True)
@@ -183,6 +190,7 @@ def plot_histories(histories: dict[str, dict[str, Any]], path: str) -> None:
 
     from tinylm.checkpoint import atomic_write
 
+    histories = {k: h for k, h in histories.items() if _is_watch(h)}
     n = max(1, len(histories))
     fig, axes = plt.subplots(3, n, figsize=(4.2 * n, 8.5), sharex="col", sharey="row", squeeze=False)
     for j, (label, history) in enumerate(histories.items()):

@@ -172,19 +172,19 @@ def test_nonfinite_loss_stops_and_names_the_layer_that_moved_first():
     assert len(r.history["series"]["loss"]) == 7 and math.isnan(r.history["series"]["loss"][-1])
     ev = r.history["events"][0]
     assert ev["step"] == 6 and ev["kind"] == "nonfinite"
-    # block 1's output is the first judged site (forward order) that stopped being finite; block 0 and
-    # block 1's resid_mid (before the FFN) stayed finite
-    assert ev["site"] == "layers.1" and ev["moved_at"] == 6, ev
-    assert "layers.1 moved first" in ev["message"] and "stopped being finite" in ev["message"]
+    # block 1's FFN is the first site (forward order) that stopped being finite; block 0 and
+    # block 1's attention and resid_mid (before the FFN) stayed finite
+    assert ev["site"] == "layers.1.ffn" and ev["moved_at"] == 6, ev
+    assert "layers.1.ffn moved first" in ev["message"] and "stopped being finite" in ev["message"]
     assert events and events[0].message == ev["message"]
     assert r.history["records"][-1]["reason"] == "nonfinite" and r.history["records"][-1]["step"] == 6
     stats = r.history["records"][-1]["stats"]
-    assert stats["layers.1.resid_mid"]["fwd_nonfinite"] == 0.0 and stats["layers.1"]["fwd_nonfinite"] > 0
+    assert stats["layers.1.resid_mid"]["fwd_nonfinite"] == 0.0 and stats["layers.1.ffn"]["fwd_nonfinite"] > 0
     dep = W.first_departure(r.history)
     assert dep["step"] == 6 and dep["verdict"] == "non-finite"
 
 
-def test_first_mover_negative_control_healthy_training_has_none_after_warmup():
+def test_negative_control_healthy_training_raises_no_alarm_and_no_verdict():
     r = train(small_model(), tokens(), TrainOptions(steps=12, batch_size=2, watch_every=3, lr=1e-3))
     assert r.history["events"] == []
     assert W.first_departure(r.history) is None
@@ -225,6 +225,17 @@ def test_branch_outputs_are_not_judged_for_growth_but_for_nonfinite():
     assert W.first_departure(_history({"layers.0.ffn": [1e-6, 1.0]})) is None
     dep = W.first_departure(_history({"layers.0.ffn": [1.0, math.nan]}))
     assert dep["verdict"] == "non-finite"
+
+
+def test_pre_norm_residual_scale_is_not_judged_but_its_attention_scores_are():
+    h = _history({"layers.0": [1.0, 1e6], "layers.0.attn.scores": [1.0, 1.0]})
+    h["norm"] = "pre"  # every read of the residual stream is normalised: its scale reaches nothing
+    assert W.first_departure(h) is None
+    h["norm"] = "post"  # negative control: without pre-norm the same growth is judged
+    assert W.first_departure(h)["site"] == "layers.0"
+    s = _history({"layers.0.attn.scores": [1.0, 2 * W.GROWTH]})
+    s["norm"] = "pre"
+    assert W.first_departure(s)["verdict"] == "exploding"
 
 
 def test_vanishing_gradient_and_its_negative_control():
@@ -301,3 +312,12 @@ def test_plot_history_writes_a_png(tmp_path):
     r = train(small_model(), tokens(), TrainOptions(steps=3, batch_size=2, watch_every=1))
     plot_history(r.history, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_render_history_of_a_foreign_history_says_so(tmp_path):
+    from reports.watch_view import plot_history, render_history
+
+    text = _render(render_history([1, 2, 3]))
+    assert "not a tinylm watch history" in text
+    plot_history({"something": "else"}, tmp_path / "p.png")  # draws an empty figure, does not fail
+    assert (tmp_path / "p.png").exists()
