@@ -180,6 +180,7 @@ class ProbeRun:
         self._attn: dict[str, Tensor] = {}
         self._cos: dict[str, Tensor] = {}
         self._inv: dict[str, Tensor] = {}
+        self._normb: dict[str, Tensor] = {}
         self._last: dict[str, tuple] = {}  # direction -> (identity of the last tensor summarized, its summary)
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
@@ -225,6 +226,22 @@ class ProbeRun:
         if self.options.backward and out.requires_grad:
             out.register_hook(self._grad_hook(name, kind))
 
+    def _norm(self, name: str, module: nn.Module, inputs, out: Tensor) -> None:
+        """RMSNorm: keep each token's 1/(mean x^2 + eps) of its input (B*T floats, not the
+        activation) until the output's gradient arrives, and reduce the per-token product."""
+        if not (self.options.backward and out.requires_grad and inputs and isinstance(inputs[0], Tensor)):
+            return
+        with torch.no_grad():
+            inv = 1.0 / (inputs[0].detach().float().square().mean(-1) + float(getattr(module, "eps", 0.0)))
+
+        def hook(grad: Tensor) -> None:
+            if self.active:
+                with torch.no_grad():
+                    per_token = grad.detach().float().square().mean(-1) * inv
+                    self._add(self._normb, name, summarize(per_token), merge_vectors)
+            return None
+        out.register_hook(hook)
+
     def _grad_hook(self, name: str, kind: str):
         def hook(grad: Tensor) -> None:
             if not self.active:
@@ -245,9 +262,10 @@ class ProbeRun:
             attn = {k: AttnMoments.from_vector(v.tolist()) for k, v in self._attn.items()}
             cos = {k: Moments.from_vector(v.tolist()) for k, v in self._cos.items()}
             inv = {k: Moments.from_vector(v.tolist()) for k, v in self._inv.items()}
+            nb = {k: Moments.from_vector(v.tolist()) for k, v in self._normb.items()}
             self._stats = ProbeStats(tensors=tensors, kinds=dict(self.kinds), order=list(self.order),
                                      attention=attn, cosine=cos, params=dict(self.params), steps=self.steps,
-                                     inv_ms=inv)
+                                     inv_ms=inv, norm_back=nb)
         return self._stats
 
 
@@ -287,6 +305,8 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
                 t = _first_tensor(output)
                 if t is not None and t.is_floating_point():
                     run._forward(_name, _kind, t)
+                    if isinstance(module, tinylm.RMSNorm):
+                        run._norm(_name, module, inputs, t)
                 return None
             if kind == "attn_heads":  # not a module: the input of the attention's output_proj
                 def pre(module, inputs, _name=name, _kind=kind):

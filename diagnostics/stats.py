@@ -399,7 +399,9 @@ class ProbeStats:
     AttnMoments}. cosine: {residual point name: Moments of per-sequence cosine}.
     params: {parameter name: ParamStats} (the model at the end of the first run merged).
     steps: forward passes measured. inv_ms: {stream point: Moments of 1/(mean_i x_i^2 + eps)
-    per token} at the residual points a norm reads (RMSNorm's backward scales by it).
+    per token} at the residual points a norm reads. norm_back: {RMSNorm name: Moments over
+    tokens of mean_i(g_y,i^2) / (mean_i x_i^2 + eps)}, the per-token product RMSNorm's
+    backward scales by (g_y: gradient at the norm's output, x: its input).
     """
 
     tensors: dict[tuple[str, str], Moments] = field(default_factory=dict)
@@ -410,6 +412,7 @@ class ProbeStats:
     params: dict[str, ParamStats] = field(default_factory=dict)
     steps: int = 0
     inv_ms: dict[str, Moments] = field(default_factory=dict)
+    norm_back: dict[str, Moments] = field(default_factory=dict)
 
     def merge(self, other: "ProbeStats") -> "ProbeStats":
         """A new ProbeStats over both runs (moments merged; params kept from ``self`` when present)."""
@@ -424,7 +427,7 @@ class ProbeStats:
             tensors=both(self.tensors, other.tensors), kinds={**other.kinds, **self.kinds}, order=order,
             attention=both(self.attention, other.attention), cosine=both(self.cosine, other.cosine),
             params=dict(self.params) if self.params else dict(other.params), steps=self.steps + other.steps,
-            inv_ms=both(self.inv_ms, other.inv_ms),
+            inv_ms=both(self.inv_ms, other.inv_ms), norm_back=both(self.norm_back, other.norm_back),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -438,6 +441,7 @@ class ProbeStats:
             "params": {k: {**asdict(v), "shape": list(v.shape)} for k, v in self.params.items()},
             "steps": self.steps,
             "inv_ms": {k: v.vector() for k, v in self.inv_ms.items()},
+            "norm_back": {k: v.vector() for k, v in self.norm_back.items()},
         }
 
     @classmethod
@@ -451,4 +455,5 @@ class ProbeStats:
             params={k: ParamStats(**{**v, "shape": tuple(v["shape"])}) for k, v in d["params"].items()},
             steps=int(d["steps"]),
             inv_ms={k: Moments.from_vector(v) for k, v in d.get("inv_ms", {}).items()},
+            norm_back={k: Moments.from_vector(v) for k, v in d.get("norm_back", {}).items()},
         )

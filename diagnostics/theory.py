@@ -18,8 +18,9 @@ Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per el
   backward E[g_x^2] = ||W||_F^2 / d_in E[g_y^2]  (global: d_out E[w^2] E[g_y^2]).
 * RMSNorm y = gain x / sqrt(ms(x) + eps): E[y^2] = mean(gain^2) ms/(ms + eps); backward
   E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d (the projection onto x removes
-  1/d of the energy); local mode measures E[1/(ms + eps)] over tokens, global mode takes
-  d/((d-2)(ms + eps)) (chi-square token norms).
+  1/d of the energy); local mode measures the per-token product mean_t E[g_y^2]_t/(ms_t + eps)
+  (gradient and norm vary together over positions: pooling them separately is 20% off
+  beyond block 0), global mode takes E[g_y^2] d/((d-2)(ms + eps)) (chi-square token norms).
 * SwiGLU h = silu(a) * b, a, b independent Gaussians: E[h^2] = E[silu(a)^2] E[b^2];
   backward E[g_b^2] = E[g_h^2] E[silu(a)^2], E[g_a^2] = E[g_h^2] E[b^2] E[silu'(a)^2]
   (Gaussian expectations by scipy.integrate.quad). SiLU FFN: h = silu(a).
@@ -256,9 +257,13 @@ def _norm_back(src: _Source, name: str, g_ms: float, x_ms: float, x_name: str | 
     d = src.config.d_model
     gain2 = src.second_moment(f"{name}.weight")
     proj = (d - 1) / d if d > 1 else 1.0
-    inv = src.stats.inv_ms.get(x_name) if (src.mode == "local" and x_name and src.stats is not None) else None
-    if inv is not None and inv.count:
-        return gain2 * g_ms * inv.mean * proj
+    if src.mode == "local" and src.stats is not None:
+        nb = src.stats.norm_back.get(name)
+        if nb is not None and nb.count:  # measured per token: mean_t E_i[g_y^2]_t / (ms_t + eps)
+            return gain2 * nb.mean * proj
+        inv = src.stats.inv_ms.get(x_name) if x_name else None
+        if inv is not None and inv.count:
+            return gain2 * g_ms * inv.mean * proj
     chi = d / (d - 2) if d > 2 else 1.0
     return gain2 * g_ms / (x_ms + src.config.eps) * chi * proj if x_ms + src.config.eps > 0 else 0.0
 
