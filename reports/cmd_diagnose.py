@@ -17,11 +17,6 @@ from .cli import EXIT_FINDINGS, EXIT_OK, UsageError
 from .intake import check_outputs, load_model, load_token_stream, parse_dtype, positive_int, resolve_device
 from .progress import progress_bar
 
-try:  # the lead's memory estimate; while it is absent, the batch is not checked before allocating
-    from diagnostics.memory import check_fits
-except ImportError:  # pragma: no cover
-    check_fits = None
-
 # Defaults sized so that the no-argument run (the README Quickstart's main job)
 # stays short on two CPU cores: four independent one-sequence batches give the
 # replicates of every 99% interval (3 degrees of freedom) at the cost of about
@@ -120,10 +115,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq-len {seq_len}: need at least 2 tokens to score a next token")
     seeds = _seeds(args, source.fresh)
     tokens = load_token_stream(args.data, config.vocab_size, seq_len)
-    if check_fits is not None:
-        check_fits(config, args.batch_size, seq_len, dtype)
-
     from diagnostics import DiagnoseOptions, diagnose
+    from diagnostics.memory import check_fits
+
+    check_fits(config, args.batch_size, seq_len, dtype)  # estimate before allocating: a one-line error if too big
 
     model.to(device=device, dtype=dtype)
     show_progress = False if args.no_progress else None

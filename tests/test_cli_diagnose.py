@@ -78,6 +78,11 @@ def test_seq_len_above_context_and_bad_flags(capsys, ckpt):
     _one_line_error(code, err, "both write")
 
 
+def test_a_batch_that_cannot_fit_is_refused_before_allocating(capsys, ckpt):
+    code, _, err = run_cli(capsys, ckpt, "--batch-size", 10**9, "--no-progress")
+    _one_line_error(code, err, "GiB", "--batch-size")
+
+
 def test_bare_state_dict_needs_num_heads(capsys, tmp_path):
     path = tmp_path / "bare.pt"
     torch.save(small_model().state_dict(), path)

@@ -170,3 +170,19 @@ def test_header_and_attention_panel():
     line = next(s for s in att.splitlines() if s.strip().startswith("2 "))
     # block 2: score std 1.00, entropy 2.31 of 2.35 uniform, 0.8% saturated, cosine after block 2 = 0.06
     assert "1.00" in line and "2.31" in line and "2.35" in line and "0.8%" in line and "0.0600" in line
+
+
+def test_progress_bar_draws_on_a_terminal_and_stays_silent_otherwise():
+    from reports.progress import progress_bar
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=80, color_system=None)
+    with progress_bar("diagnose", enabled=True, console=console) as update:
+        update(1, 4, "batch 1 of 4")
+        update(4, 4, "batch 4 of 4")
+    assert "batch" in buf.getvalue() and "4/4" in buf.getvalue()
+    quiet = io.StringIO()
+    with progress_bar("diagnose", console=Console(file=quiet)) as update:  # not a terminal: no bar
+        update(1, 4, "batch 1 of 4")
+    assert quiet.getvalue() == ""
+
