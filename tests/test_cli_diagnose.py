@@ -172,8 +172,10 @@ def test_json_is_byte_identical_across_runs_but_the_timestamp(capsys, ckpt, tmp_
 
 
 def test_report_of_a_checkpoint_shows_its_source(capsys, ckpt):
+    before, mtime = ckpt.read_bytes(), ckpt.stat().st_mtime_ns
     code, out, err = run_cli(capsys, ckpt, *SMALL)
     assert code == 0, err
+    assert ckpt.read_bytes() == before and ckpt.stat().st_mtime_ns == mtime, "diagnose changed its input"
     assert "tinylm checkpoint" in out and "iteration 7" in out and str(ckpt) in out.replace("\n", "")
     assert "Per layer" in out and "Variance over depth" in out and "verdict" in out
 
