@@ -481,13 +481,13 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
             _backward(src)
         except KeyError:
             pass
-    return _mark_validity(src.out, model.config.num_layers, mode)
+    return _mark_validity(src.out, model.config.num_layers, mode, model.config.norm)
 
 
 _ATTN_INTERNAL = ("attn.probs", "attn.scores", "attn.q_proj", "attn.k_proj", "attn.v_proj")
 
 
-def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode: str
+def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode: str, norm: str = "pre"
                    ) -> dict[tuple[str, str], Prediction]:
     """Flag the backward predictions whose independence assumptions fail (see the module doc).
 
@@ -496,9 +496,24 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
       which every attention layer sums gradients over positions): valid only when L = 1.
     * Global backward below the final norm divides by the stream variance the
       independent-token theory underestimates beyond block 0: valid only when L = 1.
+    * No norm: the FFN reads the raw stream, whose scale varies over tokens, so the SiLU
+      rules (local), the FFN products and block outputs (global, ~10% off in block 0) and
+      every global forward prediction beyond block 0 are outside validity.
     """
     marked = {}
     for (name, direction), p in out.items():
+        blk = name.split(".")[1] if name.startswith("layers.") else None
+        if norm == "none" and p.valid:
+            unnormalised = "without a norm the FFN reads the raw stream, whose scale varies from token to token"
+            if name.endswith(("ffn.hidden", "ffn.w1", "ffn.w3")) and (direction == "backward" or name.endswith("hidden")) \
+                    and mode == "local":
+                p = Prediction(p.mean_square, p.mean, False, unnormalised + ": SiLU's Gaussian moments do not apply",
+                               p.rule)
+            elif mode == "global" and direction == "forward" and (
+                    (num_layers > 1 and ((blk is not None and blk != "0") or name == "lm_head"))
+                    or name.endswith(("ffn.hidden", "ffn.w2", "ffn")) or (blk is not None and name.count(".") == 1)):
+                p = Prediction(p.mean_square, p.mean, False, unnormalised + " and tokens correlate beyond block 0",
+                               p.rule)
         if direction == "backward" and p.valid:
             if num_layers > 1 and name.endswith(_ATTN_INTERNAL):
                 p = Prediction(p.mean_square, p.mean, False,
