@@ -85,6 +85,20 @@ def test_linear_forward_fixed_weight(impl, d_in, d_out, seed):
     assert not worst.rejected, str(worst)
 
 
+@prop("negative control: fixed W, Var(y_j) = d_in Var(w) Var(x) (ignoring the drawn W) is rejected", needs=("linear",), alpha=ALPHA)
+@settings(max_examples=2)
+@given(seed=seeds())
+def test_linear_forward_fixed_weight_rejects_population_claim(impl, seed):
+    g = generator(seed)
+    d_in = d_out = 8
+    W = torch.randn(d_out, d_in, generator=g, dtype=torch.float64)
+    y = impl.linear(torch.randn(20_000, d_in, generator=g, dtype=torch.float64), W)
+    results = [variance_test(y[:, j], float(d_in), normal_fourth_moment(float(d_in)), alpha=ALPHA / d_out) for j in range(d_out)]
+    best = max(results, key=lambda r: r.statistic)
+    check(best.threshold / best.statistic, 1.0, "negative control", kind="zcrit/|z|")
+    assert best.rejected, "the per-output check failed to reject the population value for a fixed W"
+
+
 # -- 2. Linear backward -------------------------------------------------------------------------------
 
 
@@ -373,3 +387,37 @@ def test_init_samples_match_declaration(impl, scheme):
         if ratio > worst:
             worst, msg = ratio, f"{name}: {text}"
     check(worst, 1.0, f"{scheme}: {msg}", alpha=ALPHA, kind="|z|/zcrit")
+
+
+def _standardized_cs336_linear_draws(impl) -> torch.Tensor:
+    """Every truncated-normal parameter of a cs336 model divided by its declared sigma: i.i.d. N(0,1) cut at +-3."""
+    model = impl.transformer_lm(_CFG.replace(init="cs336"), generator(2))
+    params = dict(model.named_parameters())
+    parts = [
+        params[name].detach().double().reshape(-1) / dist.std
+        for name, dist in impl.init.declare(model, "cs336").items()
+        if dist.family == "trunc_normal"
+    ]
+    return torch.cat(parts)
+
+
+@prop("cs336 draws / sigma pooled: Var = 0.97334; negative control: Var = 1 (untruncated) rejected", needs=("transformer_lm", "init"), alpha=ALPHA)
+def test_init_pooled_truncation_and_rejects_untruncated(impl):
+    x = _standardized_cs336_linear_draws(impl)
+    var, mu4 = truncnorm_moments(1.0, 3.0)
+    right = variance_test(x, var, mu4, claim="Var = 0.97334").record()
+    wrong = variance_test(x, 1.0, 3.0, claim="Var = 1 (untruncated)")
+    assert not right.rejected, str(right)
+    assert wrong.rejected, f"{x.numel()} pooled draws failed to reject the untruncated variance: {wrong}"
+
+
+@pytest.mark.slow
+@prop("slow: TN(0, 1, +-k) draws for k = 1..4, 3e6 each: Var = 1 - 2k phi(k)/(2 Phi(k) - 1)", needs=("init",), alpha=ALPHA)
+@given(k=st.sampled_from([1.0, 1.5, 2.0, 3.0, 4.0]), seed=seeds())
+def test_truncnorm_samples_many_k(impl, k, seed):
+    x = _tn_samples(impl, 1.0, k, 3_000_000, seed)
+    assert float(x.abs().max()) <= k
+    var, mu4 = truncnorm_moments(1.0, k)
+    assert abs(var - truncnorm_var_formula(k)) < 1e-12
+    res = variance_test(x, var, mu4, claim=f"Var = {var:.5f}").record()
+    assert not res.rejected, str(res)
