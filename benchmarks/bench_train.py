@@ -5,6 +5,8 @@ the arms alternate, round after round, so that a slow spell of a shared machine
 hits both; each arm's figure is its median over the rounds. Two clocks: wall
 time (tokens/s) and this process's CPU time (tokens per CPU-second, which a
 machine shared with other jobs disturbs far less). Target: the watch costs <= 5%.
+A third arm records every step: its extra cost per step, divided by the interval,
+estimates the overhead with K times the signal of the direct comparison.
 
     python benchmarks/bench_train.py                    # tiny preset, built-in corpus
     python benchmarks/bench_train.py --rounds 5 --steps 200
@@ -45,19 +47,26 @@ def main(argv: list[str] | None = None) -> int:
         return r.tokens_per_s, r.tokens / r.cpu_seconds
 
     arm(0)  # warm-up: imports, allocator, first-call costs
-    off, on = [], []
+    off, on, every1 = [], [], []
     for k in range(args.rounds):
-        order = ((0, off), (args.watch_every, on)) if k % 2 == 0 else ((args.watch_every, on), (0, off))
-        for every, sink in order:
+        order = [(0, off), (args.watch_every, on), (1, every1)]
+        for every, sink in (order if k % 2 == 0 else order[::-1]):
             sink.append(arm(every))
         print(f"round {k + 1}: without watch {off[-1][0]:,.0f} tok/s ({off[-1][1]:,.0f} tok/CPU-s), "
-              f"with watch (every {args.watch_every}) {on[-1][0]:,.0f} tok/s ({on[-1][1]:,.0f} tok/CPU-s)", flush=True)
+              f"with watch (every {args.watch_every}) {on[-1][0]:,.0f} tok/s ({on[-1][1]:,.0f} tok/CPU-s), "
+              f"watch on every step {every1[-1][0]:,.0f} tok/s ({every1[-1][1]:,.0f} tok/CPU-s)", flush=True)
     print(f"preset {args.preset}, batch {args.batch_size} x {config.context_length} tokens, {args.steps} steps per arm, "
           f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
     for i, clock in ((0, "tokens/s (wall)"), (1, "tokens per CPU-second")):
         m_off, m_on = statistics.median(x[i] for x in off), statistics.median(x[i] for x in on)
+        m_1 = statistics.median(x[i] for x in every1)
+        # a recorded step costs (1/m_1 - 1/m_off) more per token; at 1 record in K steps that is
+        # (1/m_1 - 1/m_off) / K over 1/m_off: the overhead estimated with K times the signal
+        per_record = m_off / m_1 - 1.0
         print(f"median {clock}: without watch {m_off:,.0f}; with watch every {args.watch_every} steps {m_on:,.0f}; "
               f"ratio with/without {m_on / m_off:.3f} ({100 * (1 - m_on / m_off):+.1f}% slower; target <= 5%)")
+        print(f"   watch on every step {m_1:,.0f}: a recorded step costs {100 * per_record:.0f}% more than a plain one, "
+              f"so 1 in {args.watch_every} costs {100 * per_record / args.watch_every:.1f}% (target <= 5%)")
     return 0
 
 
