@@ -149,7 +149,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                     depth_rows = [DepthRow(index=k, name=n, forward_var=fwd[k], forward_predicted=None,
                                            backward_var=bwd[k] if len(bwd) == len(fwd) else None,
                                            backward_predicted=None, cosine=math.nan) for k, n in enumerate(stream)]
-                    findings = judge([], [], [], depth_rows, stream, thresholds)[0]
+                    findings = judge([], [], [], depth_rows, stream, thresholds, scale_invariant=norm == "pre")[0]
                     verdicts.append(findings[0].kind if findings else "ok")
                     if steps:
                         early.append(_train_steps(model, steps, batch_size, seq_len, s, lr))

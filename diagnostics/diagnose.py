@@ -264,7 +264,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
                     deliberate.add(mod[: -len(".output_proj")])
                 if mod.endswith("ffn.w2"):
                     deliberate.add(mod[: -len(".w2")])
-    findings, tv, pv, av = judge(rows, params, attention, depth, list(pooled.order), thresholds, deliberate)
+    findings, tv, pv, av = judge(rows, params, attention, depth, list(pooled.order), thresholds, deliberate,
+                                 scale_invariant=tiny and model.config.norm == "pre")
     rows = [dataclasses.replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows]
     params = [dataclasses.replace(p, verdict=pv.get(p.name, "ok")) for p in params]
     attention = [dataclasses.replace(a, verdict=av.get(a.name, "ok")) for a in attention]

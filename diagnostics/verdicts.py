@@ -26,11 +26,12 @@ __all__ = ["Thresholds", "judge", "growth"]
 class Thresholds:
     """Thresholds of every verdict (defaults, and why).
 
-    exploding_gain = 4.0: two consecutive blocks (or the last one) multiplying the
-        stream's variance (forward) or its gradient's (backward) by more than 4 each.
-        A pre-norm block adds one normalised branch, so its gain 1 + Var(branch)/Var(stream)
-        can exceed 4 only while the stream is small next to the branches (the first
-        block under kaiming or small-init) and then falls towards 1; an unnormalised
+    exploding_gain = 4.0: a block multiplying the stream's variance (forward) or its
+        gradient's (backward) by more than 4 while its increment is also more than 4 times
+        the previous block's (geometric growth multiplies both). A pre-norm block adds one
+        normalised branch, so its gain 1 + Var(branch)/Var(stream) can exceed 4 only while
+        the stream is small next to the branches (the first block under kaiming or
+        small-init), with increments of constant size (linear growth); an unnormalised
         block at cs336 init multiplies by ~6, then 70, then 1e4 and more.
     exploding_total = 1e4: the stream's variance from the embedding to the last block
         grew more than 1e4-fold even though no single block crossed exploding_gain
@@ -101,13 +102,17 @@ def _fmt(x: float) -> str:
 
 
 def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
-          order: list[str], thresholds: Thresholds, deliberate_zero: set[str] = frozenset()
+          order: list[str], thresholds: Thresholds, deliberate_zero: set[str] = frozenset(),
+          scale_invariant: bool = False
           ) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
     """All findings, and the verdict of each tensor (name, direction), parameter and attention layer.
 
     ``order``: tensor names in forward execution order (the first non-finite one is named).
     ``deliberate_zero``: tensor names that are exactly zero by design (output of a Linear
     whose init scheme declares it constant 0, e.g. the zero-residual scheme).
+    ``scale_invariant``: every read of the stream goes through a norm (pre-norm), so a
+    stream c times smaller gets a gradient c times larger; the backward gains are then
+    judged on Var(g_k) Var(x_k), which that rescaling leaves unchanged.
     """
     th = thresholds
     findings: list[Finding] = []
@@ -145,6 +150,8 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     # exploding / vanishing along the residual stream
     fwd = [d.forward_var for d in depth]
     bwd = [d.backward_var for d in depth]
+    if scale_invariant and all(b is not None for b in bwd):
+        bwd = [b * f for b, f in zip(bwd, fwd)]
     kind_of = growth(fwd)
     for direction, vals in (("forward", fwd), ("backward", bwd)):
         if len(vals) < 2 or any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
@@ -153,12 +160,25 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
             gains = [(k, vals[k + 1] / vals[k]) for k in range(len(vals) - 1)]
         else:  # on the way down block k takes the gradient at k+1 to k
             gains = [(k, vals[k] / vals[k + 1]) for k in reversed(range(len(vals) - 1))]
-        what = "variance" if direction == "forward" else "gradient variance"
-        # geometric growth is sustained: a gain above the threshold in a block and in the next
-        # one (or in the last block); one large first increment followed by gains near 1 is a
-        # linear stream whose embedding is small next to its branches (kaiming, small-init)
-        up = [(k, g) for j, (k, g) in enumerate(gains)
-              if g > th.exploding_gain and (j + 1 == len(gains) or gains[j + 1][1] > th.exploding_gain)]
+        what = "variance" if direction == "forward" else (
+            "gradient variance (times its variance: pre-norm is scale invariant)" if scale_invariant
+            else "gradient variance")
+        # geometric growth multiplies the increments too: block j is exploding when its gain
+        # exceeds the threshold and so does the ratio of its increment to the previous block's
+        # (for the first block: when the second block's gain also does; a single block: its gain).
+        # A pre-norm stream adds bounded increments (ratio ~1): large gains while it is small
+        # next to its branches (kaiming, small-init's tiny embedding) are linear growth.
+        seq = [vals[0]] + [vals[0] * math.prod(g for _, g in gains[:j + 1]) for j in range(len(gains))]
+        inc = [seq[j + 1] - seq[j] for j in range(len(gains))]
+
+        def geometric(j: int) -> bool:
+            if gains[j][1] <= th.exploding_gain:
+                return False
+            if j == 0:
+                return len(gains) == 1 or gains[1][1] > th.exploding_gain
+            return inc[j - 1] > 0 and inc[j] / inc[j - 1] > th.exploding_gain
+
+        up = [gains[j] for j in range(len(gains)) if geometric(j)]
         down = [(k, g) for k, g in gains if g < th.vanishing_gain]
         total = vals[-1] / vals[0] if direction == "forward" else vals[0] / vals[-1]
         if up:

@@ -55,8 +55,10 @@ def test_no_norm_explodes_and_names_the_first_block():
     ex = [f for f in r.findings if f.kind == "exploding" and f.direction == "forward"]
     assert ex, [f.message for f in r.findings]
     f = ex[0]
-    gains = [b.forward_var / a.forward_var for a, b in zip(r.depth, r.depth[1:])]
-    first = next(k for k, g in enumerate(gains) if g > 4 and (k + 1 == len(gains) or gains[k + 1] > 4))
+    v = [d.forward_var for d in r.depth]
+    gains = [b / a for a, b in zip(v, v[1:])]
+    inc = [b - a for a, b in zip(v, v[1:])]
+    first = next(k for k in range(1, len(gains)) if gains[k] > 4 and inc[k] / inc[k - 1] > 4)
     assert f.where == f"layers.{first}" and f.block == first
     assert f.value == pytest.approx(gains[first]) and f.threshold == 4.0 and f.value > f.threshold
     assert all(math.isfinite(d.forward_var) for d in r.depth)  # still finite, yet exploding
@@ -85,6 +87,15 @@ def test_nan_weight_is_non_finite_and_named():
     assert len(nf) == 1 and nf[0].where == "layers.2.ffn.w1" and "layers.2.ffn.w1.weight" in nf[0].message
     assert r.tensor("layers.2.ffn.w1").verdict == "non_finite"
     assert r.tensor("layers.2.ffn.w3").verdict == "ok"  # the sibling reads the same finite input
+
+
+@pytest.mark.parametrize("init", ["small-init", "kaiming"])
+def test_linear_growth_from_a_small_embedding_is_not_exploding(init):
+    """small-init's embedding (var 2/(5d)) and kaiming's large branches make the first gains > 4,
+    but the increments stay constant: linear growth, not geometric."""
+    r = diagnose(model_of(3, init=init, d=64), options=OPTS)
+    assert max(b.forward_var / a.forward_var for a, b in zip(r.depth, r.depth[1:])) > 4
+    assert not [f for f in r.findings if f.kind == "exploding"], [f.message for f in r.findings]
 
 
 def test_zero_residual_is_not_called_dead_or_vanishing():
