@@ -44,9 +44,13 @@ def ratio_interval(ratio: float | None, low: float | None, high: float | None, d
     """``1.02 [0.97, 1.08]`` (the 99% replicate interval), or just the ratio when there is no interval."""
     if ratio is None:
         return "-"
+
+    def r(v: float) -> str:  # ratios near 1 always with two decimals, so a column lines up: 0.98, 1.00, 2.90
+        return f"{v:.2f}" if isinstance(v, (int, float)) and 0.095 <= abs(v) < 9.995 else num(v, digits)
+
     if low is None or high is None:
-        return num(ratio, digits)
-    return f"{num(ratio, digits)} [{num(low, digits)}{sep}{num(high, digits)}]"
+        return r(ratio)
+    return f"{r(ratio)} [{r(low)}{sep}{r(high)}]"
 
 
 def pct(fraction: float | None) -> str:

@@ -76,7 +76,8 @@ def test_numbers_are_short_and_honest():
     assert num(1.234e-7) == "1.23e-7"
     assert num(4.5e12, 2) == "4.5e12"
     assert num(None) == "-" and num(float("nan")) == "nan" and num(float("-inf")) == "-inf" and num(0) == "0"
-    assert ratio_interval(1.02, 0.97, 1.08) == "1.02 [0.970, 1.08]"
+    assert ratio_interval(1.02, 0.97, 1.08) == "1.02 [0.97, 1.08]"
+    assert ratio_interval(1.003, 0.0123, 31.4, 2, ",") == "1.00 [0.012,31]"
     assert ratio_interval(1.02, None, None) == "1.02" and ratio_interval(None, 1, 2) == "-"
     assert pct(0.123) == "12%" and pct(0.0) == "0%" and pct(0.00001) == "<0.1%" and pct(0.05) == "5.0%"
 
@@ -109,7 +110,7 @@ def test_layer_table_rows_carry_measured_predicted_ratio_interval_and_drift():
     out = render(LayerTable(make_result(gain=1.0)), width=120)
     line = next(s for s in out.splitlines() if s.split() and s.split()[0] == "layers.0.attn")
     # forward var 0.291 vs predicted 0.291 (ratio 1, interval [0.9, 1.1]); output_proj drift 0.97
-    assert "0.291" in line and "1.00 [0.900, 1.10]" in line and "0.97" in line and "ok" in line
+    assert "0.291" in line and "1.00 [0.90, 1.10]" in line and "0.97" in line and "ok" in line
     ffn = next(s for s in out.splitlines() if s.split() and s.split()[0] == "layers.0.ffn")
     assert "*" in ffn, "a prediction outside its validity must be marked"
     # linear rows only with all_tensors (or when flagged)
