@@ -91,12 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
         bare()  # warm-up (allocator, kernels)
         t_bare = _best(bare, args.repeats)
-        rss_bare = _peak_rss_mib()
+        print(f"bare forward+backward : {t_bare:8.3f} s   (peak RSS {_peak_rss_mib():,.0f} MiB; "
+              f"{rss_loaded:,.0f} MiB after loading)", flush=True)
         t_diag = _best(diag, args.repeats)
-        rss_diag = _peak_rss_mib()
+        print(f"diagnose + report     : {t_diag:8.3f} s   (peak RSS {_peak_rss_mib():,.0f} MiB)", flush=True)
         t_cmd = _best(command, max(1, args.repeats - 1))
-    print(f"bare forward+backward : {t_bare:8.3f} s   (peak RSS {rss_bare:,.0f} MiB; {rss_loaded:,.0f} MiB after loading)")
-    print(f"diagnose + report     : {t_diag:8.3f} s   (peak RSS {rss_diag:,.0f} MiB)")
     print(f"whole command (load)  : {t_cmd:8.3f} s   (peak RSS {_peak_rss_mib():,.0f} MiB)")
     print(f"ratio diagnose/bare   : {t_diag / t_bare:8.2f}   (target <= 3)")
     print(f"ratio command/bare    : {t_cmd / t_bare:8.2f}")
