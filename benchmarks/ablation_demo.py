@@ -77,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   event: {ev['message']}")
         if len(r.history["events"]) > 3:
             print(f"   ... {len(r.history['events']) - 3} more events")
-        last = r.history["records"][-1]["stats"]
         peak = {s: max(rec["stats"][s]["fwd_var"] for rec in r.history["records"]
                        if math.isfinite(rec["stats"][s]["fwd_var"])) for s in ("layers.0", f"layers.{config.num_layers - 1}",
                                                                            f"layers.{config.num_layers - 1}.attn.scores")}
