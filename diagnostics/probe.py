@@ -53,6 +53,10 @@ __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats
 _BLOCK = re.compile(r"^layers\.(\d+)(?:\.|$)")
 _TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden"}
 _CAUSAL_KINDS = ("attn_scores", "attn_probs")
+# tinylm's causal attention: masked scores are -inf (F.attention_scores), so their probabilities
+# are exactly 0 and so are the scores' gradients there; the probabilities' gradients are not.
+_KNOWN_FILL = {("attn_scores", "forward"): -math.inf, ("attn_probs", "forward"): 0.0,
+               ("attn_scores", "backward"): 0.0}
 
 
 def block_index(name: str) -> int | None:
@@ -181,6 +185,7 @@ class ProbeRun:
         self._cos: dict[str, Tensor] = {}
         self._inv: dict[str, Tensor] = {}
         self._normb: dict[str, Tensor] = {}
+        self._tinylm = _is_tinylm(model)
         self._last: dict[str, tuple] = {}  # direction -> (identity of the last tensor summarized, its summary)
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
@@ -197,7 +202,7 @@ class ProbeRun:
         last = self._last.get(direction)
         if kind in ("attn_branch", "ffn_branch") and last is not None and last[0] == key:
             return last[1]
-        vec = summarize(t, valid)
+        vec = summarize(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
         self._last[direction] = (key, vec)
         return vec
 

@@ -86,7 +86,7 @@ def _sums64(v: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def summarize(x: Tensor, valid: Tensor | None = None) -> Tensor:
+def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None) -> Tensor:
     """Reduce ``x`` (any shape, any float dtype) to a float64 vector laid out as :data:`FIELDS`.
 
     ``valid`` (bool, shape (T, T) = x's last two dimensions) selects the entries measured
@@ -99,15 +99,23 @@ def summarize(x: Tensor, valid: Tensor | None = None) -> Tensor:
     |x| >= 2^16 (65504 < |x| < 65536 is not counted), bf16 |x| >= 2^127 (which may
     round to bf16's 3.39e38 or overflow). Non-finite entries are counted apart. All
     counts come from one histogram of float32 exponents.
+
+    ``fill``: the value every entry outside ``valid`` is known to hold (0 or -inf, as for
+    causal attention probabilities and scores); the entries are then left in place and
+    their known share taken out of the counts, which saves a masking pass.
     """
     x = x.detach()
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     n_masked = 0
+    masked_inf = 0  # masked entries left in place as -inf (counted non-finite, not zero)
     if valid is not None:
         T = valid.shape[-1]
         n_masked = (x.numel() // (T * T)) * (T * (T - 1) // 2)
-        x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        if fill is not None and fill == -math.inf:
+            masked_inf = n_masked
+        elif fill is None or fill != 0:
+            x = torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
     flat = x.reshape(-1)
     numel = flat.numel()
     dev = flat.device
@@ -129,12 +137,12 @@ def summarize(x: Tensor, valid: Tensor | None = None) -> Tensor:
         s1, s2 = c64.sum(), torch.dot(c64, c64)
     else:
         s1, s2 = _sums64(clean, max_abs)
-    n = (n_total - counts[0]).clamp(min=1.0)
+    n = (n_total + masked_inf - counts[0]).clamp(min=1.0)
     mean = s1 / n
     m2 = (s2 - s1 * mean).clamp(min=0.0)
     raw = torch.cat([counts, torch.stack([nz, mean, m2, max_abs])])
-    const = torch.tensor([n_total, n_total, 0.0, 0.0, 0.0, numel - n_masked, -numel, 0.0, -numel, 0.0],
-                         dtype=torch.float64, device=dev)
+    const = torch.tensor([n_total, n_total + masked_inf, 0.0, 0.0, 0.0, numel - n_masked + masked_inf, -numel, 0.0,
+                          -numel, 0.0], dtype=torch.float64, device=dev)
     return const + _assemble(dev) @ raw
 
 

@@ -158,3 +158,15 @@ def test_probe_stats_round_trip_through_json():
                     steps=2)
     back = ProbeStats.from_dict(json.loads(json.dumps(st.to_dict())))
     assert back == st
+
+
+@pytest.mark.parametrize("fill", [-math.inf, 0.0])
+def test_known_fill_equals_masking(fill):
+    T = 6
+    valid = torch.ones(T, T, dtype=torch.bool).tril()
+    s = torch.randn(3, 2, T, T, generator=torch.Generator().manual_seed(8))
+    s[0, 0, 3, 1], s[1, 1, 2, 0], s[2, 0, 5, 5] = math.nan, 0.0, 1e-6
+    s = s.masked_fill(~valid, fill)
+    assert summarize(s, valid, fill).tolist() == summarize(s, valid).tolist()
+    # negative control: claiming the wrong fill value miscounts
+    assert summarize(s, valid, 0.0 if fill else -math.inf).tolist() != summarize(s, valid).tolist()
