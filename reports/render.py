@@ -71,7 +71,8 @@ def _config_line(cfg: dict[str, Any] | None) -> str:
         return "(not a tinylm model: no config)"
     parts = [f"V={cfg.get('vocab_size')}", f"ctx={cfg.get('context_length')}", f"d={cfg.get('d_model')}",
              f"L={cfg.get('num_layers')}", f"H={cfg.get('num_heads')}", f"d_ff={cfg.get('d_ff')}"]
-    variant = [f"{cfg.get('norm', 'pre')}-norm", cfg.get("ffn", "swiglu"), "RoPE" if cfg.get("rope", True) else "NoPE"]
+    norm = {"pre": "pre-norm", "post": "post-norm", "none": "no norm"}.get(cfg.get("norm", "pre"), str(cfg.get("norm")))
+    variant = [norm, cfg.get("ffn", "swiglu"), "RoPE" if cfg.get("rope", True) else "NoPE"]
     if cfg.get("tie_embeddings"):
         variant.append("tied embeddings")
     return " ".join(parts) + " · " + ", ".join(variant)
