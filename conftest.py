@@ -1,4 +1,4 @@
-"""Test-run settings shared by tests/ and props/.
+"""Test-run settings shared by tests/ and props/: one torch thread per process, hypothesis profiles.
 
 Hypothesis profiles: ``ci`` (the default: derandomized, no example database, no
 deadline, so every run is the same and fast) and ``thorough`` (many more
@@ -7,7 +7,12 @@ examples, random). Choose with HYPOTHESIS_PROFILE=thorough.
 
 import os
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# The default run uses pytest-xdist with one worker per core; torch's own threads
+# on top would oversubscribe the cores (one test went from 1.5 s to 45 s).
+torch.set_num_threads(1)
 
 settings.register_profile(
     "ci",
