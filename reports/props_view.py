@@ -39,9 +39,9 @@ def _result_cell(r: PropertyResult) -> Text:
 
 def suite_table(run: SuiteRun) -> Table:
     """One row per property: name, claim, examples, worst observed, tolerance, false-alarm rate, result."""
-    t = Table(title=f"Property suite: implementation {run.impl}", title_justify="left", expand=False)
-    t.add_column("property", overflow="fold", min_width=16, max_width=30)
-    t.add_column("claim", overflow="fold", ratio=1)
+    t = Table(title=f"Property suite: implementation {run.impl}", title_justify="left", expand=True)
+    t.add_column("property", overflow="fold", ratio=2, min_width=14)
+    t.add_column("claim", overflow="fold", ratio=3, min_width=20)
     t.add_column("ex.", justify="right")
     t.add_column("worst", justify="right", no_wrap=True)
     t.add_column("tol.", justify="right", no_wrap=True)
@@ -50,8 +50,8 @@ def suite_table(run: SuiteRun) -> Table:
     for r in run.results:
         worst = _num(r.observed) + (f" {r.kind}" if r.kind and r.observed is not None else "")
         t.add_row(
-            r.name,
-            r.claim or "-",
+            Text(r.name),
+            Text(r.claim or "-"),  # claims hold brackets such as 1[x > 0]: plain text, never markup
             str(r.examples) if r.examples else "-",
             worst,
             _num(r.tolerance),
@@ -81,7 +81,7 @@ def render_suite(run: SuiteRun) -> Group:
     parts: list = [suite_table(run)]
     for r in run.results:
         if r.outcome in ("failed", "error", "xpassed"):
-            parts.append(Text(f"FAILED {r.name}: {r.message}", style="red"))
+            parts.append(Text(f"FAILED {r.name}: {r.message}", style="red"))  # Text: no markup parsing
     skipped = [r for r in run.results if r.outcome == "skipped"]
     if skipped:
         parts.append(Text(f"skipped {len(skipped)}: " + "; ".join(f"{r.name} ({r.message})" for r in skipped), style="yellow"))

@@ -33,6 +33,7 @@ def _fake_run(outcome: str = "passed") -> SuiteRun:
         PropertyResult("softmax_shift_exact", "test_softmax", "softmax(z + c) == softmax(z)", "passed", 25, 0.0, 0.0, "elements"),
         PropertyResult("truncnorm_samples", "test_init", "Var = 0.97334 s^2", outcome, 3, 1.234, 4.892, "|z|", 1e-6,
                        message="Var(x) = 1: |z|=7.1 vs 4.89" if outcome == "failed" else ""),
+        PropertyResult("relu_derivatives", "test_activations", "relu' = 1[x > 0]", "passed", 25, 0.0, 0.0, "exact"),
         PropertyResult("rope_formula_and_norm", "test_attention", "RoPE rotates pairs", "skipped",
                        message="implementation 'mine' provides no rope"),
     ]
@@ -41,9 +42,9 @@ def _fake_run(outcome: str = "passed") -> SuiteRun:
 
 def test_render_suite_rows_and_summary():
     out = _render(render_suite(_fake_run()))
-    for text in ("softmax_shift_exact", "truncnorm_samples", "1e-06", "4.89", "1.23 |z|", "skipped", "provides no rope"):
+    for text in ("softmax_shift_exact", "truncnorm_samples", "1e-06", "4.89", "1.23 |z|", "skipped", "provides no rope", "1[x > 0]"):
         assert text in out, text
-    assert "ALL HOLD: 3 properties" in out
+    assert "ALL HOLD: 4 properties" in out
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
