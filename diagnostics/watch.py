@@ -180,6 +180,8 @@ def _site_verdict(st: dict[str, float], low_fwd: float | None, high_grad: float 
                   ) -> tuple[str, str | None, float, float]:
     """(verdict, statistic, value, threshold) of one site's record, given its earlier extremes
     (None for a site that is not :func:`judged` or has no earlier record)."""
+    if st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")):
+        return "ok", None, math.nan, math.nan  # not measured at this record (its forward did not run)
     if st.get("fwd_nonfinite", 0.0) > 0 or not _finite(st.get("fwd_var")):
         return "non-finite", "fwd_nonfinite", st.get("fwd_nonfinite", math.nan), 0.0
     if st.get("grad_nonfinite", 0.0) > 0 or (high_grad is not None and not _finite(st.get("grad_var"))):
@@ -206,6 +208,8 @@ def verdicts(history: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for rec, low, high in zip(records, lows, highs):
         for site, st in rec["stats"].items():
+            if st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")):
+                continue  # not measured at this record
             j = judged(site, history.get("norm"))
             verdict, key, value, threshold = _site_verdict(st, low.get(site) if j else None,
                                                            high.get(site) if j else None)
