@@ -170,7 +170,9 @@ def test_layernorm_facts(seed, T, d, scale):
     x2 = x.clone()
     x2[0] += 7.0
     assert torch.equal(ln(x2)[1:], y[1:]), "LayerNorm mixed tokens"
-    check(max(mean_err, var_err), 16 * (d + 8) * U64 * (1 + 3.0 / scale), "LayerNorm per-token moments")
+    # the centred values x - mean lose log2(mean(x^2) / v) bits to cancellation: scale the ulp bound by it
+    cancel = float((x.pow(2).mean(-1) / (v + 1e-5)).max())
+    check(max(mean_err, var_err), 64 * (d + 8) * U64 * (1 + cancel), "LayerNorm per-token moments")
 
 
 @prop("BatchNorm: batch stats in train, running stats in eval, running <- (1-m) running + m batch", needs=())
