@@ -210,13 +210,11 @@ def _env() -> dict:
     return env
 
 
-def test_end_to_end_on_init_checkpoint_and_bare_state_dict(tmp_path):
-    """Subprocess: ``tinylm init`` writes a checkpoint, ``diagnose`` reads it; a bare state dict with flags."""
-    exe = [sys.executable, "-m", "reports.cli"]
+def test_end_to_end_on_init_checkpoint_and_bare_state_dict(tmp_path, capsys):
+    """``tinylm init`` writes a checkpoint; in a fresh interpreter ``diagnose`` reads it, and a bare
+    ``torch.compile``-prefixed state dict with the flags the file cannot give."""
     path = tmp_path / "tiny.pt"
-    r = subprocess.run([*exe, "init", "--preset", "tiny", "-o", str(path)], capture_output=True, text=True,
-                       env=_env(), timeout=120)
-    assert r.returncode == 0, r.stderr
+    assert main(["init", "--preset", "tiny", "-o", str(path)]) == 0, capsys.readouterr().err
     bare = tmp_path / "bare.pt"
     model, _ = checkpoint.load(path)
     torch.save({f"_orig_mod.{k}": v for k, v in model.state_dict().items()}, bare)
@@ -259,8 +257,8 @@ def test_checkpoint_with_training_history_gets_the_during_training_panel_and_plo
         before = watch.snapshot_params()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        watch.commit(t, float(loss), 0.1, 1.0, before=before)
-        watch.log(t, float(loss), 0.1, 1.0)
+        watch.commit(t, float(loss.detach()), 0.1, 1.0, before=before)
+        watch.log(t, float(loss.detach()), 0.1, 1.0)
     path = tmp_path / "trained.pt"
     checkpoint.save(path, model, iteration=3, history=watch.history)
     png = tmp_path / "depth.png"
