@@ -157,8 +157,11 @@ class MutantResult:
 
     @property
     def status(self) -> str:
+        """killed / SURVIVED / error; for the baseline (no mutation): passes / FAILS / error."""
         if self.error:
             return "error"
+        if self.mutant is BASELINE:
+            return "FAILS" if self.killed else "passes"
         return "killed" if self.killed else "SURVIVED"
 
 
@@ -192,11 +195,7 @@ class MutationReport:
         t.add_column("s", justify="right")
         rows = ([self.baseline] if self.baseline is not None else []) + self.results
         for r in rows:
-            is_base = r is self.baseline
-            if is_base:
-                status = "error" if r.error else ("passes" if not r.killed else "FAILS")
-            else:
-                status = r.status
+            status = r.status
             style = "green" if status in ("killed", "passes") else "red"
             by = r.error or (", ".join(r.killers[:6]) + (f" (+{len(r.killers) - 6})" if len(r.killers) > 6 else ""))
             t.add_row(r.mutant.name, r.mutant.bug, f"[{style}]{status}[/]", by or "-", f"{r.seconds:.0f}")
@@ -215,10 +214,7 @@ class MutationReport:
         ]
         rows = ([self.baseline] if self.baseline is not None else []) + self.results
         for r in rows:
-            if r is self.baseline:
-                status = "error" if r.error else ("passes" if not r.killed else "FAILS")
-            else:
-                status = r.status
+            status = r.status
             by = r.error or ", ".join(f"`{k}`" for k in r.killers) or "-"
             lines.append(f"| `{r.mutant.name}` | {r.mutant.bug} | {status} | {by} | {r.seconds:.0f} |")
         return "\n".join(lines) + "\n"
@@ -359,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         mutants,
         workers=args.workers,
         first_failure=args.first_failure,
-        on_result=lambda r: console.print(f"  {r.mutant.name}: {r.status if r.mutant is not BASELINE else ('passes' if not r.killed else 'FAILS')} ({r.seconds:.0f} s)"),
+        on_result=lambda r: console.print(f"  {r.mutant.name}: {r.status} ({r.seconds:.0f} s)", highlight=False),
     )
     console.print(report)
     if args.markdown:

@@ -64,6 +64,8 @@ def test_render_mutation_table():
     assert "EVERY MUTANT KILLED: 1/1" in out
     survived = mutate.MutationReport(base, [mutate.MutantResult(m, False, [], 20.0)], 50.0, 2)
     assert not survived.all_killed and "SURVIVED" in _render(render_mutation(survived))
+    assert base.status == "passes" and mutate.MutantResult(mutate.BASELINE, True, ["x"], 1.0).status == "FAILS"
+    assert "| `baseline (no mutation)` |" in report.to_markdown() and "| passes |" in report.to_markdown()
 
 
 def test_record_is_noop_outside_a_run_and_check_fails_loudly():
