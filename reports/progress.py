@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Callable, Iterator
 
 from rich.console import Console
