@@ -1,6 +1,6 @@
 """Train a small model while watching per-layer statistics (tinylm train).
 
-``tinylm train --preset tiny -o model.pt`` trains (100 steps by default) on the built-in
+``tinylm train --preset tiny -o model.pt`` trains (60 steps by default) on the built-in
 corpus (the Python standard library's source, as bytes); ``--data`` takes a
 .npy/.bin (uint16) token file or a .txt file. Every ``--watch-every`` steps the
 watch records per-layer moments into the checkpoint's history, which
@@ -16,7 +16,7 @@ from .cli import UsageError
 
 # Hyper-parameter flags: default None so that a resumed run keeps the stored value unless the flag is given.
 _TRAIN_FLAGS = {
-    "steps": (int, "total optimizer steps (default 100; a resumed run continues up to this number)"),
+    "steps": (int, "total optimizer steps (default 60; a resumed run continues up to this number)"),
     "batch_size": (int, "sequences per step (default 32)"),
     "lr": (float, "peak learning rate after warmup (default 3e-3)"),
     "min_lr": (float, "floor of the cosine decay (default lr/10)"),
@@ -28,7 +28,7 @@ _TRAIN_FLAGS = {
     "checkpoint_every": (int, "also save the checkpoint every N steps (default 0: at the end only)"),
 }
 _MODEL_FLAGS = ("norm", "ffn", "d_model", "d_ff", "num_layers", "num_heads", "context_length", "vocab_size")
-DEFAULT_STEPS = 100
+DEFAULT_STEPS = 60
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
