@@ -27,31 +27,44 @@ __all__ = [
 ]
 
 
-def _exp_shifted(y: Tensor) -> Tensor:
-    """exp(y) for a max-shifted y <= 0, with every entry below ``floor`` set to exactly 0.
+def _exp_shifted_(y: Tensor) -> Tensor:
+    """exp(y) in place for a fresh, max-shifted y <= 0, with entries below ``floor`` set to exactly 0.
 
     floor = log(smallest normal) + 2 (-85.3 in float32, -706.4 in float64). The
     entries below it (masked -inf scores, logits far below the max) are worth less
     than 8 * finfo.tiny (1e-37 in float32), far below the ulp of the sum they join
     (>= 1). It matters for speed: CPU ``exp`` takes a slow path at and below
-    log(smallest normal), 20-50x slower than on normal inputs.
+    log(smallest normal), 20-50x slower than on normal inputs. In place, so only
+    for tensors that autograd does not track (inside the Functions below).
     """
-    floor = _exp_floor(y.dtype)
-    return torch.exp(y.clamp(min=floor)).masked_fill(y < floor, 0.0)
+    floor = math.log(torch.finfo(torch.promote_types(y.dtype, torch.float32)).tiny) + 2.0
+    small = y < floor
+    return y.clamp_(min=floor).exp_().masked_fill_(small, 0.0)
 
 
-def _exp_floor(dtype: torch.dtype) -> float:
-    return math.log(torch.finfo(torch.promote_types(dtype, torch.float32)).tiny) + 2.0
+class _LogSumExp(torch.autograd.Function):
+    """logsumexp with its gradient written out: d lse / d x = softmax(x) = exp(x - lse)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int) -> Tensor:
+        m = x.amax(dim=dim, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows: shift by 0
+        out = m + torch.log(_exp_shifted_(x - m).sum(dim=dim, keepdim=True))
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, out = ctx.saved_tensors
+        return g * _exp_shifted_(x - out), None
 
 
 def logsumexp(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
     """log sum_i exp(x_i) computed as m + log sum_i exp(x_i - m), m = max_i x_i.
 
-    Rows that are entirely -inf give -inf (not NaN).
+    Rows that are entirely -inf give -inf (not NaN). The gradient is softmax(x).
     """
-    m = x.amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all -inf rows: shift by 0
-    out = m + torch.log(_exp_shifted(x - m).sum(dim=dim, keepdim=True))
+    out = _LogSumExp.apply(x, dim)
     return out if keepdim else out.squeeze(dim)
 
 
@@ -66,9 +79,7 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, dim: int) -> Tensor:
         y = x - x.amax(dim=dim, keepdim=True)
-        floor = _exp_floor(y.dtype)  # as _exp_shifted, in place on the fresh y (no autograd here)
-        small = y < floor
-        z = y.clamp_(min=floor).exp_().masked_fill_(small, 0.0)
+        z = _exp_shifted_(y)
         p = z.div_(z.sum(dim=dim, keepdim=True))
         ctx.save_for_backward(p)
         ctx.dim = dim
@@ -95,6 +106,43 @@ def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     return x - logsumexp(x, dim=dim, keepdim=True)
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy with its gradient written out.
+
+    Forward, over N positions with logits z (..., C) and smoothing eps:
+    loss = mean[(1 - eps)(lse - z_target) + eps (lse - mean_c z_c)], lse = logsumexp(z).
+    Backward: d loss / d z = (p - q) / N, with p = softmax(z) = exp(z - lse) and
+    q = (1 - eps) onehot(target) + eps / C. Only the logits and lse are kept.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, label_smoothing: float) -> Tensor:
+        targets = targets.long()
+        lse = logsumexp(logits, dim=-1)  # (...)
+        z_target = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        nll = lse - z_target  # -log p_target
+        if label_smoothing == 0.0:
+            loss = nll.mean()
+        else:
+            uniform = lse - logits.mean(dim=-1)  # -(1/C) sum_c log p_c
+            loss = ((1.0 - label_smoothing) * nll + label_smoothing * uniform).mean()
+        ctx.save_for_backward(logits, lse, targets)
+        ctx.label_smoothing = label_smoothing
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor):
+        logits, lse, targets = ctx.saved_tensors
+        eps, C, N = ctx.label_smoothing, logits.shape[-1], targets.numel()
+        grad = _exp_shifted_(logits - lse.unsqueeze(-1))  # p = softmax(z)
+        if eps:
+            grad.sub_(eps / C)
+        minus_y = torch.full(targets.unsqueeze(-1).shape, -(1.0 - eps), dtype=grad.dtype, device=grad.device)
+        grad.scatter_add_(-1, targets.unsqueeze(-1), minus_y)  # p - q
+        return grad.mul_(g / N), None, None
+
+
 def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """Mean over all leading positions of -sum_c q_c log p_c, with p = softmax(logits).
 
@@ -102,7 +150,8 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
     Without smoothing q = onehot(target), so the loss is logsumexp(z) - z_target.
     With smoothing eps, q = (1 - eps) onehot + eps / C (the uniform part covers all
     C classes, the target included, as in ``torch.nn.functional.cross_entropy``).
-    The gradient with respect to the logits is (p - q) / N for N positions.
+    The gradient with respect to the logits is (p - q) / N for N positions
+    (written out in ``_CrossEntropy``).
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: must be in [0, 1]")
@@ -111,12 +160,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
             f"logits shape {tuple(logits.shape)} and targets shape {tuple(targets.shape)}: "
             "targets must have the logits' shape without the last (class) dimension"
         )
-    logp = log_softmax(logits, dim=-1)
-    nll = -logp.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
-    if label_smoothing == 0.0:
-        return nll.mean()
-    uniform = -logp.mean(dim=-1)  # -(1/C) sum_c log p_c
-    return ((1.0 - label_smoothing) * nll + label_smoothing * uniform).mean()
+    return _CrossEntropy.apply(logits, targets, float(label_smoothing))
 
 
 def silu(x: Tensor) -> Tensor:
