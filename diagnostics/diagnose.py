@@ -28,7 +28,7 @@ from .stats import ProbeStats
 from .theory import Prediction, predict
 from .verdicts import Thresholds, judge
 
-__all__ = ["diagnose", "replicate_ratios", "t_interval"]
+__all__ = ["diagnose", "t_interval"]
 
 CONFIDENCE = 0.99
 

@@ -30,7 +30,7 @@ class ProbeOptions:
     attention: the attention panel (entropy, saturated rows) on ``*.attn.probs`` Taps.
     cosine: mean cosine similarity between tokens at the residual points.
     params: per-parameter statistics on exit (std, grad std, drift).
-    spectral: spectral norm and stable rank of each matrix on exit (an SVD each:
+    spectral: spectral norm and stable rank of each matrix on exit (a Gram eigendecomposition each:
         off by default to keep a probe cheap; ``diagnose`` turns it on).
     restore_grads: on exit put every parameter's ``.grad`` back as it was on entry
         (True keeps the model exactly as it was; a training loop that probes its own

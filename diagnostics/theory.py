@@ -269,7 +269,7 @@ def _norm_back(src: _Source, name: str, g_ms: float, x_ms: float, x_name: str | 
 
 
 def _attention_fwd(src: _Source, i: int, x: str) -> None:
-    p, c, T = f"layers.{i}.attn", src.config, src.T
+    p, T = f"layers.{i}.attn", src.T
     outside = (False, "tokens are correlated beyond block 0 (attention mixes a shared component into the "
                       "stream); the independent-token rule underestimates")
     for proj in ("q_proj", "k_proj", "v_proj"):

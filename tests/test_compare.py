@@ -3,20 +3,10 @@
 import math
 
 import pytest
-import torch
 
 import tinylm
-from diagnostics import OptionsError, compare
+from diagnostics import compare
 from diagnostics.compare import SUMMARY_COLUMNS, TIDY_COLUMNS, stream_slope
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,6 @@ import tinylm
 from diagnostics import SCHEMA_VERSION, DiagnoseOptions, DiagnoseResult, OptionsError, diagnose
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 CFG = tinylm.ModelConfig(vocab_size=128, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64)
 OPTS = DiagnoseOptions(batch_size=2, seq_len=8, batches=3)
 

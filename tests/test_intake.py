@@ -2,7 +2,6 @@
 the problem and the fix; nothing in a file is executed; fuzzed files never escape as tracebacks."""
 
 import builtins
-import io
 import os
 import signal
 import struct

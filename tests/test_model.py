@@ -1,7 +1,5 @@
 """The model: same function as a torch built-in reference, causal, RoPE's geometry, CS336 keys."""
 
-import math
-
 import pytest
 import torch
 from hypothesis import given

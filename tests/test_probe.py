@@ -14,15 +14,6 @@ from diagnostics.stats import Moments
 CFG = tinylm.ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=2, d_ff=64)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def model_of(seed=0, **changes):
     return tinylm.TransformerLM(CFG.replace(**changes), generator=torch.Generator().manual_seed(seed))
 
@@ -213,3 +204,18 @@ def test_moments_of_embedding_match_the_rows_looked_up():
     m: Moments = run.stats.tensors[("token_embeddings", "forward")]
     ref = model.token_embeddings.weight.detach()[x[:, :-1]].double()
     assert abs(m.mean - ref.mean().item()) < 1e-12 and abs(m.var - ref.var(correction=0).item()) < 1e-9
+
+
+@pytest.mark.parametrize("shape", [(300, 40), (40, 300), (64, 64), (1, 17)])
+def test_spectral_stats_match_svd(shape):
+    """sigma_max and stable rank from the Gram matrix agree with float64 svdvals."""
+    from diagnostics.probe import spectral_stats
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*shape, generator=g)
+    w[0] *= 4  # a dominant direction, so stable rank is well away from both its bounds
+    sv = torch.linalg.svdvals(w.double())
+    spec, srank = spectral_stats(w)
+    assert spec == pytest.approx(sv[0].item(), rel=1e-5)
+    assert srank == pytest.approx((sv.square().sum() / sv[0] ** 2).item(), rel=1e-5)
+    assert spectral_stats(torch.zeros(3, 4)) == (0.0, 0.0)

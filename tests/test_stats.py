@@ -18,15 +18,6 @@ from diagnostics.stats import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def moments_of(x: torch.Tensor) -> Moments:
     return Moments.from_vector(summarize(x).tolist())
 

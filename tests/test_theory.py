@@ -15,15 +15,6 @@ from diagnostics.theory import ce_grad_mean_square, silu_moments, softmax_moment
 ALPHA = 1e-6  # false-alarm probability of each statistical assertion
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def measure(d, L, seed, T=32, B=4, V=1024, init="cs336", norm="pre"):
     cfg = tinylm.ModelConfig(vocab_size=V, context_length=T, d_model=d, num_layers=L, num_heads=max(1, d // 32),
                              d_ff=tinylm.default_d_ff(d), init=init, norm=norm)
@@ -111,7 +102,6 @@ def test_rank_collapse_facts_at_depth_8(seeds):
     """cs336, d 128, L 8: independent-token theory exact in block 0 and for the FFN at every depth;
     the attention heads grow past it from block 1 on (~1.4x at block 1, ~5x at block 7) as the
     tokens' residual vectors become similar."""
-    local, glob, lp, gp = {}, {}, {}, {}
     acc = defaultdict(list)
     cos = defaultdict(list)
     for seed in range(seeds):

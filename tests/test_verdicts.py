@@ -13,15 +13,6 @@ OPTS = DiagnoseOptions(batch_size=2, seq_len=16, batches=1)
 OPTS48 = DiagnoseOptions(batch_size=1, seq_len=16, batches=1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread per test process: two xdist workers x 2 threads oversubscribe the 2 cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def model_of(L, norm="pre", init="cs336", d=128, seed=0):
     cfg = tinylm.ModelConfig(vocab_size=256, context_length=16, d_model=d, num_layers=L, num_heads=4,
                              d_ff=tinylm.default_d_ff(d), norm=norm, init=init)
