@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 SCALE = max(1, settings.default.max_examples // 25)
 
 import tinylm
+from clihelp import assert_one_line_error
 from reports.cli import main
 from tinylm import checkpoint
 
@@ -42,15 +43,6 @@ def run_cli(capsys, *argv):
     code = main(["diagnose", *map(str, argv)])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def assert_one_line_error(code, err, *phrases):
-    assert code == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("tinylm: error:"), err
-    assert "Traceback" not in err
-    for phrase in phrases:
-        assert phrase in err, err
 
 
 def bad_files(tmp_path, model):
