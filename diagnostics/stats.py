@@ -194,15 +194,21 @@ def _chan(na: Tensor, ma: Tensor, m2a: Tensor, nb: Tensor, mb: Tensor, m2b: Tens
     return mean, m2
 
 
+def _merge(a: Tensor, b: Tensor, n: int, ext: int, pick) -> Tensor:
+    """Merge two summary vectors: (count, mean, M2) at n, n+1, n+2 by Chan's rule,
+    ``pick`` (max or min) at ``ext``, and a sum everywhere else."""
+    mean, m2 = _chan(a[n], a[n + 1], a[n + 2], b[n], b[n + 1], b[n + 2])
+    out = a + b
+    out[n + 1] = mean
+    out[n + 2] = m2
+    out[ext] = pick(a[ext], b[ext])
+    return out
+
+
 @torch.no_grad()
 def merge_vectors(a: Tensor, b: Tensor) -> Tensor:
-    """Merge two :func:`summarize` vectors (Chan for mean/M2, sums and max for the rest)."""
-    mean, m2 = _chan(a[1], a[2], a[3], b[1], b[2], b[3])
-    out = a + b
-    out[2] = mean
-    out[3] = m2
-    out[4] = torch.maximum(a[4], b[4])
-    return out
+    """Merge two :func:`summarize` vectors (Chan for mean/M2, max for max|x|, sums for the rest)."""
+    return _merge(a, b, 1, 4, torch.maximum)
 
 
 @torch.no_grad()
@@ -233,12 +239,8 @@ def summarize_attention(probs: Tensor) -> Tensor:
 
 @torch.no_grad()
 def merge_attention_vectors(a: Tensor, b: Tensor) -> Tensor:
-    mean, m2 = _chan(a[0], a[1], a[2], b[0], b[1], b[2])
-    out = a + b
-    out[1] = mean
-    out[2] = m2
-    out[3] = torch.minimum(a[3], b[3])
-    return out
+    """Merge two :func:`summarize_attention` vectors (Chan for the entropy, min for its minimum)."""
+    return _merge(a, b, 0, 3, torch.minimum)
 
 
 @torch.no_grad()
