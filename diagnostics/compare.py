@@ -1,8 +1,11 @@
 """``compare``: init schemes side by side over depth and width.
 
 For every scheme x depth x width x seed a fresh tinylm model (pre-norm by default,
-vocabulary 256, heads of width 32, d_ff = 8/3 d) is probed on one batch of uniform
-random tokens. Out come two pandas DataFrames:
+vocabulary 256, heads of width 32, d_ff = 8/3 d) is probed on one batch of tokens:
+uniform random tokens, or with ``data`` (a 1-D integer token array such as
+``diagnostics.data.load_tokens`` returns, or a path to such a file) a random window
+of it drawn with the seed (``diagnostics.data.get_batch``). Out come two pandas
+DataFrames:
 
 * tidy: one row per (scheme, depth, width, seed, tensor, direction, statistic) with
   columns scheme, depth, width, seed, tensor, kind, block, direction, statistic, value.
@@ -12,8 +15,21 @@ random tokens. Out come two pandas DataFrames:
   backward, with its 99% t interval over seeds (slope per block of the least-squares fit
   of ln Var against the stream index 0..L); the max/min ratio of the stream variance
   across layers; the verdict of diagnostics.verdicts on the stream (worst over seeds);
-  and, with ``steps`` > 0, the loss after that many AdamW steps on the standard library's
-  bytes (mean over seeds).
+  and, with ``steps`` > 0, the loss after that many AdamW steps (mean over seeds) on batches
+  drawn from ``data``, or without data from the standard library's bytes. Columns: scheme,
+  depth, width, seeds, data, vocab_size, initial_loss, ln_vocab, slope_forward,
+  slope_forward_low, slope_forward_high, slope_backward, slope_backward_low,
+  slope_backward_high, max_min_ratio, verdict, early_loss, steps. ``data`` says where the
+  tokens came from (e.g. "uniform random tokens; steps on the standard library's bytes" or
+  "tokens.npy (1,000,000 tokens)"); ``vocab_size`` is the vocabulary the models were built
+  with and ``ln_vocab`` its logarithm, the loss of a uniform guess over it.
+
+Vocabulary: ``vocab_size=None`` (the default) means 256 for random tokens and
+max(256, largest id in ``data`` + 1) with data, so byte-level text keeps the byte
+vocabulary and a BPE token file gets a vocabulary that holds every id it uses (up to
+``MAX_DATA_VOCAB``; larger ids are refused as not token ids). An explicit ``vocab_size``
+is used as given, and data with an id at or above it is refused with a DataError
+naming the id. Data with fewer than ``seq_len + 1`` tokens is refused too.
 
 By default only the residual stream (embedding output and each block's output) and the
 logits are instrumented (``tensors="stream"``), which keeps the default comparison
@@ -24,6 +40,7 @@ scheme; ``tensors="all"`` probes every default point.
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 from typing import Sequence
 
@@ -33,16 +50,23 @@ import torch
 
 import tinylm
 
+from .data import DataError, get_batch, load_tokens
 from .diagnose import t_interval
 from .options import OptionsError, Progress, ProbeOptions
 from .probe import block_index, probe
 from .result import DepthRow
 from .verdicts import Thresholds, judge
 
-__all__ = ["compare", "stream_slope"]
+__all__ = ["compare", "stream_slope", "data_vocab"]
+
+#: the largest vocabulary compare sizes to data by itself (above any real tokenizer's); larger ids are refused.
+MAX_DATA_VOCAB = 1 << 20
+DEFAULT_VOCAB, DEFAULT_SEQ_LEN = 256, 32
+RANDOM_SOURCE = "uniform random tokens"
+STDLIB_STEPS = "steps on the standard library's bytes"
 
 TIDY_COLUMNS = ["scheme", "depth", "width", "seed", "tensor", "kind", "block", "direction", "statistic", "value"]
-SUMMARY_COLUMNS = ["scheme", "depth", "width", "seeds", "initial_loss", "ln_vocab", "slope_forward",
+SUMMARY_COLUMNS = ["scheme", "depth", "width", "seeds", "data", "vocab_size", "initial_loss", "ln_vocab", "slope_forward",
                    "slope_forward_low", "slope_forward_high", "slope_backward", "slope_backward_low",
                    "slope_backward_high", "max_min_ratio", "verdict", "early_loss", "steps"]
 
@@ -70,11 +94,49 @@ def _corpus():
     return stdlib_corpus(max_bytes=200_000)
 
 
-def _train_steps(model: tinylm.TransformerLM, steps: int, batch_size: int, seq_len: int, seed: int,
-                 lr: float) -> float:
-    from .data import get_batch
+def _as_tokens(data, data_name: str | None) -> tuple[np.ndarray, str]:
+    """``data`` (an array or a token file's path) as a 1-D integer array, and the name it goes by."""
+    if isinstance(data, (str, os.PathLike)):
+        return load_tokens(data), data_name or str(data)
+    name = data_name or "given tokens"
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu().numpy()
+    tokens = np.asarray(data)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"data: a {tokens.ndim}-D {tokens.dtype} array; tokens must be a 1-D integer array "
+                        "(as diagnostics.data.load_tokens returns)")
+    return tokens, name
 
-    corpus = _corpus()
+
+def data_vocab(tokens: np.ndarray, vocab_size: int | None = None, source: str = "data",
+               name: str = "vocab_size") -> int:
+    """The vocabulary compare builds its models with for ``tokens`` (rule in the module doc).
+
+    Raises DataError for no tokens, a negative id, an id at or above an explicit ``vocab_size``,
+    or (sizing to the data) an id of ``MAX_DATA_VOCAB`` or more. ``source`` names the tokens and
+    ``name`` the vocabulary option in the message (the CLI passes ``--vocab-size``).
+    """
+    if len(tokens) == 0:
+        raise DataError(f"{source}: no tokens; pass data with tokens in it")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0:
+        raise DataError(f"{source}: token id {lo} is negative; token ids must be integers 0, 1, 2, ...")
+    if vocab_size is not None:
+        if hi >= vocab_size:
+            raise DataError(f"{source}: token id {hi} is outside the vocabulary [0, {vocab_size}) ({name} "
+                            f"{vocab_size}); use {name} {hi + 1} or more, or leave {name} out to size the "
+                            "vocabulary to the data")
+        return vocab_size
+    if hi >= MAX_DATA_VOCAB:
+        raise DataError(f"{source}: token id {hi:,} would need a vocabulary of {hi + 1:,}, above the "
+                        f"{MAX_DATA_VOCAB:,} compare sizes to data; these do not look like token ids "
+                        "(check the file's format: .bin is raw uint16)")
+    return max(DEFAULT_VOCAB, hi + 1)
+
+
+def _train_steps(model: tinylm.TransformerLM, steps: int, batch_size: int, seq_len: int, seed: int,
+                 lr: float, tokens: np.ndarray | None = None) -> float:
+    corpus = _corpus() if tokens is None else tokens
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -89,13 +151,19 @@ def _train_steps(model: tinylm.TransformerLM, steps: int, batch_size: int, seq_l
 
 
 def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8, 32), widths: Sequence[int] = (128,),
-            seeds: int = 3, steps: int = 0, *, vocab_size: int = 256, seq_len: int = 32, batch_size: int = 2,
+            seeds: int = 3, steps: int = 0, *, data: np.ndarray | str | os.PathLike | None = None,
+            data_name: str | None = None, vocab_size: int | None = None, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 2,
             norm: str = "pre", tensors: str = "stream", lr: float = 1e-3, seed: int = 0,
             thresholds: Thresholds | None = None, progress: Progress | None = None
             ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Measure every scheme at every depth and width; returns (tidy, summary) DataFrames (see module doc).
 
-    Seeds are seed, seed+1, ...: seed s initialises the model and draws its batch.
+    Seeds are seed, seed+1, ...: seed s initialises the model and draws its batch (random tokens,
+    or a window of ``data``) and the batches of its ``steps`` training steps.
+    data: None (uniform random tokens; training on the standard library's bytes), a 1-D integer
+        token array, or the path of a token file (.npy, .bin, .txt; see diagnostics.data).
+    data_name: what the summary's ``data`` column calls the tokens (default: the path, or "given tokens").
+    vocab_size: None sizes it (256, or to the data: see the module doc); an int is used as given.
     """
     schemes = tuple(schemes) if schemes is not None else tuple(tinylm.init.SCHEMES)
     for s in schemes:
@@ -109,6 +177,21 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
         raise OptionsError(f"tensors={tensors!r}: choose 'stream' or 'all'")
     if progress is not None and not callable(progress):
         raise OptionsError(f"progress={progress!r}: must be a callable (done, total, description)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise OptionsError(f"seq_len={seq_len!r}: must be an integer >= 1")
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
+        raise OptionsError(f"vocab_size={vocab_size!r}: must be a positive integer, or None to size it to the data")
+    tokens = None
+    if data is None:
+        vocab_size = DEFAULT_VOCAB if vocab_size is None else vocab_size
+        source = RANDOM_SOURCE + (f"; {STDLIB_STEPS}" if steps else "")
+    else:
+        tokens, label = _as_tokens(data, data_name)
+        vocab_size = data_vocab(tokens, vocab_size, label)
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"{label}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}; "
+                            "use more data or a smaller seq_len")
+        source = f"{label} ({len(tokens):,} tokens)"
     thresholds = thresholds or Thresholds()
     total, done = len(schemes) * len(depths) * len(widths) * seeds, 0
     tidy: list[tuple] = []
@@ -124,12 +207,16 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                 for s in range(seed, seed + seeds):
                     gen = torch.Generator().manual_seed(s)
                     model = tinylm.TransformerLM(config, generator=gen)
-                    batch = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+                    if tokens is None:
+                        batch = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+                        x, y = batch[:, :-1], batch[:, 1:]
+                    else:
+                        x, y = get_batch(tokens, batch_size, seq_len, gen)
                     stream = ["token_embeddings"] + [f"layers.{i}" for i in range(depth)]
                     opts = ProbeOptions(modules=tuple(stream + ["lm_head"]) if tensors == "stream" else None,
                                         attention=tensors == "all", params=False)
                     with probe(model, opts) as run:
-                        loss = tinylm.functional.cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+                        loss = tinylm.functional.cross_entropy(model(x), y)
                         loss.backward()
                     stats = run.stats
                     losses.append(float(loss.detach()))
@@ -152,7 +239,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                     findings = judge([], [], [], depth_rows, stream, thresholds, scale_invariant=norm == "pre")[0]
                     verdicts.append(findings[0].kind if findings else "ok")
                     if steps:
-                        early.append(_train_steps(model, steps, batch_size, seq_len, s, lr))
+                        early.append(_train_steps(model, steps, batch_size, seq_len, s, lr, tokens))
                     done += 1
                     if progress:
                         progress(done, total, f"{scheme} L={depth} d={width} seed {s}")
@@ -160,7 +247,8 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                 b, blo, bhi = t_interval(bslopes)
                 order = ("non_finite", "exploding", "vanishing", "dead", "saturated", "ok")
                 summary.append({
-                    "scheme": scheme, "depth": depth, "width": width, "seeds": seeds,
+                    "scheme": scheme, "depth": depth, "width": width, "seeds": seeds, "data": source,
+                    "vocab_size": vocab_size,
                     "initial_loss": float(np.mean(losses)), "ln_vocab": math.log(vocab_size),
                     "slope_forward": f, "slope_forward_low": flo, "slope_forward_high": fhi,
                     "slope_backward": b, "slope_backward_low": blo, "slope_backward_high": bhi,

@@ -2,10 +2,13 @@
 
 import math
 
+import numpy as np
 import pytest
+import torch
 
 import tinylm
-from diagnostics import compare
+from diagnostics import OptionsError, compare
+from diagnostics.data import DataError
 from diagnostics.compare import SUMMARY_COLUMNS, TIDY_COLUMNS, stream_slope
 
 
@@ -48,6 +51,7 @@ def test_no_norm_summary_says_exploding():
 def test_steps_give_an_early_loss():
     _, summary = compare(["cs336"], depths=(1,), widths=(32,), seeds=1, steps=3, seq_len=8)
     assert summary.steps.iloc[0] == 3 and math.isfinite(summary.early_loss.iloc[0])
+    assert summary.vocab_size.iloc[0] == 256
 
 
 def test_stream_slope():
@@ -69,3 +73,83 @@ def test_default_comparison_runs():
     tidy, summary = compare()
     assert len(summary) == len(tinylm.init.SCHEMES) * 3
     assert summary[summary.scheme == "cs336"].verdict.eq("ok").all()
+
+
+# ----------------------------------------------------------------------------- data: tokens from a file or array
+
+TINY = dict(depths=(1,), widths=(32,), seq_len=8)
+
+
+def test_data_feeds_the_measured_batch_and_the_training_steps():
+    """One repeated token is learnt in five steps; uniform random tokens cannot be learnt at all."""
+    kw = dict(TINY, seeds=2, steps=5, lr=1e-2)
+    sevens = np.full(100, 7, dtype=np.int64)
+    tidy, const = compare(["cs336"], data=sevens, data_name="sevens", **kw)
+    _, rand = compare(["cs336"], data=np.random.default_rng(0).integers(0, 256, 2000), **kw)
+    assert const.data.iloc[0] == "sevens (100 tokens)" and rand.data.iloc[0] == "given tokens (2,000 tokens)"
+    ln_v = math.log(256)
+    assert const.early_loss.iloc[0] < ln_v - 2  # measured 2.38
+    assert abs(rand.early_loss.iloc[0] - ln_v) < 0.3  # measured 5.57
+    # the measured batch is the data: every position embeds token 7, so the embedding output's
+    # pooled variance is that of row 7 of the embedding of the model seed 0 builds
+    config = tinylm.ModelConfig(vocab_size=256, context_length=8, d_model=32, num_layers=1, num_heads=1,
+                                d_ff=tinylm.default_d_ff(32), init="cs336")
+    row = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0)).token_embeddings.weight[7]
+    got = tidy.query("seed == 0 and tensor == 'token_embeddings' and direction == 'forward' and statistic == 'var'")
+    assert got.value.iloc[0] == pytest.approx(row.double().var(unbiased=False).item(), rel=1e-9)
+
+
+def test_stdlib_bytes_as_data_train_exactly_as_the_default_does():
+    """Without data the steps train on the standard library's bytes: the same bytes given as data give
+    the same early loss, while the loss at init is now measured on text instead of random tokens."""
+    from diagnostics.compare import _corpus
+
+    kw = dict(TINY, seeds=1, steps=3)
+    _, default = compare(["cs336"], **kw)
+    _, given = compare(["cs336"], data=_corpus(), data_name="stdlib", **kw)
+    assert default.data.iloc[0] == "uniform random tokens; steps on the standard library's bytes"
+    assert given.early_loss.iloc[0] == default.early_loss.iloc[0]
+    assert given.initial_loss.iloc[0] != default.initial_loss.iloc[0]
+
+
+def test_vocabulary_is_sized_to_the_data_unless_given(tmp_path):
+    ids = np.arange(2000) % 1000  # largest id 999
+    _, sized = compare(["cs336"], data=ids, seeds=1, **TINY)
+    assert sized.vocab_size.iloc[0] == 1000 and sized.ln_vocab.iloc[0] == pytest.approx(math.log(1000))
+    assert abs(sized.initial_loss.iloc[0] - math.log(1000)) < 0.5  # ln V of the vocabulary actually built
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"abc def\n" * 8)  # ids below 256 keep the byte vocabulary
+    _, bytes_ = compare(["cs336"], data=text, seeds=1, **TINY)
+    assert bytes_.vocab_size.iloc[0] == 256 and bytes_.data.iloc[0] == f"{text} (64 tokens)"
+    _, given = compare(["cs336"], data=ids, vocab_size=1200, seeds=1, **TINY)
+    assert given.vocab_size.iloc[0] == 1200 and given.ln_vocab.iloc[0] == pytest.approx(math.log(1200))
+    with pytest.raises(DataError, match=r"token id 999 is outside .*use vocab_size 1000 or more"):
+        compare(["cs336"], data=ids, vocab_size=999, seeds=1, **TINY)
+    _, random_ = compare(["cs336"], vocab_size=1000, seeds=1, **TINY)
+    assert random_.ln_vocab.iloc[0] == pytest.approx(math.log(1000)) and random_.data.iloc[0] == "uniform random tokens"
+
+
+def test_data_exactly_one_sequence_long_is_enough():
+    _, s = compare(["cs336"], data=np.arange(9), seeds=1, **TINY)  # seq_len + 1 = 9 tokens
+    assert math.isfinite(s.initial_loss.iloc[0])
+    with pytest.raises(DataError, match=r"8 tokens are fewer than seq_len \+ 1 = 9"):
+        compare(["cs336"], data=np.arange(8), seeds=1, **TINY)
+
+
+@pytest.mark.parametrize("data, match", [
+    (np.zeros((4, 10), dtype=np.int64), "2-D int64 array; tokens must be a 1-D integer array"),
+    (np.linspace(0, 1, 50), "1-D float64 array; tokens must be a 1-D integer array"),
+    (np.array([], dtype=np.int64), "no tokens"),
+    (np.array([3] * 20 + [-1]), "token id -1 is negative"),
+    (np.array([5] * 20 + [1 << 20]), "would need a vocabulary of 1,048,577"),
+])
+def test_bad_data_is_named(data, match):
+    with pytest.raises(DataError, match=match):
+        compare(["cs336"], data=data, seeds=1, **TINY)
+
+
+def test_missing_data_file_and_bad_vocab_size(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        compare(["cs336"], data=tmp_path / "missing.npy", seeds=1, **TINY)
+    with pytest.raises(OptionsError, match="vocab_size=0"):
+        compare(["cs336"], vocab_size=0, seeds=1, **TINY)
