@@ -1,8 +1,16 @@
 """``diagnose``: probe + theory + verdicts in one call, returning a :class:`DiagnoseResult`.
 
-Replicates are the (seed, batch) pairs: each is measured by its own probe, so the
-99% interval of measured/predicted is a Student-t interval over replicates,
-mean_r(ratio_r) +- t_{0.995, R-1} sd_r / sqrt(R), never over the elements of one tensor.
+Replicates are the (seed, batch) pairs: each is measured by its own probe and
+predicted by its own theory, giving one ratio r = measured/predicted variance per
+replicate. A ratio of variances is positive and multiplicative (2x over and 2x under
+are equally far from 1), so its 99% interval is a Student-t interval on ln r over the
+replicates, exponentiated (:func:`log_t_interval`):
+
+    ratio = exp(m),  [exp(m - h), exp(m + h)],  m = mean_r ln r,  h = t_{0.995, R-1} sd_r(ln r) / sqrt(R)
+
+The point is the geometric mean of the replicates; the interval is asymmetric
+around it and always positive. It is never taken over the elements of one tensor
+(those are correlated).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from .stats import ProbeStats
 from .theory import Prediction, predict
 from .verdicts import Thresholds, judge
 
-__all__ = ["diagnose", "t_interval"]
+__all__ = ["diagnose", "log_t_interval", "t_interval"]
 
 CONFIDENCE = 0.99
 
@@ -39,7 +47,12 @@ def _t_quantile(q: float, df: int) -> float:
 
 
 def t_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float | None, float | None]:
-    """(mean, low, high): Student-t interval of the mean of independent replicates (None, None if < 2)."""
+    """(mean, low, high): symmetric Student-t interval of the mean of independent replicates
+    (None, None if fewer than 2 finite values; non-finite values are dropped).
+
+    For quantities on a linear scale that may be negative (slopes of log-variance over
+    depth, in :mod:`diagnostics.compare`). A positive ratio takes :func:`log_t_interval`.
+    """
     v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
     if v.size == 0:
         return math.nan, None, None
@@ -48,6 +61,47 @@ def t_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[flo
         return m, None, None
     half = _t_quantile(0.5 + confidence / 2, int(v.size - 1)) * float(v.std(ddof=1)) / math.sqrt(v.size)
     return m, m - half, m + half
+
+
+def log_t_interval(values: list[float], confidence: float = CONFIDENCE
+                   ) -> tuple[float | None, float | None, float | None]:
+    """(geometric mean, low, high) of positive ratios from independent replicates: the
+    Student-t interval of the mean of ln r, exponentiated.
+
+    With m = mean ln r, s = sd(ln r) (ddof 1) over R replicates and h = t_{(1+c)/2, R-1} s / sqrt(R):
+    point exp(m), interval [exp(m - h), exp(m + h)]: asymmetric around the point, always
+    positive, exact coverage when ln r is normal (lognormal replicates).
+
+    Replicates that are not finite and positive are not dropped (dropping them would
+    bias the estimate silently); the interval is then None, None because ln r is
+    undefined (r < 0, nan), -inf (r = 0) or inf (r = inf), and:
+
+    * any r = 0 (a replicate measured zero variance), the others finite and positive:
+      point 0, the geometric mean of a set holding 0;
+    * any r negative, nan or inf: point None (a ratio of variances is never negative,
+      and an overflowed or undefined variance has no meaningful ratio; the non-finite
+      verdict reports it).
+
+    Fewer than 2 replicates: the point alone (None for none).
+    """
+    v = np.asarray(list(values), dtype=np.float64)
+    if v.size == 0:
+        return None, None, None
+    if not np.all(np.isfinite(v)) or np.any(v < 0):
+        return None, None, None
+    if np.any(v == 0):
+        return 0.0, None, None
+    logs = np.log(v)
+    m = float(logs.mean())
+    if v.size < 2:
+        return _exp(m), None, None
+    half = _t_quantile(0.5 + confidence / 2, int(v.size - 1)) * float(logs.std(ddof=1)) / math.sqrt(v.size)
+    return _exp(m), _exp(m - half), _exp(m + half)
+
+
+def _exp(x: float) -> float:
+    """e^x, inf beyond the float64 range instead of OverflowError."""
+    return math.exp(x) if x < 709.0 else math.inf
 
 
 def _vocab(model: nn.Module) -> int | None:
@@ -205,9 +259,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
                     mm, pp = st.tensors.get((name, direction)), pr.get((name, direction))
                     if mm is not None and pp is not None and pp.var > 0 and mm.count:
                         rs.append(mm.var / pp.var)
-                ratio, low, high = t_interval(rs)
-                if not math.isfinite(ratio):
-                    ratio = None
+                ratio, low, high = log_t_interval(rs)
             rows.append(TensorRow(
                 name=name, block=block_index(name), kind=pooled.kinds.get(name, "module"), direction=direction,
                 count=int(mom.count), mean=mom.mean, var=mom.var, mean_square=mom.mean_square, max_abs=mom.max_abs,

@@ -98,7 +98,13 @@ class TensorRow:
     largest finite value. (Attention scores: masked -inf entries are excluded from
     every statistic.)
     predicted: theory's predicted variance (None: no theory for this tensor).
-    ratio, ratio_low, ratio_high: measured/predicted and its 99% replicate interval.
+    ratio: measured/predicted variance, the geometric mean over replicates (seeds x
+        batches) of each replicate's own ratio; ratio_low, ratio_high: its 99% interval,
+        a Student-t interval on ln(ratio) over the replicates, exponentiated (asymmetric
+        around ratio, always > 0). ratio is None when there is no prediction; the
+        interval is None with fewer than 2 replicates, and when a replicate's ratio is 0
+        (ratio is then 0) or not finite (ratio None too): see
+        diagnostics.diagnose.log_t_interval.
     theory: "local", "global" or "" (no prediction).
     valid: whether the prediction is inside its stated validity; validity: why not
     (empty when valid).

@@ -136,3 +136,25 @@ def test_bad_inputs_are_named():
         diagnose(model, torch.rand(4, 9))
     with pytest.raises(OptionsError, match="seeds=2"):
         diagnose(nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5)), options=DiagnoseOptions(seeds=2, seq_len=4))
+
+
+def test_ratio_is_the_geometric_mean_with_a_log_scale_interval():
+    """Three replicates measured together give the geometric mean of the three measured alone, and
+    the t interval of ln(ratio) over them: exp(mean ln r +- t_{0.995,2} sd(ln r)/sqrt 3)."""
+    from scipy import stats as sstats
+
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(7))
+    windows = torch.randint(0, 128, (6, 9), generator=torch.Generator().manual_seed(8))
+    opts = DiagnoseOptions(batch_size=2)
+    together = diagnose(model, windows, opts)
+    assert together.header.batches == 3 and together.header.theory == "global"
+    for name, direction in (("layers.0.ffn.w1", "forward"), ("layers.1.attn", "forward"), ("lm_head", "backward")):
+        alone = [diagnose(model, windows[i:i + 2], opts).tensor(name, direction) for i in (0, 2, 4)]
+        assert all(a.ratio_low is None for a in alone)  # one replicate: no interval
+        logs = np.log([a.ratio for a in alone])
+        half = sstats.t.ppf(0.995, 2) * logs.std(ddof=1) / math.sqrt(3)
+        row = together.tensor(name, direction)
+        assert row.ratio == pytest.approx(math.exp(logs.mean()), rel=1e-9)
+        assert row.ratio_low == pytest.approx(math.exp(logs.mean() - half), rel=1e-9)
+        assert row.ratio_high == pytest.approx(math.exp(logs.mean() + half), rel=1e-9)
+        assert 0 < row.ratio_low < row.ratio < row.ratio_high
