@@ -1,0 +1,418 @@
+"""Token-by-token kernel theory: forward variances at init that account for correlated tokens.
+
+The independent-token ``global`` theory (:mod:`diagnostics.theory`) is exact in block 0
+and for every FFN tensor, but from block 1 on attention mixes a component shared by all
+positions into the residual stream, the tokens of a sequence become correlated (rank
+collapse) and the attention branch and the stream grow past it. This module tracks that
+correlation. For every point of the forward pass it propagates the T x T kernel
+
+    K_st = E[x_s . x_t] / d        (x_s: the vector at position s of one sequence)
+
+analytically, in the large-width limit, with the expectation taken over the random init
+(the declared distributions of ``tinylm.init``, truncation corrected) and over iid uniform
+random tokens. The rules (E[w^2]: a parameter's declared second moment; d_in: a Linear's fan-in):
+
+* Embedding: K_st = E[w^2] if s = t, else E[w^2]/V + mean(w)^2 (1 - 1/V) (the same token
+  appears at s and t with probability 1/V).
+* RMSNorm: K'_st = E[g^2] K_st / sqrt((K_ss + eps)(K_tt + eps)) (token norms concentrate).
+* Linear W (zero-mean iid entries): K' = d_in E[w^2] K, and different outputs are independent.
+* Causal attention, one head (d_k = d/H): q_t, k_t, v_t are Gaussian across positions with
+  covariances Kq = d E[w_q^2] K^, Kk, Kv (K^ the normed kernel) and iid over the d_k
+  dimensions; q, k and v are mutually independent. The head's output kernel is
+  E[A Kv A^T], A = softmax(causal(rope(Q) rope(K)^T / sqrt(d_k))). This expectation is
+  taken by Monte Carlo: seeded draws of Q = K^{1/2} Z sqrt(d E[w_q^2]) (T x d_k) and K
+  likewise, so the scores are exactly those of a d_k-dimensional head given the kernel
+  (finite d_k, not the Gaussian-score limit). RoPE is treated exactly (the draws are
+  rotated with the model's own angles and positions 0..T-1); it changes the *covariance*
+  of scores in different rows, not their variance. The v-expectation is done in closed
+  form: E_v[A V V^T A^T] / d_k = (A K^{1/2})(A K^{1/2})^T d E[w_v^2].
+* SwiGLU h = silu(a) * b with a = W1 x^, b = W3 x^: a and b are independent Gaussians
+  across positions with Ka = d E[w1^2] K^, Kb = d E[w3^2] K^, so
+  Kh_st = E[silu(a_s) silu(a_t)] Kb_st, the bivariate-Gaussian expectation by 2-D
+  Gauss-Hermite quadrature (correlation Ka_st / sqrt(Ka_ss Ka_tt)). SiLU FFN: Kh = E[silu silu].
+* Residual sum: kernels add (x + f(x): the cross term E[x_s . W_o u_t] vanishes at init,
+  W_o being zero-mean and independent of everything before it). Pre-, post- and no-norm
+  blocks are composed from these rules exactly as tinylm's TransformerBlock composes them.
+
+What the kernel predicts for a tensor: its mean square per element, mean_t K_tt (the pooled
+variance a probe measures, the mean being 0 at init except for a SiLU FFN's hidden layer),
+and, at the residual points, the mean cosine between different tokens of a sequence,
+mean_{s != t} K_st / sqrt(K_ss K_tt), which is what ``ProbeStats.cosine`` measures.
+
+Approximations (where this theory can break): the kernel of one sequence under one init is
+random at finite width and with finitely many heads (each head's attention pattern is a
+random draw); the theory propagates its *expectation* through the nonlinear maps (norm,
+softmax, SiLU), which is exact only as d and the number of heads grow. Token coincidences
+(probability 1/V) enter through their mean only. Dropout is ignored (eval mode). Only the
+forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory`.
+
+Example::
+
+    kt = kernel_theory(model.config, seq_len=64)
+    kt.blocks[7].attn, kt.blocks[7].stream, kt.blocks[7].cosine
+    predictions = kt.predictions()        # {(name, "forward"): theory.Prediction}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import tinylm
+from tinylm.init import Dist, declare
+
+from .options import OptionsError
+from .theory import Prediction
+
+__all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "normalize", "attention_kernel", "silu_cross_moment",
+           "mean_cosine"]
+
+#: Monte Carlo draws of one attention head per block when ``draws`` is not given: about
+#: 2^13 query rows in all (128 draws at T = 64, 32 at T = 256), at least 32. The v-expectation
+#: is exact, so the Monte Carlo spread of the heads' mean square is small: about 0.4% at T = 64.
+_ROWS_PER_BLOCK = 2**13
+_MIN_DRAWS = 32
+_QUAD_NODES = 24
+
+
+# ---------------------------------------------------------------- the elementary maps
+
+def normalize(K: np.ndarray, gain2: float, eps: float) -> np.ndarray:
+    """RMSNorm's kernel map: E[g^2] K_st / sqrt((K_ss + eps)(K_tt + eps))."""
+    r = 1.0 / np.sqrt(np.diag(K) + eps)
+    return gain2 * K * r[:, None] * r[None, :]
+
+
+def mean_cosine(K: np.ndarray) -> float:
+    """mean_{s != t} K_st / sqrt(K_ss K_tt): the mean cosine between different tokens."""
+    T = K.shape[0]
+    if T < 2:
+        return math.nan
+    r = 1.0 / np.sqrt(np.clip(np.diag(K), 1e-300, None))
+    C = K * r[:, None] * r[None, :]
+    return float((C.sum() - np.trace(C)) / (T * (T - 1)))
+
+
+def _psd_sqrt(K: np.ndarray) -> np.ndarray:
+    """A matrix R with R R^T = K (symmetric eigendecomposition; tiny negative eigenvalues clipped)."""
+    w, U = np.linalg.eigh(0.5 * (K + K.T))
+    return U * np.sqrt(np.clip(w, 0.0, None))[None, :]
+
+
+def _rope_tables(theta: float, d_k: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = tinylm.functional.rope_angles(theta, d_k, torch.arange(T))  # (T, d_k/2), float64
+    return torch.cos(angles), torch.sin(angles)
+
+
+def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int, *, rope_theta: float | None,
+                     draws: int, seed: int) -> dict[str, np.ndarray | float]:
+    """Kernel of one causal attention head's output given the kernel ``K_in`` of its input.
+
+    Args:
+        K_in: (T, T) kernel of the attention's input (the normed stream for pre-norm).
+        fq, fk, fv: d_in E[w^2] of q_proj, k_proj, v_proj (so Kq = fq K_in, ...).
+        d_k: head dimension. rope_theta: RoPE base, or None for no RoPE.
+        draws: Monte Carlo draws of (Q, K) for one head. seed: seeds the draws.
+    Returns:
+        "heads": (T, T) E[A Kv A^T];  "s2": (T,) E[sum_j a_tj^2] per query row;
+        "scores_ms": mean square of the scores over the causal entries (exact, not sampled).
+    """
+    T = K_in.shape[0]
+    R = torch.from_numpy(_psd_sqrt(K_in))  # (T, T), R R^T = K_in
+    rng = np.random.default_rng(int(seed))  # numpy's ziggurat: 10x faster than torch's float64 randn
+    causal = torch.zeros(T, T, dtype=torch.float64).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    cos, sin = _rope_tables(rope_theta, d_k, T) if rope_theta is not None else (None, None)
+    acc = torch.zeros(T, T, dtype=torch.float64)
+    s2 = torch.zeros(T, dtype=torch.float64)
+    chunk = max(1, min(draws, int(2**22 // (T * T))))
+    done = 0
+    while done < draws:
+        b = min(chunk, draws - done)
+        Q = R @ torch.from_numpy(rng.standard_normal((b, T, d_k))) * math.sqrt(fq)  # (b, T, d_k)
+        Kk = R @ torch.from_numpy(rng.standard_normal((b, T, d_k))) * math.sqrt(fk)
+        if cos is not None:
+            Q, Kk = tinylm.functional.apply_rope(Q, cos, sin), tinylm.functional.apply_rope(Kk, cos, sin)
+        S = (Q @ Kk.transpose(-1, -2)) / math.sqrt(d_k) + causal  # (b, T, T), -inf above the diagonal
+        A = torch.softmax(S, dim=-1)  # (b, T, T)
+        M = A @ R  # (b, T, T): A K_in A^T = M M^T
+        acc += torch.einsum("bsk,btk->st", M, M)
+        s2 += (A * A).sum(-1).sum(0)
+        done += b
+    diag = np.diag(K_in)
+    scores_ms = float(fq * fk * (np.tril(np.outer(diag, diag)).sum()) / (T * (T + 1) / 2))
+    return {"heads": fv * (acc / draws).numpy(), "s2": (s2 / draws).numpy(), "scores_ms": scores_ms}
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x * 0.5 * (1.0 + np.tanh(0.5 * x))  # x sigmoid(x), overflow-free
+
+
+def _silu_pair(s_i: np.ndarray, s_j: np.ndarray, rho: np.ndarray, nodes: int) -> np.ndarray:
+    """E[silu(a) silu(b)] for a = s_i z1, b = s_j (rho z1 + sqrt(1 - rho^2) z2), elementwise over pairs."""
+    x, w = np.polynomial.hermite_e.hermegauss(nodes)  # probabilists' Hermite: weight exp(-z^2/2)
+    w = w / w.sum()
+    out = np.empty(rho.size)
+    step = max(1, 2**20 // (nodes * nodes))
+    for lo in range(0, rho.size, step):
+        sl = slice(lo, lo + step)
+        r = rho[sl]
+        fa = _silu(s_i[sl][None, :] * x[:, None])  # (n1, P): silu(a) at node z1
+        zt = r[None, None, :] * x[:, None, None] + np.sqrt(1.0 - r * r)[None, None, :] * x[None, :, None]  # (n1, n2, P)
+        fb = _silu(s_j[sl][None, None, :] * zt)
+        out[sl] = np.einsum("i,j,ip,ijp->p", w, w, fa, fb)
+    return out
+
+
+def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
+    """E[silu(a_s) silu(a_t)] for a zero-mean Gaussian vector a with covariance ``Ka`` (T x T).
+
+    2-D Gauss-Hermite quadrature (``nodes`` per dimension) per pair: a_s = sigma_s z1,
+    a_t = sigma_t (rho z1 + sqrt(1 - rho^2) z2) with z1, z2 iid N(0, 1). When every
+    sigma_t is the same to 1e-4 (a normed input: eps makes them differ by ~eps/K_tt), the
+    expectation is a smooth function of rho alone: it is computed at 129 Chebyshev points of
+    [-1, 1] with the mean sigma and interpolated (interpolation error below 1e-12; using the
+    mean sigma moves it by < 2e-4 relative), which costs the same for every T.
+    """
+    sd = np.sqrt(np.clip(np.diag(Ka), 0.0, None))
+    T = Ka.shape[0]
+    if T > 16 and sd.max() > 0 and np.ptp(sd) <= 1e-4 * sd.max():
+        s = float(sd.mean())
+        cheb = np.polynomial.Chebyshev.interpolate(
+            lambda r: _silu_pair(np.full(r.size, s), np.full(r.size, s), np.clip(r, -1.0, 1.0), nodes), 128)
+        return cheb(np.clip(Ka / (s * s), -1.0, 1.0))
+    iu, ju = np.triu_indices(T)
+    den = sd[iu] * sd[ju]
+    rho = np.divide(Ka[iu, ju], den, out=np.zeros_like(den), where=den > 0).clip(-1.0, 1.0)
+    out = _silu_pair(sd[iu], sd[ju], rho, nodes)
+    M = np.empty((T, T))
+    M[iu, ju] = out
+    M[ju, iu] = out
+    return M
+
+
+def _silu_mean(var: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
+    x, w = np.polynomial.hermite_e.hermegauss(nodes)
+    w = w / w.sum()
+    return _silu(np.sqrt(np.clip(var, 0.0, None))[:, None] * x[None, :]) @ w
+
+
+# ---------------------------------------------------------------- results
+
+@dataclass(frozen=True)
+class BlockKernel:
+    """Predictions for one block (mean square per element, averaged over the T positions).
+
+    heads: attention output before output_proj (``layers.i.attn.heads``); attn: after it
+    (``layers.i.attn``, the branch); ffn: the FFN branch (``layers.i.ffn``); resid_mid: the
+    stream between the two sublayers; stream: the block output (``layers.i``). cosine /
+    cosine_mid: mean cosine between different tokens at the block output / resid_mid.
+    heads_independent: what the heads would be if the tokens were independent,
+    E[v^2] mean_t E[sum_j a_tj^2] (the independent-token rule, with this block's kernel
+    diagonal), so heads / heads_independent isolates the shared-component growth.
+    """
+
+    index: int
+    heads: float
+    attn: float
+    ffn: float
+    resid_mid: float
+    stream: float
+    cosine: float
+    cosine_mid: float
+    heads_independent: float
+
+
+@dataclass
+class KernelTheory:
+    """Result of :func:`kernel_theory`.
+
+    kernels: {tensor name: (T, T) kernel E[x_s . x_t]/d} at the embedding, every norm output,
+    the attention heads and branch, resid_mid, the FFN hidden layer and branch, each block
+    output, ln_final and the logits. mean_square / mean: per (name, "forward") for those
+    and for the q/k/v/output projections, w1/w3/w2, scores and probs. cosine: {residual
+    point: mean cosine between different tokens}. blocks: one :class:`BlockKernel` per block.
+    """
+
+    config: tinylm.ModelConfig
+    seq_len: int
+    scheme: str
+    draws: int
+    kernels: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    mean_square: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)
+    mean: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)
+    cosine: dict[str, float] = field(default_factory=dict, repr=False)
+    blocks: list[BlockKernel] = field(default_factory=list)
+    rules: dict[tuple[str, str], str] = field(default_factory=dict, repr=False)
+
+    def var(self, name: str) -> float:
+        """Predicted pooled variance (mean square minus mean^2) of a tensor's forward values."""
+        key = (name, "forward")
+        return self.mean_square[key] - self.mean.get(key, 0.0) ** 2
+
+    def predictions(self) -> dict[tuple[str, str], Prediction]:
+        """Every forward prediction as a :class:`diagnostics.theory.Prediction`, keyed like
+        :func:`diagnostics.theory.predict`, so it can replace the global forward entries."""
+        valid = self.config.norm == "pre" and self.config.dropout == 0.0
+        why = "" if valid else (f"kernel theory validated for pre-norm only (norm={self.config.norm!r}, "
+                                f"dropout={self.config.dropout})")
+        return {k: Prediction(ms, self.mean.get(k, 0.0), valid, why, self.rules.get(k, "kernel"))
+                for k, ms in self.mean_square.items()}
+
+
+# ---------------------------------------------------------------- the recursion
+
+def _m2(d: Dist) -> float:
+    return d.variance + d.mean**2
+
+
+class _Walk:
+    def __init__(self, config: tinylm.ModelConfig, T: int, scheme: str, draws: int, seed: int, nodes: int):
+        self.c, self.T, self.draws, self.seed, self.nodes = config, T, draws, seed, nodes
+        meta = tinylm.TransformerLM(config, device="meta")
+        self.decl = declare(meta, scheme)
+        self.fans = {n + ".weight": (m.in_features, m.out_features) for n, m in meta.named_modules()
+                     if isinstance(m, tinylm.layers.Linear)}
+        self.out = KernelTheory(config, T, scheme, draws)
+
+    def m2(self, pname: str) -> float:
+        if pname not in self.decl and pname == "lm_head.weight":  # tied to the embeddings
+            pname = "token_embeddings.weight"
+        return _m2(self.decl[pname])
+
+    def factor(self, linear: str) -> float:
+        """d_in E[w^2] of a Linear: K_out = factor K_in."""
+        return self.fans[f"{linear}.weight"][0] * self.m2(f"{linear}.weight")
+
+    def put(self, name: str, K: np.ndarray | None, rule: str, *, ms: float | None = None, mean: float = 0.0,
+            keep: bool = True) -> None:
+        key = (name, "forward")
+        self.out.mean_square[key] = float(np.mean(np.diag(K))) if ms is None else float(ms)
+        if mean:
+            self.out.mean[key] = float(mean)
+        self.out.rules[key] = rule
+        if keep and K is not None:
+            self.out.kernels[name] = K
+
+    def norm(self, name: str, K: np.ndarray) -> np.ndarray:
+        Kn = normalize(K, self.m2(f"{name}.weight"), self.c.eps)
+        self.put(name, Kn, "kernel rmsnorm: E[g^2] K_st / sqrt((K_ss+eps)(K_tt+eps))")
+        return Kn
+
+    def linear_ms(self, name: str, K: np.ndarray) -> None:
+        self.put(name, None, "kernel linear: d_in E[w^2] K", ms=self.factor(name) * float(np.mean(np.diag(K))))
+
+    def attention(self, i: int, K: np.ndarray) -> tuple[np.ndarray, float]:
+        p, c = f"layers.{i}.attn", self.c
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            self.linear_ms(f"{p}.{proj}", K)
+        fq, fk, fv = (self.factor(f"{p}.{n}") for n in ("q_proj", "k_proj", "v_proj"))
+        res = attention_kernel(K, fq, fk, fv, c.head_dim, rope_theta=c.rope_theta if c.rope else None,
+                               draws=self.draws, seed=self.seed * 100003 + i)
+        T = self.T
+        self.put(f"{p}.scores", None, "kernel scores: E[q^2] E[k^2] over causal entries", ms=res["scores_ms"])
+        self.put(f"{p}.probs", None, "kernel softmax: E[sum_j a_tj^2] by Monte Carlo over the causal entries",
+                 ms=float(res["s2"].sum()) / (T * (T + 1) / 2), mean=2.0 / (T + 1))
+        Kh = res["heads"]
+        self.put(f"{p}.heads", Kh, "kernel attention: E[A Kv A^T] by Monte Carlo over Gaussian q, k")
+        Ko = self.factor(f"{p}.output_proj") * Kh
+        self.put(f"{p}.output_proj", Ko, "kernel linear: d_in E[w^2] K", keep=False)
+        self.put(p, Ko, "kernel attention branch = output_proj")
+        heads_ind = fv * float(np.mean(np.diag(K) * res["s2"]))
+        return Ko, heads_ind
+
+    def ffn(self, i: int, K: np.ndarray) -> np.ndarray:
+        p = f"layers.{i}.ffn"
+        Ka = self.factor(f"{p}.w1") * K
+        self.put(f"{p}.w1", Ka, "kernel linear: d_in E[w^2] K", keep=False)
+        S = silu_cross_moment(Ka, self.nodes)  # E[silu(a_s) silu(a_t)]
+        if self.c.ffn == "swiglu":
+            Kb = self.factor(f"{p}.w3") * K
+            self.put(f"{p}.w3", Kb, "kernel linear: d_in E[w^2] K", keep=False)
+            Kh = S * Kb
+            self.put(f"{p}.hidden", Kh, "kernel swiglu: E[silu(a_s) silu(a_t)] Kb_st (2-D Gauss-Hermite)")
+        else:
+            Kh = S
+            mu = _silu_mean(np.diag(Ka), self.nodes)
+            self.put(f"{p}.hidden", Kh, "kernel silu: E[silu(a_s) silu(a_t)] (2-D Gauss-Hermite)",
+                     mean=float(np.mean(mu)))
+        Kf = self.factor(f"{p}.w2") * Kh
+        self.put(f"{p}.w2", Kf, "kernel linear: d_in E[w^2] K", keep=False)
+        self.put(p, Kf, "kernel ffn branch = w2")
+        return Kf
+
+    def run(self) -> KernelTheory:
+        c, T, o = self.c, self.T, self.out
+        e = self.decl["token_embeddings.weight"]
+        m2, mu = _m2(e), e.mean
+        off = m2 / c.vocab_size + mu * mu * (1.0 - 1.0 / c.vocab_size)
+        K = np.full((T, T), off) + (m2 - off) * np.eye(T)
+        self.put("token_embeddings", K, "kernel embedding: E[w^2] on the diagonal, E[w^2]/V off it")
+        o.cosine["token_embeddings"] = mean_cosine(K)
+        for i in range(c.num_layers):
+            b = f"layers.{i}"
+            if c.norm == "pre":
+                Ka, heads_ind = self.attention(i, self.norm(f"{b}.ln1", K))
+                H = K + Ka
+                self.put(f"{b}.resid_mid", H, "kernel residual: K + K_attn")
+                Kf = self.ffn(i, self.norm(f"{b}.ln2", H))
+                Z = H + Kf
+                self.put(b, Z, "kernel residual: K_mid + K_ffn")
+            elif c.norm == "post":
+                Ka, heads_ind = self.attention(i, K)
+                H = self.norm(f"{b}.ln1", K + Ka)
+                self.put(f"{b}.resid_mid", H, "kernel post-norm: ln1(K + K_attn)")
+                Kf = self.ffn(i, H)
+                Z = self.norm(f"{b}.ln2", H + Kf)
+                self.put(b, Z, "kernel post-norm: ln2(K_mid + K_ffn)")
+            else:
+                Ka, heads_ind = self.attention(i, K)
+                H = K + Ka
+                self.put(f"{b}.resid_mid", H, "kernel residual: K + K_attn")
+                Kf = self.ffn(i, H)
+                Z = H + Kf
+                self.put(b, Z, "kernel residual: K_mid + K_ffn")
+            o.cosine[f"{b}.resid_mid"] = mean_cosine(H)
+            o.cosine[b] = mean_cosine(Z)
+            msd = lambda A: float(np.mean(np.diag(A)))  # noqa: E731
+            o.blocks.append(BlockKernel(i, o.mean_square[(f"{b}.attn.heads", "forward")], msd(Ka), msd(Kf), msd(H),
+                                        msd(Z), o.cosine[b], o.cosine[f"{b}.resid_mid"], heads_ind))
+            K = Z
+        if c.norm == "pre":
+            K = self.norm("ln_final", K)
+        self.put("lm_head", self.factor("lm_head") * K, "kernel linear: d_in E[w^2] K")
+        return o
+
+
+def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | None = None, draws: int | None = None,
+                  seed: int = 0, quad_nodes: int = _QUAD_NODES) -> KernelTheory:
+    """Forward predictions of the token-kernel theory for a tinylm model at init.
+
+    Args:
+        config: the model's :class:`tinylm.ModelConfig` (only it and the init declarations are used).
+        seq_len: T, the number of positions of each sequence (<= config.context_length).
+        scheme: init scheme whose declared distributions to use (default ``config.init``).
+        draws: Monte Carlo draws of one attention head per block (default: about 2^13 / T,
+            at least 32). The relative error of the heads' mean square is about 1/sqrt(draws T).
+        seed: seeds the Monte Carlo draws (block i uses seed * 100003 + i): deterministic.
+        quad_nodes: Gauss-Hermite nodes per dimension for the SiLU expectations.
+    Returns:
+        a :class:`KernelTheory`: per-block :class:`BlockKernel` rows, T x T kernels, per-tensor
+        mean squares (``predictions()`` gives them as ``theory.Prediction``) and cosines.
+    """
+    if not isinstance(config, tinylm.ModelConfig):
+        raise OptionsError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= config.context_length:
+        raise OptionsError(f"seq_len={seq_len!r}: must be an integer in [1, context_length={config.context_length}]")
+    if draws is None:
+        draws = max(_MIN_DRAWS, _ROWS_PER_BLOCK // seq_len)
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise OptionsError(f"draws={draws!r}: must be a positive integer")
+    if isinstance(quad_nodes, bool) or not isinstance(quad_nodes, int) or quad_nodes < 4:
+        raise OptionsError(f"quad_nodes={quad_nodes!r}: must be an integer >= 4")
+    scheme = scheme or config.init
+    tinylm.init.get(scheme)  # raises naming the scheme if unknown
+    with torch.no_grad():
+        return _Walk(config, seq_len, scheme, draws, seed, quad_nodes).run()
