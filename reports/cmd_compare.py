@@ -3,12 +3,18 @@
 ``tinylm compare`` builds, for every scheme x depth x width, fresh models from
 several seeds, measures the residual stream's forward and backward variance
 over depth (``diagnostics.compare`` does the computing) and prints one table.
+The tokens are uniform random ones, or with ``--data PATH`` windows of a token
+file (.npy, .bin uint16 as CS336 writes them, or .txt read as bytes; read-only),
+which also feed the ``--steps`` training steps. The vocabulary is 256, or with
+``--data`` the file's largest id + 1 when that is larger; ``--vocab-size`` fixes it
+(and a file with an id outside it is refused). Exit codes: 0 done, 2 bad input or usage.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from .intake import check_outputs, parse_int_list, positive_int
 from .progress import progress_bar
@@ -23,11 +29,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=positive_int, default=DEFAULT_SEEDS, help=f"models per cell, the source of the intervals (default {DEFAULT_SEEDS})")
     p.add_argument("--seed", type=int, default=0, help="base seed (default 0)")
     p.add_argument("--steps", type=int, default=0,
-                   help="AdamW steps per model on the standard library's bytes, to compare early loss (default 0)")
+                   help="AdamW steps per model, to compare early loss: on the --data tokens, without --data on "
+                        "the standard library's bytes (default 0)")
+    p.add_argument("--data", metavar="PATH",
+                   help="token file: .npy, .bin (uint16, CS336) or .txt (bytes); default uniform random tokens")
+    p.add_argument("--vocab-size", type=positive_int,
+                   help="vocabulary of the models (default 256, or with --data its largest id + 1 when larger)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG grid (schemes x direction) of variance over depth")
     p.add_argument("--csv", metavar="PATH", help="write the tidy frame as CSV")
     p.add_argument("--width", type=positive_int, help="table width in columns (default: the terminal's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _tokens(data: str | None, vocab_size: int | None) -> tuple[Any, int | None]:
+    """The ``--data`` file's tokens (memory-mapped, never written) and the vocabulary for them; one-line errors."""
+    if data is None:
+        return None, vocab_size
+    from diagnostics.compare import DEFAULT_SEQ_LEN, data_vocab
+    from diagnostics.data import load_tokens
+
+    from .cli import UsageError
+
+    tokens = load_tokens(data)
+    vocab_size = data_vocab(tokens, vocab_size, f"--data {data}", name="--vocab-size")
+    if len(tokens) < DEFAULT_SEQ_LEN + 1:
+        raise UsageError(f"--data {data}: {len(tokens)} tokens are fewer than the {DEFAULT_SEQ_LEN + 1} of one "
+                         f"sequence ({DEFAULT_SEQ_LEN} inputs and the next token); use a file with at least "
+                         f"{DEFAULT_SEQ_LEN + 1} tokens")
+    return tokens, vocab_size
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,9 +79,11 @@ def run(args: argparse.Namespace) -> int:
     widths = parse_int_list(args.widths, "--widths")
     if args.steps < 0:
         raise UsageError(f"--steps {args.steps}: must be 0 or more")
-    check_outputs({"--plot": args.plot, "--csv": args.csv}, {})
+    check_outputs({"--plot": args.plot, "--csv": args.csv}, {"--data file": args.data})
+    tokens, vocab_size = _tokens(args.data, args.vocab_size)
     with progress_bar("compare", enabled=False if args.no_progress else None) as update:
-        tidy, summary = compare(schemes, depths, widths, args.seeds, args.steps, seed=args.seed,
+        tidy, summary = compare(schemes, depths, widths, args.seeds, args.steps, seed=args.seed, data=tokens,
+                                data_name=args.data, vocab_size=vocab_size,
                                 progress=lambda done, total, what: update(done, total, what))
     console = Console(width=args.width, highlight=False)
     console.print(CompareTable(summary))

@@ -23,13 +23,16 @@ def _signed(v: float, decimals: int) -> str:
     return s.replace("-", "+") if float(s) == 0 else s  # no "-0.000"
 
 
-def _slope(v: Any, lo: Any, hi: Any, compact: bool = False) -> str:
-    """A per-block slope of ln Var with its 99% interval over seeds: ``+0.120 [+0.10, +0.14]``."""
+def _slope(v: Any, lo: Any, hi: Any, compact: bool = False, half_width: bool = False) -> str:
+    """A per-block slope of ln Var with its 99% interval over seeds: ``+0.120 [+0.10, +0.14]``;
+    ``half_width`` (a narrow table with a loss@N column) writes a symmetric interval as ``+0.12±0.02``."""
     if _missing(v):
         return "-"
     s = _signed(v, 2 if compact else 3)
     if _missing(lo) or _missing(hi):
         return s
+    if half_width and math.isclose(hi - v, v - lo, rel_tol=1e-6, abs_tol=1e-12):
+        return f"{s}±{(hi - lo) / 2:.2f}"
     sep = "," if compact else ", "
     return f"{s} [{_signed(lo, 2)}{sep}{_signed(hi, 2)}]"
 
@@ -47,26 +50,37 @@ class CompareTable:
 def compare_table(summary: Any, width: int = 120) -> Table:
     """The comparison as a rich Table: scheme, L, d, loss at init vs ln V, forward and backward
     ln-variance slope per block with the 99% interval over seeds, max/min stream variance, verdict
-    (and the loss after ``steps`` training steps when there are any). Below 100 columns the
-    slopes get two decimals and the gaps one space, so the table fits 80 columns."""
+    (and the loss after ``steps`` training steps when there are any). The title's second line
+    names the tokens (the summary's ``data`` column) and the vocabulary. Below 100 columns the
+    slopes get two decimals and the gaps one space, and with a loss@N column the intervals are
+    written as ``±`` half-widths, so the table fits 80 columns."""
     compact = width < 100
     multi_width = summary["width"].nunique() > 1 if len(summary) else False
     has_steps = bool(len(summary)) and summary["early_loss"].notna().any()
+    half_width = compact and has_steps
     ln_v = float(summary["ln_vocab"].iloc[0]) if len(summary) else float("nan")
     seeds = int(summary["seeds"].iloc[0]) if len(summary) else 0
     caption = (f"loss at init against ln V = {ln_v:.3f} (a uniform guess); slope: per-block change of ln Var of the "
-               f"residual stream, forward and (gradient) backward, [99% interval over {seeds} seeds]; max/min: "
+               "residual stream, forward and (gradient) backward, "
+               + (f"± half-width of its 99% interval over {seeds} seeds" if half_width
+                  else f"[99% interval over {seeds} seeds]") + "; max/min: "
                "largest over smallest stream variance across depth")
+    title = Text("Init schemes side by side", style="bold")
+    if len(summary) and "data" in summary:
+        vocab = summary["vocab_size"].iloc[0] if "vocab_size" in summary else None
+        title.append(f"\ntokens: {summary['data'].iloc[0]}" + (f"; vocabulary {int(vocab):,}" if vocab else ""),
+                     style="not bold")
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 0 if compact else 1, 0, 0), pad_edge=False, show_edge=False,
-              title="Init schemes side by side", title_justify="left", title_style="bold",
+              title=title, title_justify="left", title_style="bold",
               caption=caption, caption_justify="left", caption_style="dim")
     t.add_column("scheme", no_wrap=True)
     t.add_column("L", justify="right", no_wrap=True)
     if multi_width:
         t.add_column("d", justify="right", no_wrap=True)
     t.add_column("loss" if compact else "loss@init", justify="right", no_wrap=True)
-    t.add_column("fwd slope [99%]", justify="right", no_wrap=True)
-    t.add_column("bwd slope [99%]", justify="right", no_wrap=True)
+    interval = "" if half_width else " [99%]"  # half-widths: the cells say ±, the caption says what it is
+    t.add_column(f"fwd slope{interval}", justify="right", no_wrap=True)
+    t.add_column(f"bwd slope{interval}", justify="right", no_wrap=True)
     t.add_column("max/min", justify="right", no_wrap=True)
     if has_steps:
         steps = int(summary["steps"].iloc[0])
@@ -81,8 +95,8 @@ def compare_table(summary: Any, width: int = 120) -> Table:
         if multi_width:
             cells.append(str(row.width))
         cells += [num(row.initial_loss, 4),
-                  _slope(row.slope_forward, row.slope_forward_low, row.slope_forward_high, compact),
-                  _slope(row.slope_backward, row.slope_backward_low, row.slope_backward_high, compact),
+                  _slope(row.slope_forward, row.slope_forward_low, row.slope_forward_high, compact, half_width),
+                  _slope(row.slope_backward, row.slope_backward_low, row.slope_backward_high, compact, half_width),
                   num(row.max_min_ratio)]
         if has_steps:
             cells.append(num(row.early_loss, 4))
