@@ -75,7 +75,7 @@ __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "normalize", "attenti
 #: is exact, so the Monte Carlo spread of the heads' mean square is small: about 0.4% at T = 64.
 _ROWS_PER_BLOCK = 2**13
 _MIN_DRAWS = 32
-_QUAD_NODES = 24
+_QUAD_NODES = 32
 
 
 # ---------------------------------------------------------------- the elementary maps
@@ -170,19 +170,30 @@ def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
     """E[silu(a_s) silu(a_t)] for a zero-mean Gaussian vector a with covariance ``Ka`` (T x T).
 
     2-D Gauss-Hermite quadrature (``nodes`` per dimension) per pair: a_s = sigma_s z1,
-    a_t = sigma_t (rho z1 + sqrt(1 - rho^2) z2) with z1, z2 iid N(0, 1). When every
-    sigma_t is the same to 1e-4 (a normed input: eps makes them differ by ~eps/K_tt), the
-    expectation is a smooth function of rho alone: it is computed at 129 Chebyshev points of
-    [-1, 1] with the mean sigma and interpolated (interpolation error below 1e-12; using the
-    mean sigma moves it by < 2e-4 relative), which costs the same for every T.
+    a_t = sigma_t (rho z1 + sqrt(1 - rho^2) z2) with z1, z2 iid N(0, 1). When the sigma_t
+    agree to 1e-3 (a normed input, where eps makes them differ by ~eps/K_tt), the
+    expectation is taken as g((sigma_s + sigma_t)/2, rho), g(s, rho) the equal-sigma
+    expectation (off by O((sigma_s - sigma_t)^2), below 1e-7 relative), computed on 129
+    Chebyshev points of rho in [-1, 1] times 3 values of s and interpolated (interpolation
+    error below 1e-10): a cost independent of T.
     """
     sd = np.sqrt(np.clip(np.diag(Ka), 0.0, None))
     T = Ka.shape[0]
-    if T > 16 and sd.max() > 0 and np.ptp(sd) <= 1e-4 * sd.max():
-        s = float(sd.mean())
-        cheb = np.polynomial.Chebyshev.interpolate(
-            lambda r: _silu_pair(np.full(r.size, s), np.full(r.size, s), np.clip(r, -1.0, 1.0), nodes), 128)
-        return cheb(np.clip(Ka / (s * s), -1.0, 1.0))
+    if T > 16 and sd.max() > 0 and np.ptp(sd) <= 1e-3 * sd.max():
+        lo, hi = float(sd.min()), float(sd.max())
+        s_nodes = np.array([lo, 0.5 * (lo + hi), hi]) if hi > lo else np.array([lo])
+        s_pair = 0.5 * (sd[:, None] + sd[None, :])
+        rho = np.clip(Ka / (sd[:, None] * sd[None, :]), -1.0, 1.0)
+        out = np.zeros((T, T))
+        for k, s_k in enumerate(s_nodes):  # Lagrange interpolation in s through the s nodes
+            cheb = np.polynomial.Chebyshev.interpolate(
+                lambda r: _silu_pair(np.full(r.size, s_k), np.full(r.size, s_k), np.clip(r, -1.0, 1.0), nodes), 128)
+            basis = np.ones((T, T))
+            for m, s_m in enumerate(s_nodes):
+                if m != k:
+                    basis *= (s_pair - s_m) / (s_k - s_m)
+            out += basis * cheb(rho)
+        return 0.5 * (out + out.T)
     iu, ju = np.triu_indices(T)
     den = sd[iu] * sd[ju]
     rho = np.divide(Ka[iu, ju], den, out=np.zeros_like(den), where=den > 0).clip(-1.0, 1.0)
