@@ -37,27 +37,53 @@ def _slope(v: Any, lo: Any, hi: Any, compact: bool = False, half_width: bool = F
     return f"{s} [{_signed(lo, 2)}{sep}{_signed(hi, 2)}]"
 
 
+LAYOUTS = ("wide", "compact", "half-width")
+
+
 class CompareTable:
-    """A renderable that lays out :func:`compare_table` for the console's width."""
+    """A renderable that lays out :func:`compare_table` for the console's width: the first of
+    ``LAYOUTS`` whose natural width fits, starting from "wide" at 100 columns or more, else from
+    "compact" (the last one when none fits)."""
 
     def __init__(self, summary: Any) -> None:
         self.summary = summary
 
     def __rich_console__(self, console: Any, options: Any):
-        yield compare_table(self.summary, options.max_width)
+        from rich.measure import Measurement
+
+        width = options.max_width
+        for layout in LAYOUTS[0 if width >= 100 else 1:]:
+            table = compare_table(self.summary, width, layout)
+            if Measurement.get(console, options.update_width(10 * width), table).maximum <= width:  # unclamped
+                break
+        yield table
 
 
-def compare_table(summary: Any, width: int = 120) -> Table:
+def _has_steps(summary: Any) -> bool:
+    return bool(len(summary)) and bool(summary["early_loss"].notna().any())
+
+
+def _layout(summary: Any, width: int) -> str:
+    return "wide" if width >= 100 else ("half-width" if _has_steps(summary) else "compact")
+
+
+def compare_table(summary: Any, width: int = 120, layout: str | None = None) -> Table:
     """The comparison as a rich Table: scheme, L, d, loss at init vs ln V, forward and backward
     ln-variance slope per block with the 99% interval over seeds, max/min stream variance, verdict
     (and the loss after ``steps`` training steps when there are any). The title's second line
-    names the tokens (the summary's ``data`` column) and the vocabulary. Below 100 columns the
-    slopes get two decimals and the gaps one space, and with a loss@N column the intervals are
-    written as ``±`` half-widths, so the table fits 80 columns."""
-    compact = width < 100
+    names the tokens (the summary's ``data`` column) and the vocabulary.
+
+    ``layout``: "wide"; "compact" (slopes with two decimals, gaps of one space); "half-width"
+    (compact, and the symmetric 99% intervals written as ``+0.12±0.02``). None picks by
+    ``width``: wide from 100 columns, below that compact, or half-width when there is a loss@N
+    column, so that the table fits 80 columns.
+    """
+    layout = _layout(summary, width) if layout is None else layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
+    compact, half_width = layout != "wide", layout == "half-width"
     multi_width = summary["width"].nunique() > 1 if len(summary) else False
-    has_steps = bool(len(summary)) and summary["early_loss"].notna().any()
-    half_width = compact and has_steps
+    has_steps = _has_steps(summary)
     ln_v = float(summary["ln_vocab"].iloc[0]) if len(summary) else float("nan")
     seeds = int(summary["seeds"].iloc[0]) if len(summary) else 0
     caption = (f"loss at init against ln V = {ln_v:.3f} (a uniform guess); slope: per-block change of ln Var of the "

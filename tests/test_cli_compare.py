@@ -200,3 +200,15 @@ def test_end_to_end_data_and_steps_through_the_console_script(tmp_path):
     assert float(rows[0][-2]) < float(rows[0][2])  # loss@2 below the loss at init (5.561 < 5.580 measured)
     assert r.stderr == "" and _snapshot(data) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_compare_table_falls_back_to_a_narrower_layout_rather_than_truncate():
+    """At 100 columns a long scheme name, a wide interval and a loss@N column overflow the wide
+    layout: the table takes the compact one instead of cutting cells with an ellipsis."""
+    s = _summary(early_loss=4.2, steps=5, scheme="zero-residual", slope_backward_low=-11.54, slope_backward_high=11.05)
+    for width, form in ((100, "-0.24 [-11.54,+11.05]"), (110, "-0.245 [-11.54, +11.05]")):
+        buf = io.StringIO()
+        Console(width=width, file=buf, color_system=None).print(CompareTable(s))
+        out = buf.getvalue()
+        assert max(len(line) for line in out.splitlines()) <= width and "…" not in out
+        assert form in out and "exploding" in out
