@@ -8,12 +8,23 @@ The residual stream is judged by its per-block gain r_k = Var(out_k) / Var(in_k)
 pre-norm stream adds a bounded branch variance per block, so it grows linearly
 (about 40x over 48 blocks at d_model 128 under cs336, each gain close to 1), while an
 unnormalised stream multiplies per block (geometric growth, gains far above 1).
+Where the stream overflows part-way, the blocks before the overflow are judged.
+
+One root cause: once the stream explodes or turns non-finite, readings measured
+against the blown-up scale are its consequences, not separate causes. A branch
+1e-9 of an exploded stream, a block's weight gradients 1e-9 of the model's largest
+(itself exploded), a gradient gain of 1e-12 below an overflow: these are folded
+into the root finding's message ("downstream of it") instead of being reported as
+vanishing. Downstream means, forward, the blocks from the first exploding block (or
+the block of the first non-finite tensor) on; backward, every block when the forward
+pass exploded or overflowed (the gradient starts from its logits), else the blocks
+from the first backward-exploding or non-finite block down.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from .options import OptionsError
 from .probe import block_index as block_of
@@ -41,12 +52,14 @@ class Thresholds:
     vanishing_branch = 1e-6: a residual branch whose variance is below a millionth of the
         stream it is added to contributes nothing (the block is the identity, its
         weights get no signal). An exactly-zero branch from a deliberately zero
-        initialised output (zero-residual scheme) is exempt.
+        initialised output (zero-residual scheme) is exempt, and so is a branch downstream
+        of an exploding or non-finite stream (small only next to the blown-up stream).
     vanishing_grad = 1e-4: a block whose median weight-gradient std is below 1e-4 of
         the largest in the model learns 1e4 times slower than the rest under SGD (healthy
         inits measure 0.02-1; q/k weights alone may sit near 5e-3, hence the median).
         Exempt: blocks with a deliberately zero-initialised weight (zero-residual), whose
-        earlier weights get no gradient on the first step by design.
+        earlier weights get no gradient on the first step by design, and blocks downstream
+        of an exploding or non-finite stream (the largest gradient is itself blown up).
     dead_fraction = 0.9: more than 90% of a tensor's entries exactly zero (dead units);
         exempt: the outputs of a deliberately zero-initialised Linear.
     saturated_rows = 0.5: more than half the query rows (t >= 1) put > 0.99 of their
@@ -132,6 +145,25 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         tv[(r.name, r.direction)] = "non_finite"
     for p in bad_params:
         pv[p.name] = "non_finite"
+    first_block_rank = min((i for n, i in rank.items() if block_of(n) is not None), default=1 << 30)
+
+    def block_at(r: TensorRow) -> int:
+        """r's block; a tensor outside the blocks counts as before (embedding) or after them (head)."""
+        if r.block is not None:
+            return r.block
+        return -1 if rank.get(r.name, 1 << 30) < first_block_rank else 1 << 30
+
+    # where the stream's scale stops being trustworthy (see the module docstring)
+    fwd_root: int | None = block_at(bad_fwd[0]) if bad_fwd else None
+    bwd_root: int | None = block_at(bad_bwd[0]) if bad_bwd else None
+    folded: list[str] = []  # vanishing readings downstream of the root, named in its finding
+
+    def downstream(direction: str, block: int) -> bool:
+        """Whether ``block``'s reading in ``direction`` is measured against a blown-up scale."""
+        if direction == "forward":
+            return fwd_root is not None and block >= fwd_root
+        return fwd_root is not None or (bwd_root is not None and block <= bwd_root)
+
     if bad_fwd or bad_bwd or bad_params:
         first = (bad_fwd or bad_bwd or [None])[0]
         where = first.name if first is not None else bad_params[0].name
@@ -154,12 +186,21 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         bwd = [b * f for b, f in zip(bwd, fwd)]
     kind_of = growth(fwd)
     for direction, vals in (("forward", fwd), ("backward", bwd)):
-        if len(vals) < 2 or any(v is None or not math.isfinite(v) or v <= 0 for v in vals):
+        usable = [v is not None and math.isfinite(v) and v > 0 for v in vals]
+        # an overflow part-way: judge the part before it (forward from the embedding, backward from the top)
+        if direction == "forward":
+            end = usable.index(False) if False in usable else len(vals)
+            start = 0
+        else:
+            end = len(vals)
+            start = len(vals) - (usable[::-1].index(False) if False in usable else len(vals))
+        if end - start < 2:
             continue
         if direction == "forward":  # block k takes index k to k+1
-            gains = [(k, vals[k + 1] / vals[k]) for k in range(len(vals) - 1)]
+            gains = [(k, vals[k + 1] / vals[k]) for k in range(start, end - 1)]
         else:  # on the way down block k takes the gradient at k+1 to k
-            gains = [(k, vals[k] / vals[k + 1]) for k in reversed(range(len(vals) - 1))]
+            gains = [(k, vals[k] / vals[k + 1]) for k in reversed(range(start, end - 1))]
+        vals = vals[start:end]
         what = "variance" if direction == "forward" else (
             "gradient variance (times its variance: pre-norm is scale invariant)" if scale_invariant
             else "gradient variance")
@@ -183,6 +224,10 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         total = vals[-1] / vals[0] if direction == "forward" else vals[0] / vals[-1]
         if up:
             k, g = up[0]
+            if direction == "forward":
+                fwd_root = k if fwd_root is None else min(fwd_root, k)
+            else:
+                bwd_root = k if bwd_root is None else max(bwd_root, k)
             findings.append(Finding(
                 kind="exploding", where=f"layers.{k}", value=g, threshold=th.exploding_gain,
                 statistic=f"per-block {direction} {what} gain", direction=direction, block=k,
@@ -193,12 +238,18 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         elif total > th.exploding_total:
             geo = total ** (1 / max(len(gains), 1))
             k = next((k for k, g in gains if g >= geo), gains[0][0])
+            if direction == "forward":
+                fwd_root = k if fwd_root is None else min(fwd_root, k)
+            else:
+                bwd_root = k if bwd_root is None else max(bwd_root, k)
             findings.append(Finding(
                 kind="exploding", where=f"layers.{k}", value=total, threshold=th.exploding_total,
                 statistic=f"total {direction} {what} growth over depth", direction=direction, block=k,
                 message=f"the residual stream's {what} grows {_fmt(total)}x over {len(gains)} blocks "
                         f"(> {_fmt(th.exploding_total)}; {_fmt(geo)}x per block, {kind_of or 'geometric'} growth)",
                 suggestion="scale the residual outputs by 1/sqrt(2L) or use pre-norm"))
+        folded += [f"block {k}'s {direction} gain {_fmt(g)}" for k, g in down if downstream(direction, k)]
+        down = [(k, g) for k, g in down if not downstream(direction, k)]
         if down:
             k, g = down[0]
             findings.append(Finding(
@@ -222,6 +273,9 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
             continue
         ratio = r.var / s.var
         if ratio < th.vanishing_branch:
+            if downstream("forward", r.block):
+                folded.append(f"{r.name} at {_fmt(ratio)} of the stream")
+                continue
             small_branches.append((r, ratio))
             tv[(r.name, "forward")] = "vanishing"
     if small_branches:
@@ -243,6 +297,9 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
                 per_block.setdefault(p.block, []).append(g / top)
         medians = {b: sorted(v)[len(v) // 2] for b, v in per_block.items()}
         weak = sorted((b, r) for b, r in medians.items() if r < th.vanishing_grad)
+        folded += [f"block {b}'s weight gradients at {_fmt(r)} of the largest" for b, r in weak
+                   if downstream("backward", b)]
+        weak = [(b, r) for b, r in weak if not downstream("backward", b)]
         for b, _ in weak:
             for q, _g in grads:
                 if q.block == b:
@@ -286,4 +343,12 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
                     f"(> {_fmt(100 * th.saturated_rows)}%); score std {_fmt(a.score_std)}",
             suggestion="the attention logits are too large: check the 1/sqrt(d_k) scaling and the q/k weight "
                        "scale (or add QK-norm)"))
+    if folded:
+        root = next((i for i, f in enumerate(findings) if f.kind == "exploding" and f.direction == "forward"),
+                    next((i for i, f in enumerate(findings) if f.kind in ("non_finite", "exploding")), None))
+        assert root is not None, "a reading is folded only downstream of an exploding or non-finite finding"
+        f = findings[root]
+        more = f", and {len(folded) - 2} more" if len(folded) > 2 else ""
+        findings[root] = replace(f, message=f"{f.message}; {len(folded)} vanishing-looking reading(s) downstream of it "
+                                            f"are its consequence, not a second cause ({'; '.join(folded[:2])}{more})")
     return findings, tv, pv, av

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics import DiagnoseOptions, OptionsError, Thresholds, diagnose
-from diagnostics.verdicts import growth
+from diagnostics import DepthRow, DiagnoseOptions, OptionsError, TensorRow, Thresholds, diagnose
+from diagnostics.verdicts import growth, judge
 
 OPTS = DiagnoseOptions(batch_size=2, seq_len=16, batches=1)
 OPTS48 = DiagnoseOptions(batch_size=1, seq_len=16, batches=1)
@@ -67,6 +67,73 @@ def test_tiny_weights_vanish():
     assert grads.value < grads.threshold
     # the stream itself keeps the embedding's variance
     assert r.depth[-1].forward_var == pytest.approx(r.depth[0].forward_var, rel=0.01)
+    # nothing explodes, so nothing is folded away: the vanishing readings are the root cause
+    assert not [f for f in r.findings if f.kind in ("exploding", "non_finite")]
+    assert r.tensor("layers.7.ffn").verdict == "vanishing"
+
+
+@pytest.mark.parametrize("dtype, seed", [(torch.float32, 0), (torch.float32, 6), (torch.bfloat16, 10)])
+def test_exploding_no_norm_model_names_one_root_cause(dtype, seed):
+    """No norm, L 8: the stream explodes (variance ~1e43-1e74 by the last block; seed 6 overflows in
+    block 7's scores). Readings measured against the blown-up scale (branch / stream, a block's weight
+    gradients / the model's largest, the gradient's gain below an overflow) are consequences of the
+    explosion: no vanishing finding, the exploding finding says what it swallowed. Before the fix seed 6
+    was also called "vanishing" (block 0's weight gradients 0x the largest), and so was bf16 seed 10
+    (block 6's, 1.9e-9x)."""
+    r = diagnose(model_of(8, norm="none", seed=seed).to(dtype), options=OPTS)
+    kinds = [(f.kind, f.direction) for f in r.findings]
+    assert ("exploding", "forward") in kinds, [f.message for f in r.findings]
+    assert r.depth[-1].forward_var > 1e40 or not math.isfinite(r.depth[-1].forward_var)
+    assert not [f for f in r.findings if f.kind == "vanishing"], [f.message for f in r.findings]
+    assert all(t.verdict != "vanishing" for t in r.tensors) and all(p.verdict != "vanishing" for p in r.params)
+    if seed != 0:  # the swallowed readings are named in the root finding, not lost
+        root = next(f for f in r.findings if f.kind == "exploding" and f.direction == "forward")
+        assert "downstream" in root.message and "vanishing" in root.message, root.message
+
+
+def test_stream_that_overflows_part_way_is_still_called_exploding():
+    """No norm, L 10: block 8's scores overflow, so the stream's variance is nan from there on. The
+    blocks before the overflow are judged, so the report names the explosion (from block 2) behind the
+    non-finite tensor, not the non-finite tensor alone (before the fix: no exploding finding)."""
+    r = diagnose(model_of(10, norm="none"), options=OPTS)
+    nf = [f for f in r.findings if f.kind == "non_finite"]
+    assert nf and nf[0].where == "layers.8.attn.scores"
+    assert not math.isfinite(r.depth[-1].forward_var)
+    ex = [f for f in r.findings if f.kind == "exploding" and f.direction == "forward"]
+    assert ex and ex[0].where == "layers.2", [f.message for f in r.findings]
+    assert not [f for f in r.findings if f.kind == "vanishing"]
+
+
+def _row(name, kind, block, var, direction="forward"):
+    return TensorRow(name=name, block=block, kind=kind, direction=direction, count=100, mean=0.0, var=var,
+                     mean_square=var, max_abs=math.sqrt(var) * 4, frac_zero=0.0, frac_nonfinite=0.0,
+                     frac_fp16_underflow=0.0, frac_fp16_overflow=0.0, frac_bf16_underflow=0.0, frac_bf16_overflow=0.0)
+
+
+def test_branch_small_next_to_an_exploded_stream_is_not_vanishing():
+    """judge() on a stream that explodes from block 1 (gains 1.5, 6.7, 100, 1000): block 3's attention
+    branch is 1e-9 of the 1e3 stream it is added to, only because the stream blew up: folded into the
+    exploding finding. Negative control: block 0's FFN branch, 1e-7 of a stream that has not exploded
+    yet, is still a vanishing branch."""
+    fwd = [1.0, 1.5, 10.0, 1e3, 1e6]
+    names = ["token_embeddings"] + [f"layers.{i}" for i in range(4)]
+    depth = [DepthRow(index=k, name=n, forward_var=v, forward_predicted=None, backward_var=None,
+                      backward_predicted=None, cosine=0.0) for k, (n, v) in enumerate(zip(names, fwd))]
+    rows = [_row(n, "embedding" if k == 0 else "residual", None if k == 0 else k - 1, v)
+            for k, (n, v) in enumerate(zip(names, fwd))]
+    rows += [_row("layers.0.resid_mid", "resid_mid", 0, 1.2), _row("layers.0.ffn", "ffn_branch", 0, 1.2e-7),
+             _row("layers.0.attn", "attn_branch", 0, 0.2), _row("layers.3.resid_mid", "resid_mid", 3, 1e3),
+             _row("layers.3.attn", "attn_branch", 3, 1e-6), _row("layers.3.ffn", "ffn_branch", 3, 1e6)]
+    order = ["token_embeddings", "layers.0.attn", "layers.0.resid_mid", "layers.0.ffn", "layers.0",
+             "layers.1", "layers.2", "layers.3.attn", "layers.3.resid_mid", "layers.3.ffn", "layers.3"]
+    findings, tv, _, _ = judge(rows, [], [], depth, order, Thresholds())
+    ex = [f for f in findings if f.kind == "exploding"]
+    assert len(ex) == 1 and ex[0].where == "layers.1", [f.message for f in findings]
+    assert "layers.3.attn" in ex[0].message and "downstream" in ex[0].message
+    van = [f for f in findings if f.kind == "vanishing"]
+    assert [f.where for f in van] == ["layers.0.ffn"] and van[0].value == pytest.approx(1e-7)
+    assert "1 branches" in van[0].message  # the downstream branch is not counted either
+    assert tv.get(("layers.3.attn", "forward"), "ok") == "ok" and tv[("layers.0.ffn", "forward")] == "vanishing"
 
 
 def test_nan_weight_is_non_finite_and_named():
