@@ -40,7 +40,7 @@ and, at the residual points, the mean cosine between different tokens of a seque
 mean_{s != t} K_st / sqrt(K_ss K_tt), which is what ``ProbeStats.cosine`` measures.
 
 Accuracy (benchmarks/kernel_accuracy.py; cs336, L 8, T 64, 8 seeds): measured/predicted within
-4% for the attention heads and branch and within 2% for the stream at every block, d_model 128
+4% for the attention heads and branch and within 1% for the stream at every block, d_model 128
 and 256, where the independent-token theory is 4x and 1.5x off at block 7; the mean cosine
 within 0.012. Also within ~5% for kaiming, torch-default, gpt2, small-init, post-norm, NoPE and
 the SiLU FFN (spot checks, 4 seeds). At L 24, d 128 the stream drifts to 0.94 of the prediction
