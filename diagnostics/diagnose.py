@@ -146,9 +146,28 @@ def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -
     return chunks, "given"
 
 
-def _loss(model: nn.Module, batch: Tensor) -> Tensor:
+def _loss(model: nn.Module, batch: Tensor) -> tuple[Tensor, tuple[float, float]]:
+    """The mean next-token cross-entropy of ``batch`` (B, T+1), and the two softmax moments the
+    theory's cross-entropy-gradient rule rests on, over its B*T positions: (E[sum_c p_c^2], E[p_y]).
+
+    The moments are computed under no_grad from the logits upcast to float32, in chunks of rows
+    (memory stays ~16 MB whatever the vocabulary), and summed in float64.
+    """
     logits = model(batch[:, :-1])
-    return tinylm.functional.cross_entropy(logits.float(), batch[:, 1:])
+    targets = batch[:, 1:]
+    loss = tinylm.functional.cross_entropy(logits.float(), targets)
+    with torch.no_grad():
+        flat = logits.detach().reshape(-1, logits.shape[-1])  # (B*T, V)
+        y = targets.reshape(-1, 1).to(flat.device)
+        rows = max(1, (1 << 22) // flat.shape[1])
+        s2 = torch.zeros((), dtype=torch.float64, device=flat.device)
+        py = torch.zeros((), dtype=torch.float64, device=flat.device)
+        for i in range(0, flat.shape[0], rows):
+            p = torch.softmax(flat[i:i + rows].float(), dim=-1)
+            s2 += p.square().sum(dtype=torch.float64)
+            py += p.gather(1, y[i:i + rows]).sum(dtype=torch.float64)
+        n = max(flat.shape[0], 1)
+    return loss, (float(s2) / n, float(py) / n)
 
 
 def _models(model: nn.Module, options: DiagnoseOptions) -> list[nn.Module]:
@@ -206,13 +225,15 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
 
     replicates: list[tuple[ProbeStats, nn.Module, int]] = []
     losses: list[float] = []
+    softmaxes: list[tuple[float, float]] = []  # (E[sum p^2], E[p_y]) per replicate
     for mi, m in enumerate(models):
         for bi, batch in enumerate(batches):
             popts = ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))
             with probe(m, popts) as run:
-                loss = _loss(m, batch)
+                loss, moments = _loss(m, batch)
                 loss.backward()
             losses.append(float(loss.detach()))
+            softmaxes.append(moments)
             replicates.append((run.stats, m, batch.shape[0] * seq_len))
             done += 1
             if progress:
@@ -228,16 +249,21 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         mode = "none"
     elif mode == "auto":
         mode = "global" if _fresh_init(replicates[0][0]) else "local"
+    # Every loss is a mean over one batch's positions, so each prediction is for that count
+    # (``tokens``), the pooled one included (its moments hold all the batches' positions). The
+    # measured softmax moments check the premises of the cross-entropy rule (theory.predict).
     per_rep: list[dict[tuple[str, str], Prediction]] = []
     pooled_pred: dict[tuple[str, str], Prediction] = {}
+    pooled_softmax = (float(np.mean([s for s, _ in softmaxes])), float(np.mean([p for _, p in softmaxes])))
     if mode != "none":
-        for st, m, n_tok in replicates:
+        for (st, m, n_tok), sm in zip(replicates, softmaxes):
             if mode == "global" and per_rep:
                 per_rep.append(per_rep[0])
                 continue
-            per_rep.append(predict(m, mode, st, seq_len=seq_len, tokens=n_tok))
+            per_rep.append(predict(m, mode, st, seq_len=seq_len, tokens=n_tok,
+                                   softmax=pooled_softmax if mode == "global" else sm))
         pooled_pred = per_rep[0] if mode == "global" else predict(models[0], mode, pooled, seq_len=seq_len,
-                                                                      tokens=replicates[0][2])
+                                                                      tokens=replicates[0][2], softmax=pooled_softmax)
     done += 1
     if progress:
         progress(done, total, f"theory ({mode})")

@@ -32,13 +32,21 @@ Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per el
   causal entry; E[g_q^2] = E[k^2] E[sum_j g_s,tj^2] / d_k, E[g_k^2] likewise with q,
   E[g_v^2] = E[g_o^2] (1/T) sum_t S2(t+1).
 * Residual stream: branch variances add (pre-norm and no-norm); post-norm normalises the sum.
-* Cross-entropy gradient (mean over N tokens, V classes): E[g^2] = (E[sum_c p_c^2] - 2/V + 1) / (V N^2)
-  with E[sum p^2] = S2(V) for logits of variance sigma_l^2 (p nearly uniform at init).
+* Cross-entropy gradient (mean over the N positions of one loss, V classes): E[g^2] =
+  (E[sum_c p_c^2] - 2 E[p_y] + 1) / (V N^2), taken with E[sum p^2] = S2(V) for iid logits of
+  variance sigma_l^2 and E[p_y] = 1/V (targets independent of p): a near-uniform softmax, as at
+  init. N is the count of one loss even when the moments pool several batches (each gradient
+  is scaled by its own loss's 1/N).
 
 Validity: every prediction assumes independent tokens. At init, attention mixes a
 component shared by all positions into the stream (tokens become correlated), so
 beyond block 0 the global prediction of the attention heads/branch and of the
 stream is "outside validity"; so is, in both modes, the heads prediction beyond block 0.
+The cross-entropy rule is outside validity when the measured softmax moments (``softmax=``)
+break its premises: the measured E[sum p^2] - 2 E[p_y] + 1 differs from the rule's by more
+than the mode's tolerance (5% local, 10% global), as on a trained model (a peaked softmax,
+predictable targets). A prediction whose variance comes out <= 0 (local mode: a measured
+output mean larger than the random-matrix mean square) is outside validity too.
 """
 
 from __future__ import annotations
@@ -181,8 +189,9 @@ class _Source:
     """Where a rule's inputs come from: measured (local) or predicted (global)."""
 
     def __init__(self, model: tinylm.TransformerLM, mode: str, stats: ProbeStats | None, seq_len: int,
-                 tokens: float, scheme: str | None):
+                 tokens: float, scheme: str | None, softmax: tuple[float, float] | None = None):
         self.model, self.mode, self.stats, self.T, self.N = model, mode, stats, seq_len, tokens
+        self.softmax = softmax
         self.config = model.config
         self.out: dict[tuple[str, str], Prediction] = {}
         self.params = dict(model.named_parameters())
@@ -395,15 +404,40 @@ def _ffn_back(src: _Source, i: int, g_branch: float) -> float:
     return _linear_back_factor(src, f"{p}.w1") * src.ms(f"{p}.w1", "backward")
 
 
+def _ce_validity(src: _Source, logit_var: float) -> tuple[bool, str]:
+    """Whether the measured softmax moments keep the cross-entropy rule's premises (module doc)."""
+    if src.softmax is None:
+        return True, ""
+    V = src.config.vocab_size
+    s2_m, py_m = src.softmax
+    s2 = _s2_at(round(math.sqrt(max(logit_var, 0.0)), 6), V)
+    assumed, actual = s2 - 2.0 / V + 1.0, s2_m - 2.0 * py_m + 1.0
+    tol = 0.05 if src.mode == "local" else 0.10
+    if not (math.isfinite(actual) and math.isfinite(assumed)):
+        return False, "the softmax of the logits is not finite"
+    if abs(actual / assumed - 1.0) <= tol:
+        return True, ""
+    # name the premise(s) behind the gap, the larger first (a term under a quarter of the other is left out)
+    terms = [(abs(s2_m - s2), f"E[sum p^2] = {s2_m:.3g} where iid logits of the measured variance give {s2:.3g} "
+                              f"({'a more peaked' if s2_m > s2 else 'a flatter'} softmax)"),
+             (2.0 * abs(py_m - 1.0 / V), f"E[p_y] = {py_m:.3g} where targets independent of p give 1/V = {1.0 / V:.3g} "
+                                         f"({'the model predicts its targets' if py_m > 1.0 / V else 'the targets get less than a uniform share'})")]
+    terms.sort(key=lambda t: -t[0])
+    named = [text for size, text in terms if size >= 0.25 * terms[0][0]]
+    return False, ("the rule assumes a near-uniform softmax independent of the targets (as at init); measured "
+                   + " and ".join(named) + f", so E[sum_c (p_c - y_c)^2] is {actual / assumed:.3g}x the rule's")
+
+
 def _backward(src: _Source) -> None:
     c, L, V = src.config, src.config.num_layers, src.config.vocab_size
-    if src.mode == "local":
-        logits = src.stats.tensors[("lm_head", "forward")]
-        n_tokens = logits.n_total / V
+    if src.N > 0:
+        n_tokens = src.N  # the positions of one loss, also when the stats pool several batches
     else:
-        n_tokens = src.N
-    src.put("lm_head", "backward", ce_grad_mean_square(src.var("lm_head"), V, n_tokens),
-            "cross-entropy: (E[sum p^2] - 2/V + 1)/(V N^2)", mean=0.0)
+        n_tokens = src.stats.tensors[("lm_head", "forward")].n_total / V
+    logit_var = src.var("lm_head")
+    valid, why = _ce_validity(src, logit_var)
+    src.put("lm_head", "backward", ce_grad_mean_square(logit_var, V, n_tokens),
+            "cross-entropy: (E[sum p^2] - 2/V + 1)/(V N^2)", mean=0.0, valid=valid, why=why)
     g_head_in = _linear_back_factor(src, "lm_head") * src.ms("lm_head", "backward")
     last = f"layers.{L - 1}"
     if src.has("ln_final"):
@@ -453,15 +487,20 @@ def _backward(src: _Source) -> None:
 
 
 def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq_len: int,
-            tokens: float | None = None, scheme: str | None = None) -> dict[tuple[str, str], Prediction]:
+            tokens: float | None = None, scheme: str | None = None, softmax: tuple[float, float] | None = None
+            ) -> dict[tuple[str, str], Prediction]:
     """Predicted moments of every instrumented tensor of a tinylm model, keyed (name, direction).
 
     mode "global": analytic at init from the declared distributions of ``scheme``
-    (default ``model.config.init``), for ``tokens`` = batch x seq_len positions per
-    loss. mode "local": from ``stats`` (the measured moments of one replicate) and the
-    model's actual weights. Returns {} for a model that is not a tinylm.TransformerLM.
-    In global mode, predictions of the stream beyond block 0 and of the attention
-    beyond block 0 carry valid=False (independent-token theory; see the module doc).
+    (default ``model.config.init``). mode "local": from ``stats`` (measured moments) and
+    the model's actual weights. ``tokens``: positions per loss (batch x seq_len), which
+    sets the scale of every gradient (the loss is their mean); required in global mode; in
+    local mode None reads it from ``stats`` as the count of one batch, which is wrong
+    when ``stats`` pools several batches: pass it then. ``softmax``: the measured
+    (E[sum_c p_c^2], E[p_y]) over the loss's positions (diagnose measures them), against
+    which the cross-entropy rule's premises are checked (None: not checked).
+    Returns {} for a model that is not a tinylm.TransformerLM. Predictions outside their
+    stated validity carry valid=False and say why (see the module doc).
     """
     if mode not in ("local", "global"):
         raise OptionsError(f"mode={mode!r}: choose 'local' or 'global'")
@@ -471,7 +510,7 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
         raise OptionsError("mode='local' needs stats= (the ProbeStats of a run) to read the layers' inputs from")
     if mode == "global" and tokens is None:
         raise OptionsError("mode='global' needs tokens= (batch x seq_len positions per loss)")
-    src = _Source(model, mode, stats, int(seq_len), float(tokens or 0.0), scheme)
+    src = _Source(model, mode, stats, int(seq_len), float(tokens or 0.0), scheme, softmax)
     with torch.no_grad():
         try:
             _forward(src)
@@ -502,6 +541,11 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
     """
     marked = {}
     for (name, direction), p in out.items():
+        if p.valid and not p.var > 0 and p.mean_square > 0:
+            p = Prediction(p.mean_square, p.mean, False,
+                           f"the measured mean ({p.mean:.3g}) exceeds the predicted root mean square "
+                           f"({math.sqrt(p.mean_square):.3g}), so no variance is left to predict: the weights are "
+                           "aligned with the input's mean (training), not a random matrix", p.rule)
         blk = name.split(".")[1] if name.startswith("layers.") else None
         if norm == "none" and p.valid:
             unnormalised = "without a norm the FFN reads the raw stream, whose scale varies from token to token"

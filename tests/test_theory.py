@@ -1,5 +1,6 @@
 """Theory beside measurement: acceptance of local and global modes, the rank-collapse facts, the rules."""
 
+import copy
 import math
 from collections import defaultdict
 
@@ -9,7 +10,7 @@ import torch
 from scipy import integrate, stats
 
 import tinylm
-from diagnostics import OptionsError, predict, probe
+from diagnostics import DiagnoseOptions, OptionsError, diagnose, predict, probe
 from diagnostics.theory import ce_grad_mean_square, silu_moments, softmax_moments
 
 ALPHA = 1e-6  # false-alarm probability of each statistical assertion
@@ -202,3 +203,82 @@ def test_predict_arguments_are_checked():
     with pytest.raises(OptionsError, match="stats="):
         predict(model, "local", None, seq_len=T)
     assert predict(torch.nn.Linear(2, 2), "global", seq_len=4, tokens=4) == {}
+
+
+# ---------------------------------------------------------------- the cross-entropy gradient of a trained model
+
+BIGRAM_V, BIGRAM_T = 64, 16
+
+
+def bigram_windows(n, gen):
+    """(n, T+1) windows where each next token is 5 * token + 3 mod V: a bigram a 1-block model learns at once."""
+    out = [torch.randint(0, BIGRAM_V, (n, 1), generator=gen)]
+    for _ in range(BIGRAM_T):
+        out.append((5 * out[-1] + 3) % BIGRAM_V)
+    return torch.cat(out, 1)
+
+
+@pytest.fixture(scope="module")
+def bigram_models():
+    """A fresh model and a copy trained 40 Adam steps on the bigram (loss 4.2 -> ~0.01: a peaked softmax)."""
+    cfg = tinylm.ModelConfig(vocab_size=BIGRAM_V, context_length=BIGRAM_T, d_model=32, num_layers=1, num_heads=1,
+                             d_ff=64)
+    gen = torch.Generator().manual_seed(0)
+    fresh = tinylm.TransformerLM(cfg, generator=gen)
+    trained = copy.deepcopy(fresh)
+    opt = torch.optim.Adam(trained.parameters(), lr=1e-2)
+    for _ in range(40):
+        x = bigram_windows(16, gen)
+        loss = tinylm.functional.cross_entropy(trained(x[:, :-1]), x[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    trained.zero_grad(set_to_none=True)
+    assert float(loss.detach()) < 0.1
+    return fresh, trained
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pooled_local_prediction_is_for_one_loss(bigram_models, dtype):
+    """The gradient of a mean loss over N = B x T positions scales as 1/N^2. With 4 batches the pooled
+    moments hold 4N positions, but each measured gradient came from a loss over N: the predicted
+    column must be for N (before the fix it was for 4N, 16x too small, while the per-replicate ratio
+    was right; in bfloat16 exactly as in float32)."""
+    model = copy.deepcopy(bigram_models[1]).to(dtype)
+    windows = torch.randint(0, BIGRAM_V, (8, BIGRAM_T + 1), generator=torch.Generator().manual_seed(2))
+    r = diagnose(model, windows, DiagnoseOptions(batch_size=2, theory="local"))
+    assert r.header.batches == 4
+    for name, direction in (("lm_head", "backward"), ("ln_final", "backward"), ("layers.0.ffn.w1", "forward")):
+        row = r.tensor(name, direction)
+        assert row.var / row.predicted == pytest.approx(row.ratio, rel=0.15), (name, direction, row)
+
+
+def test_ce_rule_is_outside_validity_for_a_trained_softmax(bigram_models):
+    """The cross-entropy rule assumes a near-uniform softmax and targets independent of it
+    (E[sum p^2] = S2(sigma_logits), E[p_y] = 1/V). diagnose measures both; the trained bigram model breaks
+    them, with its own targets (E[p_y] ~ 1: ratio ~2e-4) and with random ones (a peaked softmax,
+    E[sum p^2] ~ 1: ratio ~1.7), and the prediction says so. Negative control: the fresh model,
+    whose premises hold, keeps a valid prediction within the local tolerance of 5%."""
+    fresh, trained = bigram_models
+    own = bigram_windows(8, torch.Generator().manual_seed(1))
+    rand = torch.randint(0, BIGRAM_V, (8, BIGRAM_T + 1), generator=torch.Generator().manual_seed(2))
+    opts = DiagnoseOptions(batch_size=2, theory="local")
+    for windows, premise in ((own, "E[p_y]"), (rand, "E[sum p^2]")):
+        row = diagnose(trained, windows, opts).tensor("lm_head", "backward")
+        assert abs(row.ratio - 1) > 0.05  # the rule is off ...
+        assert not row.valid and premise in row.validity, row.validity  # ... and says why
+    for windows in (own, rand):
+        row = diagnose(fresh, windows, opts).tensor("lm_head", "backward")
+        assert row.valid, row.validity
+        assert abs(row.ratio - 1) < 0.05
+
+
+def test_negative_predicted_variance_is_outside_validity():
+    """Local mode predicts a Linear's mean square for a random matrix and subtracts the measured mean^2;
+    a trained lm_head whose output mean exceeds that (the logits' shared offset) gives a negative
+    'variance', which must be marked, not shown as a valid prediction."""
+    model, st, n, T = measure(32, 1, 0)
+    m = st.tensors[("lm_head", "forward")]
+    m.mean = 10.0 * math.sqrt(m.mean_square)
+    p = predict(model, "local", st, seq_len=T, tokens=n)[("lm_head", "forward")]
+    assert p.var < 0 and not p.valid and "mean" in p.validity
