@@ -538,14 +538,16 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
     * No norm: the FFN reads the raw stream, whose scale varies over tokens, so the SiLU
       rules (local), the FFN products and block outputs (global, ~10% off in block 0) and
       every global forward prediction beyond block 0 are outside validity.
+    * Any prediction whose variance (mean square - mean^2) is not positive: there is
+      nothing to compare the measured variance with.
     """
     marked = {}
     for (name, direction), p in out.items():
         if p.valid and not p.var > 0 and p.mean_square > 0:
             p = Prediction(p.mean_square, p.mean, False,
-                           f"the measured mean ({p.mean:.3g}) exceeds the predicted root mean square "
-                           f"({math.sqrt(p.mean_square):.3g}), so no variance is left to predict: the weights are "
-                           "aligned with the input's mean (training), not a random matrix", p.rule)
+                           f"the mean ({p.mean:.3g}) exceeds the predicted root mean square "
+                           f"({math.sqrt(p.mean_square):.3g}): no variance is left to predict (local mode: a trained "
+                           "layer whose weights align with its input's mean, not a random matrix)", p.rule)
         blk = name.split(".")[1] if name.startswith("layers.") else None
         if norm == "none" and p.valid:
             unnormalised = "without a norm the FFN reads the raw stream, whose scale varies from token to token"
