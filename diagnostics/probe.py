@@ -43,6 +43,7 @@ from .stats import (
     ProbeStats,
     merge_attention_vectors,
     merge_vectors,
+    causal_mask,
     summarize,
     summarize_attention,
     summarize_cosine,
@@ -110,10 +111,17 @@ def _first_tensor(output) -> Tensor | None:
     return None
 
 
+def _mean_square(t: Tensor) -> Tensor:
+    """mean(t^2) over the last dimension, float32 at least (a norm: no squared copy of ``t``)."""
+    t = t.detach()
+    if t.dtype not in (torch.float32, torch.float64):
+        t = t.float()
+    return torch.linalg.vector_norm(t, dim=-1).square() / t.shape[-1]
+
+
 def _causal_valid(t: Tensor) -> Tensor | None:
     if t.dim() >= 2 and t.shape[-1] == t.shape[-2]:
-        T = t.shape[-1]
-        return torch.ones(T, T, dtype=torch.bool, device=t.device).tril()
+        return causal_mask(t.shape[-1], t.device)
     return None
 
 
@@ -242,7 +250,7 @@ class ProbeRun:
         if self.options.cosine and kind in ("residual", "resid_mid", "embedding") and _is_tinylm(self.model) \
                 and out.dim() >= 2:
             with torch.no_grad():
-                ms = out.detach().float().square().mean(-1)
+                ms = _mean_square(out)
                 self._add(self._inv, name, summarize(1.0 / (ms + self.model.config.eps)), merge_vectors)
         if self.options.backward and out.requires_grad:
             out.register_hook(self._grad_hook(name, kind))
@@ -253,12 +261,12 @@ class ProbeRun:
         if not (self.options.backward and out.requires_grad and inputs and isinstance(inputs[0], Tensor)):
             return
         with torch.no_grad():
-            inv = 1.0 / (inputs[0].detach().float().square().mean(-1) + float(getattr(module, "eps", 0.0)))
+            inv = 1.0 / (_mean_square(inputs[0]) + float(getattr(module, "eps", 0.0)))
 
         def hook(grad: Tensor) -> None:
             if self.active:
                 with torch.no_grad():
-                    per_token = grad.detach().float().square().mean(-1) * inv
+                    per_token = _mean_square(grad) * inv
                     self._add(self._normb, name, summarize(per_token), merge_vectors)
             return None
         out.register_hook(hook)

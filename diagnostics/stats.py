@@ -18,8 +18,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from . import fused
 
 __all__ = [
     "FIELDS",
@@ -31,6 +34,7 @@ __all__ = [
     "summarize",
     "summarize_attention",
     "summarize_cosine",
+    "causal_mask",
     "merge_vectors",
     "merge_attention_vectors",
     "Moments",
@@ -105,6 +109,13 @@ def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None)
     their known share taken out of the counts, which saves a masking pass.
     """
     x = x.detach()
+    causal = valid is not None and _is_causal(valid, x)
+    if (valid is None or causal) and _fusable(x):
+        raw = fused.moments(_as_f32_numpy(x), x.shape[-1] if causal else None)
+        n, n_fin, mean, m2, max_abs, nonzero, lt113, ge143, e0, e254 = raw.tolist()
+        zeros = n - nonzero
+        return torch.tensor([n, n_fin, mean, m2, max_abs, zeros, lt113 - zeros, ge143, e0 - zeros, e254],
+                            dtype=torch.float64)
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     n_masked = 0
@@ -144,6 +155,39 @@ def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None)
     const = torch.tensor([n_total, n_total + masked_inf, 0.0, 0.0, 0.0, numel - n_masked + masked_inf, -numel, 0.0,
                           -numel, 0.0], dtype=torch.float64, device=dev)
     return const + _assemble(dev) @ raw
+
+
+def _fusable(x: Tensor) -> bool:
+    """Whether :mod:`diagnostics.fused` reduces ``x`` (CPU, 16/32-bit float, numba present)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and x.dim() > 0 and fused.available()
+
+
+def _as_f32_numpy(x: Tensor) -> np.ndarray:
+    """A C-contiguous float32 numpy view of CPU tensor ``x`` (a copy only when it must convert)."""
+    if x.dtype != torch.float32:
+        x = x.float()
+    return x.contiguous().resolve_conj().resolve_neg().numpy()
+
+
+_TRIL: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def causal_mask(T: int, device: torch.device | str = "cpu") -> Tensor:
+    """The (T, T) lower-triangular bool mask of causal attention (cached; do not modify)."""
+    key = (T, torch.device(device))
+    if key not in _TRIL:
+        _TRIL[key] = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    return _TRIL[key]
+
+
+def _is_causal(valid: Tensor, x: Tensor) -> bool:
+    """True when ``valid`` is exactly the causal mask of x's last two (square) dimensions."""
+    T = valid.shape[-1]
+    if valid.dim() != 2 or valid.shape[0] != T or x.dim() < 2 or x.shape[-2:] != (T, T):
+        return False
+    mask = causal_mask(T, valid.device)
+    return valid is mask or bool(torch.equal(valid, mask))
 
 
 _SMALL = 1 << 16
@@ -217,22 +261,31 @@ def summarize_attention(probs: Tensor) -> Tensor:
 
     Entropy of row t is H_t = -sum_j p_tj ln p_tj (0 ln 0 = 0). The first query row of
     causal attention has one key and is always saturated, so the minimum entropy and
-    the saturated fraction (max_j p_tj > 0.99) are taken over rows t >= 1.
+    the saturated fraction (max_j p_tj > 0.99) are taken over rows t >= 1. Entries above
+    the diagonal are taken to be 0, as causal masking makes them: on the CPU
+    (:func:`diagnostics.fused.attention_rows`) they are not read at all.
     """
     p = probs.detach()
-    if p.dtype not in (torch.float32, torch.float64):
-        p = p.float()
-    ent = torch.special.entr(p).sum(-1, dtype=torch.float64)  # (..., T)
+    dev = p.device
+    if p.dim() >= 2 and p.shape[-1] == p.shape[-2] and _fusable(p):
+        T = p.shape[-1]
+        e, top = fused.attention_rows(_as_f32_numpy(p), T)
+        ent = torch.from_numpy(e).reshape(-1, T)
+        rowmax = torch.from_numpy(top).reshape(-1, T)[:, 1:]
+    else:
+        if p.dtype not in (torch.float32, torch.float64):
+            p = p.float()
+        ent = torch.special.entr(p).sum(-1, dtype=torch.float64)  # (..., T)
+        rowmax = p[..., 1:, :].amax(-1) if p.dim() >= 2 else p.new_zeros(0)
     rows = float(ent.numel())
     var, mean = torch.var_mean(ent, correction=0)
     later = ent[..., 1:]
     if later.numel():
         ent_min = later.amin()
-        sat = (p[..., 1:, :].amax(-1) > SATURATED_PROB).sum().double()
+        sat = (rowmax > SATURATED_PROB).sum().double()
     else:
-        ent_min = torch.tensor(math.inf, dtype=torch.float64, device=p.device)
-        sat = torch.zeros((), dtype=torch.float64, device=p.device)
-    dev = p.device
+        ent_min = torch.tensor(math.inf, dtype=torch.float64, device=dev)
+        sat = torch.zeros((), dtype=torch.float64, device=dev)
     return torch.stack([torch.tensor(rows, dtype=torch.float64, device=dev), mean, var * rows, ent_min,
                         torch.tensor(float(later.numel()), dtype=torch.float64, device=dev), sat])
 
@@ -251,12 +304,16 @@ def summarize_cosine(x: Tensor) -> Tensor:
     so the mean over the T(T-1) ordered pairs is (|sum_t u_t|^2 - T) / (T (T-1)). The B
     per-sequence values are summarised like any tensor (count B).
     """
-    x = x.detach().double()
-    T = x.shape[-2]
-    if x.dim() < 2 or T < 2:
+    x = x.detach()
+    if x.dim() < 2 or x.shape[-2] < 2:
         return summarize(torch.zeros(0, dtype=torch.float64))
-    u = x / x.norm(dim=-1, keepdim=True).clamp(min=1e-300)
-    s = u.sum(-2)  # (..., d)
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    T = x.shape[-2]
+    # sum_t u_t as one (1, T) x (T, d) product per sequence (no normalised copy of x); the
+    # float32 rounding of that sum moves a cosine by ~1e-7 / T
+    inv = 1.0 / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
+    s = (inv.transpose(-1, -2) @ x).squeeze(-2).double()  # (..., d)
     cos = ((s * s).sum(-1) - T) / (T * (T - 1))
     return summarize(cos.reshape(-1))
 

@@ -1,4 +1,8 @@
-"""Streaming statistics: exact against float64 references, merges equal one run over both."""
+"""Streaming statistics: exact against float64 references, merges equal one run over both.
+
+Every test runs twice: on the compiled single-pass path (:mod:`diagnostics.fused`, what a
+CPU probe uses) and on the plain torch path (other devices, or ``TINYLM_FUSED=0``).
+"""
 
 import json
 import math
@@ -6,6 +10,7 @@ import math
 import pytest
 import torch
 
+from diagnostics import fused
 from diagnostics.stats import (
     FIELDS,
     AttnMoments,
@@ -16,6 +21,13 @@ from diagnostics.stats import (
     summarize_attention,
     summarize_cosine,
 )
+
+
+@pytest.fixture(autouse=True, params=["fused", "torch"])
+def path(request, monkeypatch):
+    monkeypatch.setenv("TINYLM_FUSED", "1" if request.param == "fused" else "0")
+    assert fused.available() == (request.param == "fused")
+    return request.param
 
 
 def moments_of(x: torch.Tensor) -> Moments:
@@ -152,7 +164,9 @@ def test_probe_stats_round_trip_through_json():
 
 
 @pytest.mark.parametrize("fill", [-math.inf, 0.0])
-def test_known_fill_equals_masking(fill):
+def test_known_fill_equals_masking(fill, path):
+    if path == "fused":
+        pytest.skip("the fused path never reads masked entries, so it takes no fill")
     T = 6
     valid = torch.ones(T, T, dtype=torch.bool).tril()
     s = torch.randn(3, 2, T, T, generator=torch.Generator().manual_seed(8))
@@ -161,3 +175,4 @@ def test_known_fill_equals_masking(fill):
     assert summarize(s, valid, fill).tolist() == summarize(s, valid).tolist()
     # negative control: claiming the wrong fill value miscounts
     assert summarize(s, valid, 0.0 if fill else -math.inf).tolist() != summarize(s, valid).tolist()
+

@@ -1,0 +1,124 @@
+"""The compiled single-pass reductions (diagnostics.fused) against the plain torch path.
+
+A CPU probe reduces every float32 tensor with :mod:`diagnostics.fused`; other devices,
+float64 and ``TINYLM_FUSED=0`` take the torch ops in :func:`diagnostics.stats.summarize`.
+The two must give the same summary: counts and max |x| exactly, mean and M2 to float64
+rounding.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diagnostics import fused
+from diagnostics.stats import FIELDS, AttnMoments, Moments, summarize, summarize_attention
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-300)
+
+_SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-45, 3e-5, 6.1e-5, 6.2e-5, 65504.0, 65536.0,
+            -7e4, 1.7e38, 3.4e38, 1e30, 1.0, -2.5]
+
+
+def _both(x: torch.Tensor, valid=None, monkeypatch=None) -> tuple[list[float], list[float]]:
+    monkeypatch.setenv("TINYLM_FUSED", "1")
+    a = summarize(x, valid).tolist()
+    monkeypatch.setenv("TINYLM_FUSED", "0")
+    b = summarize(x, valid).tolist()
+    return a, b
+
+
+def _agree(a: list[float], b: list[float], x: torch.Tensor) -> None:
+    """Counts and max |x| identical on both paths; mean and M2 of each path against a float64
+    two-pass reference over the finite entries, within that path's rounding: the fused path
+    sums float64 about each segment's mean (1e-12 of M2); the torch path forms
+    sum x^2 - n mean^2, in float32 rows for large tensors (1e-5 of sum x^2)."""
+    for name, u, v in zip(FIELDS, a, b):
+        if name not in ("mean", "m2"):
+            assert u == v, (name, u, v)
+    f = x.double().reshape(-1)
+    f = f[torch.isfinite(f)]
+    if f.numel() == 0:
+        return
+    mean, m2, sq = f.mean().item(), ((f - f.mean()) ** 2).sum().item(), (f * f).sum().item()
+    spread = math.sqrt(m2 / f.numel())
+    assert abs(a[2] - mean) <= 1e-12 * (abs(mean) + spread), ("fused mean", a[2], mean)
+    assert abs(a[3] - m2) <= 1e-12 * m2 + 1e-300, ("fused m2", a[3], m2)
+    assert abs(b[2] - mean) <= 1e-6 * (abs(mean) + spread), ("torch mean", b[2], mean)
+    assert abs(b[3] - m2) <= 1e-5 * sq + 1e-300, ("torch m2", b[3], m2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 20_000), seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e4, 1e30]),
+       offset=st.sampled_from([0.0, 1.0, -1e3]), specials=st.lists(st.sampled_from(_SPECIAL), max_size=6))
+def test_fused_equals_torch_path(n, seed, scale, offset, specials):
+    """Property: for any float32 tensor, the two paths give the same summary (exact counts and
+    max; mean and M2 to float64 rounding), whatever non-finite, subnormal or huge values it holds."""
+    mp = pytest.MonkeyPatch()
+    try:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, generator=g) * scale + offset
+        if specials:
+            idx = torch.randint(0, n, (len(specials),), generator=g)
+            x[idx] = torch.tensor(specials, dtype=torch.float32)
+        _agree(*_both(x, monkeypatch=mp), x)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 64])
+def test_fused_causal_equals_masked_torch_path(T, monkeypatch):
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(3, 2, T, T, generator=g)
+    x[0, 0, -1, 0] = math.nan
+    x[1, 1, 0, -1] = math.inf  # above the diagonal when T > 1: never read
+    valid = torch.ones(T, T, dtype=torch.bool).tril()
+    a, b = _both(x, valid, monkeypatch)
+    _agree(a, b, x[..., valid])
+    assert a[0] == 6 * T * (T + 1) // 2
+
+
+def test_mean_far_above_the_spread_keeps_its_variance():
+    """The variance of 1e4 + 1e-3 z comes out to 1e-6 relative: each segment takes a corrected
+    two-pass spread about its own mean (negative control: the one-pass sum x^2 - n mean^2
+    in float64 loses it to cancellation)."""
+    x = 1e4 + 1e-3 * torch.randn(100_000, generator=torch.Generator().manual_seed(9))
+    ref = x.double().var(correction=0).item()
+    m = Moments.from_vector(summarize(x).tolist())
+    assert rel(m.var, ref) < 1e-6
+    xd = x.double()
+    naive = ((xd * xd).sum() - xd.sum() ** 2 / xd.numel()).item() / xd.numel()
+    assert rel(naive, ref) > 1e-3
+
+
+def test_fused_attention_panel_matches_float64():
+    T = 40
+    s = torch.randn(2, 3, T, T, generator=torch.Generator().manual_seed(11)) * 4
+    p = torch.softmax(s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf), -1)
+    a = AttnMoments.from_vector(summarize_attention(p).tolist())
+    ent = torch.special.entr(p.double()).sum(-1)
+    # float32 p ln p with a polynomial log: relative error ~1e-6 per row
+    assert a.entropy_mean == pytest.approx(ent.mean().item(), rel=2e-6)
+    assert a.entropy_min == pytest.approx(ent[..., 1:].min().item(), rel=2e-6, abs=1e-6)
+    assert a.rows_saturated == (p[..., 1:, :].amax(-1) > 0.99).sum().item()
+    assert a.rows == 2 * 3 * T and a.rows_after_first == 2 * 3 * (T - 1)
+
+
+def test_polynomial_log_over_every_binade():
+    """-p ln p from the fused kernel against float64 at 2^k (1 +- small) for k = -125..0: the
+    exponent arithmetic is right in every binade (negative control: ln taken base 2 is not)."""
+    ks = np.arange(-125, 1)
+    vals = np.concatenate([np.ldexp(1.0, ks), np.ldexp(1.0, ks) * 0.7071, np.ldexp(1.0, ks[:-1]) * 1.4142])
+    for v in vals.astype(np.float32):
+        row = np.zeros((1, 1), dtype=np.float32)
+        row[0, 0] = v
+        h, top = fused.attention_rows(row, 1)
+        want = -float(v) * math.log(float(v))
+        assert h[0] == pytest.approx(want, rel=2e-6), v
+        if v != 1:
+            assert abs(h[0] - (-float(v) * math.log2(float(v)))) > 1e-3 * abs(want)
