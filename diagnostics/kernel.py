@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -79,11 +80,14 @@ __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "normalize", "attenti
            "mean_cosine"]
 
 #: Monte Carlo draws of one attention head per block when ``draws`` is not given: about
-#: 2^13 query rows in all (128 draws at T = 64, 32 at T = 256), at least 32. The v-expectation
-#: is exact, so the Monte Carlo spread of the heads' mean square is small: at T = 64 about 0.6%
-#: in block 0 (independent tokens) and 0.2-0.4% beyond, 0.1% for the stream.
-_ROWS_PER_BLOCK = 2**13
-_MIN_DRAWS = 32
+#: 2^11 query rows in all (32 draws at T = 64, 16 at T = 128, 8 at T = 256), at least 8. The
+#: v-expectation is exact, so the Monte Carlo spread is small; measured (sd over 16 seeds of the
+#: draws): the heads' mean square 0.9% at T = 64 (d_k 32) in block 0, 0.3-0.9% beyond (d 128,
+#: L 8), about 1% at T = 256 (gpt2-small); the stream 0.15% or less, the mean cosine 0.001. It
+#: falls as 1/sqrt(draws). One draw costs ~4 T^3 float64 operations (A K A^T): a block takes
+#: ~30 ms at T = 256 with the default, and the cost grows as T^2 beyond (8 draws, T^3 each).
+_ROWS_PER_BLOCK = 2**11
+_MIN_DRAWS = 8
 _QUAD_NODES = 32
 
 
@@ -116,53 +120,89 @@ def _rope_tables(theta: float, d_k: int, T: int) -> tuple[torch.Tensor, torch.Te
     return torch.cos(angles), torch.sin(angles)
 
 
+def _sqrt_factor(K: np.ndarray) -> torch.Tensor:
+    """A matrix R with R R^T = K: the Cholesky factor (lower triangular), or, for a singular K
+    (e.g. identical tokens), the symmetric eigendecomposition with tiny negative eigenvalues clipped.
+    A non-finite K (a stream beyond float64) gives NaN: every prediction downstream is then NaN."""
+    if not np.all(np.isfinite(K)):
+        return torch.full(K.shape, math.nan, dtype=torch.float64)
+    Kt = torch.from_numpy(0.5 * (K + K.T))
+    L, info = torch.linalg.cholesky_ex(Kt)
+    if int(info) == 0 and bool(torch.isfinite(L).all()):
+        return L
+    return torch.from_numpy(_psd_sqrt(K))
+
+
 def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int, *, rope_theta: float | None,
                      draws: int, seed: int) -> dict[str, np.ndarray | float]:
     """Kernel of one causal attention head's output given the kernel ``K_in`` of its input.
+
+    The attention patterns A are sampled in float32 (q, k, scores, softmax: a Monte Carlo
+    sample, whose float32 rounding, ~1e-7 relative, is far below its sampling error; float64
+    when the scores could leave float32's range); each row of A is then renormalised in
+    float64 and the products A K_in A^T are float64, so the identities (identical tokens pass
+    unchanged; row 0 attends to itself) hold to float64 rounding.
 
     Args:
         K_in: (T, T) kernel of the attention's input (the normed stream for pre-norm).
         fq, fk, fv: d_in E[w^2] of q_proj, k_proj, v_proj (so Kq = fq K_in, ...).
         d_k: head dimension. rope_theta: RoPE base, or None for no RoPE.
-        draws: Monte Carlo draws of (Q, K) for one head. seed: seeds the draws.
+        draws: Monte Carlo draws of (Q, K) for one head. seed: seeds the draws (a torch.Generator).
     Returns:
         "heads": (T, T) E[A Kv A^T];  "s2": (T,) E[sum_j a_tj^2] per query row;
         "scores_ms": mean square of the scores over the causal entries (exact, not sampled).
     """
     T = K_in.shape[0]
-    R = torch.from_numpy(_psd_sqrt(K_in))  # (T, T), R R^T = K_in
-    rng = np.random.default_rng(int(seed))  # numpy's ziggurat: 10x faster than torch's float64 randn
-    causal = torch.zeros(T, T, dtype=torch.float64).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    R = _sqrt_factor(K_in)  # (T, T), R R^T = K_in, float64
+    # float32 unless the scores (~ sqrt(fq fk) K_tt) could overflow it (a stream exploding without a norm)
+    sample = torch.float32 if math.sqrt(fq * fk) * float(np.abs(np.diag(K_in)).max()) < 1e15 else torch.float64
+    Rs = R.to(sample)
+    gen = torch.Generator().manual_seed(int(seed))
+    causal = torch.zeros(T, T, dtype=sample).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
     cos, sin = _rope_tables(rope_theta, d_k, T) if rope_theta is not None else (None, None)
+    if cos is not None:
+        cos, sin = cos.to(sample), sin.to(sample)
     acc = torch.zeros(T, T, dtype=torch.float64)
     s2 = torch.zeros(T, dtype=torch.float64)
+    scale = math.sqrt(fq * fk / d_k)  # scores = (sqrt(fq) Q)(sqrt(fk) K)^T / sqrt(d_k)
     chunk = max(1, min(draws, int(2**22 // (T * T))))
     done = 0
     while done < draws:
         b = min(chunk, draws - done)
-        Q = R @ torch.from_numpy(rng.standard_normal((b, T, d_k))) * math.sqrt(fq)  # (b, T, d_k)
-        Kk = R @ torch.from_numpy(rng.standard_normal((b, T, d_k))) * math.sqrt(fk)
+        Q = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)  # (b, T, d_k): rows with covariance K_in
+        Kk = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)
         if cos is not None:
             Q, Kk = tinylm.functional.apply_rope(Q, cos, sin), tinylm.functional.apply_rope(Kk, cos, sin)
-        S = (Q @ Kk.transpose(-1, -2)) / math.sqrt(d_k) + causal  # (b, T, T), -inf above the diagonal
-        A = torch.softmax(S, dim=-1)  # (b, T, T)
-        M = A @ R  # (b, T, T): A K_in A^T = M M^T
-        acc += torch.einsum("bsk,btk->st", M, M)
+        S = torch.baddbmm(causal.expand(b, T, T), Q, Kk.transpose(-1, -2), alpha=scale)  # (b, T, T), -inf above
+        A = torch.softmax(S, dim=-1).double()
+        A /= A.sum(-1, keepdim=True)  # rows sum to 1 in float64
         s2 += (A * A).sum(-1).sum(0)
+        M = (A @ R).transpose(0, 1).reshape(T, b * T)  # (T, b T): sum_b A K A^T = M M^T
+        acc += M @ M.T
         done += b
     diag = np.diag(K_in)
     scores_ms = float(fq * fk * (np.tril(np.outer(diag, diag)).sum()) / (T * (T + 1) / 2))
-    return {"heads": fv * (acc / draws).numpy(), "s2": (s2 / draws).numpy(), "scores_ms": scores_ms}
+    heads = fv * (acc / draws).numpy()
+    return {"heads": 0.5 * (heads + heads.T), "s2": (s2 / draws).numpy(), "scores_ms": scores_ms}
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
     return x * 0.5 * (1.0 + np.tanh(0.5 * x))  # x sigmoid(x), overflow-free
 
 
+@lru_cache(maxsize=8)
+def _gauss_hermite(nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Nodes and weights (summing to 1) of probabilists' Gauss-Hermite quadrature: E[f(z)], z ~ N(0, 1)."""
+    x, w = np.polynomial.hermite_e.hermegauss(nodes)
+    x.flags.writeable = False
+    w = w / w.sum()
+    w.flags.writeable = False
+    return x, w
+
+
 def _silu_pair(s_i: np.ndarray, s_j: np.ndarray, rho: np.ndarray, nodes: int) -> np.ndarray:
     """E[silu(a) silu(b)] for a = s_i z1, b = s_j (rho z1 + sqrt(1 - rho^2) z2), elementwise over pairs."""
-    x, w = np.polynomial.hermite_e.hermegauss(nodes)  # probabilists' Hermite: weight exp(-z^2/2)
-    w = w / w.sum()
+    x, w = _gauss_hermite(nodes)
     out = np.empty(rho.size)
     step = max(1, 2**20 // (nodes * nodes))
     for lo in range(0, rho.size, step):
@@ -175,6 +215,30 @@ def _silu_pair(s_i: np.ndarray, s_j: np.ndarray, rho: np.ndarray, nodes: int) ->
     return out
 
 
+def _silu_cheb(s_nodes: np.ndarray, nodes: int) -> np.ndarray:
+    """Chebyshev coefficients (n + 1, len(s_nodes)) in rho on [-1, 1] of
+    g(s, rho) = E[silu(s z1) silu(s (rho z1 + sqrt(1 - rho^2) z2))], one column per s.
+
+    Interpolated at degree 32, 64 or 128, the first whose last four coefficients fall below
+    1e-14 of the largest (g is analytic in rho: its coefficients decay geometrically, to 1e-14
+    by degree ~20 at s = 0.75 and ~50 at s = 1.5), then trimmed of trailing coefficients below
+    1e-15 of the sum of their magnitudes: the error stays below 1e-12 relative.
+    """
+    cheb = np.polynomial.chebyshev
+    k = s_nodes.size
+    for deg in (32, 64, 128):
+        x = cheb.chebpts1(deg + 1)
+        vals = _silu_pair(np.repeat(s_nodes, x.size), np.repeat(s_nodes, x.size), np.tile(x, k), nodes)
+        coef = cheb.chebvander(x, deg).T @ vals.reshape(k, deg + 1).T  # (deg + 1, k), as chebinterpolate
+        coef[0] /= deg + 1
+        coef[1:] /= 0.5 * (deg + 1)
+        mag = np.abs(coef)
+        if np.all(mag[-4:].max(0) <= 1e-14 * mag.max(0)):
+            break
+    keep = np.nonzero(np.any(mag > 1e-15 * mag.sum(0), axis=1))[0]
+    return coef[: int(keep.max()) + 1 if keep.size else 1]
+
+
 def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
     """E[silu(a_s) silu(a_t)] for a zero-mean Gaussian vector a with covariance ``Ka`` (T x T).
 
@@ -182,31 +246,32 @@ def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
     a_t = sigma_t (rho z1 + sqrt(1 - rho^2) z2) with z1, z2 iid N(0, 1). When the sigma_t
     agree to 1e-3 (a normed input, where eps makes them differ by ~eps/K_tt), the
     expectation is taken as g((sigma_s + sigma_t)/2, rho), g(s, rho) the equal-sigma
-    expectation (off by O((sigma_s - sigma_t)^2), below 1e-7 relative), computed on 129
-    Chebyshev points of rho in [-1, 1] times 3 values of s and interpolated (interpolation
-    error below 1e-10): a cost independent of T.
+    expectation (off by O((sigma_s - sigma_t)^2), below 1e-7 relative), computed as a
+    Chebyshev series in rho (:func:`_silu_cheb`, error below 1e-12) at 3 values of s and
+    interpolated in s (one value when the sigma_t agree to 1e-9); evaluated on the upper
+    triangle only: a cost of O(T^2) cheap operations, ~10 ms at T = 256.
     """
     sd = np.sqrt(np.clip(np.diag(Ka), 0.0, None))
     T = Ka.shape[0]
+    iu, ju = np.triu_indices(T)
     if T > 16 and sd.max() > 0 and np.ptp(sd) <= 1e-3 * sd.max():
         lo, hi = float(sd.min()), float(sd.max())
-        s_nodes = np.array([lo, 0.5 * (lo + hi), hi]) if hi > lo else np.array([lo])
-        s_pair = 0.5 * (sd[:, None] + sd[None, :])
-        rho = np.clip(Ka / (sd[:, None] * sd[None, :]), -1.0, 1.0)
-        out = np.zeros((T, T))
+        s_nodes = np.array([lo, 0.5 * (lo + hi), hi]) if hi - lo > 1e-9 * hi else np.array([0.5 * (lo + hi)])
+        s_pair = 0.5 * (sd[iu] + sd[ju])
+        rho = np.clip(Ka[iu, ju] / (sd[iu] * sd[ju]), -1.0, 1.0)
+        coef = _silu_cheb(s_nodes, nodes)
+        g = np.polynomial.chebyshev.chebvander(rho, coef.shape[0] - 1) @ coef  # (P, k): g(s_k, rho_p)
+        out = np.zeros(iu.size)
         for k, s_k in enumerate(s_nodes):  # Lagrange interpolation in s through the s nodes
-            cheb = np.polynomial.Chebyshev.interpolate(
-                lambda r: _silu_pair(np.full(r.size, s_k), np.full(r.size, s_k), np.clip(r, -1.0, 1.0), nodes), 128)
-            basis = np.ones((T, T))
+            basis = np.ones(iu.size)
             for m, s_m in enumerate(s_nodes):
                 if m != k:
                     basis *= (s_pair - s_m) / (s_k - s_m)
-            out += basis * cheb(rho)
-        return 0.5 * (out + out.T)
-    iu, ju = np.triu_indices(T)
-    den = sd[iu] * sd[ju]
-    rho = np.divide(Ka[iu, ju], den, out=np.zeros_like(den), where=den > 0).clip(-1.0, 1.0)
-    out = _silu_pair(sd[iu], sd[ju], rho, nodes)
+            out += basis * g[:, k]
+    else:
+        den = sd[iu] * sd[ju]
+        rho = np.divide(Ka[iu, ju], den, out=np.zeros_like(den), where=den > 0).clip(-1.0, 1.0)
+        out = _silu_pair(sd[iu], sd[ju], rho, nodes)
     M = np.empty((T, T))
     M[iu, ju] = out
     M[ju, iu] = out
@@ -214,8 +279,7 @@ def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
 
 
 def _silu_mean(var: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
-    x, w = np.polynomial.hermite_e.hermegauss(nodes)
-    w = w / w.sum()
+    x, w = _gauss_hermite(nodes)
     return _silu(np.sqrt(np.clip(var, 0.0, None))[:, None] * x[None, :]) @ w
 
 
@@ -423,8 +487,8 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
         config: the model's :class:`tinylm.ModelConfig` (only it and the init declarations are used).
         seq_len: T, the number of positions of each sequence (<= config.context_length).
         scheme: init scheme whose declared distributions to use (default ``config.init``).
-        draws: Monte Carlo draws of one attention head per block (default: about 2^13 / T,
-            at least 32). The relative error of the heads' mean square is about 1/sqrt(draws T).
+        draws: Monte Carlo draws of one attention head per block (default: about 2^11 / T,
+            at least 8). The relative error of the heads' mean square is about 1/sqrt(draws T).
         seed: seeds the Monte Carlo draws (block i uses seed * 100003 + i): deterministic.
         quad_nodes: Gauss-Hermite nodes per dimension for the SiLU expectations.
     Returns:
