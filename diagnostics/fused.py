@@ -4,21 +4,24 @@
 mean, M2, max |x|, zeros, fp16/bf16 under- and overflow counts). Computed with one torch
 op each, that is ten passes over the tensor and, on the CPU, a freshly page-faulted
 temporary for most of them: a probe then cost as much as the forward and backward it
-watched. Here the whole vector comes from one read of the data.
+watched. Here the whole vector comes from one read of the data (and, for some segments, a
+second loop over the same few kilobytes, still in the cache).
 
 The tensor is cut into *segments*: blocks of :data:`SEG` consecutive entries, or, for
-causal attention (T x T matrices, ``causal=True``), the valid prefix ``[0, t]`` of each
-query row t, so the masked upper triangle is never read. One vectorised loop per segment
-reads the raw bits for the finite count, the nonzero count, the counts of the float32
-exponent field below 113 (|x| < 2^-14), equal to 0 (|x| < 2^-126), at least 143 and
-finite (|x| >= 2^16) and equal to 254 (|x| >= 2^127), and the largest finite |x| (as bits:
-non-negative floats order as their bits do); and it accumulates, in float64, sum d and
-sum d^2 of the finite d = x - K, with K the segment's first entry. Then
-M2 = sum d^2 - (sum d)^2 / n: the shift keeps a tensor whose mean is far above its spread
-exact (the rounding is ~1e-16 ((K - mean) / std)^2 of M2), and no square of a float32 can
-overflow float64. Segments merge in float64 by Chan's rule (as
-:func:`diagnostics.stats.merge_vectors` merges runs); tensors of at least
-:data:`PARALLEL_MIN` entries are split over as many numba threads as torch uses.
+causal attention (``width`` = T), each T x T matrix, of which only the entries on and below
+the diagonal are read (row t: its first t + 1 entries). Per segment, one vectorised
+screening loop accumulates, in float64, sum d and sum d^2 of the finite d = x - K (K: the
+segment's first entry) and the largest and smallest |x| (as bits: non-negative floats order
+as their bits do). Then M2 = sum d^2 - (sum d)^2 / n; the shift keeps a tensor whose mean is
+far above its spread exact (rounding ~1e-16 ((K - mean) / std)^2 of M2), and no square of a
+float32 can overflow float64. The counts (zeros; float32 exponent field below 113, i.e.
+|x| < 2^-14; equal to 0, |x| < 2^-126; at least 143 and finite, |x| >= 2^16; equal to 254,
+|x| >= 2^127; non-finite) follow from the extremes when they settle them: all in
+[2^-14, 2^16) (most activations) or all normal and below 2^-14 (most gradients). Otherwise a
+second loop counts the small side, or, when a value reaches 2^16 or is not finite, every
+count. Segments merge in float64 by Chan's rule (as :func:`diagnostics.stats.merge_vectors`
+merges runs); tensors of at least :data:`PARALLEL_MIN` entries are split over as many numba
+threads as torch uses.
 
 :func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is not ``0``);
 when it is not, or for other devices and dtypes, ``summarize`` uses plain torch ops with
