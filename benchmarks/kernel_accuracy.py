@@ -65,7 +65,7 @@ def report(width: int, depth: int, seeds: int, batch: int, seq: int) -> float:
     kt = kernel_theory(config, seq)
     t_kernel = time.perf_counter() - t0
     var, cos, model = measure(config, seeds, batch, seq)
-    indep = predict(model, "global", seq_len=seq, tokens=batch * seq)
+    indep = predict(model, "global", seq_len=seq, tokens=batch * seq, forward="independent")
     print(f"\nd_model {width}, depth {depth}, heads {config.num_heads}, T {seq}, batch {batch}, {seeds} seeds "
           f"(kernel_theory {t_kernel:.2f} s, {kt.draws} draws per block)")
     print("measured / kernel-predicted [99% t interval over seeds]   measured / independent-token-predicted")

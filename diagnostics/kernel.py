@@ -12,8 +12,10 @@ analytically, in the large-width limit, with the expectation taken over the rand
 (the declared distributions of ``tinylm.init``, truncation corrected) and over iid uniform
 random tokens. The rules (E[w^2]: a parameter's declared second moment; d_in: a Linear's fan-in):
 
-* Embedding: K_st = E[w^2] if s = t, else E[w^2]/V + mean(w)^2 (1 - 1/V) (the same token
-  appears at s and t with probability 1/V).
+* Embedding: K_st = E[w^2] P_st + mean(w)^2 (1 - P_st), P_st the probability that s and t
+  hold the same token (1 on the diagonal; 1/V for uniform random tokens; for given tokens
+  the fraction of the measured sequences, :func:`token_coincidence`: at init the rows of
+  the table are iid, so which positions share a token is all that matters).
 * RMSNorm: K'_st = E[g^2] K_st / sqrt((K_ss + eps)(K_tt + eps)) (token norms concentrate).
 * Linear W (zero-mean iid entries): K' = d_in E[w^2] K, and different outputs are independent.
 * Causal attention, one head (d_k = d/H): q_t, k_t, v_t are Gaussian across positions with
@@ -39,10 +41,11 @@ variance a probe measures, the mean being 0 at init except for a SiLU FFN's hidd
 and, at the residual points, the mean cosine between different tokens of a sequence,
 mean_{s != t} K_st / sqrt(K_ss K_tt), which is what ``ProbeStats.cosine`` measures.
 
-Accuracy (benchmarks/kernel_accuracy.py; cs336, L 8, T 64, 8 seeds): measured/predicted within
-4% for the attention heads and branch and within 1% for the stream at every block, d_model 128
-and 256, where the independent-token theory is 4x and 1.5x off at block 7; the mean cosine
-within 0.012. Also within ~5% for kaiming, torch-default, gpt2, small-init, post-norm, NoPE and
+Accuracy (benchmarks/kernel_accuracy.py; cs336, L 8, T 64, 8 seeds, default draws): measured/
+predicted within 4% for the attention branch (worst 0.964 and 1.037, d 128) and within 1% for
+the stream at every block, d_model 128 and 256, where the independent-token theory is 4x and
+1.5x off at block 7; the heads within 4.1% (1.041 in block 0, where the exact independent-token
+rule reads 1.035 too: the spread of 8 seeds); the mean cosine within 0.011. Also within ~5% for kaiming, torch-default, gpt2, small-init, post-norm, NoPE and
 the SiLU FFN (spot checks, 4 seeds). At L 24, d 128 the stream drifts to 0.94 of the prediction
 (cosine over-predicted by 0.03), at d 256 and 512 it stays within 3%: a finite-width effect.
 Without a norm it fails (stream 4x off at block 3 of 4): see ``KernelTheory.predictions``.
@@ -51,8 +54,16 @@ Approximations (where this theory can break): the kernel of one sequence under o
 random at finite width and with finitely many heads (each head's attention pattern is a
 random draw); the theory propagates its *expectation* through the nonlinear maps (norm,
 softmax, SiLU), which is exact only as d and the number of heads grow. Token coincidences
-(probability 1/V) enter through their mean only. Dropout is ignored (eval mode). Only the
+enter through their mean over sequences (P_st) only. Dropout is ignored (eval mode). Only the
 forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory`.
+
+Use: ``diagnostics.predict(model, "global")`` (hence ``diagnose`` on a fresh model) takes its
+forward predictions from here through :func:`cached_kernel_theory`, once per process for each
+config, seq_len, scheme and coincidence matrix. Cost (one thread): the attention Monte Carlo,
+~4 T^3 float64 operations per draw and block, dominates; with the default draws about 0.1 s for
+the tinystories preset at T = 128 and 0.5 s for gpt2-small at T = 256 (12 blocks); it grows as
+T^2 up to T = 256 (2^11 rows per block) and as T^3 beyond, where the draws stay at 8: 0.35 s
+per block at T = 512, 1.6 s at T = 1024.
 
 Example::
 
@@ -63,7 +74,9 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -76,8 +89,8 @@ from tinylm.init import Dist, declare
 from .options import OptionsError
 from .theory import Prediction
 
-__all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "normalize", "attention_kernel", "silu_cross_moment",
-           "mean_cosine"]
+__all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "cached_kernel_theory", "clear_cache", "token_coincidence",
+           "normalize", "attention_kernel", "silu_cross_moment", "mean_cosine"]
 
 #: Monte Carlo draws of one attention head per block when ``draws`` is not given: about
 #: 2^11 query rows in all (32 draws at T = 64, 16 at T = 128, 8 at T = 256), at least 8. The
@@ -336,22 +349,27 @@ class KernelTheory:
         key = (name, "forward")
         return self.mean_square[key] - self.mean.get(key, 0.0) ** 2
 
-    def predictions(self) -> dict[tuple[str, str], Prediction]:
+    def predictions(self, *, dropout_active: bool = True) -> dict[tuple[str, str], Prediction]:
         """Every forward prediction as a :class:`diagnostics.theory.Prediction`, keyed like
-        :func:`diagnostics.theory.predict`, so it can replace the global forward entries.
+        :func:`diagnostics.theory.predict`, so it can replace the global forward entries. The
+        residual points (token_embeddings, layers.i.resid_mid, layers.i) carry the predicted mean
+        cosine between tokens in ``cosine``.
 
         valid is False without a norm (the stream grows geometrically and one sequence's kernel
         fluctuates far from its expectation; measured 1.3x off at block 2 of L 4) and with dropout
-        (the kernel describes eval mode); pre- and post-norm were checked against measurement.
+        when ``dropout_active`` (the kernel describes the model without dropout: pass False when
+        the measurement ran in eval mode, as ``probe`` does by default); pre- and post-norm were
+        checked against measurement.
         """
         c = self.config
         valid, why = True, ""
         if c.norm == "none":
             valid, why = False, ("no norm: the stream grows geometrically and each sequence's kernel fluctuates far "
                                  "from the expected kernel this theory propagates")
-        elif c.dropout > 0:
+        elif c.dropout > 0 and dropout_active:
             valid, why = False, f"dropout={c.dropout}: the kernel theory describes the model without dropout (eval)"
-        return {k: Prediction(ms, self.mean.get(k, 0.0), valid, why, self.rules.get(k, "kernel"))
+        return {k: Prediction(ms, self.mean.get(k, 0.0), valid, why, self.rules.get(k, "kernel"),
+                              cosine=self.cosine.get(k[0]))
                 for k, ms in self.mean_square.items()}
 
 
@@ -362,8 +380,10 @@ def _m2(d: Dist) -> float:
 
 
 class _Walk:
-    def __init__(self, config: tinylm.ModelConfig, T: int, scheme: str, draws: int, seed: int, nodes: int):
+    def __init__(self, config: tinylm.ModelConfig, T: int, scheme: str, draws: int, seed: int, nodes: int,
+                 coincidence: np.ndarray | None = None, keep_kernels: bool = True):
         self.c, self.T, self.draws, self.seed, self.nodes = config, T, draws, seed, nodes
+        self.coincidence, self.keep_kernels = coincidence, keep_kernels
         meta = tinylm.TransformerLM(config, device="meta")
         self.decl = declare(meta, scheme)
         self.fans = {n + ".weight": (m.in_features, m.out_features) for n, m in meta.named_modules()
@@ -386,7 +406,7 @@ class _Walk:
         if mean:
             self.out.mean[key] = float(mean)
         self.out.rules[key] = rule
-        if keep and K is not None:
+        if keep and self.keep_kernels and K is not None:
             self.out.kernels[name] = K
 
     def norm(self, name: str, K: np.ndarray) -> np.ndarray:
@@ -440,9 +460,14 @@ class _Walk:
         c, T, o = self.c, self.T, self.out
         e = self.decl["token_embeddings.weight"]
         m2, mu = _m2(e), e.mean
-        off = m2 / c.vocab_size + mu * mu * (1.0 - 1.0 / c.vocab_size)
-        K = np.full((T, T), off) + (m2 - off) * np.eye(T)
-        self.put("token_embeddings", K, "kernel embedding: E[w^2] on the diagonal, E[w^2]/V off it")
+        if self.coincidence is None:  # uniform random tokens: the same token at s and t with probability 1/V
+            P = np.full((T, T), 1.0 / c.vocab_size)
+            np.fill_diagonal(P, 1.0)
+        else:
+            P = self.coincidence
+        K = m2 * P + mu * mu * (1.0 - P)  # rows of one table: the same row (P), or two iid rows (mean^2)
+        self.put("token_embeddings", K, "kernel embedding: E[w^2] on the diagonal, E[w^2] P_st + mean^2 (1 - P_st) "
+                                        "off it (P_st: the same token at s and t; 1/V for uniform random tokens)")
         o.cosine["token_embeddings"] = mean_cosine(K)
         for i in range(c.num_layers):
             b = f"layers.{i}"
@@ -479,8 +504,40 @@ class _Walk:
         return o
 
 
+def _check_coincidence(coincidence, T: int) -> np.ndarray | None:
+    if coincidence is None:
+        return None
+    P = np.array(coincidence, dtype=np.float64)  # a copy: the caller's array is never kept
+    if P.shape != (T, T):
+        raise OptionsError(f"coincidence shape {P.shape}: pass a (seq_len, seq_len) = ({T}, {T}) matrix, or None "
+                           "for uniform random tokens")
+    if not (np.all(np.isfinite(P)) and P.min() >= 0.0 and P.max() <= 1.0 and np.array_equal(P, P.T)
+            and np.all(np.diag(P) == 1.0)):
+        raise OptionsError("coincidence: must be symmetric with entries in [0, 1] and ones on the diagonal (the "
+                           "fraction of sequences holding the same token at positions s and t)")
+    P.flags.writeable = False
+    return P
+
+
+def token_coincidence(tokens) -> np.ndarray:
+    """P_st: the fraction of sequences whose tokens at positions s and t are the same.
+
+    Args: tokens: (N, T) integer token ids, N sequences. Returns: (T, T) float64, ones on the diagonal.
+    At init the embedding rows are iid, so this is all the kernel theory needs to know of the tokens.
+    """
+    t = torch.as_tensor(tokens)
+    if t.dim() != 2 or t.is_floating_point() or t.shape[0] < 1:
+        raise OptionsError(f"tokens shape {tuple(t.shape)} dtype {t.dtype}: pass (N, T) integer token ids")
+    P = torch.zeros(t.shape[1], t.shape[1], dtype=torch.float64)
+    for lo in range(0, t.shape[0], 64):  # (64, T, T) booleans at a time
+        x = t[lo:lo + 64]
+        P += (x[:, :, None] == x[:, None, :]).sum(0, dtype=torch.float64)
+    return (P / t.shape[0]).numpy()
+
+
 def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | None = None, draws: int | None = None,
-                  seed: int = 0, quad_nodes: int = _QUAD_NODES) -> KernelTheory:
+                  seed: int = 0, quad_nodes: int = _QUAD_NODES, coincidence=None,
+                  keep_kernels: bool = True) -> KernelTheory:
     """Forward predictions of the token-kernel theory for a tinylm model at init.
 
     Args:
@@ -491,6 +548,12 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
             at least 8). The relative error of the heads' mean square is about 1/sqrt(draws T).
         seed: seeds the Monte Carlo draws (block i uses seed * 100003 + i): deterministic.
         quad_nodes: Gauss-Hermite nodes per dimension for the SiLU expectations.
+        coincidence: (T, T) P_st, the probability that positions s and t hold the same token
+            (:func:`token_coincidence` of the measured tokens), or None for uniform random tokens
+            (1/V off the diagonal). At init the embedding rows are iid, so nothing else about
+            the tokens matters to the expected kernel.
+        keep_kernels: keep every T x T kernel in ``kernels`` (False: only the scalar predictions,
+            ~110 fewer T x T arrays for gpt2-small, 55 MB at T = 256).
     Returns:
         a :class:`KernelTheory`: per-block :class:`BlockKernel` rows, T x T kernels, per-tensor
         mean squares (``predictions()`` gives them as ``theory.Prediction``) and cosines.
@@ -499,6 +562,7 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
         raise OptionsError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= config.context_length:
         raise OptionsError(f"seq_len={seq_len!r}: must be an integer in [1, context_length={config.context_length}]")
+    coincidence = _check_coincidence(coincidence, seq_len)
     if draws is None:
         draws = max(_MIN_DRAWS, _ROWS_PER_BLOCK // seq_len)
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
@@ -508,4 +572,44 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
     scheme = scheme or config.init
     tinylm.init.get(scheme)  # raises naming the scheme if unknown
     with torch.no_grad():
-        return _Walk(config, seq_len, scheme, draws, seed, quad_nodes).run()
+        return _Walk(config, seq_len, scheme, draws, seed, quad_nodes, coincidence, keep_kernels).run()
+
+
+_CACHE: "OrderedDict[tuple, KernelTheory]" = OrderedDict()
+_CACHE_SIZE = 16
+
+
+def cached_kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | None = None,
+                         coincidence=None) -> KernelTheory:
+    """:func:`kernel_theory` with its default draws, seed and quadrature and without the T x T
+    kernels, computed once per process for each distinct input (an LRU of 16), so multi-seed
+    and repeated diagnoses pay for it once.
+
+    Keyed on everything the result depends on: the whole (frozen) config, seq_len, the scheme's
+    name *and* its function (re-registering a name under ``tinylm.init.register(...,
+    overwrite=True)`` gives a new function, hence a new entry), and the coincidence matrix
+    (by a SHA-256 of its bytes). The returned object is shared: read it, do not modify it.
+    """
+    if not isinstance(config, tinylm.ModelConfig):
+        raise OptionsError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
+        raise OptionsError(f"seq_len={seq_len!r}: must be an integer in [1, context_length={config.context_length}]")
+    name = scheme or config.init
+    fn = tinylm.init.get(name)  # raises naming the scheme if unknown
+    P = _check_coincidence(coincidence, seq_len)
+    digest = None if P is None else hashlib.sha256(P.tobytes()).hexdigest()
+    key = (config, seq_len, name, fn, digest)
+    kt = _CACHE.get(key)
+    if kt is None:
+        kt = kernel_theory(config, seq_len, scheme=name, coincidence=P, keep_kernels=False)
+        _CACHE[key] = kt
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    else:
+        _CACHE.move_to_end(key)
+    return kt
+
+
+def clear_cache() -> None:
+    """Forget every :func:`cached_kernel_theory` result."""
+    _CACHE.clear()

@@ -5,7 +5,13 @@ One recursion serves both modes; they differ only in where a layer's inputs come
 * ``global``: purely analytic at init. Weights enter through their declared
   distributions (``tinylm.init.declare``; second moment E[w^2] = Dist.variance +
   Dist.mean^2, truncation corrected), activations through the predictions for
-  the layers before. Tokens are assumed independent (uniform random tokens).
+  the layers before. The rules below assume independent tokens (uniform random
+  tokens). For a tinylm model the *forward* predictions then come from the
+  token-kernel theory (:mod:`diagnostics.kernel`, ``forward="kernel"``, the default),
+  which tracks the correlation between a sequence's tokens and stays within ~4% at
+  depth 8 where the independent-token rules are 4x off; each of those predictions
+  keeps the independent-token one in ``Prediction.independent``. The backward
+  predictions stay with the independent-token rules below.
 * ``local``: each layer from the *measured* moments of its own input (a
   :class:`ProbeStats` of one replicate) and its *actual* weights. Works for a
   trained checkpoint, where measured/predicted shows how far training has aligned
@@ -38,10 +44,14 @@ Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per el
   init. N is the count of one loss even when the moments pool several batches (each gradient
   is scaled by its own loss's 1/N).
 
-Validity: every prediction assumes independent tokens. At init, attention mixes a
+Validity: every rule here assumes independent tokens. At init, attention mixes a
 component shared by all positions into the stream (tokens become correlated), so
-beyond block 0 the global prediction of the attention heads/branch and of the
-stream is "outside validity"; so is, in both modes, the heads prediction beyond block 0.
+beyond block 0 the independent-token global prediction of the attention heads/branch
+and of the stream is "outside validity" (the kernel theory, which replaces them by
+default, is valid there: its own validity is used, see ``KernelTheory.predictions``;
+where it is outside validity and the independent-token rule is not, as in block 0
+without a norm, the independent-token prediction is kept); so is, in local mode,
+the heads prediction beyond block 0.
 The cross-entropy rule is outside validity when the measured softmax moments (``softmax=``)
 break its premises: the measured E[sum p^2] - 2 E[p_y] + 1 differs from the rule's by more
 than the mode's tolerance (5% local, 10% global), as on a trained model (a peaked softmax,
@@ -51,6 +61,7 @@ output mean larger than the random-matrix mean square) is outside validity too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -86,7 +97,11 @@ class Prediction:
 
     mean_square: predicted E[x^2]; mean: the mean used (local: measured; global: predicted);
     var = mean_square - mean^2. valid/validity: whether the rule's assumptions hold here.
-    rule: which rule produced it (for the report's tooltip).
+    rule: which rule produced it (for the report); the token-kernel theory's rules start
+    with "kernel". cosine: the predicted mean cosine between different tokens of a sequence
+    (the kernel theory, at the residual points; None elsewhere). independent: where the
+    kernel theory made this prediction, the independent-token rule's prediction of the same
+    tensor (with its own validity), kept for comparison; None otherwise.
     """
 
     mean_square: float
@@ -94,6 +109,8 @@ class Prediction:
     valid: bool
     validity: str
     rule: str
+    cosine: float | None = None
+    independent: Prediction | None = None
 
     @property
     def var(self) -> float:
@@ -487,13 +504,21 @@ def _backward(src: _Source) -> None:
 
 
 def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq_len: int,
-            tokens: float | None = None, scheme: str | None = None, softmax: tuple[float, float] | None = None
-            ) -> dict[tuple[str, str], Prediction]:
+            tokens: float | None = None, scheme: str | None = None, softmax: tuple[float, float] | None = None,
+            forward: str = "kernel", coincidence=None) -> dict[tuple[str, str], Prediction]:
     """Predicted moments of every instrumented tensor of a tinylm model, keyed (name, direction).
 
     mode "global": analytic at init from the declared distributions of ``scheme``
-    (default ``model.config.init``). mode "local": from ``stats`` (measured moments) and
-    the model's actual weights. ``tokens``: positions per loss (batch x seq_len), which
+    (default ``model.config.init``); ``forward="kernel"`` (default) takes the forward
+    predictions from the token-kernel theory (:func:`diagnostics.kernel.cached_kernel_theory`,
+    computed once per process for each config, seq_len, scheme and ``coincidence``), keeping
+    the independent-token ones in ``Prediction.independent``; ``forward="independent"``
+    keeps the independent-token rules for every prediction. ``coincidence``: the (T, T)
+    fraction of sequences holding the same token at positions s and t
+    (:func:`diagnostics.kernel.token_coincidence`), None for uniform random tokens.
+    Global predictions describe the model without dropout (eval mode, as ``probe``
+    measures by default). mode "local": from ``stats`` (measured moments) and
+    the model's actual weights (``forward`` and ``coincidence`` unused). ``tokens``: positions per loss (batch x seq_len), which
     sets the scale of every gradient (the loss is their mean); required in global mode; in
     local mode None reads it from ``stats`` as the count of one batch, which is wrong
     when ``stats`` pools several batches: pass it then. ``softmax``: the measured
@@ -504,6 +529,8 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
     """
     if mode not in ("local", "global"):
         raise OptionsError(f"mode={mode!r}: choose 'local' or 'global'")
+    if forward not in ("kernel", "independent"):
+        raise OptionsError(f"forward={forward!r}: choose 'kernel' (token-kernel theory) or 'independent'")
     if not isinstance(model, tinylm.TransformerLM):
         return {}
     if mode == "local" and stats is None:
@@ -520,7 +547,37 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
             _backward(src)
         except KeyError:
             pass
-    return _mark_validity(src.out, model.config.num_layers, mode, model.config.norm)
+    out = _mark_validity(src.out, model.config.num_layers, mode, model.config.norm)
+    if mode == "global" and forward == "kernel":
+        from .kernel import cached_kernel_theory  # imported here: kernel imports Prediction from this module
+
+        kt = cached_kernel_theory(model.config, int(seq_len), scheme=scheme, coincidence=coincidence)
+        out = _with_kernel(out, kt.predictions(dropout_active=False))
+    return out
+
+
+def _with_kernel(indep: dict[tuple[str, str], Prediction], kernel: dict[tuple[str, str], Prediction]
+                 ) -> dict[tuple[str, str], Prediction]:
+    """The kernel theory's forward predictions in place of the independent-token ones, each keeping
+    the one it replaces in ``independent``; except where the kernel's is outside validity and the
+    independent-token one is not (block 0 without a norm): that one stays."""
+    out = dict(indep)
+    for key, k in kernel.items():
+        i = indep.get(key)
+        if i is not None and i.valid and not k.valid:
+            continue
+        out[key] = _no_variance_left(dataclasses.replace(k, independent=i))
+    return out
+
+
+def _no_variance_left(p: Prediction) -> Prediction:
+    """A valid prediction whose variance (mean square - mean^2) is not positive is outside validity."""
+    if p.valid and not p.var > 0 and p.mean_square > 0:
+        return dataclasses.replace(
+            p, valid=False, validity=f"the mean ({p.mean:.3g}) exceeds the predicted root mean square "
+                                     f"({math.sqrt(p.mean_square):.3g}): no variance is left to predict (local mode: "
+                                     "a trained layer whose weights align with its input's mean, not a random matrix)")
+    return p
 
 
 _ATTN_INTERNAL = ("attn.probs", "attn.scores", "attn.q_proj", "attn.k_proj", "attn.v_proj")
@@ -543,11 +600,7 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
     """
     marked = {}
     for (name, direction), p in out.items():
-        if p.valid and not p.var > 0 and p.mean_square > 0:
-            p = Prediction(p.mean_square, p.mean, False,
-                           f"the mean ({p.mean:.3g}) exceeds the predicted root mean square "
-                           f"({math.sqrt(p.mean_square):.3g}): no variance is left to predict (local mode: a trained "
-                           "layer whose weights align with its input's mean, not a random matrix)", p.rule)
+        p = _no_variance_left(p)
         blk = name.split(".")[1] if name.startswith("layers.") else None
         if norm == "none" and p.valid:
             unnormalised = "without a norm the FFN reads the raw stream, whose scale varies from token to token"

@@ -51,7 +51,7 @@ def test_block0_equals_independent_token_theory(kt):
     independent-token global theory. Deterministic rules agree to 1e-6 (quad vs Gauss-Hermite, the
     1/V off-diagonal); the softmax rules are Monte Carlo on both sides (each < 0.5% here)."""
     model = tinylm.TransformerLM(config(), generator=torch.Generator().manual_seed(0))
-    glob = predict(model, "global", seq_len=T, tokens=B * T)
+    glob = predict(model, "global", seq_len=T, tokens=B * T, forward="independent")
     mc = ("attn.probs", "attn.heads", "attn.output_proj", "layers.0.attn", "resid_mid", "layers.0")
     checked = 0
     for key, ms in kt.mean_square.items():
@@ -183,10 +183,89 @@ def test_negative_control_independent_token_theory_is_rejected(kt, measured):
     """The same check rejects the independent-token global prediction of the attention (heads and
     branch) at every block >= 1 (1.3x at block 1, 2x at block 3), while it accepts it in block 0 (where it holds)."""
     var, _, model = measured
-    glob = predict(model, "global", seq_len=T, tokens=B * T)
+    glob = predict(model, "global", seq_len=T, tokens=B * T, forward="independent")
     k = 2 * L
     for i in range(L):
         for point in ("attn.heads", "attn"):
             name = _name(i, point)
             ratios = np.asarray(var[name]) / glob[(name, "forward")].var
             assert rejects(ratios, 1.0, DELTA, ALPHA / k) == (i >= 1), (name, ratios.mean())
+
+
+# ---------------------------------------------------------------- wired into predict (global mode)
+
+def test_predict_global_takes_the_kernel_beyond_block_0(measured):
+    """predict(model, "global") (the default forward="kernel"), d 128, L 4, T 32, 32 seeds: at every
+    block >= 1 the forward predictions of the attention heads and branch, resid_mid and the stream
+    are the kernel theory's, inside validity, and within 10% of measurement; the predicted token
+    cosine within 0.03. The check is `rejects` above: a (1 - alpha/k) t interval over the seeds of
+    measured/predicted must overlap [0.9, 1.1], k the number of checks, alpha = 1e-6 in all.
+    Negative control: the independent-token prediction each one keeps in ``independent`` (outside
+    validity there) fails the same check for the attention heads and branch at every block >= 1."""
+    var, cos, model = measured
+    glob = predict(model, "global", seq_len=T, tokens=B * T)
+    k = (L - 1) * 7  # per block: 4 predictions, 2 negative controls, 1 cosine
+    for i in range(1, L):
+        for point in ("attn.heads", "attn", "resid_mid", ""):
+            name = _name(i, point)
+            p = glob[(name, "forward")]
+            assert p.valid and p.rule.startswith("kernel"), (name, p.rule, p.validity)
+            ratios = np.asarray(var[name]) / p.var
+            assert not rejects(ratios, 1.0, DELTA, ALPHA / k), (name, ratios.mean())
+            assert p.independent is not None and not p.independent.valid, name
+            if point in ("attn.heads", "attn"):
+                wrong = np.asarray(var[name]) / p.independent.var
+                assert rejects(wrong, 1.0, DELTA, ALPHA / k), ("negative control", name, wrong.mean())
+        name = f"layers.{i}"
+        assert not rejects(cos[name], glob[(name, "forward")].cosine, COS_DELTA, ALPHA / k), (name, np.mean(cos[name]))
+    # the backward predictions stay with the independent-token rules
+    assert not glob[("layers.1", "backward")].rule.startswith("kernel")
+    assert glob[("layers.1", "backward")].independent is None
+
+
+def test_token_coincidence_and_the_embedding_kernel():
+    """P_st counts the sequences with the same token at s and t; the embedding kernel is E[w^2] P
+    (cs336 embeddings have mean 0), so the predicted embedding cosine is the mean of P off the diagonal."""
+    from diagnostics.kernel import token_coincidence
+
+    P = token_coincidence(torch.tensor([[1, 2, 1], [3, 3, 3]]))
+    assert np.array_equal(P, [[1.0, 0.5, 1.0], [0.5, 1.0, 0.5], [1.0, 0.5, 1.0]])
+    cfg = config(d=32, layers=1, seq=3)
+    kt = kernel_theory(cfg, 3, coincidence=P, draws=4)
+    m2 = tinylm.init.truncnorm_variance(1.0, -3.0, 3.0)
+    assert np.allclose(kt.kernels["token_embeddings"], m2 * P, rtol=1e-15, atol=0)
+    assert kt.cosine["token_embeddings"] == pytest.approx((0.5 + 1.0 + 0.5) / 3, rel=1e-15)
+    for bad in (np.ones((2, 2)), 0.5 * np.ones((3, 3)), P + np.triu(np.full((3, 3), 0.1), 1)):
+        with pytest.raises(OptionsError, match="coincidence"):
+            kernel_theory(cfg, 3, coincidence=bad)
+
+
+def test_cached_kernel_theory_is_keyed_on_everything_it_depends_on():
+    """One computation per (config, seq_len, scheme name and function, coincidences); equal to
+    kernel_theory's predictions with the same defaults, without the T x T kernels."""
+    from dataclasses import replace
+
+    from diagnostics.kernel import cached_kernel_theory, clear_cache
+
+    clear_cache()
+    cfg = config(d=32, layers=1, seq=8)
+    a = cached_kernel_theory(cfg, 8)
+    assert cached_kernel_theory(cfg, 8) is a and a.kernels == {}
+    assert a.mean_square == kernel_theory(cfg, 8).mean_square
+    assert cached_kernel_theory(cfg, 7) is not a
+    assert cached_kernel_theory(replace(cfg, eps=1e-6), 8) is not a
+    assert cached_kernel_theory(cfg, 8, scheme="kaiming") is not a
+    P = np.eye(8)
+    b = cached_kernel_theory(cfg, 8, coincidence=P)
+    assert b is not a and cached_kernel_theory(cfg, 8, coincidence=P.copy()) is b
+    # a scheme re-registered under the same name is a new function: a new entry, not the stale one
+    tinylm.init.register("test-kernel-cache", tinylm.init.get("cs336"))
+    try:
+        c = cached_kernel_theory(cfg, 8, scheme="test-kernel-cache")
+        assert c.mean_square == a.mean_square
+        tinylm.init.register("test-kernel-cache", tinylm.init.get("kaiming"), overwrite=True)
+        d = cached_kernel_theory(cfg, 8, scheme="test-kernel-cache")
+        assert d is not c and d.mean_square == cached_kernel_theory(cfg, 8, scheme="kaiming").mean_square
+    finally:
+        tinylm.init.SCHEMES.pop("test-kernel-cache", None)
+        clear_cache()
