@@ -11,6 +11,16 @@ replicates, exponentiated (:func:`log_t_interval`):
 The point is the geometric mean of the replicates; the interval is asymmetric
 around it and always positive. It is never taken over the elements of one tensor
 (those are correlated).
+
+Theory: "global" for a freshly initialised tinylm model (every parameter's std within 5%
+of its declared init), "local" otherwise (:func:`diagnostics.theory.predict`). In global
+mode the forward predictions come from the token-kernel theory (:mod:`diagnostics.kernel`),
+computed once per process for each (config, seq_len, scheme, token coincidences): the
+seeds and batches of a run share it, as they share every global prediction (the theory
+is seed-independent). Given tokens enter it through the fraction of sequences holding
+the same token at two positions (:func:`diagnostics.kernel.token_coincidence`); uniform
+random tokens through its expectation, 1/V. The backward predictions stay with the
+independent-token rules.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import tinylm
 from tinylm.init import declare
 
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
+from .kernel import token_coincidence
 from .probe import block_index, probe
 from .result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
 from .stats import ProbeStats
@@ -256,12 +267,15 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     pooled_pred: dict[tuple[str, str], Prediction] = {}
     pooled_softmax = (float(np.mean([s for s, _ in softmaxes])), float(np.mean([p for _, p in softmaxes])))
     if mode != "none":
+        # which positions of a sequence hold the same token: all the kernel theory needs of given tokens
+        coincidence = None if source == "random" or mode != "global" else \
+            token_coincidence(torch.cat([b[:, :-1] for b in batches]))
         for (st, m, n_tok), sm in zip(replicates, softmaxes):
             if mode == "global" and per_rep:
                 per_rep.append(per_rep[0])
                 continue
             per_rep.append(predict(m, mode, st, seq_len=seq_len, tokens=n_tok,
-                                   softmax=pooled_softmax if mode == "global" else sm))
+                                   softmax=pooled_softmax if mode == "global" else sm, coincidence=coincidence))
         pooled_pred = per_rep[0] if mode == "global" else predict(models[0], mode, pooled, seq_len=seq_len,
                                                                       tokens=replicates[0][2], softmax=pooled_softmax)
     done += 1
@@ -294,7 +308,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
                 frac_bf16_underflow=mom.frac_bf16_underflow, frac_bf16_overflow=mom.frac_bf16_overflow,
                 predicted=pred.var if pred is not None else None, ratio=ratio, ratio_low=low, ratio_high=high,
                 theory=mode if pred is not None else "", valid=pred.valid if pred is not None else True,
-                validity=pred.validity if pred is not None else "",
+                validity=pred.validity if pred is not None else "", rule=pred.rule if pred is not None else "",
+                predicted_independent=pred.independent.var if pred is not None and pred.independent else None,
             ))
 
     params = [ParamRow(
@@ -326,7 +341,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
             depth.append(DepthRow(index=k, name=name, forward_var=f.var, forward_predicted=pf.var if pf else None,
                                   backward_var=b.var if b is not None else None,
                                   backward_predicted=pb.var if pb else None,
-                                  cosine=cos.mean if cos is not None else math.nan))
+                                  cosine=cos.mean if cos is not None else math.nan,
+                                  cosine_predicted=pf.cosine if pf is not None else None))
 
     # verdicts
     deliberate: set[str] = set()

@@ -13,9 +13,19 @@ Conventions used by all rows:
   ``None`` for tensors outside the blocks (embedding, final norm, head).
 * Variances are pooled over every element of the tensor, every token, batch and
   seed measured (population variance, float64).
-* A ratio is measured / predicted; its 99% interval is a Student-t interval over
-  independent replicates (seeds x batches), never over the elements of one
-  tensor. ``None`` where there is no prediction or fewer than two replicates.
+* A ratio is measured / predicted variance: the geometric mean over independent
+  replicates (seeds x batches) of each replicate's ratio; its 99% interval is a
+  Student-t interval on ln(ratio) over the replicates, exponentiated (asymmetric,
+  always positive), never over the elements of one tensor. ``None`` where there is
+  no prediction (the interval also with fewer than two replicates).
+
+Schema versions (``SCHEMA_VERSION``, written as ``schema_version``):
+
+* "1": ratio the arithmetic mean of the replicates' ratios, with a symmetric t interval.
+* "2": ratio the geometric mean with the interval on ln(ratio) (above); the global
+  forward predictions of a tinylm model from the token-kernel theory
+  (:mod:`diagnostics.kernel`); new fields ``TensorRow.rule``,
+  ``TensorRow.predicted_independent`` and ``DepthRow.cosine_predicted``.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ __all__ = [
     "DiagnoseResult",
 ]
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 
 #: The verdict kinds, mildest first. "ok" is never a Finding.
 VERDICT_KINDS = ("ok", "vanishing", "exploding", "dead", "saturated", "non_finite")
@@ -108,6 +118,10 @@ class TensorRow:
     theory: "local", "global" or "" (no prediction).
     valid: whether the prediction is inside its stated validity; validity: why not
     (empty when valid).
+    rule: the rule that made the prediction ("" when none); the token-kernel theory's
+    rules start with "kernel" (global forward predictions of a tinylm model).
+    predicted_independent: where the kernel theory made ``predicted``, the variance the
+    independent-token rule predicts for the same tensor (None otherwise), for comparison.
     verdict: the per-tensor verdict kind ("ok" or a VERDICT_KINDS entry).
     """
 
@@ -134,6 +148,8 @@ class TensorRow:
     valid: bool = True
     validity: str = ""
     verdict: str = "ok"
+    rule: str = ""
+    predicted_independent: float | None = None
 
 
 @dataclass(frozen=True)
@@ -190,6 +206,8 @@ class DepthRow:
     the stream and of its gradient; *_predicted: theory's (None when none).
     cosine: mean cosine similarity between different tokens' vectors of a sequence
     (0 for independent tokens; towards 1 as tokens collapse onto one direction).
+    cosine_predicted: the token-kernel theory's prediction of ``cosine`` (global mode on a
+    tinylm model; None otherwise).
     """
 
     index: int
@@ -199,6 +217,7 @@ class DepthRow:
     backward_var: float | None
     backward_predicted: float | None
     cosine: float
+    cosine_predicted: float | None = None
 
 
 @dataclass(frozen=True)

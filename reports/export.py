@@ -31,7 +31,14 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def write_json(path: str | os.PathLike, result: Any) -> None:
-    """The result's versioned JSON (``result.to_json()``) written atomically."""
+    """The result's versioned JSON (``result.to_json()``) written atomically.
+
+    The schema is diagnostics/API.md's; its version, ``schema_version``, is
+    ``diagnostics.SCHEMA_VERSION``: "2" since ratio became the geometric mean over
+    replicates with its 99% interval on ln(ratio), the global forward predictions came
+    from the token-kernel theory and rows gained ``rule``, ``predicted_independent`` and
+    ``cosine_predicted`` ("1" before).
+    """
     text = result.to_json()
     if not isinstance(text, str):  # a dict: serialise it the same way every time
         import json

@@ -95,13 +95,13 @@ def test_bad_data_is_one_line(capsys, ckpt, tmp_path):
 
 
 def _check_schema(doc: dict) -> None:
-    """The JSON document against the schema of diagnostics/result.py (version 1): every section present,
+    """The JSON document against the schema of diagnostics/result.py (version 2): every section present,
     every row with exactly its dataclass's fields, numbers as numbers or the strings nan/inf/-inf."""
     from dataclasses import fields
 
     from diagnostics.result import SCHEMA_VERSION, AttentionRow, DepthRow, Finding, Header, ParamRow, TensorRow
 
-    assert doc["schema_version"] == SCHEMA_VERSION == "1"
+    assert doc["schema_version"] == SCHEMA_VERSION == "2"
     assert isinstance(doc["created"], str) and doc["created"]
     assert isinstance(doc["healthy"], bool) and doc["healthy"] == (not doc["findings"])
     assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "tensors",

@@ -140,7 +140,10 @@ def test_bad_inputs_are_named():
 
 def test_ratio_is_the_geometric_mean_with_a_log_scale_interval():
     """Three replicates measured together give the geometric mean of the three measured alone, and
-    the t interval of ln(ratio) over them: exp(mean ln r +- t_{0.995,2} sd(ln r)/sqrt 3)."""
+    the t interval of ln(ratio) over them: exp(mean ln r +- t_{0.995,2} sd(ln r)/sqrt 3). Each r is
+    the replicate's measured variance over the run's prediction: with given tokens the global forward
+    prediction (the kernel theory) depends on which positions share a token, so a run on two of the
+    windows predicts slightly differently from the run on all six."""
     from scipy import stats as sstats
 
     model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(7))
@@ -151,10 +154,47 @@ def test_ratio_is_the_geometric_mean_with_a_log_scale_interval():
     for name, direction in (("layers.0.ffn.w1", "forward"), ("layers.1.attn", "forward"), ("lm_head", "backward")):
         alone = [diagnose(model, windows[i:i + 2], opts).tensor(name, direction) for i in (0, 2, 4)]
         assert all(a.ratio_low is None for a in alone)  # one replicate: no interval
-        logs = np.log([a.ratio for a in alone])
-        half = sstats.t.ppf(0.995, 2) * logs.std(ddof=1) / math.sqrt(3)
         row = together.tensor(name, direction)
+        logs = np.log([a.var / row.predicted for a in alone])
+        half = sstats.t.ppf(0.995, 2) * logs.std(ddof=1) / math.sqrt(3)
         assert row.ratio == pytest.approx(math.exp(logs.mean()), rel=1e-9)
         assert row.ratio_low == pytest.approx(math.exp(logs.mean() - half), rel=1e-9)
         assert row.ratio_high == pytest.approx(math.exp(logs.mean() + half), rel=1e-9)
         assert 0 < row.ratio_low < row.ratio < row.ratio_high
+
+
+def test_global_forward_predictions_come_from_the_kernel_theory(result):
+    """In global mode the forward rows carry the kernel theory's prediction (rule "kernel ...") with the
+    independent-token one beside it, the backward rows the independent-token rules; the depth rows the
+    predicted token cosine (1/V at the embedding for uniform random tokens)."""
+    _, r = result
+    attn = r.tensor("layers.1.attn")
+    assert attn.rule.startswith("kernel") and attn.valid and attn.predicted_independent > 0
+    assert attn.predicted != attn.predicted_independent
+    back = r.tensor("layers.1.attn", "backward")
+    assert back.rule and not back.rule.startswith("kernel") and back.predicted_independent is None
+    assert [d.cosine_predicted is not None for d in r.depth] == [True, True, True]
+    assert r.depth[0].cosine_predicted == pytest.approx(1 / 128, rel=1e-12)
+    assert 0 < r.depth[1].cosine_predicted < r.depth[2].cosine_predicted < 1
+
+
+def test_kernel_theory_runs_once_and_reads_the_given_tokens(monkeypatch):
+    """Seeds share one kernel theory, and a second diagnose of the same config, length and tokens
+    reuses it. Given tokens reach it through their coincidences: windows that repeat one token at
+    every position make every token vector the same, and the kernel predicts cosine 1 throughout."""
+    import diagnostics.kernel as kernel
+
+    calls = []
+    real = kernel.kernel_theory
+    monkeypatch.setattr(kernel, "kernel_theory", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    kernel.clear_cache()
+    model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(0))
+    opts = DiagnoseOptions(batch_size=2, seq_len=8, batches=2, seeds=2)
+    diagnose(model, options=opts)
+    diagnose(model, options=opts)
+    assert len(calls) == 1
+    same = diagnose(model, torch.full((4, 9), 5), DiagnoseOptions(batch_size=2))
+    assert len(calls) == 2 and same.header.token_source == "given"
+    for d in same.depth:
+        assert d.cosine_predicted == pytest.approx(1.0, abs=1e-9) and d.cosine == pytest.approx(1.0, abs=1e-5)
+    kernel.clear_cache()
