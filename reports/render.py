@@ -91,12 +91,18 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
                      f"{h.batch_size} x {h.seq_len}; {ctx.data or h.token_source}")
     seeds = f"seed {h.seed}" if h.seeds == 1 else f"seeds {h.seed}..{h.seed + h.seeds - 1}"
     init = f", init {h.init}" if h.init else ""
-    _kv(t, "theory", f"{h.theory}{init}; {seeds}")
+    rules = " (forward: token-kernel theory; backward: independent-token rules)" if _uses_kernel(result) else ""
+    _kv(t, "theory", f"{h.theory}{rules}{init}; {seeds}")
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
     _kv(t, "loss", loss)
     return t
+
+
+def _uses_kernel(result: Any) -> bool:
+    """Whether any prediction was made by the token-kernel theory (its rules start with "kernel")."""
+    return any(getattr(r, "rule", "").startswith("kernel") for r in result.tensors)
 
 
 def _finding_row(f: Any) -> tuple[Text, Text]:
@@ -237,10 +243,13 @@ class LayerTable:
         result = self.result
         rows = {(r.name, r.direction): r for r in result.tensors}
         params = _param_index(result)
+        caption = ("ratio = measured/predicted, geometric mean over replicates [99% interval: Student-t on "
+                   "ln(ratio), so asymmetric and > 0]; ")
+        if _uses_kernel(result):
+            caption += "pred: forward by the token-kernel theory, backward by the independent-token rules; "
+        caption += "w/init = weight std / declared init std; * = prediction outside its validity"
         t = Table(box=box.SIMPLE_HEAD, padding=(0, 1 if not compact else 0), pad_edge=False, show_edge=False, title="Per layer",
-                  title_justify="left", title_style="bold",
-                  caption="ratio = measured/predicted [99% interval over replicates]; w/init = weight std / "
-                          "declared init std; * = prediction outside its validity",
+                  title_justify="left", title_style="bold", caption=caption,
                   caption_justify="left", caption_style="dim")
         t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=14 if compact else 28)
         t.add_column("fwd" if compact else "fwd var", justify="right", no_wrap=True)
@@ -284,25 +293,36 @@ def layer_table(result: Any, all_tensors: bool = False, width: int = 120) -> Tab
 
 def attention_table(result: Any) -> Table:
     """Per attention layer: score std, entropy (mean, min, uniform), saturated rows, and the
-    rank-collapse signal: mean cosine similarity between tokens after that block."""
+    rank-collapse signal: mean cosine similarity between tokens after that block, measured and,
+    where theory predicts it (the token-kernel theory, global mode), predicted beside it."""
     cos_after = {r.index - 1: r.cosine for r in result.depth if r.index >= 1}
-    embed_cos = next((r.cosine for r in result.depth if r.index == 0), None)
+    pred_after = {r.index - 1: getattr(r, "cosine_predicted", None) for r in result.depth if r.index >= 1}
+    embed = next((r for r in result.depth if r.index == 0), None)
+    predicted = any(getattr(r, "cosine_predicted", None) is not None for r in result.depth)
     caption = "entropy in nats (uniform: causal attention spread evenly); saturated: rows with max prob > 0.99; " \
               "cosine: between tokens after the block (towards 1 = rank collapse)"
-    if embed_cos is not None:
-        caption += f"; after the embedding {num(embed_cos)}"
+    if predicted:
+        caption += ", pred: as the token-kernel theory predicts it"
+    if embed is not None:
+        caption += f"; after the embedding {num(embed.cosine)}"
+        if getattr(embed, "cosine_predicted", None) is not None:
+            caption += f" (pred {num(embed.cosine_predicted)})"
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, title="Attention and rank collapse",
               title_justify="left", title_style="bold", caption=caption, caption_justify="left", caption_style="dim")
-    for col in ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine"):
+    for col in ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine") + (("pred",) if predicted else ()):
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("flags", min_width=9, no_wrap=True)
+
+    def cosines(blk: int) -> tuple[str, ...]:
+        return (num(cos_after.get(blk)),) + ((num(pred_after.get(blk)),) if predicted else ())
+
     blocks_seen = set()
     for a in result.attention:
         blocks_seen.add(a.block)
         t.add_row(str(a.block), num(a.score_std), num(a.entropy_mean), num(a.entropy_min), num(a.entropy_uniform),
-                  pct(a.saturated_frac), num(cos_after.get(a.block)), _verdict_cell([a.verdict]))
+                  pct(a.saturated_frac), *cosines(a.block), _verdict_cell([a.verdict]))
     for blk in sorted(set(cos_after) - blocks_seen):  # blocks without an attention row still show cosine
-        t.add_row(str(blk), "-", "-", "-", "-", "-", num(cos_after[blk]), Text("-"))
+        t.add_row(str(blk), "-", "-", "-", "-", "-", *cosines(blk), Text("-"))
     return t
 
 

@@ -7,6 +7,7 @@ the right place); tests/test_report_diagnose.py renders results of real runs.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 
@@ -27,10 +28,13 @@ def _row(name, block, kind, direction, var, pred=None, verdict="ok", valid=True,
                      "global" if pred else "", valid, "" if valid else "branch too large for the linear regime", verdict)
 
 
-def make_result(num_layers=3, gain=1.2, findings=(), nan_block=None, cosine=0.02):
+def make_result(num_layers=3, gain=1.2, findings=(), nan_block=None, cosine=0.02, cosine_predicted=None):
+    """cosine_predicted: the predicted cosine after block i is cosine_predicted * (i + 1), after the
+    embedding cosine_predicted / 2 (None: no prediction)."""
     tensors = [_row("token_embeddings", None, "embedding", "forward", 0.97, 0.973),
                _row("token_embeddings", None, "embedding", "backward", 2e-9)]
-    depth = [DepthRow(0, "token_embeddings", 0.97, 0.973, 2e-9, None, 0.01)]
+    cp = (lambda k: None) if cosine_predicted is None else (lambda k: cosine_predicted * k if k else cosine_predicted / 2)
+    depth = [DepthRow(0, "token_embeddings", 0.97, 0.973, 2e-9, None, 0.01, cp(0))]
     params = [ParamRow("token_embeddings.weight", None, (100, 32), 0.986, 0.986, "TN(0,1)", 1.0, None, None, 1e-6, 0.0)]
     attention = []
     v, g = 0.97, 2e-9
@@ -49,7 +53,7 @@ def make_result(num_layers=3, gain=1.2, findings=(), nan_block=None, cosine=0.02
         params += [ParamRow(f"layers.{i}.attn.output_proj.weight", i, (32, 32), 0.171, 0.176, "TN", 0.97, 1.9, 20.0, 1e-6, 0.0),
                    ParamRow(f"layers.{i}.ffn.w2.weight", i, (32, 64), 0.140, 0.144, "TN", 0.98, 1.9, 20.0, 1e-6, 0.0)]
         attention.append(AttentionRow(f"layers.{i}.attn.probs", i, 0.8 + 0.1 * i, 2.31, 0.02, 2.35, 0.004 * i))
-        depth.append(DepthRow(i + 1, f"layers.{i}", fv, v, g, g * 1.1, cosine * (i + 1)))
+        depth.append(DepthRow(i + 1, f"layers.{i}", fv, v, g, g * 1.1, cosine * (i + 1), cp(i + 1)))
     tensors.append(_row("lm_head", None, "logits", "forward", 0.9, 1.0))
     header = Header("TransformerLM", dict(vocab_size=100, context_length=16, d_model=32, num_layers=num_layers,
                                           num_heads=4, d_ff=64, norm="pre", ffn="swiglu", rope=True),
@@ -171,6 +175,36 @@ def test_header_and_attention_panel():
     line = next(s for s in att.splitlines() if s.strip().startswith("2 "))
     # block 2: score std 1.00, entropy 2.31 of 2.35 uniform, 0.8% saturated, cosine after block 2 = 0.06
     assert "1.00" in line and "2.31" in line and "2.35" in line and "0.8%" in line and "0.0600" in line
+
+
+def test_cosine_panel_shows_the_prediction_beside_the_measurement():
+    """With a predicted cosine (the kernel theory) the rank-collapse panel gets a "pred" column right of
+    the measured cosine, and the embedding's prediction in the caption; without one, neither."""
+    res = make_result(cosine=0.02, cosine_predicted=0.025)
+    for width in (100, 80):
+        att = render(attention_table(res), width=width)
+        head = next(s for s in att.splitlines() if s.strip().startswith("block"))
+        assert head.split()[-3:] == ["cosine", "pred", "flags"]
+        line = next(s for s in att.splitlines() if s.strip().startswith("2 "))
+        # block 2: measured 0.0600, predicted 0.0750, in that order, before the verdict
+        assert line.split()[-3:] == ["0.0600", "0.0750", "ok"]
+        flat = " ".join(att.split())
+        assert "after the embedding 0.0100 (pred 0.0125)" in flat and "token-kernel theory" in flat
+    plain = render(attention_table(make_result()), width=100)
+    assert "pred" not in plain and plain.splitlines()[1].split()[-2:] == ["cosine", "flags"]
+
+
+def test_layer_table_caption_describes_the_ratio_and_the_rules():
+    """The ratio is the geometric mean over replicates with a t interval on ln(ratio); the rule note
+    appears when a prediction came from the kernel theory."""
+    res = make_result()
+    flat = " ".join(render(LayerTable(res), width=100).split())
+    assert "geometric mean over replicates" in flat and "Student-t on ln(ratio)" in flat
+    assert "token-kernel" not in flat
+    res.tensors[0] = dataclasses.replace(res.tensors[0], rule="kernel embedding: ...")
+    flat = " ".join(render(report(res), width=100).split())
+    assert "pred: forward by the token-kernel theory, backward by the independent-token rules" in flat
+    assert "global (forward: token-kernel theory; backward: independent-token rules)" in flat
 
 
 def test_progress_bar_draws_on_a_terminal_and_stays_silent_otherwise():
