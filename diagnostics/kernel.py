@@ -571,8 +571,18 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
         raise OptionsError(f"quad_nodes={quad_nodes!r}: must be an integer >= 4")
     scheme = scheme or config.init
     tinylm.init.get(scheme)  # raises naming the scheme if unknown
-    with torch.no_grad():
-        return _Walk(config, seq_len, scheme, draws, seed, quad_nodes, coincidence, keep_kernels).run()
+    # One torch thread: the walk is many medium-sized ops, where waking a pool of threads costs more
+    # than it saves (measured 2x slower with 2 threads on a busy 2-core machine); and one thread makes
+    # the Monte Carlo sums, hence the predictions, independent of the caller's thread count.
+    threads = torch.get_num_threads()
+    try:
+        if threads != 1:
+            torch.set_num_threads(1)
+        with torch.no_grad():
+            return _Walk(config, seq_len, scheme, draws, seed, quad_nodes, coincidence, keep_kernels).run()
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 _CACHE: "OrderedDict[tuple, KernelTheory]" = OrderedDict()

@@ -269,3 +269,19 @@ def test_cached_kernel_theory_is_keyed_on_everything_it_depends_on():
     finally:
         tinylm.init.SCHEMES.pop("test-kernel-cache", None)
         clear_cache()
+
+
+def test_kernel_theory_runs_on_one_thread_and_restores_the_callers():
+    """The walk runs on one torch thread (many medium-sized ops; and sums that do not depend on the
+    thread count): the predictions are the same whatever the caller's setting, which is put back."""
+    cfg = config(d=32, layers=2, seq=16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = kernel_theory(cfg, 16, draws=4)
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        one = kernel_theory(cfg, 16, draws=4)
+    finally:
+        torch.set_num_threads(before)
+    assert two.mean_square == one.mean_square and two.cosine == one.cosine
