@@ -296,17 +296,24 @@ def attention_table(result: Any) -> Table:
     rank-collapse signal: mean cosine similarity between tokens after that block, measured and,
     where theory predicts it (the token-kernel theory, global mode), predicted beside it."""
     cos_after = {r.index - 1: r.cosine for r in result.depth if r.index >= 1}
-    pred_after = {r.index - 1: getattr(r, "cosine_predicted", None) for r in result.depth if r.index >= 1}
+    # a predicted cosine is outside validity where its tensor's forward prediction is (the table's "*")
+    invalid = {r.name for r in result.tensors if r.direction == "forward" and r.predicted is not None and not r.valid}
+
+    def predicted_text(r: Any) -> str:
+        v = getattr(r, "cosine_predicted", None)
+        return "-" if v is None else num(v) + ("*" if r.name in invalid else "")
+
+    pred_after = {r.index - 1: predicted_text(r) for r in result.depth if r.index >= 1}
     embed = next((r for r in result.depth if r.index == 0), None)
     predicted = any(getattr(r, "cosine_predicted", None) is not None for r in result.depth)
     caption = "entropy in nats (uniform: causal attention spread evenly); saturated: rows with max prob > 0.99; " \
               "cosine: between tokens after the block (towards 1 = rank collapse)"
     if predicted:
-        caption += ", pred: as the token-kernel theory predicts it"
+        caption += ", pred: as the token-kernel theory predicts it (* = outside its validity)"
     if embed is not None:
         caption += f"; after the embedding {num(embed.cosine)}"
         if getattr(embed, "cosine_predicted", None) is not None:
-            caption += f" (pred {num(embed.cosine_predicted)})"
+            caption += f" (pred {predicted_text(embed)})"
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, title="Attention and rank collapse",
               title_justify="left", title_style="bold", caption=caption, caption_justify="left", caption_style="dim")
     for col in ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine") + (("pred",) if predicted else ()):
@@ -314,7 +321,7 @@ def attention_table(result: Any) -> Table:
     t.add_column("flags", min_width=9, no_wrap=True)
 
     def cosines(blk: int) -> tuple[str, ...]:
-        return (num(cos_after.get(blk)),) + ((num(pred_after.get(blk)),) if predicted else ())
+        return (num(cos_after.get(blk)),) + ((pred_after.get(blk, "-"),) if predicted else ())
 
     blocks_seen = set()
     for a in result.attention:

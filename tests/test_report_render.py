@@ -190,6 +190,11 @@ def test_cosine_panel_shows_the_prediction_beside_the_measurement():
         assert line.split()[-3:] == ["0.0600", "0.0750", "ok"]
         flat = " ".join(att.split())
         assert "after the embedding 0.0100 (pred 0.0125)" in flat and "token-kernel theory" in flat
+    # the kernel's validity flows through: a prediction outside it carries the table's "*"
+    k = next(i for i, r in enumerate(res.tensors) if (r.name, r.direction) == ("layers.2", "forward"))
+    res.tensors[k] = dataclasses.replace(res.tensors[k], valid=False, validity="no norm")
+    line = next(s for s in render(attention_table(res)).splitlines() if s.strip().startswith("2 "))
+    assert line.split()[-3:] == ["0.0600", "0.0750*", "ok"]
     plain = render(attention_table(make_result()), width=100)
     assert "pred" not in plain and plain.splitlines()[1].split()[-2:] == ["cosine", "flags"]
 
