@@ -39,8 +39,8 @@ from torch import Tensor, nn
 import tinylm
 from tinylm.init import declare
 
-from .options import DiagnoseOptions, OptionsError, ProbeOptions
 from .kernel import token_coincidence
+from .options import DiagnoseOptions, OptionsError, ProbeOptions
 from .probe import block_index, probe
 from .result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
 from .stats import ProbeStats

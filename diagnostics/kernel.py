@@ -45,8 +45,8 @@ Accuracy (benchmarks/kernel_accuracy.py; cs336, L 8, T 64, 8 seeds, default draw
 predicted within 4% for the attention branch (worst 0.964 and 1.037, d 128) and within 1% for
 the stream at every block, d_model 128 and 256, where the independent-token theory is 4x and
 1.5x off at block 7; the heads within 4.1% (1.041 in block 0, where the exact independent-token
-rule reads 1.035 too: the spread of 8 seeds); the mean cosine within 0.011. Also within ~5% for kaiming, torch-default, gpt2, small-init, post-norm, NoPE and
-the SiLU FFN (spot checks, 4 seeds). At L 24, d 128 the stream drifts to 0.94 of the prediction
+rule reads 1.035 too: the spread of 8 seeds); the mean cosine within 0.011. Also within ~5% for
+kaiming, torch-default, gpt2, small-init, post-norm, NoPE and the SiLU FFN (spot checks, 4 seeds). At L 24, d 128 the stream drifts to 0.94 of the prediction
 (cosine over-predicted by 0.03), at d 256 and 512 it stays within 3%: a finite-width effect.
 Without a norm it fails (stream 4x off at block 3 of 4): see ``KernelTheory.predictions``.
 

@@ -517,10 +517,11 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
     fraction of sequences holding the same token at positions s and t
     (:func:`diagnostics.kernel.token_coincidence`), None for uniform random tokens.
     Global predictions describe the model without dropout (eval mode, as ``probe``
-    measures by default). mode "local": from ``stats`` (measured moments) and
-    the model's actual weights (``forward`` and ``coincidence`` unused). ``tokens``: positions per loss (batch x seq_len), which
-    sets the scale of every gradient (the loss is their mean); required in global mode; in
-    local mode None reads it from ``stats`` as the count of one batch, which is wrong
+    measures by default). mode "local": from ``stats`` (measured moments) and the
+    model's actual weights (``forward`` and ``coincidence`` unused). ``tokens``:
+    positions per loss (batch x seq_len), which sets the scale of every gradient (the
+    loss is their mean); required in global mode; in local mode None reads it from
+    ``stats`` as the count of one batch, which is wrong
     when ``stats`` pools several batches: pass it then. ``softmax``: the measured
     (E[sum_c p_c^2], E[p_y]) over the loss's positions (diagnose measures them), against
     which the cross-entropy rule's premises are checked (None: not checked).

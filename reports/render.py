@@ -316,7 +316,8 @@ def attention_table(result: Any) -> Table:
             caption += f" (pred {predicted_text(embed)})"
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, title="Attention and rank collapse",
               title_justify="left", title_style="bold", caption=caption, caption_justify="left", caption_style="dim")
-    for col in ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine") + (("pred",) if predicted else ()):
+    columns = ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine") + (("pred",) if predicted else ())
+    for col in columns:
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("flags", min_width=9, no_wrap=True)
 

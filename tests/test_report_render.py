@@ -33,7 +33,11 @@ def make_result(num_layers=3, gain=1.2, findings=(), nan_block=None, cosine=0.02
     embedding cosine_predicted / 2 (None: no prediction)."""
     tensors = [_row("token_embeddings", None, "embedding", "forward", 0.97, 0.973),
                _row("token_embeddings", None, "embedding", "backward", 2e-9)]
-    cp = (lambda k: None) if cosine_predicted is None else (lambda k: cosine_predicted * k if k else cosine_predicted / 2)
+    def cp(k):
+        if cosine_predicted is None:
+            return None
+        return cosine_predicted * k if k else cosine_predicted / 2
+
     depth = [DepthRow(0, "token_embeddings", 0.97, 0.973, 2e-9, None, 0.01, cp(0))]
     params = [ParamRow("token_embeddings.weight", None, (100, 32), 0.986, 0.986, "TN(0,1)", 1.0, None, None, 1e-6, 0.0)]
     attention = []
