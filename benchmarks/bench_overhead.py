@@ -1,9 +1,12 @@
 """Overhead of the probe: forward+backward of the tinystories preset, bare versus probed.
 
-    python benchmarks/bench_overhead.py [--batch 4] [--seq 256] [--repeats 5] [--threads N]
+    python benchmarks/bench_overhead.py [--batch 4] [--seq 256] [--repeats 5] [--threads N] [--torch-path]
 
 Both run in this one process on the same model and batch, alternating, after one
-warm-up each; the figure is the ratio of the median times (target <= 1.10). Peak
+warm-up each; the figure is the ratio of the median times (target <= 1.10). The probe
+reduces CPU tensors with numba (diagnostics/fused.py, as many threads as torch); with
+``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
+instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. Peak
 memory: torch's CPU allocator is invisible to tracemalloc, so each kind of pass runs
 in a fresh child process that samples its resident set size (/proc/self/statm) every
 millisecond during one pass, after a warm-up pass; the figure is the peak growth over
@@ -40,8 +43,10 @@ def _step(model, tokens) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _probed(model, tokens) -> None:
+def _probed(model, tokens, fused: bool = True) -> None:
     from diagnostics import probe
+
+    os.environ["TINYLM_FUSED"] = "1" if fused else "0"
 
     with probe(model) as run:
         _step(model, tokens)
@@ -88,6 +93,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--torch-path", action="store_true", help="also time the probe with torch ops (TINYLM_FUSED=0)")
     ap.add_argument("--peak-child", choices=["bare", "probed"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
@@ -98,18 +104,31 @@ def main() -> int:
         _peak(args.peak_child, args.batch, args.seq)
         return 0
     model, tokens = _model_and_batch(args.batch, args.seq)
+    from diagnostics import fused
+
     _step(model, tokens)
     _probed(model, tokens)
-    bare, probed = [], []
+    if args.torch_path:
+        _probed(model, tokens, fused=False)
+    bare, probed, plain = [], [], []
     for _ in range(args.repeats):
         t = time.perf_counter(); _step(model, tokens); bare.append(time.perf_counter() - t)
         t = time.perf_counter(); _probed(model, tokens); probed.append(time.perf_counter() - t)
+        if args.torch_path:
+            t = time.perf_counter(); _probed(model, tokens, fused=False); plain.append(time.perf_counter() - t)
+    os.environ["TINYLM_FUSED"] = "1"
     b, p = statistics.median(bare), statistics.median(probed)
     threads = torch.get_num_threads()
+    path = "numba (diagnostics/fused.py)" if fused.available() else "torch ops (numba missing)"
     print(f"tinystories preset, batch {args.batch} x {args.seq}, {threads} torch thread(s), {args.repeats} repeats")
+    print(f"probe reductions        : {path}, up to {threads} thread(s)")
     print(f"forward+backward bare   : {b * 1000:8.1f} ms (median)")
     print(f"forward+backward probed : {p * 1000:8.1f} ms (median)")
     print(f"ratio probed/bare       : {p / b:8.3f}  (target <= 1.10)")
+    if plain:
+        q = statistics.median(plain)
+        print(f"probed, torch-op path   : {q * 1000:8.1f} ms (median), ratio {q / b:.3f} to bare, "
+              f"{(q - b) / max(p - b, 1e-9):.1f}x the numba path's overhead")
     env = dict(os.environ, BENCH_THREADS=str(threads))
     for kind in ("bare", "probed"):
         out = subprocess.run([sys.executable, __file__, "--peak-child", kind, "--batch", str(args.batch),
