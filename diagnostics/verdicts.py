@@ -158,6 +158,14 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     bwd_root: int | None = block_at(bad_bwd[0]) if bad_bwd else None
     folded: list[str] = []  # vanishing readings downstream of the root, named in its finding
 
+    def mark_root(direction: str, block: int) -> None:
+        """An explosion at ``block``: forward, the earliest such block; backward, the latest."""
+        nonlocal fwd_root, bwd_root
+        if direction == "forward":
+            fwd_root = block if fwd_root is None else min(fwd_root, block)
+        else:
+            bwd_root = block if bwd_root is None else max(bwd_root, block)
+
     def downstream(direction: str, block: int) -> bool:
         """Whether ``block``'s reading in ``direction`` is measured against a blown-up scale."""
         if direction == "forward":
@@ -224,10 +232,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         total = vals[-1] / vals[0] if direction == "forward" else vals[0] / vals[-1]
         if up:
             k, g = up[0]
-            if direction == "forward":
-                fwd_root = k if fwd_root is None else min(fwd_root, k)
-            else:
-                bwd_root = k if bwd_root is None else max(bwd_root, k)
+            mark_root(direction, k)
             findings.append(Finding(
                 kind="exploding", where=f"layers.{k}", value=g, threshold=th.exploding_gain,
                 statistic=f"per-block {direction} {what} gain", direction=direction, block=k,
@@ -238,10 +243,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         elif total > th.exploding_total:
             geo = total ** (1 / max(len(gains), 1))
             k = next((k for k, g in gains if g >= geo), gains[0][0])
-            if direction == "forward":
-                fwd_root = k if fwd_root is None else min(fwd_root, k)
-            else:
-                bwd_root = k if bwd_root is None else max(bwd_root, k)
+            mark_root(direction, k)
             findings.append(Finding(
                 kind="exploding", where=f"layers.{k}", value=total, threshold=th.exploding_total,
                 statistic=f"total {direction} {what} growth over depth", direction=direction, block=k,
