@@ -89,6 +89,27 @@ def every(xb):
     return top, nf, nz, lt113, ge143, e0, e254
 
 
+@njit(fastmath=_FM, cache=True)
+def screen_small(x, xb, K):
+    """screen and small in one loop (for causal rows, where the small side is nearly always open)."""
+    s1 = 0.0
+    s2 = 0.0
+    top = np.uint32(0)
+    bot = ABS
+    nz = lt113 = e0 = 0
+    for i in range(x.size):
+        m = xb[i] & ABS
+        d = np.float64(x[i]) - K if m < INF else 0.0
+        s1 += d
+        s2 += d * d
+        top = max(top, m)
+        bot = min(bot, m)
+        nz += m != 0
+        lt113 += m < E113
+        e0 += m < E1
+    return s1, s2, top, bot, nz, lt113, e0
+
+
 @njit(cache=True)
 def span(x, T, t):
     """(lo, hi) of row t: all of x (T = 0), or the first t + 1 entries of row t of the T x T matrix x."""
@@ -108,7 +129,8 @@ def segment(x, xb, T, out):
     extremes leave them open: none when 2^-14 <= |x| < 2^16 throughout (most activations) or
     when every |x| is normal and below 2^-14 (most gradients); the three small-side counts
     when the segment straddles 2^-14 or holds zeros or subnormals; every count when a value
-    reaches 2^16 or is not finite. The shift keeps M2 = sum d^2 - (sum d)^2 / n exact to
+    reaches 2^16 or is not finite. Causal rows are short and their small side is nearly always
+    open (probabilities, their gradients), so there the screening loop counts it too. The shift keeps M2 = sum d^2 - (sum d)^2 / n exact to
     ~1e-16 ((K - mean) / std)^2 relative.
     """
     rows = 1 if T == 0 else T
@@ -118,18 +140,25 @@ def segment(x, xb, T, out):
     s2 = 0.0
     top = np.uint32(0)
     bot = ABS
+    nz = lt113 = e0 = 0
     for t in range(rows):
         lo, hi = span(x, T, t)
-        a1, a2, tp, bt = screen(x[lo:hi], xb[lo:hi], K)
+        if T == 0:
+            a1, a2, tp, bt = screen(x[lo:hi], xb[lo:hi], K)
+        else:
+            a1, a2, tp, bt, c0, c1, c2 = screen_small(x[lo:hi], xb[lo:hi], K)
+            nz += c0
+            lt113 += c1
+            e0 += c2
         n += hi - lo
         s1 += a1
         s2 += a2
         top = max(top, tp)
         bot = min(bot, bt)
-    nf, nz, lt113, ge143, e0, e254 = n, n, 0, 0, 0, 0
+    nf, ge143, e254 = n, 0, 0
     if top >= E143:
         top = np.uint32(0)
-        nf = nz = 0
+        nf = nz = lt113 = e0 = 0
         for t in range(rows):
             lo, hi = span(x, T, t)
             c = every(xb[lo:hi])
@@ -140,18 +169,15 @@ def segment(x, xb, T, out):
             ge143 += c[4]
             e0 += c[5]
             e254 += c[6]
-    elif bot >= E113:  # 2^-14 <= |x| < 2^16 throughout
+    elif T > 0:  # counted in the screening loop
         pass
+    elif bot >= E113:  # 2^-14 <= |x| < 2^16 throughout
+        nz = n
     elif top < E113 and bot >= E1:  # normal and below 2^-14 throughout (most gradients)
-        lt113 = n
+        nz, lt113 = n, n
     else:
-        nz = 0
-        for t in range(rows):
-            lo, hi = span(x, T, t)
-            c = small(xb[lo:hi])
-            nz += c[0]
-            lt113 += c[1]
-            e0 += c[2]
+        c = small(xb)
+        nz, lt113, e0 = c[0], c[1], c[2]
     out[0] = n
     out[1] = nf
     out[2] = K + s1 / nf if nf > 0 else 0.0
