@@ -30,7 +30,6 @@ the same definitions (the tests hold the two paths to each other).
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np

@@ -244,10 +244,10 @@ class ProbeRun:
         self._add(self._vec, (name, "forward"), self._summary(out, valid, "forward", kind), merge_vectors)
         if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
             self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
-        if self.options.cosine and (kind == "residual" or (kind == "embedding" and _is_tinylm(self.model))) \
+        if self.options.cosine and (kind == "residual" or (kind == "embedding" and self._tinylm)) \
                 and out.dim() >= 3:
             self._add(self._cos, name, summarize_cosine(out), merge_vectors)
-        if self.options.cosine and kind in ("residual", "resid_mid", "embedding") and _is_tinylm(self.model) \
+        if self.options.cosine and kind in ("residual", "resid_mid", "embedding") and self._tinylm \
                 and out.dim() >= 2:
             with torch.no_grad():
                 ms = _mean_square(out)

@@ -95,18 +95,22 @@ def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None)
 
     ``valid`` (bool, shape (T, T) = x's last two dimensions) selects the entries measured
     (the causal entries of attention); the others are ignored. Moments (count, mean,
-    M2 = sum x^2 - n mean^2) are over the finite entries, accumulated in float64
+    M2) are over the finite entries, accumulated in float64
     (fp16/bf16 data is first converted to float32, exactly). Counts are over all
     measured entries: exact zeros; non-finite; underflow = nonzero |x| below the
     smallest normal (fp16: 2^-14, bf16: 2^-126); overflow = finite |x| in or above the
     binade of the format's largest finite value, resolved to powers of two: fp16
     |x| >= 2^16 (65504 < |x| < 65536 is not counted), bf16 |x| >= 2^127 (which may
-    round to bf16's 3.39e38 or overflow). Non-finite entries are counted apart. All
-    counts come from one histogram of float32 exponents.
+    round to bf16's 3.39e38 or overflow). Non-finite entries are counted apart.
 
-    ``fill``: the value every entry outside ``valid`` is known to hold (0 or -inf, as for
-    causal attention probabilities and scores); the entries are then left in place and
-    their known share taken out of the counts, which saves a masking pass.
+    Two paths with these definitions: a CPU tensor of float32/bf16/fp16 with ``valid`` None
+    or exactly the causal mask goes through :func:`diagnostics.fused.moments` (one compiled
+    pass; masked entries never read); anything else through torch ops, where all counts
+    come from one histogram of float32 exponents and M2 = sum x^2 - n mean^2.
+
+    ``fill`` (torch path only): the value every entry outside ``valid`` is known to hold
+    (0 or -inf, as for causal attention probabilities and scores); the entries are then left
+    in place and their known share taken out of the counts, which saves a masking pass.
     """
     x = x.detach()
     causal = valid is not None and _is_causal(valid, x)
