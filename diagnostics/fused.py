@@ -4,24 +4,28 @@
 mean, M2, max |x|, zeros, fp16/bf16 under- and overflow counts). Computed with one torch
 op each, that is ten passes over the tensor and, on the CPU, a freshly page-faulted
 temporary for most of them: a probe then cost as much as the forward and backward it
-watched. Here the whole vector comes from one read of the data (and, for some segments, a
-second loop over the same few kilobytes, still in the cache).
+watched. Here the whole vector comes from one read of the data.
 
 The tensor is cut into *segments*: blocks of :data:`SEG` consecutive entries, or, for
 causal attention (``width`` = T), each T x T matrix, of which only the entries on and below
 the diagonal are read (row t: its first t + 1 entries). Per segment, one vectorised
-screening loop accumulates, in float64, sum d and sum d^2 of the finite d = x - K (K: the
-segment's first entry) and the largest and smallest |x| (as bits: non-negative floats order
-as their bits do). Then M2 = sum d^2 - (sum d)^2 / n; the shift keeps a tensor whose mean is
-far above its spread exact (rounding ~1e-16 ((K - mean) / std)^2 of M2), and no square of a
-float32 can overflow float64. The counts (zeros; float32 exponent field below 113, i.e.
+screening loop accumulates, in float64, sum d and sum d^2 of d = x - K, and the largest and
+smallest |x| (as bits: non-negative floats order as their bits do; the bit tests and counters
+run in 32-bit lanes). K is the mean of the segment before (the first: its first entry), so
+M2 = sum d^2 - (sum d)^2 / n is exact to ~1e-16 (1 + ((K - mean) / std)^2) even for a
+tensor whose mean is far above its spread, and no square of a float32 can overflow float64.
+Sums that come out non-finite mean a non-finite entry: a second loop then counts everything
+and sums the finite entries only. The counts (zeros; float32 exponent field below 113, i.e.
 |x| < 2^-14; equal to 0, |x| < 2^-126; at least 143 and finite, |x| >= 2^16; equal to 254,
 |x| >= 2^127; non-finite) follow from the extremes when they settle them: all in
 [2^-14, 2^16) (most activations) or all normal and below 2^-14 (most gradients). Otherwise a
-second loop counts the small side, or, when a value reaches 2^16 or is not finite, every
-count. Segments merge in float64 by Chan's rule (as :func:`diagnostics.stats.merge_vectors`
-merges runs); tensors of at least :data:`PARALLEL_MIN` entries are split over as many numba
-threads as torch uses.
+second loop over the segment, still in the cache, counts them; causal rows, short and
+nearly always open on the small side, count it in the screening loop. Segments merge in
+float64 by Chan's rule (as :func:`diagnostics.stats.merge_vectors` merges runs), and the
+kernel returns the finished FIELDS vector. Attention probabilities also get their panel
+(entropy -sum p ln p of each row, with a polynomial logarithm, and its largest entry) from
+the same read of each row. Tensors of at least :data:`PARALLEL_MIN` entries are split over
+as many numba threads as torch uses.
 
 :func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is not ``0``);
 when it is not, or for other devices and dtypes, ``summarize`` uses plain torch ops with
@@ -33,15 +37,14 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch as _torch
 
-__all__ = ["available", "moments", "attention_rows", "SEG", "RAW", "PARALLEL_MIN"]
+__all__ = ["available", "summary", "SEG", "PARALLEL_MIN"]
 
 #: Entries per segment of a flat tensor (16 KiB of float32: fits the L1 cache).
 SEG = 4096
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
-#: Layout of the raw vector :func:`moments` returns.
-RAW = ("n", "n_finite", "mean", "m2", "max_abs", "n_nonzero", "n_e_lt113", "n_e_ge143", "n_e_0", "n_e_254")
 
 _kernels = None
 _checked: bool | None = None
@@ -70,41 +73,21 @@ def _build():
     return _kernels
 
 
-def _threads(size: int) -> int:
-    """Threads for ``size`` entries: torch's count (as numba may run them), 1 below PARALLEL_MIN."""
-    import torch
-
-    return 1 if size < PARALLEL_MIN else max(1, torch.get_num_threads())
-
-
-def moments(x: np.ndarray, width: int | None = None) -> np.ndarray:
-    """The :data:`RAW` vector (float64) of a C-contiguous float32 array.
+def summary(x: np.ndarray, width: int | None = None, probs: bool = False) -> np.ndarray:
+    """The summary of a C-contiguous float32 array: float64, laid out as FIELDS of
+    :mod:`diagnostics.stats`, followed, when ``probs``, by its ATTN_FIELDS.
 
     ``width`` None: every entry. ``width`` = T: ``x`` holds causal T x T matrices and only
-    the entries on or below each diagonal are read.
+    the entries on or below each diagonal are read; ``probs`` (causal only) adds the
+    attention panel of the rows (entropy mean and M2 over all rows, minimum entropy and
+    saturated rows, max p > 0.99, over rows t >= 1).
     """
     flat = x.reshape(-1)
+    causal = width is not None
     if flat.size == 0:
-        return np.zeros(len(RAW))
-    k = _build()
-    args = (flat, flat.view(np.uint32), SEG if width is None else width, width is not None)
-    n = _threads(flat.size)
-    out = k.reduce_serial(*args) if n == 1 else k.reduce_parallel(*args, n)
-    out[4] = float(np.uint32(out[4]).view(np.float32))  # the largest finite |x|, from its bits
-    return out
-
-
-def attention_rows(p: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """(entropy, max probability) of each causal row of probabilities ``p`` (..., T, T), T = ``width``.
-
-    Entropy -sum_j p_tj ln p_tj over the row's valid prefix j <= t, in float32 with a
-    polynomial logarithm (relative error about 1e-6); returned as float64 / float32 arrays
-    of length p.size / T.
-    """
-    flat = p.reshape(-1)
-    if flat.size == 0:
-        return np.zeros(0), np.zeros(0, dtype=np.float32)
-    k = _build()
-    n = _threads(flat.size)
-    args = (flat, flat.view(np.uint32), width)
-    return k.attention_serial(*args) if n == 1 else k.attention_parallel(*args, n)
+        return np.zeros(16 if probs else 10)
+    k = _kernels or _build()
+    args = (flat, flat.view(np.uint32), width if causal else SEG, causal, probs and causal)
+    if flat.size < PARALLEL_MIN:
+        return k.reduce_serial(*args)
+    return k.reduce_parallel(*args, max(1, _torch.get_num_threads()))

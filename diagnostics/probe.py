@@ -47,6 +47,7 @@ from .stats import (
     summarize,
     summarize_attention,
     summarize_cosine,
+    summarize_probs,
 )
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats"]
@@ -241,9 +242,14 @@ class ProbeRun:
         if name == self.order[0]:
             self.steps += 1
         valid = _causal_valid(out) if kind in _CAUSAL_KINDS else None
-        self._add(self._vec, (name, "forward"), self._summary(out, valid, "forward", kind), merge_vectors)
-        if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
-            self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
+        if kind == "attn_probs" and self.options.attention and valid is not None:
+            vec, panel = summarize_probs(out, _KNOWN_FILL.get((kind, "forward")) if self._tinylm else None)
+            self._add(self._attn, name, panel, merge_attention_vectors)
+        else:
+            vec = self._summary(out, valid, "forward", kind)
+            if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
+                self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
+        self._add(self._vec, (name, "forward"), vec, merge_vectors)
         if self.options.cosine and (kind == "residual" or (kind == "embedding" and self._tinylm)) \
                 and out.dim() >= 3:
             self._add(self._cos, name, summarize_cosine(out), merge_vectors)

@@ -33,6 +33,7 @@ __all__ = [
     "BF16_MAX",
     "summarize",
     "summarize_attention",
+    "summarize_probs",
     "summarize_cosine",
     "causal_mask",
     "merge_vectors",
@@ -89,7 +90,6 @@ def _sums64(v: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
     return s1 * scale, s2 * scale * scale
 
 
-@torch.no_grad()
 def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None) -> Tensor:
     """Reduce ``x`` (any shape, any float dtype) to a float64 vector laid out as :data:`FIELDS`.
 
@@ -104,22 +104,26 @@ def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None)
     round to bf16's 3.39e38 or overflow). Non-finite entries are counted apart.
 
     Two paths with these definitions: a CPU tensor of float32/bf16/fp16 with ``valid`` None
-    or exactly the causal mask goes through :func:`diagnostics.fused.moments` (one compiled
-    pass; masked entries never read); anything else through torch ops, where all counts
-    come from one histogram of float32 exponents and M2 = sum x^2 - n mean^2.
+    or exactly the causal mask goes through :func:`diagnostics.fused.summary` (one compiled
+    pass; masked entries never read); anything else through torch ops, where all counts come
+    from one histogram of float32 exponents and M2 = sum x^2 - n mean^2.
 
     ``fill`` (torch path only): the value every entry outside ``valid`` is known to hold
     (0 or -inf, as for causal attention probabilities and scores); the entries are then left
     in place and their known share taken out of the counts, which saves a masking pass.
     """
     x = x.detach()
-    causal = valid is not None and _is_causal(valid, x)
-    if (valid is None or causal) and _fusable(x):
-        raw = fused.moments(_as_f32_numpy(x), x.shape[-1] if causal else None)
-        n, n_fin, mean, m2, max_abs, nonzero, lt113, ge143, e0, e254 = raw.tolist()
-        zeros = n - nonzero
-        return torch.tensor([n, n_fin, mean, m2, max_abs, zeros, lt113 - zeros, ge143, e0 - zeros, e254],
-                            dtype=torch.float64)
+    if _fusable(x):
+        if valid is None:
+            return torch.from_numpy(fused.summary(_as_f32_numpy(x)))
+        if _is_causal(valid, x):
+            return torch.from_numpy(fused.summary(_as_f32_numpy(x), x.shape[-1]))
+    return _summarize_torch(x, valid, fill)
+
+
+@torch.no_grad()
+def _summarize_torch(x: Tensor, valid: Tensor | None, fill: float | None) -> Tensor:
+    """:func:`summarize` with torch ops (any device and dtype)."""
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
     n_masked = 0
@@ -267,20 +271,32 @@ def summarize_attention(probs: Tensor) -> Tensor:
     causal attention has one key and is always saturated, so the minimum entropy and
     the saturated fraction (max_j p_tj > 0.99) are taken over rows t >= 1. Entries above
     the diagonal are taken to be 0, as causal masking makes them: on the CPU
-    (:func:`diagnostics.fused.attention_rows`) they are not read at all.
+    (:func:`summarize_probs`) they are not read at all.
     """
     p = probs.detach()
-    dev = p.device
     if p.dim() >= 2 and p.shape[-1] == p.shape[-2] and _fusable(p):
-        T = p.shape[-1]
-        e, top = fused.attention_rows(_as_f32_numpy(p), T)
-        ent = torch.from_numpy(e).reshape(-1, T)
-        rowmax = torch.from_numpy(top).reshape(-1, T)[:, 1:]
-    else:
-        if p.dtype not in (torch.float32, torch.float64):
-            p = p.float()
-        ent = torch.special.entr(p).sum(-1, dtype=torch.float64)  # (..., T)
-        rowmax = p[..., 1:, :].amax(-1) if p.dim() >= 2 else p.new_zeros(0)
+        return summarize_probs(p)[1]
+    return _attention_torch(p)
+
+
+def summarize_probs(probs: Tensor, fill: float | None = None) -> tuple[Tensor, Tensor]:
+    """(:func:`summarize` of square ``probs`` over the causal entries, :func:`summarize_attention`),
+    from one read of each row when the fused path takes ``probs``; ``fill`` as for summarize."""
+    p = probs.detach()
+    if p.dim() >= 2 and p.shape[-1] == p.shape[-2] and _fusable(p):
+        v = torch.from_numpy(fused.summary(_as_f32_numpy(p), p.shape[-1], probs=True))
+        return v[:len(FIELDS)], v[len(FIELDS):]
+    valid = causal_mask(p.shape[-1], p.device) if p.dim() >= 2 and p.shape[-1] == p.shape[-2] else None
+    return summarize(p, valid, fill), _attention_torch(p)
+
+
+@torch.no_grad()
+def _attention_torch(p: Tensor) -> Tensor:
+    dev = p.device
+    if p.dtype not in (torch.float32, torch.float64):
+        p = p.float()
+    ent = torch.special.entr(p).sum(-1, dtype=torch.float64)  # (..., T)
+    rowmax = p[..., 1:, :].amax(-1) if p.dim() >= 2 else p.new_zeros(0)
     rows = float(ent.numel())
     var, mean = torch.var_mean(ent, correction=0)
     later = ent[..., 1:]

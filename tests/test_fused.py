@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnostics import fused
-from diagnostics.stats import FIELDS, AttnMoments, Moments, summarize, summarize_attention
+from diagnostics.stats import FIELDS, AttnMoments, Moments, summarize, summarize_attention, summarize_probs
 
 
 def rel(a: float, b: float) -> float:
@@ -36,9 +36,9 @@ def _both(x: torch.Tensor, valid=None, monkeypatch=None) -> tuple[list[float], l
 def _disagreements(a: list[float], b: list[float], x: torch.Tensor) -> list[tuple]:
     """What breaks the contract: counts and max |x| identical on both paths; mean and M2 of each
     path against a float64 two-pass reference over the finite entries, within that path's
-    rounding: the fused path sums float64 shifted by each segment's first entry (1e-12 of M2);
-    the torch path forms sum x^2 - n mean^2, in float32 rows for large tensors (1e-5 of
-    sum x^2)."""
+    rounding: the fused path sums float64 shifted by the mean of the segment before (the first:
+    by its first entry) (1e-12 of M2); the torch path forms sum x^2 - n mean^2, in float32
+    rows for large tensors (1e-5 of sum x^2)."""
     bad = [(name, u, v) for name, u, v in zip(FIELDS, a, b) if name not in ("mean", "m2") and u != v]
     f = x.double().reshape(-1)
     f = f[torch.isfinite(f)]
@@ -100,8 +100,8 @@ def test_mean_far_above_the_spread_keeps_its_variance():
     assert rel(naive, ref) > 1e-3
 
 
-def test_fused_attention_panel_matches_float64():
-    T = 40
+@pytest.mark.parametrize("T", [40, 300])  # 300: rows longer than one float32 chunk
+def test_fused_attention_panel_matches_float64(T):
     s = torch.randn(2, 3, T, T, generator=torch.Generator().manual_seed(11)) * 4
     p = torch.softmax(s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf), -1)
     a = AttnMoments.from_vector(summarize_attention(p).tolist())
@@ -111,6 +111,9 @@ def test_fused_attention_panel_matches_float64():
     assert a.entropy_min == pytest.approx(ent[..., 1:].min().item(), rel=2e-6, abs=1e-6)
     assert a.rows_saturated == (p[..., 1:, :].amax(-1) > 0.99).sum().item()
     assert a.rows == 2 * 3 * T and a.rows_after_first == 2 * 3 * (T - 1)
+    # the moments read with the panel are the causal summary's, to the last bit
+    both = summarize_probs(p)[0].tolist()
+    assert both == summarize(p, torch.ones(T, T, dtype=torch.bool).tril()).tolist()
 
 
 def test_polynomial_log_over_every_binade():
@@ -121,8 +124,8 @@ def test_polynomial_log_over_every_binade():
     for v in vals.astype(np.float32):
         row = np.zeros((1, 1), dtype=np.float32)
         row[0, 0] = v
-        h, top = fused.attention_rows(row, 1)
+        h = fused.summary(row, 1, probs=True)[len(FIELDS) + 1]  # the entropy of the one row
         want = -float(v) * math.log(float(v))
-        assert h[0] == pytest.approx(want, rel=2e-6), v
+        assert h == pytest.approx(want, rel=2e-6), v
         if v != 1:
-            assert abs(h[0] - (-float(v) * math.log2(float(v)))) > 1e-3 * abs(want)
+            assert abs(h - (-float(v) * math.log2(float(v)))) > 1e-3 * abs(want)
