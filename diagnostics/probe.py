@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -144,6 +145,28 @@ def spectral_stats(w: Tensor) -> tuple[float, float]:
     return math.sqrt(top), (float(ev.clamp(min=0.0).sum()) / top if top > 0 else 0.0)
 
 
+_DECLARED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _declared(model: nn.Module) -> dict:
+    """``declare(model, model.config.init)`` ({} without a declared scheme), cached per model
+    while its scheme and parameter shapes stay the same (the declarations depend on nothing else)."""
+    config = getattr(model, "config", None)
+    init = getattr(config, "init", None)
+    if not isinstance(init, str):
+        return {}
+    key = (init, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    hit = _DECLARED.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    try:
+        decl = declare(model, init)
+    except tinylm.TinyLMError:
+        decl = {}
+    _DECLARED[model] = (key, decl)
+    return decl
+
+
 @torch.no_grad()
 def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tensor | None] | None = None
                 ) -> dict[str, ParamStats]:
@@ -154,13 +177,7 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     the finite entries of ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank =
     sum sigma^2 / sigma_max^2 (:func:`spectral_stats`), for 2-D finite parameters when ``spectral``.
     """
-    decl = {}
-    config = getattr(model, "config", None)
-    if config is not None and isinstance(getattr(config, "init", None), str):
-        try:
-            decl = declare(model, config.init)
-        except tinylm.TinyLMError:
-            decl = {}
+    decl = _declared(model)
     names, plist, glist = [], [], []
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -170,20 +187,22 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
         names.append(name)
         plist.append(p)
         glist.append(grads.get(name) if grads is not None else p.grad)
-    nan = torch.tensor(math.nan, dtype=torch.float64)
-    rows = []  # per parameter: std, nonfinite fraction, grad std, grad nonfinite fraction (0-d tensors)
-    for p, g in zip(plist, glist):
-        v = summarize(p.detach())  # FIELDS: n_total, count, mean, m2, ...
-        nf = (v[0] - v[1]) / v[0].clamp(min=1.0)
-        std = torch.where(nf > 0, nan, (v[3] / v[1].clamp(min=1.0)).sqrt())
-        if g is not None and g.numel():
-            u = summarize(g.detach())
-            gnf = (u[0] - u[1]) / u[0]
-            gstd = (u[3] / u[1].clamp(min=1.0)).sqrt()
-        else:
-            gnf = gstd = nan
-        rows.append(torch.stack([std, nf, gstd, gnf]))
-    values = torch.stack(rows).tolist() if rows else []
+    # one summary per parameter and per gradient, then std and non-finite fraction of all of
+    # them at once (FIELDS: n_total, count, mean, m2, ...); a parameter with a non-finite entry
+    # has no std (NaN), a gradient's std is over its finite entries
+    have = [g is not None and g.numel() > 0 for g in glist]
+    vecs = [summarize(p.detach()) for p in plist] + [summarize(g.detach()) for g, h in zip(glist, have) if h]
+    values = []
+    if vecs:
+        v = torch.stack(vecs)
+        nf = (v[:, 0] - v[:, 1]) / v[:, 0].clamp(min=1.0)
+        std = (v[:, 3] / v[:, 1].clamp(min=1.0)).sqrt()
+        std = torch.where((nf > 0) & (torch.arange(len(vecs)) < len(plist)), math.nan, std)
+        flat = torch.stack([std, nf], 1).tolist()
+        gi = iter(flat[len(plist):])
+        for (pstd, pnf), h in zip(flat[:len(plist)], have):
+            gstd, gnf = next(gi) if h else (math.nan, math.nan)
+            values.append((pstd, pnf, gstd, gnf))
     out: dict[str, ParamStats] = {}
     for name, p, g, (std, nf, gstd, gnf) in zip(names, plist, glist, values):
         spec = srank = None
