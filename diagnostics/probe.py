@@ -230,7 +230,7 @@ class ProbeRun:
         self._inv: dict[str, Tensor] = {}
         self._normb: dict[str, Tensor] = {}
         self._tinylm = _is_tinylm(model)
-        self._last: dict[str, tuple] = {}  # direction -> (identity of the last tensor summarized, its summary)
+        self._last: dict[str, tuple] = {}  # direction -> (weak ref, identity, summary) of the last tensor summarized
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
         self.steps = 0
@@ -239,15 +239,17 @@ class ProbeRun:
 
     # -- accumulation (called from hooks; no host sync) --
     def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str) -> Tensor:
-        """summarize(t); a branch output reuses the summary of the hook that ran just before it when
-        that was the very same tensor (an attention's output_proj output is the attention branch,
-        w2's output the FFN branch; their hooks fire back to back, forward and backward)."""
-        key = (direction, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, valid is None)
+        """summarize(t), or the summary of the hook that ran just before in this direction when
+        that was the very same tensor, unchanged: the attention branch is output_proj's output
+        and the FFN branch w2's, forward and backward, and backward the gradient that reaches a
+        block's output (or its mid-point) passes unchanged to the branch added there. The last
+        tensor is held by a weak reference, so a live match cannot be a reused address."""
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, valid is None)
         last = self._last.get(direction)
-        if kind in ("attn_branch", "ffn_branch") and last is not None and last[0] == key:
-            return last[1]
+        if last is not None and last[1] == key and last[0]() is t:
+            return last[2]
         vec = summarize(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
-        self._last[direction] = (key, vec)
+        self._last[direction] = (weakref.ref(t), key, vec)
         return vec
 
     def _add(self, store: dict, key, vec: Tensor, merge) -> None:

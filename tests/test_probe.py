@@ -219,3 +219,26 @@ def test_spectral_stats_match_svd(shape):
     assert spec == pytest.approx(sv[0].item(), rel=1e-5)
     assert srank == pytest.approx((sv.square().sum() / sv[0] ** 2).item(), rel=1e-5)
     assert spectral_stats(torch.zeros(3, 4)) == (0.0, 0.0)
+
+
+def test_a_tensor_seen_twice_in_a_row_is_reduced_once_and_correctly():
+    """The same tensor reaching two hooks back to back is summarized once (a branch is its
+    projection's output; backward, the gradient at a block's output and mid-point passes
+    unchanged to the branch added there), and that summary is what each name alone measures.
+    Negative control: resid_mid and the attention branch are different tensors forward."""
+    model, x = model_of(seed=3), tokens(seed=3)
+    with probe(model) as run:
+        step(model, x)
+    both = run.stats.tensors
+    same = [("layers.{i}.attn", "layers.{i}.attn.output_proj", "forward"),
+            ("layers.{i}.ffn", "layers.{i}.ffn.w2", "forward"),
+            ("layers.{i}", "layers.{i}.ffn.w2", "backward"),
+            ("layers.{i}.resid_mid", "layers.{i}.attn.output_proj", "backward")]
+    for i in range(CFG.num_layers):
+        for a, b, d in same:
+            a, b = a.format(i=i), b.format(i=i)
+            with probe(model, ProbeOptions(modules=(a,))) as alone:
+                step(model, x)
+            assert both[(a, d)] == both[(b, d)] == alone.stats.tensors[(a, d)], (a, b, d)
+        mid, attn = both[(f"layers.{i}.resid_mid", "forward")], both[(f"layers.{i}.attn", "forward")]
+        assert mid.var != attn.var
