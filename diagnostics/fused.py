@@ -88,6 +88,10 @@ def summary(x: np.ndarray, width: int | None = None, probs: bool = False) -> np.
         return np.zeros(16 if probs else 10)
     k = _kernels or _build()
     args = (flat, flat.view(np.uint32), width if causal else SEG, causal, probs and causal)
-    if flat.size < PARALLEL_MIN:
+    threads = _torch.get_num_threads()
+    if flat.size < PARALLEL_MIN or threads <= 1:
         return k.reduce_serial(*args)
-    return k.reduce_parallel(*args, max(1, _torch.get_num_threads()))
+    out = k.reduce_parallel(*args, threads)
+    if _torch.get_num_threads() != threads:  # numba's OpenMP layer sets the runtime it shares with torch
+        _torch.set_num_threads(threads)      # to its own thread count: put the caller's back
+    return out

@@ -7,6 +7,9 @@ rounding.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -129,3 +132,26 @@ def test_polynomial_log_over_every_binade():
         assert h == pytest.approx(want, rel=2e-6), v
         if v != 1:
             assert abs(h - (-float(v) * math.log2(float(v)))) > 1e-3 * abs(want)
+
+
+_THREADS_CHILD = """
+import numpy as np, torch
+torch.set_num_threads(1)
+from diagnostics import fused
+x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+seen = []
+for n in (1, 2, 1, 3, 1):
+    torch.set_num_threads(n)
+    fused.summary(x)
+    seen.append(torch.get_num_threads())
+print(*seen)
+"""
+
+
+def test_the_callers_torch_thread_count_is_left_alone():
+    """numba's OpenMP layer shares the runtime with torch and may set the runtime's thread
+    count to its own when its pool starts (seen here: a process at torch 1 thread was at 2
+    after its first parallel reduction). fused.summary reduces serially at one thread and puts
+    the caller's count back after a parallel launch. A fresh process, so the pool starts inside."""
+    out = subprocess.run([sys.executable, "-c", _THREADS_CHILD], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "2", "1", "3", "1"]
