@@ -2,7 +2,10 @@
 on-disk cache load cost about a second, which a program that never probes should not pay).
 
 Module-level functions, so that numba's ``cache=True`` finds them again in the next process.
-Row layouts: a segment's raw row is :data:`RAW`; the finished vectors are the FIELDS of
+Every loop reads the float32 bits (one uint32 array; a value is a register bitcast away) and
+indexes a view from 0 (a loop from a variable start costs numba a negative-index wrap per
+entry, and LLVM then gathers instead of loading). A block's raw row has :data:`NRAW` fields;
+the finished vectors are the FIELDS of
 :mod:`diagnostics.stats` (10) and, for attention probabilities, its ATTN_FIELDS (6).
 """
 
@@ -18,9 +21,12 @@ _FM = {"reassoc", "contract", "nsz", "arcp"}
 I32 = ir.IntType(32)
 F32 = np.float32
 ABS = np.uint32(0x7FFFFFFF)
+#: entries per block of a flat tensor (16 KiB of float32: fits the L1 cache); the entries of a
+#: causal matrix are packed into blocks of at most this many
+SEG = 4096
 #: entropies of probability rows are summed in float32 over at most this many entries
 CH = 256
-#: raw row of one segment: n, finite, mean, m2, max |x|, nonzero, |x| < 2^-14, finite |x| >= 2^16,
+#: raw row of one block: n, finite, mean, m2, max |x|, nonzero, |x| < 2^-14, finite |x| >= 2^16,
 #: |x| < 2^-126, finite |x| >= 2^127 (zeros are in both small counts)
 NRAW = 10
 # exponent-field boundaries, as bits of |x|: 2^-126 (smallest normal), 2^-14 (fp16's smallest
@@ -81,69 +87,61 @@ def count(typingctx, acc, flag):
     return types.uint32(types.uint32, types.boolean), codegen
 
 
-# -- screening loops: float64 sums of d = x - K; no finiteness test per entry (a non-finite
-# entry makes the sums non-finite, which sends the segment to `exact`) --
+# -- the screening loop: float64 sums of d = x - K; no finiteness test per entry (a non-finite
+# entry makes the sums non-finite, which sends the block to `exact`) --
 
 @njit(fastmath=_FM, cache=True)
-def screen(x, xb, K):
+def screen(xb, K):
     """sum d and sum d^2 of d = x - K (float64), and the largest and smallest |x| bits."""
     s1 = 0.0
     s2 = 0.0
     top = np.uint32(0)
     bot = ABS
-    for i in range(x.size):
-        d = np.float64(x[i]) - K
+    for i in range(xb.size):
+        b = xb[i]
+        d = np.float64(as_f32(b)) - K
         s1 += d
         s2 += d * d
-        m = absbits(xb[i])
+        m = absbits(b)
         top = umax(top, m)
         bot = umin(bot, m)
     return s1, s2, top, bot
 
 
 @njit(fastmath=_FM, cache=True)
-def screen_small(x, xb, K):
-    """screen, and the counts of nonzero, |x| < 2^-14 and |x| < 2^-126 (causal rows, where the
-    small side is nearly always open)."""
-    s1 = 0.0
-    s2 = 0.0
-    top = np.uint32(0)
-    bot = ABS
-    nz = np.uint32(0)
-    lt113 = np.uint32(0)
-    e0 = np.uint32(0)
-    for i in range(x.size):
-        d = np.float64(x[i]) - K
-        s1 += d
-        s2 += d * d
-        m = absbits(xb[i])
-        top = umax(top, m)
-        bot = umin(bot, m)
-        nz = count(nz, m != np.uint32(0))
-        lt113 = count(lt113, m < E113)
-        e0 = count(e0, m < E1)
-    return s1, s2, top, bot, nz, lt113, e0
-
-
-@njit(fastmath=_FM, cache=True)
-def entropy(p, pb):
-    """-sum p ln p over probabilities p (float32).
+def entropy(pb):
+    """-sum p ln p over probabilities p (float32), and the bits of the largest p.
 
     ln p = k ln 2 + ln(1 + u) with p = (1 + u) 2^k, 1 + u in [sqrt(1/2), sqrt(2)): k is read
     off the bits of p / sqrt(1/2), 1 + u is p with its exponent replaced. Entries below
     2^-126 (and zeros) contribute 0.
     """
     h = F32(0.0)
-    for i in range(p.size):
+    top = np.uint32(0)
+    for i in range(pb.size):
         b = pb[i]
         k = np.int32(b - np.uint32(0x3F3504F3)) >> 23
         u = as_f32(b - np.uint32(k << 23)) - F32(1.0)
         lnf = u * (P0 + u * (P1 + u * (P2 + u * (P3 + u * (P4 + u * (P5 + u * (P6 + u * (P7 + u * (P8 + u * P9)))))))))
-        h -= p[i] * (F32(k) * LN2 + lnf) if b >= E1 else F32(0.0)
-    return h
+        h -= as_f32(b) * (F32(k) * LN2 + lnf) if b >= E1 else F32(0.0)
+        top = umax(top, absbits(b))
+    return h, top
 
 
-# -- loops over a whole segment, for the rare cases --
+@njit(cache=True)
+def row_panel(pb):
+    """The entropy of one row of probabilities (float32 sums over chunks of CH entries, added in
+    float64) and the bits of its largest entry."""
+    h = 0.0
+    top = np.uint32(0)
+    for c in range(0, pb.size, CH):
+        hc, tc = entropy(pb[c:min(c + CH, pb.size)])
+        h += hc
+        top = max(top, tc)
+    return h, top
+
+
+# -- loops over a whole block, for the rare cases --
 
 @njit(fastmath=_FM, cache=True)
 def small(xb):
@@ -160,18 +158,18 @@ def small(xb):
 
 
 @njit(cache=True)
-def exact(x, xb, K, acc):
+def exact(xb, K, acc):
     """Add to acc (s1, s2, max |x|, finite, nonzero, lt113, ge143, e0, e254) every count, the largest
-    finite |x| and float64 sums of d = x - K over the finite entries (a segment that holds a
+    finite |x| and float64 sums of d = x - K over the finite entries (a block that holds a
     non-finite value)."""
-    for i in range(x.size):
+    for i in range(xb.size):
         m = xb[i] & ABS
         fin = m < INF
         if fin:
-            d = np.float64(x[i]) - K
+            d = np.float64(as_f32(xb[i])) - K
             acc[0] += d
             acc[1] += d * d
-            acc[2] = max(acc[2], np.float64(abs(x[i])))
+            acc[2] = max(acc[2], np.float64(as_f32(m)))
             acc[3] += 1
             acc[6] += m >= E143
             acc[7] += m < E1
@@ -180,92 +178,41 @@ def exact(x, xb, K, acc):
         acc[5] += m < E113
 
 
-# -- one segment: a flat block, or one causal T x T matrix (row t: its first t + 1 entries) --
-
 @njit(cache=True)
-def span(x, T, t):
-    """(lo, hi) of row t: all of x (T = 0), or the first t + 1 entries of row t of the T x T matrix x."""
-    if T == 0:
-        return 0, x.size
-    return t * T, t * T + t + 1
-
-
-@njit(cache=True)
-def segment(x, xb, T, K, out, att):
-    """Reduce one segment into ``out`` (NRAW) and, when ``att`` has room, its attention partials
-    (rows, entropy sum, entropy sum of squares, min entropy over rows t >= 1, rows t >= 1,
-    saturated rows t >= 1) into ``att``.
+def block(xb, K, out):
+    """Reduce one contiguous block of float32 bits into ``out`` (NRAW): a segment of a flat
+    tensor, or the packed causal entries of attention matrices.
 
     The screening loop sums d = x - K and d^2 in float64 and keeps the largest and smallest
     |x| (as bits: non-negative floats order as their bits do); M2 = sum d^2 - (sum d)^2 / n
     is then exact to ~1e-16 (1 + ((K - mean) / std)^2). Sums that are not finite mean a
     non-finite entry: a second loop then counts everything and sums the finite entries.
-    Otherwise the extremes settle the counts of a flat segment when 2^-14 <= |x| < 2^16
-    throughout (most activations) or every |x| is normal and below 2^-14 (most gradients),
-    and a second loop over the segment (still in the cache) counts them when not; causal rows
-    count their small side in the screening loop. Probabilities (``att``) also get each row's
-    entropy (float32 over chunks of CH entries) and largest entry from the same read.
+    Otherwise the extremes settle the counts when 2^-14 <= |x| < 2^16 throughout (most
+    activations) or every |x| is normal and below 2^-14 (most gradients), and a second loop
+    over the block (still in the cache) counts them when not.
     """
-    rows = 1 if T == 0 else T
-    n = x.size if T == 0 else T * (T + 1) // 2
-    s1 = 0.0
-    s2 = 0.0
-    top = np.uint32(0)
-    bot = ABS
-    nz = lt113 = e0 = 0
-    probs = att.size > 0
-    h1 = h2 = 0.0
-    hmin = np.inf
-    sat = 0
-    for t in range(rows):
-        lo, hi = span(x, T, t)
-        if T == 0:
-            a1, a2, tp, bt = screen(x, xb, K)
-        else:
-            a1, a2, tp, bt, c0, c1, c2 = screen_small(x[lo:hi], xb[lo:hi], K)
-            nz += c0
-            lt113 += c1
-            e0 += c2
-            if probs:
-                h = 0.0
-                for c in range(lo, hi, CH):
-                    e = min(c + CH, hi)
-                    h += entropy(x[c:e], xb[c:e])
-                h1 += h
-                h2 += h * h
-                if t >= 1:
-                    hmin = min(hmin, h)
-                    sat += as_f32(tp) > SATURATED
-        s1 += a1
-        s2 += a2
-        top = max(top, tp)
-        bot = min(bot, bt)
-    nf, ge143, e254 = n, 0, 0
+    n = xb.size
+    s1, s2, top, bot = screen(xb, K)
+    nf, nz, lt113, ge143, e0, e254 = n, n, 0, 0, 0, 0
     mx = np.float64(as_f32(top))
     if not (np.isfinite(s1) and np.isfinite(s2)):
         acc = np.zeros(9)
-        for t in range(rows):
-            lo, hi = span(x, T, t)
-            exact(x[lo:hi], xb[lo:hi], K, acc)
+        exact(xb, K, acc)
         s1, s2, mx = acc[0], acc[1], acc[2]
         nf, nz, lt113, ge143, e0, e254 = int(acc[3]), int(acc[4]), int(acc[5]), int(acc[6]), int(acc[7]), int(acc[8])
     else:
-        if T > 0:  # counted in the screening loop
+        if bot >= E113:  # 2^-14 <= |x| < 2^16 throughout
             pass
-        elif bot >= E113:  # 2^-14 <= |x| < 2^16 throughout
-            nz = n
         elif top < E113 and bot >= E1:  # normal and below 2^-14 throughout (most gradients)
-            nz, lt113 = n, n
+            lt113 = n
         else:
             c = small(xb)
             nz, lt113, e0 = c[0], c[1], c[2]
         if top >= E143:  # finite values at or above 2^16: count them
-            for t in range(rows):
-                lo, hi = span(x, T, t)
-                for i in range(lo, hi):
-                    m = xb[i] & ABS
-                    ge143 += m >= E143
-                    e254 += m >= E254
+            for i in range(n):
+                m = xb[i] & ABS
+                ge143 += m >= E143
+                e254 += m >= E254
     out[0] = n
     out[1] = nf
     out[2] = K + s1 / nf if nf > 0 else 0.0
@@ -276,44 +223,112 @@ def segment(x, xb, T, K, out, att):
     out[7] = ge143
     out[8] = e0
     out[9] = e254
+
+
+@njit(cache=True)
+def first_shift(b):
+    """The first entry as the first shift, or 0 when it is not finite."""
+    return np.float64(as_f32(b)) if (b & ABS) < INF else 0.0
+
+
+@njit(cache=True)
+def shift_after(row, K):
+    """The shift for the next block: this block's mean, or K when it had no finite entry."""
+    return row[2] if row[1] > 0 else K
+
+
+@njit(cache=True)
+def chunks(T):
+    """(blocks, entries per block) of one causal T x T matrix: its T (T + 1) / 2 entries on or
+    below the diagonal, cut into blocks of at most SEG, as even as can be."""
+    nv = T * (T + 1) // 2
+    c = (nv + SEG - 1) // SEG
+    return c, (nv + c - 1) // c
+
+
+@njit(cache=True)
+def copy(src, dst):
+    """dst[:] = src[:]."""
+    for i in range(src.size):
+        dst[i] = src[i]
+
+
+@njit(cache=True)
+def causal(xb, T, K, res, att, buf):
+    """Reduce one causal T x T matrix ``xb`` (bits): its rows' entries on or below the diagonal
+    (row t: the first t + 1) are copied, in order, into ``buf`` and reduced block by block (as
+    a flat tensor is: no per-row loop tails in the screening loop), into the rows of ``res``
+    (one per block). Probabilities (``att`` has room) also get each row's entropy and largest
+    entry, from the row just read: att = rows, entropy sum, entropy sum of squares, min entropy
+    over rows t >= 1, rows t >= 1, saturated rows t >= 1 (max p > 0.99). Returns the next shift."""
+    c, q = chunks(T)
+    probs = att.size > 0
+    h1 = h2 = 0.0
+    hmin = np.inf
+    sat = 0
+    f = 0
+    r = 0
+    for t in range(T):
+        lo = t * T
+        n = t + 1
+        if probs:
+            h, tp = row_panel(xb[lo:lo + n])
+            h1 += h
+            h2 += h * h
+            if t >= 1:
+                hmin = min(hmin, h)
+                sat += as_f32(tp) > SATURATED
+        while n > 0:
+            m = min(n, q - f)
+            copy(xb[lo:lo + m], buf[f:f + m])
+            f += m
+            lo += m
+            n -= m
+            if f == q:
+                block(buf[:f], K, res[r])
+                K = shift_after(res[r], K)
+                r += 1
+                f = 0
+    if f > 0:
+        block(buf[:f], K, res[r])
+        K = shift_after(res[r], K)
     if probs:
-        att[0] = rows
+        att[0] = T
         att[1] = h1
         att[2] = h2
         att[3] = hmin
-        att[4] = rows - 1
+        att[4] = T - 1
         att[5] = sat
+    return K
 
 
 @njit(cache=True)
-def first_finite(x):
-    """x[0] as the first shift, or 0 when it is not finite."""
-    return np.float64(x[0]) if np.isfinite(x[0]) else 0.0
-
-
-@njit(cache=True)
-def segments(x, xb, width, causal, r0, r1, res, att):
-    """Fill res[r] (and att[r]) for segments r0 <= r < r1: x[r*width : (r+1)*width] (the last:
-    what is left), or, causal, the r-th T x T matrix, T = width. Each segment is shifted by
-    the mean of the one before it (the first: by its first entry, or 0 if that is not finite),
-    so that homogeneous data is summed about a shift near its mean."""
-    K = 0.0
-    for r in range(r0, r1):
-        if causal:
-            lo = r * width * width
-            hi = lo + width * width
-        else:
-            lo = r * width
-            hi = min(lo + width, x.size)
-        if r == r0:
-            K = first_finite(x[lo:hi])
-        segment(x[lo:hi], xb[lo:hi], width if causal else 0, K, res[r], att[r])
-        K = res[r, 2] if res[r, 1] > 0 else K
+def segments(xb, T, r0, r1, res, att):
+    """Fill the rows of ``res`` (and ``att``) that belong to segments r0 <= r < r1: flat (T = 0),
+    the block xb[r*SEG : (r+1)*SEG] (the last: what is left); causal, the r-th T x T matrix
+    (its blocks: rows r*c ... (r+1)*c - 1 of ``res``). Each block is shifted by the mean of the
+    one before it (the first: by its first entry, or 0 if that is not finite), so that
+    homogeneous data is summed about a shift near its mean."""
+    if r1 <= r0:
+        return
+    if T > 0:
+        c, q = chunks(T)
+        buf = np.empty(q, np.uint32)
+        K = first_shift(xb[r0 * T * T])
+        for r in range(r0, r1):
+            lo = r * T * T
+            K = causal(xb[lo:lo + T * T], T, K, res[r * c:(r + 1) * c], att[r], buf)
+    else:
+        K = first_shift(xb[r0 * SEG])
+        for r in range(r0, r1):
+            lo = r * SEG
+            block(xb[lo:min(lo + SEG, xb.size)], K, res[r])
+            K = shift_after(res[r], K)
 
 
 @njit(cache=True)
 def finish(res, att):
-    """Chan's merge of the segment rows in float64 (max for max |x|, sums for the counts), laid
+    """Chan's merge of the block rows in float64 (max for max |x|, sums for the counts), laid
     out as FIELDS (and ATTN_FIELDS when ``att`` has columns)."""
     tot = res[0].copy()
     for r in range(1, res.shape[0]):
@@ -356,19 +371,30 @@ def finish(res, att):
 
 
 @njit(cache=True)
-def reduce_serial(x, xb, width, causal, probs):
-    nseg = x.size // (width * width) if causal else (x.size + width - 1) // width
-    res = np.empty((nseg, NRAW))
-    att = np.empty((nseg, 6 if probs else 0))
-    segments(x, xb, width, causal, 0, nseg, res, att)
+def layout(n, T, probs):
+    """(segments, res, att) for n entries: flat (T = 0) or causal T x T matrices."""
+    if T > 0:
+        nseg = n // (T * T)
+        nrows = nseg * chunks(T)[0]
+    else:
+        nseg = (n + SEG - 1) // SEG
+        nrows = nseg
+    return nseg, np.empty((nrows, NRAW)), np.empty((nseg, 6 if probs else 0))
+
+
+@njit(cache=True)
+def reduce_serial(xb, T, probs):
+    """The summary (FIELDS, then ATTN_FIELDS when ``probs``) of the float32 bits ``xb``: all of
+    them (T = 0), or the causal entries of T x T matrices."""
+    nseg, res, att = layout(xb.size, T, probs)
+    segments(xb, T, 0, nseg, res, att)
     return finish(res, att)
 
 
 @njit(parallel=True, cache=True)
-def reduce_parallel(x, xb, width, causal, probs, threads):
-    nseg = x.size // (width * width) if causal else (x.size + width - 1) // width
-    res = np.empty((nseg, NRAW))
-    att = np.empty((nseg, 6 if probs else 0))
+def reduce_parallel(xb, T, probs, threads):
+    """reduce_serial, the segments split over ``threads`` numba threads."""
+    nseg, res, att = layout(xb.size, T, probs)
     for c in prange(threads):
-        segments(x, xb, width, causal, c * nseg // threads, (c + 1) * nseg // threads, res, att)
+        segments(xb, T, c * nseg // threads, (c + 1) * nseg // threads, res, att)
     return finish(res, att)

@@ -6,26 +6,27 @@ op each, that is ten passes over the tensor and, on the CPU, a freshly page-faul
 temporary for most of them: a probe then cost as much as the forward and backward it
 watched. Here the whole vector comes from one read of the data.
 
-The tensor is cut into *segments*: blocks of :data:`SEG` consecutive entries, or, for
-causal attention (``width`` = T), each T x T matrix, of which only the entries on and below
-the diagonal are read (row t: its first t + 1 entries). Per segment, one vectorised
-screening loop accumulates, in float64, sum d and sum d^2 of d = x - K, and the largest and
-smallest |x| (as bits: non-negative floats order as their bits do; the bit tests and counters
-run in 32-bit lanes). K is the mean of the segment before (the first: its first entry), so
-M2 = sum d^2 - (sum d)^2 / n is exact to ~1e-16 (1 + ((K - mean) / std)^2) even for a
-tensor whose mean is far above its spread, and no square of a float32 can overflow float64.
-Sums that come out non-finite mean a non-finite entry: a second loop then counts everything
-and sums the finite entries only. The counts (zeros; float32 exponent field below 113, i.e.
-|x| < 2^-14; equal to 0, |x| < 2^-126; at least 143 and finite, |x| >= 2^16; equal to 254,
-|x| >= 2^127; non-finite) follow from the extremes when they settle them: all in
-[2^-14, 2^16) (most activations) or all normal and below 2^-14 (most gradients). Otherwise a
-second loop over the segment, still in the cache, counts them; causal rows, short and
-nearly always open on the small side, count it in the screening loop. Segments merge in
-float64 by Chan's rule (as :func:`diagnostics.stats.merge_vectors` merges runs), and the
-kernel returns the finished FIELDS vector. Attention probabilities also get their panel
-(entropy -sum p ln p of each row, with a polynomial logarithm, and its largest entry) from
-the same read of each row. Tensors of at least :data:`PARALLEL_MIN` entries are split over
-as many numba threads as torch uses.
+A flat tensor is cut into blocks of ``SEG`` (4096) consecutive entries. Of causal attention
+matrices (``width`` = T) only the entries on and below the diagonal are read (row t: its
+first t + 1 entries); they are copied, row after row, into a small buffer and reduced in
+blocks of the same kind, so the screening loop never runs on a short row and its scalar
+tail. Per block, one vectorised screening loop accumulates, in float64, sum d and sum d^2 of
+d = x - K, and the largest and smallest |x| (as bits: non-negative floats order as their
+bits do; the bit tests and counters run in 32-bit lanes). K is the mean of the block before
+(the first: its first entry), so M2 = sum d^2 - (sum d)^2 / n is exact to ~1e-16
+(1 + ((K - mean) / std)^2) even for a tensor whose mean is far above its spread, and no
+square of a float32 can overflow float64. Sums that come out non-finite mean a non-finite
+entry: a second loop then counts everything and sums the finite entries only. The counts
+(zeros; float32 exponent field below 113, i.e. |x| < 2^-14; equal to 0, |x| < 2^-126; at
+least 143 and finite, |x| >= 2^16; equal to 254, |x| >= 2^127; non-finite) follow from the
+extremes when they settle them: all in [2^-14, 2^16) (most activations) or all normal and
+below 2^-14 (most gradients). Otherwise a second loop over the block, still in the cache,
+counts them. Blocks merge in float64 by Chan's rule (as
+:func:`diagnostics.stats.merge_vectors` merges runs), and the kernel returns the finished
+FIELDS vector. Attention probabilities also get their panel (entropy -sum p ln p of each
+row, with a polynomial logarithm, and its largest entry) from the row just read. Tensors of
+at least :data:`PARALLEL_MIN` entries are split (whole blocks or matrices) over as many
+numba threads as torch uses.
 
 :func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is not ``0``);
 when it is not, or for other devices and dtypes, ``summarize`` uses plain torch ops with
@@ -39,10 +40,8 @@ import os
 import numpy as np
 import torch as _torch
 
-__all__ = ["available", "summary", "SEG", "PARALLEL_MIN"]
+__all__ = ["available", "summary", "PARALLEL_MIN"]
 
-#: Entries per segment of a flat tensor (16 KiB of float32: fits the L1 cache).
-SEG = 4096
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
 
@@ -87,7 +86,7 @@ def summary(x: np.ndarray, width: int | None = None, probs: bool = False) -> np.
     if flat.size == 0:
         return np.zeros(16 if probs else 10)
     k = _kernels or _build()
-    args = (flat, flat.view(np.uint32), width if causal else SEG, causal, probs and causal)
+    args = (flat.view(np.uint32), width if causal else 0, probs and causal)
     threads = _torch.get_num_threads()
     if flat.size < PARALLEL_MIN or threads <= 1:
         return k.reduce_serial(*args)

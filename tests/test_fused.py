@@ -78,7 +78,7 @@ def test_fused_equals_torch_path(n, seed, scale, offset, specials):
         mp.undo()
 
 
-@pytest.mark.parametrize("T", [1, 2, 7, 64])
+@pytest.mark.parametrize("T", [1, 2, 7, 64, 100])  # 100: 5050 causal entries, packed into two blocks
 def test_fused_causal_equals_masked_torch_path(T, monkeypatch):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(3, 2, T, T, generator=g)
