@@ -231,6 +231,7 @@ class ProbeRun:
         self._normb: dict[str, Tensor] = {}
         self._tinylm = _is_tinylm(model)
         self._last: dict[str, tuple] = {}  # direction -> (weak ref, identity, summary) of the last tensor summarized
+        self._recent_ms: list[tuple] = []  # (weak ref, identity, per-row mean square) of the last few tensors
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
         self.steps = 0
@@ -252,6 +253,19 @@ class ProbeRun:
         self._last[direction] = (weakref.ref(t), key, vec)
         return vec
 
+    def _row_ms(self, t: Tensor) -> Tensor:
+        """_mean_square(t), once per tensor: a block's output is the residual point, the next
+        block's (or the final) norm's input and, for the cosine, the rows' norms; resid_mid is
+        its tap and the second norm's input. The last few tensors are held by weak references,
+        so a live match is the same tensor, unchanged."""
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        for ref, k, ms in self._recent_ms:
+            if k == key and ref() is t:
+                return ms
+        ms = _mean_square(t)
+        self._recent_ms = [(weakref.ref(t), key, ms)] + self._recent_ms[:3]
+        return ms
+
     def _add(self, store: dict, key, vec: Tensor, merge) -> None:
         store[key] = merge(store[key], vec) if key in store else vec
         self._stats = None
@@ -271,14 +285,15 @@ class ProbeRun:
             if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
                 self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
         self._add(self._vec, (name, "forward"), vec, merge_vectors)
-        if self.options.cosine and (kind == "residual" or (kind == "embedding" and self._tinylm)) \
-                and out.dim() >= 3:
-            self._add(self._cos, name, summarize_cosine(out), merge_vectors)
-        if self.options.cosine and kind in ("residual", "resid_mid", "embedding") and self._tinylm \
-                and out.dim() >= 2:
+        residual = kind in ("residual", "resid_mid", "embedding") and self._tinylm and out.dim() >= 2
+        if self.options.cosine and residual:
             with torch.no_grad():
-                ms = _mean_square(out)
+                ms = self._row_ms(out)
+                if kind != "resid_mid" and out.dim() >= 3:
+                    self._add(self._cos, name, summarize_cosine(out, ms), merge_vectors)
                 self._add(self._inv, name, summarize(1.0 / (ms + self.model.config.eps)), merge_vectors)
+        elif self.options.cosine and kind == "residual" and out.dim() >= 3:
+            self._add(self._cos, name, summarize_cosine(out), merge_vectors)
         if self.options.backward and out.requires_grad:
             out.register_hook(self._grad_hook(name, kind))
 
@@ -288,7 +303,7 @@ class ProbeRun:
         if not (self.options.backward and out.requires_grad and inputs and isinstance(inputs[0], Tensor)):
             return
         with torch.no_grad():
-            inv = 1.0 / (_mean_square(inputs[0]) + float(getattr(module, "eps", 0.0)))
+            inv = 1.0 / (self._row_ms(inputs[0]) + float(getattr(module, "eps", 0.0)))
 
         def hook(grad: Tensor) -> None:
             if self.active:

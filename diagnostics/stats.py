@@ -317,12 +317,13 @@ def merge_attention_vectors(a: Tensor, b: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def summarize_cosine(x: Tensor) -> Tensor:
+def summarize_cosine(x: Tensor, ms: Tensor | None = None) -> Tensor:
     """Per-sequence mean cosine similarity between different tokens, as a summary vector.
 
     For x (B, T, d) with unit vectors u_t = x_t/|x_t|: |sum_t u_t|^2 = T + sum_{s != t} cos(x_s, x_t),
     so the mean over the T(T-1) ordered pairs is (|sum_t u_t|^2 - T) / (T (T-1)). The B
-    per-sequence values are summarised like any tensor (count B).
+    per-sequence values are summarised like any tensor (count B). ``ms``: each token's
+    mean(x_t^2), when the caller has it (|x_t| = sqrt(d ms)).
     """
     x = x.detach()
     if x.dim() < 2 or x.shape[-2] < 2:
@@ -332,7 +333,8 @@ def summarize_cosine(x: Tensor) -> Tensor:
     T = x.shape[-2]
     # sum_t u_t as one (1, T) x (T, d) product per sequence (no normalised copy of x); the
     # float32 rounding of that sum moves a cosine by ~1e-7 / T
-    inv = 1.0 / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp(min=torch.finfo(x.dtype).tiny)
+    norm = torch.linalg.vector_norm(x, dim=-1) if ms is None else (ms * x.shape[-1]).sqrt()
+    inv = 1.0 / norm.unsqueeze(-1).clamp(min=torch.finfo(x.dtype).tiny)
     s = (inv.transpose(-1, -2) @ x).squeeze(-2).double()  # (..., d)
     cos = ((s * s).sum(-1) - T) / (T * (T - 1))
     return summarize(cos.reshape(-1))

@@ -242,3 +242,27 @@ def test_a_tensor_seen_twice_in_a_row_is_reduced_once_and_correctly():
             assert both[(a, d)] == both[(b, d)] == alone.stats.tensors[(a, d)], (a, b, d)
         mid, attn = both[(f"layers.{i}.resid_mid", "forward")], both[(f"layers.{i}.attn", "forward")]
         assert mid.var != attn.var
+
+
+def test_row_mean_squares_are_shared_and_never_stale():
+    """A block's output is the residual point, the next norm's input and the cosine's rows: its
+    per-token mean square is computed once and shared, and each consumer equals what that name
+    measures alone. Negative control: a tensor changed in place is measured again (4x after
+    doubling), not served from the memo."""
+    model, x = model_of(seed=4), tokens(seed=4)
+    with probe(model) as run:
+        step(model, x)
+    s = run.stats
+    for name in ("token_embeddings", "layers.0", "layers.1.ln1", "layers.1.resid_mid", "layers.1.ln2", "ln_final"):
+        with probe(model, ProbeOptions(modules=(name,))) as alone:
+            step(model, x)
+        a = alone.stats
+        assert set(a.inv_ms) | set(a.norm_back) | set(a.cosine), name  # the name has a consumer
+        for got, want in ((s.inv_ms, a.inv_ms), (s.norm_back, a.norm_back), (s.cosine, a.cosine)):
+            for k in want:
+                assert got[k] == want[k], (name, k)
+    t = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    first = run._row_ms(t)
+    assert run._row_ms(t) is first
+    t.mul_(2.0)
+    assert torch.allclose(run._row_ms(t), 4 * first)

@@ -146,6 +146,18 @@ def test_attention_summary():
     assert a.saturated_frac == pytest.approx(1 / 4)  # row 0 (a single key) is not counted
 
 
+def test_cosine_from_given_mean_squares_equals_cosine_from_norms():
+    """summarize_cosine(x, ms) with ms = mean(x^2) per token (what the probe already has) agrees
+    with the norms taken afresh to float32 rounding (negative control: ms of another tensor does not)."""
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 7).unsqueeze(-1)
+    ms = x.square().mean(-1)
+    a = Moments.from_vector(summarize_cosine(x).tolist())
+    b = Moments.from_vector(summarize_cosine(x, ms).tolist())
+    assert b.mean == pytest.approx(a.mean, rel=1e-5, abs=1e-7) and b.var == pytest.approx(a.var, rel=1e-4, abs=1e-9)
+    wrong = Moments.from_vector(summarize_cosine(x, ms.flip(-1)).tolist())
+    assert abs(wrong.mean - a.mean) > 1e-2
+
+
 def test_cosine_of_identical_and_orthogonal_tokens():
     same = torch.ones(2, 4, 8)
     ortho = torch.eye(8)[:4].unsqueeze(0)
