@@ -95,8 +95,19 @@ def count(typingctx, acc, flag):
 LANES = 16
 
 
+VI = ir.VectorType(I32, LANES)
+VF = ir.VectorType(ir.FloatType(), LANES)
+VD = ir.VectorType(ir.DoubleType(), LANES)
+
+
 def _fn(builder, name, ret, *args):
     return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, list(args)), name)
+
+
+def _splat(builder, value, vty):
+    undef = ir.Constant(vty, ir.Undefined)
+    return builder.shuffle_vector(builder.insert_element(undef, value, ir.Constant(I32, 0)), undef,
+                                  ir.Constant(VI, [0] * LANES))
 
 
 @intrinsic
@@ -110,16 +121,11 @@ def screen_lanes(typingctx, xb, K):
     sig = types.Tuple((types.float64, types.float64, types.uint32, types.uint32))(xb, K)
 
     def codegen(context, builder, signature, args):
-        vi = ir.VectorType(I32, LANES)
-        vf = ir.VectorType(ir.FloatType(), LANES)
-        vd = ir.VectorType(ir.DoubleType(), LANES)
-        f64 = ir.DoubleType()
+        vi, vf, vd, f64 = VI, VF, VD, ir.DoubleType()
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         n = builder.extract_value(ary.shape, 0)
         end = builder.and_(n, ir.Constant(n.type, -LANES))
-        undef = ir.Constant(vd, ir.Undefined)
-        k = builder.shuffle_vector(builder.insert_element(undef, args[1], ir.Constant(I32, 0)), undef,
-                                   ir.Constant(vi, [0] * LANES))
+        k = _splat(builder, args[1], vd)
         a1 = cgutils.alloca_once_value(builder, ir.Constant(vd, [0.0] * LANES))
         a2 = cgutils.alloca_once_value(builder, ir.Constant(vd, [0.0] * LANES))
         hi = cgutils.alloca_once_value(builder, ir.Constant(vi, [0] * LANES))
@@ -159,24 +165,52 @@ def screen(xb, K):
     return s1, s2, top, bot
 
 
-@njit(fastmath=_FM, cache=True)
-def entropy(pb):
-    """-sum p ln p over probabilities p (float32), and the bits of the largest p.
+@intrinsic
+def entropy(typingctx, pb):
+    """-sum p ln p over probabilities p (float32 sums in LANES lanes, added at the end), and the
+    bits of the largest p.
 
     ln p = k ln 2 + ln(1 + u) with p = (1 + u) 2^k, 1 + u in [sqrt(1/2), sqrt(2)): k is read
     off the bits of p / sqrt(1/2), 1 + u is p with its exponent replaced. Entries below
-    2^-126 (and zeros) contribute 0.
+    2^-126 (and zeros) contribute 0. Explicit vectors, the last one loaded under a mask (rows
+    are short: a scalar remainder would cost as much as the rest).
     """
-    h = F32(0.0)
-    top = np.uint32(0)
-    for i in range(pb.size):
-        b = pb[i]
-        k = np.int32(b - np.uint32(0x3F3504F3)) >> 23
-        u = as_f32(b - np.uint32(k << 23)) - F32(1.0)
-        lnf = u * (P0 + u * (P1 + u * (P2 + u * (P3 + u * (P4 + u * (P5 + u * (P6 + u * (P7 + u * (P8 + u * P9)))))))))
-        h -= as_f32(b) * (F32(k) * LN2 + lnf) if b >= E1 else F32(0.0)
-        top = umax(top, absbits(b))
-    return h, top
+    sig = types.Tuple((types.float64, types.uint32))(pb)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        n = builder.extract_value(ary.shape, 0)
+        n32 = builder.trunc(n, I32)
+        iota = ir.Constant(VI, list(range(LANES)))
+        h = cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES))
+        hi = cgutils.alloca_once_value(builder, ir.Constant(VI, [0] * LANES))
+        load = _fn(builder, f"llvm.masked.load.v{LANES}i32.p0", VI, VI.as_pointer(), I32,
+                   ir.VectorType(ir.IntType(1), LANES), VI)
+        fma = _fn(builder, f"llvm.fma.v{LANES}f32", VF, VF, VF, VF)
+        umax = _fn(builder, f"llvm.umax.v{LANES}i32", VI, VI, VI)
+        const = lambda v: ir.Constant(VF, [float(v)] * LANES)  # noqa: E731  (float32 values: exact)
+        ints = lambda v: ir.Constant(VI, [int(v)] * LANES)  # noqa: E731
+        with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), n, ir.Constant(n.type, LANES)) as (i, _):
+            lanes = builder.add(iota, _splat(builder, builder.trunc(i, I32), VI))
+            mask = builder.icmp_unsigned("<", lanes, _splat(builder, n32, VI))
+            ptr = builder.bitcast(builder.gep(ary.data, [i]), VI.as_pointer())
+            b = builder.call(load, [ptr, ir.Constant(I32, 4), mask, ints(0)])
+            k = builder.ashr(builder.sub(b, ints(0x3F3504F3)), ints(23))
+            u = builder.fsub(builder.bitcast(builder.sub(b, builder.shl(k, ints(23))), VF), const(1.0))
+            poly = const(P9)
+            for c in (P8, P7, P6, P5, P4, P3, P2, P1, P0):
+                poly = builder.call(fma, [poly, u, const(c)])
+            ln = builder.call(fma, [builder.sitofp(k, VF), const(LN2), builder.fmul(u, poly)])
+            term = builder.fmul(builder.bitcast(b, VF), ln)
+            keep = builder.icmp_unsigned(">=", b, ints(E1))
+            builder.store(builder.fsub(builder.load(h), builder.select(keep, term, const(0.0))), h)
+            builder.store(builder.call(umax, [builder.load(hi), builder.and_(b, ints(ABS))]), hi)
+        add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f32", f32, f32, VF)
+        total = builder.call(add, [ir.Constant(f32, 0.0), builder.load(h)], fastmath=("reassoc",))
+        top = builder.call(_fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, VI), [builder.load(hi)])
+        return context.make_tuple(builder, signature.return_type, [builder.fpext(total, ir.DoubleType()), top])
+    return sig, codegen
 
 
 @njit(cache=True)
