@@ -2,11 +2,12 @@
 on-disk cache load cost about a second, which a program that never probes should not pay).
 
 Module-level functions, so that numba's ``cache=True`` finds them again in the next process.
-Every loop reads the float32 bits (one uint32 array; a value is a register bitcast away) and
-indexes a view from 0 (a loop from a variable start costs numba a negative-index wrap per
-entry, and LLVM then gathers instead of loading). A block's raw row has :data:`NRAW` fields;
-the finished vectors are the FIELDS of
-:mod:`diagnostics.stats` (10) and, for attention probabilities, its ATTN_FIELDS (6).
+Every loop reads the float32 bits (one uint32 array; a value is a register bitcast away); the
+hot loops are explicit vectors written with llvmlite (see the section below), the rare ones
+numba loops that index a view from 0 (a loop from a variable start costs numba a
+negative-index wrap per entry, and LLVM then gathers instead of loading). A segment's raw row
+has :data:`NRAW` fields; the finished vectors are the FIELDS of :mod:`diagnostics.stats` (10)
+and, for attention probabilities, its ATTN_FIELDS (6).
 """
 
 import math
@@ -17,17 +18,16 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-# no nnan/ninf: the kernels rely on inf and NaN propagating through the sums
-_FM = {"reassoc", "contract", "nsz", "arcp"}
+# the kernels rely on inf and NaN propagating through the sums: no fast-math flag but reassoc
+# (on the final adds of lanes)
 I32 = ir.IntType(32)
 F32 = np.float32
 ABS = np.uint32(0x7FFFFFFF)
-#: entries per block of a flat tensor (16 KiB of float32: fits the L1 cache); the entries of a
-#: causal matrix are packed into blocks of at most this many
+#: entries per segment of a flat tensor (16 KiB of float32: fits the L1 cache)
 SEG = 4096
 #: entropies of probability rows are summed in float32 over at most this many entries
 CH = 256
-#: raw row of one block: n, finite, mean, m2, max |x|, nonzero, |x| < 2^-14, finite |x| >= 2^16,
+#: raw row of one segment: n, finite, mean, m2, max |x|, nonzero, |x| < 2^-14, finite |x| >= 2^16,
 #: |x| < 2^-126, finite |x| >= 2^127 (zeros are in both small counts)
 NRAW = 10
 # exponent-field boundaries, as bits of |x|: 2^-126 (smallest normal), 2^-14 (fp16's smallest
@@ -42,14 +42,12 @@ LN2 = F32(math.log(2.0))
 # ln(1 + u) = u P(u) on u in [sqrt(1/2) - 1, sqrt(2) - 1]: P of degree 9, a least-squares Chebyshev
 # fit of log1p(u)/u on 4000 Chebyshev nodes, rounded to float32. Fit error 4e-9 relative;
 # evaluated in float32, 1.2e-7 (tests/test_fused.py checks every binade). A polynomial, not
-# the atanh series, because a division per entry keeps the loop from vectorising.
+# the atanh series: no division per entry.
 P0, P1, P2, P3, P4, P5, P6, P7, P8, P9 = (F32(c) for c in (
     1.0, -0.49999988079071045, 0.33333325386047363, -0.25001585483551025, 0.2000207155942917,
     -0.16609126329421997, 0.14180079102516174, -0.13240842521190643, 0.129141703248024, -0.07638592272996902))
 
 
-# numba widens integer arithmetic to 64 bits, which halves the lanes of a vectorised loop;
-# these keep the bit tests and counters of the screening loops in 32 bits.
 @intrinsic
 def as_f32(typingctx, bits):
     """The float32 whose bits are the uint32 ``bits`` (a register bitcast)."""
@@ -58,46 +56,19 @@ def as_f32(typingctx, bits):
     return types.float32(types.uint32), codegen
 
 
-@intrinsic
-def absbits(typingctx, bits):
-    """The bits of |x| from the bits of x (sign cleared)."""
-    def codegen(context, builder, signature, args):
-        return builder.and_(args[0], ir.Constant(I32, 0x7FFFFFFF))
-    return types.uint32(types.uint32), codegen
+# -- explicit vector loops over the *rows* of a tensor's bits: flat (T = 0), one row of all its
+# entries; causal (T > 0), the T rows of a T x T matrix, row t its first t + 1 entries. Full
+# LANES-wide vectors, then the rest of the row as one vector loaded under a mask. numba leaves
+# LLVM's vectoriser at its preferred 256-bit width (4 float64 per operation) and a scalar loop
+# for each remainder; these take the widest registers the CPU has (AVX-512: 8 float64 per
+# operation) and carry their accumulators across rows (causal rows are short). --
 
-
-def _u32_intrinsic(name):
-    @intrinsic
-    def f(typingctx, a, b):
-        def codegen(context, builder, signature, args):
-            fn = builder.module.declare_intrinsic(name, [I32], ir.FunctionType(I32, [I32, I32]))
-            return builder.call(fn, args)
-        return types.uint32(types.uint32, types.uint32), codegen
-    return f
-
-
-umax = _u32_intrinsic("llvm.umax")
-umin = _u32_intrinsic("llvm.umin")
-
-
-@intrinsic
-def count(typingctx, acc, flag):
-    """acc + flag (a bool), in 32 bits."""
-    def codegen(context, builder, signature, args):
-        return builder.add(args[0], builder.zext(args[1], I32))
-    return types.uint32(types.uint32, types.boolean), codegen
-
-
-# -- the screening loop: float64 sums of d = x - K; no finiteness test per entry (a non-finite
-# entry makes the sums non-finite, which sends the block to `exact`) --
-
-#: lanes of the explicit vectors of :func:`screen_lanes`
+#: lanes of the explicit vectors
 LANES = 16
-
-
 VI = ir.VectorType(I32, LANES)
 VF = ir.VectorType(ir.FloatType(), LANES)
 VD = ir.VectorType(ir.DoubleType(), LANES)
+MASK = ir.VectorType(ir.IntType(1), LANES)
 
 
 def _fn(builder, name, ret, *args):
@@ -110,59 +81,100 @@ def _splat(builder, value, vty):
                                   ir.Constant(VI, [0] * LANES))
 
 
-@intrinsic
-def screen_lanes(typingctx, xb, K):
-    """(s1, s2, top, bot) of :func:`screen` over the first len(xb) // LANES * LANES entries.
+def _ints(v):
+    return ir.Constant(VI, [int(v)] * LANES)
 
-    Written as explicit LANES-wide vectors: numba leaves LLVM's vectoriser at its preferred
-    256-bit width, where each float64 operation covers 4 entries; these take the widest
-    registers the CPU has (AVX-512: 8 float64 per operation, half the instructions per entry).
-    Lane sums are added at the end."""
-    sig = types.Tuple((types.float64, types.float64, types.uint32, types.uint32))(xb, K)
+
+def _rows(builder, ary, T, body):
+    """Call body(bits, mask) for each vector of each row (mask None: all lanes; else the
+    <LANES x i1> lanes in the row, the others loaded as 0)."""
+    n = builder.extract_value(ary.shape, 0)
+    causal = builder.icmp_signed(">", T, ir.Constant(T.type, 0))
+    nrows = builder.select(causal, T, ir.Constant(T.type, 1))
+    step = ir.Constant(n.type, LANES)
+    load = _fn(builder, f"llvm.masked.load.v{LANES}i32.p0", VI, VI.as_pointer(), I32, MASK, VI)
+    with cgutils.for_range(builder, nrows) as loop:
+        t = loop.index
+        row = builder.gep(ary.data, [builder.mul(t, T)])
+        length = builder.select(causal, builder.add(t, ir.Constant(t.type, 1)), n)
+        full = builder.and_(length, ir.Constant(n.type, -LANES))
+        with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), full, step) as (i, _):
+            body(builder.load(builder.bitcast(builder.gep(row, [i]), VI.as_pointer()), align=4), None)
+        with builder.if_then(builder.icmp_signed("<", full, length)):
+            lanes = builder.add(ir.Constant(VI, list(range(LANES))), _splat(builder, builder.trunc(full, I32), VI))
+            mask = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(length, I32), VI))
+            ptr = builder.bitcast(builder.gep(row, [full]), VI.as_pointer())
+            body(builder.call(load, [ptr, ir.Constant(I32, 4), mask, _ints(0)]), mask)
+
+
+def _reduce_add(builder, acc):
+    """Sum of the lanes of an integer accumulator, as int64."""
+    wide = ir.VectorType(ir.IntType(64), LANES)
+    return builder.call(_fn(builder, f"llvm.vector.reduce.add.v{LANES}i64", ir.IntType(64), wide),
+                        [builder.zext(acc, wide)])
+
+
+@intrinsic
+def screen(typingctx, xb, T, K):
+    """(s1, s2, top, bot): float64 sums of d = x - K and of d^2, and the largest and smallest
+    |x| bits, over the rows of ``xb`` (flat T = 0, or causal). Lane sums are added at the end.
+    No finiteness test per entry: a non-finite entry makes the sums non-finite."""
+    sig = types.Tuple((types.float64, types.float64, types.uint32, types.uint32))(xb, T, K)
 
     def codegen(context, builder, signature, args):
-        vi, vf, vd, f64 = VI, VF, VD, ir.DoubleType()
+        f64 = ir.DoubleType()
         ary = context.make_array(signature.args[0])(context, builder, args[0])
-        n = builder.extract_value(ary.shape, 0)
-        end = builder.and_(n, ir.Constant(n.type, -LANES))
-        k = _splat(builder, args[1], vd)
-        a1 = cgutils.alloca_once_value(builder, ir.Constant(vd, [0.0] * LANES))
-        a2 = cgutils.alloca_once_value(builder, ir.Constant(vd, [0.0] * LANES))
-        hi = cgutils.alloca_once_value(builder, ir.Constant(vi, [0] * LANES))
-        lo = cgutils.alloca_once_value(builder, ir.Constant(vi, [0x7FFFFFFF] * LANES))
-        fma = _fn(builder, f"llvm.fma.v{LANES}f64", vd, vd, vd, vd)
-        umax = _fn(builder, f"llvm.umax.v{LANES}i32", vi, vi, vi)
-        umin = _fn(builder, f"llvm.umin.v{LANES}i32", vi, vi, vi)
-        with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), end, ir.Constant(n.type, LANES)) as (i, _):
-            bits = builder.load(builder.bitcast(builder.gep(ary.data, [i]), vi.as_pointer()), align=4)
-            d = builder.fsub(builder.fpext(builder.bitcast(bits, vf), vd), k)
+        k = _splat(builder, args[2], VD)
+        a1 = cgutils.alloca_once_value(builder, ir.Constant(VD, [0.0] * LANES))
+        a2 = cgutils.alloca_once_value(builder, ir.Constant(VD, [0.0] * LANES))
+        hi = cgutils.alloca_once_value(builder, _ints(0))
+        lo = cgutils.alloca_once_value(builder, _ints(ABS))
+        fma = _fn(builder, f"llvm.fma.v{LANES}f64", VD, VD, VD, VD)
+        umax = _fn(builder, f"llvm.umax.v{LANES}i32", VI, VI, VI)
+        umin = _fn(builder, f"llvm.umin.v{LANES}i32", VI, VI, VI)
+
+        def body(bits, mask):
+            d = builder.fsub(builder.fpext(builder.bitcast(bits, VF), VD), k)
+            m = builder.and_(bits, _ints(ABS))
+            if mask is not None:  # lanes past the row: d = 0 and |x| = 0 (neutral for the max)
+                d = builder.select(mask, d, ir.Constant(VD, [0.0] * LANES))
             builder.store(builder.fadd(builder.load(a1), d), a1)
             builder.store(builder.call(fma, [d, d, builder.load(a2)]), a2)
-            m = builder.and_(bits, ir.Constant(vi, [0x7FFFFFFF] * LANES))
             builder.store(builder.call(umax, [builder.load(hi), m]), hi)
-            builder.store(builder.call(umin, [builder.load(lo), m]), lo)
-        add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f64", f64, f64, vd)
+            low = m if mask is None else builder.select(mask, m, _ints(ABS))
+            builder.store(builder.call(umin, [builder.load(lo), low]), lo)
+
+        _rows(builder, ary, args[1], body)
+        add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f64", f64, f64, VD)
         s1 = builder.call(add, [ir.Constant(f64, 0.0), builder.load(a1)], fastmath=("reassoc",))
         s2 = builder.call(add, [ir.Constant(f64, 0.0), builder.load(a2)], fastmath=("reassoc",))
-        top = builder.call(_fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, vi), [builder.load(hi)])
-        bot = builder.call(_fn(builder, f"llvm.vector.reduce.umin.v{LANES}i32", I32, vi), [builder.load(lo)])
+        top = builder.call(_fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, VI), [builder.load(hi)])
+        bot = builder.call(_fn(builder, f"llvm.vector.reduce.umin.v{LANES}i32", I32, VI), [builder.load(lo)])
         return context.make_tuple(builder, signature.return_type, [s1, s2, top, bot])
     return sig, codegen
 
 
-@njit(fastmath=_FM, cache=True)
-def screen(xb, K):
-    """sum d and sum d^2 of d = x - K (float64), and the largest and smallest |x| bits."""
-    s1, s2, top, bot = screen_lanes(xb, K)
-    for i in range(xb.size - xb.size % LANES, xb.size):
-        b = xb[i]
-        d = np.float64(as_f32(b)) - K
-        s1 += d
-        s2 += d * d
-        m = absbits(b)
-        top = umax(top, m)
-        bot = umin(bot, m)
-    return s1, s2, top, bot
+@intrinsic
+def small(typingctx, xb, T):
+    """Counts of nonzero, |x| < 2^-14 and |x| < 2^-126 (zeros included in both) over the rows of
+    ``xb`` (flat T = 0, or causal)."""
+    sig = types.UniTuple(types.int64, 3)(xb, T)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        accs = [cgutils.alloca_once_value(builder, _ints(0)) for _ in range(3)]
+
+        def body(bits, mask):
+            m = builder.and_(bits, _ints(ABS))
+            for acc, op, bound in zip(accs, ("!=", "<", "<"), (0, E113, E1)):
+                hit = builder.icmp_unsigned(op, m, _ints(bound))
+                if mask is not None:
+                    hit = builder.and_(hit, mask)
+                builder.store(builder.add(builder.load(acc), builder.zext(hit, VI)), acc)
+
+        _rows(builder, ary, args[1], body)
+        return context.make_tuple(builder, signature.return_type, [_reduce_add(builder, builder.load(a)) for a in accs])
+    return sig, codegen
 
 
 @intrinsic
@@ -226,26 +238,20 @@ def row_panel(pb):
     return h, top
 
 
-# -- loops over a whole block, for the rare cases --
+# -- one segment: a flat block, or one causal T x T matrix --
 
-@njit(fastmath=_FM, cache=True)
-def small(xb):
-    """Counts of nonzero, |x| < 2^-14 and |x| < 2^-126 (zeros included in both)."""
-    nz = np.uint32(0)
-    lt113 = np.uint32(0)
-    e0 = np.uint32(0)
-    for i in range(xb.size):
-        m = absbits(xb[i])
-        nz = count(nz, m != np.uint32(0))
-        lt113 = count(lt113, m < E113)
-        e0 = count(e0, m < E1)
-    return nz, lt113, e0
+@njit(cache=True)
+def span(n, T, t):
+    """(lo, hi) of row t: all n entries (T = 0), or the first t + 1 entries of row t of a T x T matrix."""
+    if T == 0:
+        return 0, n
+    return t * T, t * T + t + 1
 
 
 @njit(cache=True)
 def exact(xb, K, acc):
     """Add to acc (s1, s2, max |x|, finite, nonzero, lt113, ge143, e0, e254) every count, the largest
-    finite |x| and float64 sums of d = x - K over the finite entries (a block that holds a
+    finite |x| and float64 sums of d = x - K over the finite entries (a segment that holds a
     non-finite value)."""
     for i in range(xb.size):
         m = xb[i] & ABS
@@ -264,9 +270,11 @@ def exact(xb, K, acc):
 
 
 @njit(cache=True)
-def block(xb, K, out):
-    """Reduce one contiguous block of float32 bits into ``out`` (NRAW): a segment of a flat
-    tensor, or the packed causal entries of attention matrices.
+def segment(xb, T, K, out, att):
+    """Reduce one segment into ``out`` (NRAW): a flat block (T = 0) or the entries on and below
+    the diagonal of a causal T x T matrix. Probabilities (``att`` has room) also get each row's
+    entropy and largest entry: att = rows, entropy sum, entropy sum of squares, min entropy over
+    rows t >= 1, rows t >= 1, saturated rows t >= 1 (max p > 0.99).
 
     The screening loop sums d = x - K and d^2 in float64 and keeps the largest and smallest
     |x| (as bits: non-negative floats order as their bits do); M2 = sum d^2 - (sum d)^2 / n
@@ -274,15 +282,36 @@ def block(xb, K, out):
     non-finite entry: a second loop then counts everything and sums the finite entries.
     Otherwise the extremes settle the counts when 2^-14 <= |x| < 2^16 throughout (most
     activations) or every |x| is normal and below 2^-14 (most gradients), and a second loop
-    over the block (still in the cache) counts them when not.
+    over the segment (still in the cache) counts them when not.
     """
-    n = xb.size
-    s1, s2, top, bot = screen(xb, K)
+    rows = 1 if T == 0 else T
+    n = xb.size if T == 0 else T * (T + 1) // 2
+    if att.size > 0:
+        h1 = h2 = 0.0
+        hmin = np.inf
+        sat = 0
+        for t in range(T):
+            lo, hi = span(xb.size, T, t)
+            h, tp = row_panel(xb[lo:hi])
+            h1 += h
+            h2 += h * h
+            if t >= 1:
+                hmin = min(hmin, h)
+                sat += as_f32(tp) > SATURATED
+        att[0] = T
+        att[1] = h1
+        att[2] = h2
+        att[3] = hmin
+        att[4] = T - 1
+        att[5] = sat
+    s1, s2, top, bot = screen(xb, T, K)
     nf, nz, lt113, ge143, e0, e254 = n, n, 0, 0, 0, 0
     mx = np.float64(as_f32(top))
     if not (np.isfinite(s1) and np.isfinite(s2)):
         acc = np.zeros(9)
-        exact(xb, K, acc)
+        for t in range(rows):
+            lo, hi = span(xb.size, T, t)
+            exact(xb[lo:hi], K, acc)
         s1, s2, mx = acc[0], acc[1], acc[2]
         nf, nz, lt113, ge143, e0, e254 = int(acc[3]), int(acc[4]), int(acc[5]), int(acc[6]), int(acc[7]), int(acc[8])
     else:
@@ -291,13 +320,14 @@ def block(xb, K, out):
         elif top < E113 and bot >= E1:  # normal and below 2^-14 throughout (most gradients)
             lt113 = n
         else:
-            c = small(xb)
-            nz, lt113, e0 = c[0], c[1], c[2]
+            nz, lt113, e0 = small(xb, T)
         if top >= E143:  # finite values at or above 2^16: count them
-            for i in range(n):
-                m = xb[i] & ABS
-                ge143 += m >= E143
-                e254 += m >= E254
+            for t in range(rows):
+                lo, hi = span(xb.size, T, t)
+                for i in range(lo, hi):
+                    m = xb[i] & ABS
+                    ge143 += m >= E143
+                    e254 += m >= E254
     out[0] = n
     out[1] = nf
     out[2] = K + s1 / nf if nf > 0 else 0.0
@@ -317,103 +347,24 @@ def first_shift(b):
 
 
 @njit(cache=True)
-def shift_after(row, K):
-    """The shift for the next block: this block's mean, or K when it had no finite entry."""
-    return row[2] if row[1] > 0 else K
-
-
-@njit(cache=True)
-def chunks(T):
-    """(blocks, entries per block) of one causal T x T matrix: its T (T + 1) / 2 entries on or
-    below the diagonal, cut into blocks of at most SEG, as even as can be."""
-    nv = T * (T + 1) // 2
-    c = (nv + SEG - 1) // SEG
-    return c, (nv + c - 1) // c
-
-
-@njit(cache=True)
-def copy(src, dst):
-    """dst[:] = src[:]."""
-    for i in range(src.size):
-        dst[i] = src[i]
-
-
-@njit(cache=True)
-def causal(xb, T, K, res, att, buf):
-    """Reduce one causal T x T matrix ``xb`` (bits): its rows' entries on or below the diagonal
-    (row t: the first t + 1) are copied, in order, into ``buf`` and reduced block by block (as
-    a flat tensor is: no per-row loop tails in the screening loop), into the rows of ``res``
-    (one per block). Probabilities (``att`` has room) also get each row's entropy and largest
-    entry, from the row just read: att = rows, entropy sum, entropy sum of squares, min entropy
-    over rows t >= 1, rows t >= 1, saturated rows t >= 1 (max p > 0.99). Returns the next shift."""
-    c, q = chunks(T)
-    probs = att.size > 0
-    h1 = h2 = 0.0
-    hmin = np.inf
-    sat = 0
-    f = 0
-    r = 0
-    for t in range(T):
-        lo = t * T
-        n = t + 1
-        if probs:
-            h, tp = row_panel(xb[lo:lo + n])
-            h1 += h
-            h2 += h * h
-            if t >= 1:
-                hmin = min(hmin, h)
-                sat += as_f32(tp) > SATURATED
-        while n > 0:
-            m = min(n, q - f)
-            copy(xb[lo:lo + m], buf[f:f + m])
-            f += m
-            lo += m
-            n -= m
-            if f == q:
-                block(buf[:f], K, res[r])
-                K = shift_after(res[r], K)
-                r += 1
-                f = 0
-    if f > 0:
-        block(buf[:f], K, res[r])
-        K = shift_after(res[r], K)
-    if probs:
-        att[0] = T
-        att[1] = h1
-        att[2] = h2
-        att[3] = hmin
-        att[4] = T - 1
-        att[5] = sat
-    return K
-
-
-@njit(cache=True)
 def segments(xb, T, r0, r1, res, att):
-    """Fill the rows of ``res`` (and ``att``) that belong to segments r0 <= r < r1: flat (T = 0),
-    the block xb[r*SEG : (r+1)*SEG] (the last: what is left); causal, the r-th T x T matrix
-    (its blocks: rows r*c ... (r+1)*c - 1 of ``res``). Each block is shifted by the mean of the
-    one before it (the first: by its first entry, or 0 if that is not finite), so that
-    homogeneous data is summed about a shift near its mean."""
+    """Fill res[r] (and att[r]) for segments r0 <= r < r1: flat (T = 0), the entries
+    xb[r*SEG : (r+1)*SEG] (the last: what is left); causal, the r-th T x T matrix. Each segment
+    is shifted by the mean of the one before it (the first: by its first entry, or 0 if that is
+    not finite), so that homogeneous data is summed about a shift near its mean."""
     if r1 <= r0:
         return
-    if T > 0:
-        c, q = chunks(T)
-        buf = np.empty(q, np.uint32)
-        K = first_shift(xb[r0 * T * T])
-        for r in range(r0, r1):
-            lo = r * T * T
-            K = causal(xb[lo:lo + T * T], T, K, res[r * c:(r + 1) * c], att[r], buf)
-    else:
-        K = first_shift(xb[r0 * SEG])
-        for r in range(r0, r1):
-            lo = r * SEG
-            block(xb[lo:min(lo + SEG, xb.size)], K, res[r])
-            K = shift_after(res[r], K)
+    width = SEG if T == 0 else T * T
+    K = first_shift(xb[r0 * width])
+    for r in range(r0, r1):
+        lo = r * width
+        segment(xb[lo:min(lo + width, xb.size)], T, K, res[r], att[r])
+        K = res[r, 2] if res[r, 1] > 0 else K
 
 
 @njit(cache=True)
 def finish(res, att):
-    """Chan's merge of the block rows in float64 (max for max |x|, sums for the counts), laid
+    """Chan's merge of the segment rows in float64 (max for max |x|, sums for the counts), laid
     out as FIELDS (and ATTN_FIELDS when ``att`` has columns)."""
     tot = res[0].copy()
     for r in range(1, res.shape[0]):
@@ -458,13 +409,8 @@ def finish(res, att):
 @njit(cache=True)
 def layout(n, T, probs):
     """(segments, res, att) for n entries: flat (T = 0) or causal T x T matrices."""
-    if T > 0:
-        nseg = n // (T * T)
-        nrows = nseg * chunks(T)[0]
-    else:
-        nseg = (n + SEG - 1) // SEG
-        nrows = nseg
-    return nseg, np.empty((nrows, NRAW)), np.empty((nseg, 6 if probs else 0))
+    nseg = n // (T * T) if T > 0 else (n + SEG - 1) // SEG
+    return nseg, np.empty((nseg, NRAW)), np.empty((nseg, 6 if probs else 0))
 
 
 @njit(cache=True)

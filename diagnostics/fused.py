@@ -6,27 +6,27 @@ op each, that is ten passes over the tensor and, on the CPU, a freshly page-faul
 temporary for most of them: a probe then cost as much as the forward and backward it
 watched. Here the whole vector comes from one read of the data.
 
-A flat tensor is cut into blocks of ``SEG`` (4096) consecutive entries. Of causal attention
-matrices (``width`` = T) only the entries on and below the diagonal are read (row t: its
-first t + 1 entries); they are copied, row after row, into a small buffer and reduced in
-blocks of the same kind, so the screening loop never runs on a short row and its scalar
-tail. Per block, one vectorised screening loop accumulates, in float64, sum d and sum d^2 of
-d = x - K, and the largest and smallest |x| (as bits: non-negative floats order as their
-bits do; the bit tests and counters run in 32-bit lanes). K is the mean of the block before
-(the first: its first entry), so M2 = sum d^2 - (sum d)^2 / n is exact to ~1e-16
-(1 + ((K - mean) / std)^2) even for a tensor whose mean is far above its spread, and no
-square of a float32 can overflow float64. Sums that come out non-finite mean a non-finite
+The tensor is cut into *segments*: blocks of ``SEG`` (4096) consecutive entries, or, for
+causal attention (``width`` = T), each T x T matrix, of which only the entries on and below
+the diagonal are read (row t: its first t + 1 entries). Per segment, one screening loop in
+explicit 16-lane vectors (AVX-512 registers where the CPU has them; the last vector of a row
+loaded under a mask, so a short causal row has no scalar tail, and the accumulators carry
+across rows) accumulates, in float64, sum d and sum d^2 of d = x - K, and the largest and
+smallest |x| (as bits: non-negative floats order as their bits do). K is the mean of the
+segment before (the first: its first entry), so M2 = sum d^2 - (sum d)^2 / n is exact to
+~1e-16 (1 + ((K - mean) / std)^2) even for a tensor whose mean is far above its spread, and
+no square of a float32 can overflow float64. Sums that come out non-finite mean a non-finite
 entry: a second loop then counts everything and sums the finite entries only. The counts
 (zeros; float32 exponent field below 113, i.e. |x| < 2^-14; equal to 0, |x| < 2^-126; at
 least 143 and finite, |x| >= 2^16; equal to 254, |x| >= 2^127; non-finite) follow from the
 extremes when they settle them: all in [2^-14, 2^16) (most activations) or all normal and
-below 2^-14 (most gradients). Otherwise a second loop over the block, still in the cache,
-counts them. Blocks merge in float64 by Chan's rule (as
+below 2^-14 (most gradients). Otherwise a second vector loop over the segment, still in the
+cache, counts them. Segments merge in float64 by Chan's rule (as
 :func:`diagnostics.stats.merge_vectors` merges runs), and the kernel returns the finished
 FIELDS vector. Attention probabilities also get their panel (entropy -sum p ln p of each
-row, with a polynomial logarithm, and its largest entry) from the row just read. Tensors of
-at least :data:`PARALLEL_MIN` entries are split (whole blocks or matrices) over as many
-numba threads as torch uses.
+row, with a polynomial logarithm, and its largest entry). Tensors of at least
+:data:`PARALLEL_MIN` entries are split (whole segments) over as many numba threads as torch
+uses.
 
 :func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is not ``0``);
 when it is not, or for other devices and dtypes, ``summarize`` uses plain torch ops with
