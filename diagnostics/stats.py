@@ -165,17 +165,23 @@ def _summarize_torch(x: Tensor, valid: Tensor | None, fill: float | None) -> Ten
     return const + _assemble(dev) @ raw
 
 
+_FUSED_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
 def _fusable(x: Tensor) -> bool:
-    """Whether :mod:`diagnostics.fused` reduces ``x`` (CPU, 16/32-bit float, numba present)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-        and x.dim() > 0 and fused.available()
+    """Whether :mod:`diagnostics.fused` reduces ``x`` (CPU, 16/32-bit float, numba present).
+    (Attribute reads only: this runs for every tensor a hook reduces, when the interpreter is
+    out of the caches; ``x.device`` builds an object.)"""
+    return x.is_cpu and x.dtype in _FUSED_DTYPES and x.ndim > 0 and fused.available()
 
 
 def _as_f32_numpy(x: Tensor) -> np.ndarray:
     """A C-contiguous float32 numpy view of CPU tensor ``x`` (a copy only when it must convert)."""
     if x.dtype != torch.float32:
         x = x.float()
-    return x.contiguous().resolve_conj().resolve_neg().numpy()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return (x.resolve_neg() if x.is_neg() else x).numpy()
 
 
 _TRIL: dict[tuple[int, torch.device], Tensor] = {}
@@ -322,7 +328,7 @@ def summarize_cosine(x: Tensor, ms: Tensor | None = None) -> Tensor:
 
     For x (B, T, d) with unit vectors u_t = x_t/|x_t|: |sum_t u_t|^2 = T + sum_{s != t} cos(x_s, x_t),
     so the mean over the T(T-1) ordered pairs is (|sum_t u_t|^2 - T) / (T (T-1)). The B
-    per-sequence values are summarised like any tensor (count B). ``ms``: each token's
+    per-sequence values (float32) are summarised like any tensor (count B). ``ms``: each token's
     mean(x_t^2), when the caller has it (|x_t| = sqrt(d ms)).
     """
     x = x.detach()
@@ -337,7 +343,9 @@ def summarize_cosine(x: Tensor, ms: Tensor | None = None) -> Tensor:
     inv = 1.0 / norm.unsqueeze(-1).clamp(min=torch.finfo(x.dtype).tiny)
     s = (inv.transpose(-1, -2) @ x).squeeze(-2).double()  # (..., d)
     cos = ((s * s).sum(-1) - T) / (T * (T - 1))
-    return summarize(cos.reshape(-1))
+    # the B cosines as float32 (rounding 6e-8, far below any spread that matters): a float64
+    # tensor takes the torch path, 0.5 ms for four numbers
+    return summarize(cos.reshape(-1).float())
 
 
 def _vec_to_dict(v: list[float], names: tuple[str, ...]) -> dict[str, float]:

@@ -7,7 +7,6 @@ rounding.
 """
 
 import math
-import os
 import subprocess
 import sys
 
