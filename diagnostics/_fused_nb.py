@@ -85,18 +85,21 @@ def _ints(v):
     return ir.Constant(VI, [int(v)] * LANES)
 
 
-def _rows(builder, ary, T, body):
-    """Call body(bits, mask) for each vector of each row (mask None: all lanes; else the
-    <LANES x i1> lanes in the row, the others loaded as 0)."""
+def _rows(builder, ary, T, D, body, row_end=None):
+    """Call body(bits, mask) for each vector of each row, then row_end(t) (mask None: all
+    lanes; else the <LANES x i1> lanes in the row, the others loaded as 0). Rows: causal
+    (T > 0), row t the first t + 1 entries of row t of a T x T matrix; flat, consecutive rows
+    of D entries (D = the size: one row)."""
     n = builder.extract_value(ary.shape, 0)
     causal = builder.icmp_signed(">", T, ir.Constant(T.type, 0))
-    nrows = builder.select(causal, T, ir.Constant(T.type, 1))
+    stride = builder.select(causal, T, D)
+    nrows = builder.select(causal, T, builder.sdiv(n, D))
     step = ir.Constant(n.type, LANES)
     load = _fn(builder, f"llvm.masked.load.v{LANES}i32.p0", VI, VI.as_pointer(), I32, MASK, VI)
     with cgutils.for_range(builder, nrows) as loop:
         t = loop.index
-        row = builder.gep(ary.data, [builder.mul(t, T)])
-        length = builder.select(causal, builder.add(t, ir.Constant(t.type, 1)), n)
+        row = builder.gep(ary.data, [builder.mul(t, stride)])
+        length = builder.select(causal, builder.add(t, ir.Constant(t.type, 1)), D)
         full = builder.and_(length, ir.Constant(n.type, -LANES))
         with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), full, step) as (i, _):
             body(builder.load(builder.bitcast(builder.gep(row, [i]), VI.as_pointer()), align=4), None)
@@ -105,6 +108,8 @@ def _rows(builder, ary, T, body):
             mask = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(length, I32), VI))
             ptr = builder.bitcast(builder.gep(row, [full]), VI.as_pointer())
             body(builder.call(load, [ptr, ir.Constant(I32, 4), mask, _ints(0)]), mask)
+        if row_end is not None:
+            row_end(t)
 
 
 def _reduce_add(builder, acc):
@@ -114,50 +119,74 @@ def _reduce_add(builder, acc):
                         [builder.zext(acc, wide)])
 
 
-@intrinsic
-def screen(typingctx, xb, T, K):
-    """(s1, s2, top, bot): float64 sums of d = x - K and of d^2, and the largest and smallest
-    |x| bits, over the rows of ``xb`` (flat T = 0, or causal). Lane sums are added at the end.
-    No finiteness test per entry: a non-finite entry makes the sums non-finite."""
-    sig = types.Tuple((types.float64, types.float64, types.uint32, types.uint32))(xb, T, K)
-
+def _screen(rows):
+    """The codegen of :func:`screen` (``rows`` False) or :func:`screen_rows`."""
     def codegen(context, builder, signature, args):
         f64 = ir.DoubleType()
         ary = context.make_array(signature.args[0])(context, builder, args[0])
-        k = _splat(builder, args[2], VD)
-        a1 = cgutils.alloca_once_value(builder, ir.Constant(VD, [0.0] * LANES))
-        a2 = cgutils.alloca_once_value(builder, ir.Constant(VD, [0.0] * LANES))
+        k = _splat(builder, args[3], VD)
+        zeros = ir.Constant(VD, [0.0] * LANES)
+        a1 = cgutils.alloca_once_value(builder, zeros)
+        a2 = cgutils.alloca_once_value(builder, zeros)
         hi = cgutils.alloca_once_value(builder, _ints(0))
         lo = cgutils.alloca_once_value(builder, _ints(ABS))
         fma = _fn(builder, f"llvm.fma.v{LANES}f64", VD, VD, VD, VD)
         umax = _fn(builder, f"llvm.umax.v{LANES}i32", VI, VI, VI)
         umin = _fn(builder, f"llvm.umin.v{LANES}i32", VI, VI, VI)
+        add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f64", f64, f64, VD)
+        rsq = cgutils.alloca_once_value(builder, zeros) if rows else None
 
         def body(bits, mask):
-            d = builder.fsub(builder.fpext(builder.bitcast(bits, VF), VD), k)
+            x = builder.fpext(builder.bitcast(bits, VF), VD)
+            d = builder.fsub(x, k)
             m = builder.and_(bits, _ints(ABS))
             if mask is not None:  # lanes past the row: d = 0 and |x| = 0 (neutral for the max)
-                d = builder.select(mask, d, ir.Constant(VD, [0.0] * LANES))
+                d = builder.select(mask, d, zeros)
             builder.store(builder.fadd(builder.load(a1), d), a1)
             builder.store(builder.call(fma, [d, d, builder.load(a2)]), a2)
             builder.store(builder.call(umax, [builder.load(hi), m]), hi)
             low = m if mask is None else builder.select(mask, m, _ints(ABS))
             builder.store(builder.call(umin, [builder.load(lo), low]), lo)
+            if rows:  # flat rows are whole vectors but for their last: x = 0 past the row
+                builder.store(builder.call(fma, [x, x, builder.load(rsq)]), rsq)
 
-        _rows(builder, ary, args[1], body)
-        add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f64", f64, f64, VD)
+        def row_end(t):
+            out = context.make_array(signature.args[4])(context, builder, args[4])
+            total = builder.call(add, [ir.Constant(f64, 0.0), builder.load(rsq)], fastmath=("reassoc",))
+            builder.store(total, builder.gep(out.data, [t]))
+            builder.store(zeros, rsq)
+
+        _rows(builder, ary, args[1], args[2], body, row_end if rows else None)
         s1 = builder.call(add, [ir.Constant(f64, 0.0), builder.load(a1)], fastmath=("reassoc",))
         s2 = builder.call(add, [ir.Constant(f64, 0.0), builder.load(a2)], fastmath=("reassoc",))
         top = builder.call(_fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, VI), [builder.load(hi)])
         bot = builder.call(_fn(builder, f"llvm.vector.reduce.umin.v{LANES}i32", I32, VI), [builder.load(lo)])
         return context.make_tuple(builder, signature.return_type, [s1, s2, top, bot])
-    return sig, codegen
+    return codegen
+
+
+_SCREENED = types.Tuple((types.float64, types.float64, types.uint32, types.uint32))
+
+
+@intrinsic
+def screen(typingctx, xb, T, D, K):
+    """(s1, s2, top, bot): float64 sums of d = x - K and of d^2, and the largest and smallest
+    |x| bits, over the rows of ``xb`` (see :func:`_rows`). Lane sums are added at the end.
+    No finiteness test per entry: a non-finite entry makes the sums non-finite."""
+    return _SCREENED(xb, T, D, K), _screen(False)
+
+
+@intrinsic
+def screen_rows(typingctx, xb, T, D, K, rowsq):
+    """:func:`screen` of flat rows of D entries (T = 0), writing each row's sum of x^2 (float64)
+    to ``rowsq`` from the same read."""
+    return _SCREENED(xb, T, D, K, rowsq), _screen(True)
 
 
 @intrinsic
 def small(typingctx, xb, T):
     """Counts of nonzero, |x| < 2^-14 and |x| < 2^-126 (zeros included in both) over the rows of
-    ``xb`` (flat T = 0, or causal)."""
+    ``xb`` (flat T = 0: all of it; or causal)."""
     sig = types.UniTuple(types.int64, 3)(xb, T)
 
     def codegen(context, builder, signature, args):
@@ -172,7 +201,7 @@ def small(typingctx, xb, T):
                     hit = builder.and_(hit, mask)
                 builder.store(builder.add(builder.load(acc), builder.zext(hit, VI)), acc)
 
-        _rows(builder, ary, args[1], body)
+        _rows(builder, ary, args[1], builder.extract_value(ary.shape, 0), body)
         return context.make_tuple(builder, signature.return_type, [_reduce_add(builder, builder.load(a)) for a in accs])
     return sig, codegen
 
@@ -270,11 +299,12 @@ def exact(xb, K, acc):
 
 
 @njit(cache=True)
-def segment(xb, T, K, out, att):
+def segment(xb, T, D, K, out, att, rowsq):
     """Reduce one segment into ``out`` (NRAW): a flat block (T = 0) or the entries on and below
     the diagonal of a causal T x T matrix. Probabilities (``att`` has room) also get each row's
     entropy and largest entry: att = rows, entropy sum, entropy sum of squares, min entropy over
-    rows t >= 1, rows t >= 1, saturated rows t >= 1 (max p > 0.99).
+    rows t >= 1, rows t >= 1, saturated rows t >= 1 (max p > 0.99). A flat block of whole rows
+    of D entries (``rowsq`` has room) also gets each row's sum of x^2, from the same read.
 
     The screening loop sums d = x - K and d^2 in float64 and keeps the largest and smallest
     |x| (as bits: non-negative floats order as their bits do); M2 = sum d^2 - (sum d)^2 / n
@@ -304,7 +334,10 @@ def segment(xb, T, K, out, att):
         att[3] = hmin
         att[4] = T - 1
         att[5] = sat
-    s1, s2, top, bot = screen(xb, T, K)
+    if rowsq.size > 0:
+        s1, s2, top, bot = screen_rows(xb, T, D, K, rowsq)
+    else:
+        s1, s2, top, bot = screen(xb, T, xb.size, K)
     nf, nz, lt113, ge143, e0, e254 = n, n, 0, 0, 0, 0
     mx = np.float64(as_f32(top))
     if not (np.isfinite(s1) and np.isfinite(s2)):
@@ -347,18 +380,29 @@ def first_shift(b):
 
 
 @njit(cache=True)
-def segments(xb, T, r0, r1, res, att):
-    """Fill res[r] (and att[r]) for segments r0 <= r < r1: flat (T = 0), the entries
-    xb[r*SEG : (r+1)*SEG] (the last: what is left); causal, the r-th T x T matrix. Each segment
-    is shifted by the mean of the one before it (the first: by its first entry, or 0 if that is
-    not finite), so that homogeneous data is summed about a shift near its mean."""
+def width_of(T, D):
+    """Entries per segment: a causal T x T matrix; SEG flat entries, or, with rows of D entries,
+    as many whole rows as fit in SEG (at least one)."""
+    if T > 0:
+        return T * T
+    return SEG if D == 0 else D * max(1, SEG // D)
+
+
+@njit(cache=True)
+def segments(xb, T, D, r0, r1, res, att, rowsq):
+    """Fill res[r] (and att[r], and the rows' sums of squares) for segments r0 <= r < r1 of
+    :func:`width_of` entries (the last: what is left). Each segment is shifted by the mean of
+    the one before it (the first: by its first entry, or 0 if that is not finite), so that
+    homogeneous data is summed about a shift near its mean."""
     if r1 <= r0:
         return
-    width = SEG if T == 0 else T * T
+    width = width_of(T, D)
+    per = width // D if D > 0 else 0
     K = first_shift(xb[r0 * width])
     for r in range(r0, r1):
         lo = r * width
-        segment(xb[lo:min(lo + width, xb.size)], T, K, res[r], att[r])
+        hi = min(lo + width, xb.size)
+        segment(xb[lo:hi], T, D, K, res[r], att[r], rowsq[r * per:r * per + (hi - lo) // D] if D > 0 else rowsq)
         K = res[r, 2] if res[r, 1] > 0 else K
 
 
@@ -407,25 +451,28 @@ def finish(res, att):
 
 
 @njit(cache=True)
-def layout(n, T, probs):
-    """(segments, res, att) for n entries: flat (T = 0) or causal T x T matrices."""
-    nseg = n // (T * T) if T > 0 else (n + SEG - 1) // SEG
-    return nseg, np.empty((nseg, NRAW)), np.empty((nseg, 6 if probs else 0))
+def layout(n, T, D, probs):
+    """(segments, res, att, rowsq) for n entries: flat (T = 0; rows of D entries when D > 0)
+    or causal T x T matrices."""
+    width = width_of(T, D)
+    nseg = n // width if T > 0 else (n + width - 1) // width
+    return nseg, np.empty((nseg, NRAW)), np.empty((nseg, 6 if probs else 0)), np.empty(n // D if D > 0 else 0)
 
 
 @njit(cache=True)
-def reduce_serial(xb, T, probs):
-    """The summary (FIELDS, then ATTN_FIELDS when ``probs``) of the float32 bits ``xb``: all of
-    them (T = 0), or the causal entries of T x T matrices."""
-    nseg, res, att = layout(xb.size, T, probs)
-    segments(xb, T, 0, nseg, res, att)
-    return finish(res, att)
+def reduce_serial(xb, T, D, probs):
+    """(summary, rowsq): the summary (FIELDS, then ATTN_FIELDS when ``probs``) of the float32
+    bits ``xb``: all of them (T = 0), or the causal entries of T x T matrices; and, for flat
+    rows of D > 0 entries, each row's sum of x^2 (else empty)."""
+    nseg, res, att, rowsq = layout(xb.size, T, D, probs)
+    segments(xb, T, D, 0, nseg, res, att, rowsq)
+    return finish(res, att), rowsq
 
 
 @njit(parallel=True, cache=True)
-def reduce_parallel(xb, T, probs, threads):
+def reduce_parallel(xb, T, D, probs, threads):
     """reduce_serial, the segments split over ``threads`` numba threads."""
-    nseg, res, att = layout(xb.size, T, probs)
+    nseg, res, att, rowsq = layout(xb.size, T, D, probs)
     for c in prange(threads):
-        segments(xb, T, c * nseg // threads, (c + 1) * nseg // threads, res, att)
-    return finish(res, att)
+        segments(xb, T, D, c * nseg // threads, (c + 1) * nseg // threads, res, att, rowsq)
+    return finish(res, att), rowsq

@@ -40,7 +40,7 @@ import os
 import numpy as np
 import torch as _torch
 
-__all__ = ["available", "summary", "PARALLEL_MIN"]
+__all__ = ["available", "summary", "summary_rows", "PARALLEL_MIN"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
@@ -85,12 +85,24 @@ def summary(x: np.ndarray, width: int | None = None, probs: bool = False) -> np.
     attention panel of the rows (entropy mean and M2 over all rows, minimum entropy and
     saturated rows, max p > 0.99, over rows t >= 1).
     """
-    flat = x.reshape(-1)
     causal = width is not None
+    return _run(x, width if causal else 0, 0, probs and causal)[0]
+
+
+def summary_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(summary, sum of squares of each row): :func:`summary` of every entry of the C-contiguous
+    float32 array ``x`` (at least 1-D), and, from the same read, sum x^2 over its last
+    dimension (float64, shape ``x.shape[:-1]``)."""
+    out, rowsq = _run(x, 0, max(x.shape[-1], 1), False)
+    return out, rowsq.reshape(x.shape[:-1])
+
+
+def _run(x: np.ndarray, T: int, D: int, probs: bool) -> tuple[np.ndarray, np.ndarray]:
+    flat = x.reshape(-1)
     if flat.size == 0:
-        return np.zeros(16 if probs else 10)
+        return np.zeros(16 if probs else 10), np.zeros(0)
     k = _kernels or _build()
-    args = (flat.view(np.uint32), width if causal else 0, probs and causal)
+    args = (flat.view(np.uint32), T, D, probs)
     threads = _torch.get_num_threads()
     if flat.size < PARALLEL_MIN or threads <= 1:
         return k.reduce_serial(*args)

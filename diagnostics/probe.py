@@ -45,10 +45,12 @@ from .stats import (
     merge_attention_vectors,
     merge_vectors,
     causal_mask,
+    row_mean_square,
     summarize,
     summarize_attention,
     summarize_cosine,
     summarize_probs,
+    summarize_rows,
 )
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats"]
@@ -111,14 +113,6 @@ def _first_tensor(output) -> Tensor | None:
             if isinstance(o, Tensor):
                 return o
     return None
-
-
-def _mean_square(t: Tensor) -> Tensor:
-    """mean(t^2) over the last dimension, float32 at least (a norm: no squared copy of ``t``)."""
-    t = t.detach()
-    if t.dtype not in (torch.float32, torch.float64):
-        t = t.float()
-    return torch.linalg.vector_norm(t, dim=-1).square() / t.shape[-1]
 
 
 def _causal_valid(t: Tensor) -> Tensor | None:
@@ -239,32 +233,48 @@ class ProbeRun:
         self._stats: ProbeStats | None = None
 
     # -- accumulation (called from hooks; no host sync) --
-    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str) -> Tensor:
+    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str, rows: bool = False) -> Tensor:
         """summarize(t), or the summary of the hook that ran just before in this direction when
         that was the very same tensor, unchanged: the attention branch is output_proj's output
         and the FFN branch w2's, forward and backward, and backward the gradient that reaches a
         block's output (or its mid-point) passes unchanged to the branch added there. The last
-        tensor is held by a weak reference, so a live match cannot be a reused address."""
+        tensor is held by a weak reference, so a live match cannot be a reused address.
+        ``rows``: the per-token mean squares are wanted next (:meth:`_row_ms`); they come
+        from the same read."""
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, valid is None)
         last = self._last.get(direction)
         if last is not None and last[1] == key and last[0]() is t:
             return last[2]
-        vec = summarize(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
+        if rows and valid is None and t.dim() >= 1:
+            vec, ms = summarize_rows(t)
+            self._recent_ms = [(weakref.ref(t), key[:5], ms)] + self._recent_ms[:3]
+        else:
+            vec = summarize(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
         self._last[direction] = (weakref.ref(t), key, vec)
         return vec
 
     def _row_ms(self, t: Tensor) -> Tensor:
-        """_mean_square(t), once per tensor: a block's output is the residual point, the next
+        """row_mean_square(t), once per tensor: a block's output is the residual point, the next
         block's (or the final) norm's input and, for the cosine, the rows' norms; resid_mid is
-        its tap and the second norm's input. The last few tensors are held by weak references,
-        so a live match is the same tensor, unchanged."""
+        its tap and the second norm's input; backward, a norm output's gradient is reduced and
+        then weighs the norm's per-token factor. Usually the summary already read it
+        (``_summary(rows=True)``). The last few tensors are held by weak references, so a live
+        match is the same tensor, unchanged."""
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
         for ref, k, ms in self._recent_ms:
             if k == key and ref() is t:
                 return ms
-        ms = _mean_square(t)
+        ms = row_mean_square(t)
         self._recent_ms = [(weakref.ref(t), key, ms)] + self._recent_ms[:3]
         return ms
+
+    def _wants_rows(self, kind: str, direction: str, t: Tensor) -> bool:
+        """Whether the per-token mean squares of ``t`` are used next: forward, a tinylm residual
+        point's (cosine and the norm that follows); backward, a norm output's gradient."""
+        if direction == "forward":
+            return self.options.cosine and self._tinylm and t.dim() >= 2 \
+                and kind in ("residual", "resid_mid", "embedding")
+        return kind == "norm" and self.options.backward and t.dim() >= 1
 
     def _add(self, store: dict, key, vec: Tensor, merge) -> None:
         store[key] = merge(store[key], vec) if key in store else vec
@@ -281,12 +291,11 @@ class ProbeRun:
             vec, panel = summarize_probs(out, _KNOWN_FILL.get((kind, "forward")) if self._tinylm else None)
             self._add(self._attn, name, panel, merge_attention_vectors)
         else:
-            vec = self._summary(out, valid, "forward", kind)
+            vec = self._summary(out, valid, "forward", kind, rows=self._wants_rows(kind, "forward", out))
             if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
                 self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
         self._add(self._vec, (name, "forward"), vec, merge_vectors)
-        residual = kind in ("residual", "resid_mid", "embedding") and self._tinylm and out.dim() >= 2
-        if self.options.cosine and residual:
+        if self._wants_rows(kind, "forward", out):
             with torch.no_grad():
                 ms = self._row_ms(out)
                 if kind != "resid_mid" and out.dim() >= 3:
@@ -308,7 +317,7 @@ class ProbeRun:
         def hook(grad: Tensor) -> None:
             if self.active:
                 with torch.no_grad():
-                    per_token = _mean_square(grad) * inv
+                    per_token = self._row_ms(grad) * inv
                     self._add(self._normb, name, summarize(per_token), merge_vectors)
             return None
         out.register_hook(hook)
@@ -319,7 +328,8 @@ class ProbeRun:
                 return None
             with torch.no_grad():
                 valid = _causal_valid(grad) if kind in _CAUSAL_KINDS else None
-                self._add(self._vec, (name, "backward"), self._summary(grad, valid, "backward", kind), merge_vectors)
+                vec = self._summary(grad, valid, "backward", kind, rows=self._wants_rows(kind, "backward", grad))
+                self._add(self._vec, (name, "backward"), vec, merge_vectors)
             return None
         return hook
 

@@ -121,6 +121,24 @@ def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None)
     return _summarize_torch(x, valid, fill)
 
 
+def row_mean_square(x: Tensor) -> Tensor:
+    """mean(x^2) over the last dimension, float32 at least (a norm: no squared copy of ``x``)."""
+    x = x.detach()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
+    return torch.linalg.vector_norm(x, dim=-1).square() / x.shape[-1]
+
+
+def summarize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(:func:`summarize` of ``x``, :func:`row_mean_square` of ``x``): on the fused path both
+    from one read (the mean squares summed in float64, returned as float32)."""
+    x = x.detach()
+    if _fusable(x) and x.shape[-1] > 0:
+        vec, rowsq = fused.summary_rows(_as_f32_numpy(x))
+        return torch.from_numpy(vec), torch.from_numpy(rowsq / x.shape[-1]).float()
+    return summarize(x), row_mean_square(x)
+
+
 @torch.no_grad()
 def _summarize_torch(x: Tensor, valid: Tensor | None, fill: float | None) -> Tensor:
     """:func:`summarize` with torch ops (any device and dtype)."""

@@ -89,6 +89,23 @@ def test_fused_causal_equals_masked_torch_path(T, monkeypatch):
     assert a[0] == 6 * T * (T + 1) // 2
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 512), (7, 100), (2, 5000), (9, 1), (1 << 15, 16), (4, 256, 1344)])
+def test_summary_rows_reads_the_summary_and_each_rows_sum_of_squares(shape):
+    """fused.summary_rows: the same summary as fused.summary (to float64 rounding: the segments
+    are whole rows) and each row's sum of x^2 against float64, for rows shorter than a vector,
+    not a multiple of 16, longer than a segment, and tensors split over threads (negative
+    control: the sums shifted by one row are not these)."""
+    x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32) * 3 + 0.5
+    vec, rowsq = fused.summary_rows(x)
+    ref = fused.summary(x)
+    assert vec[[0, 1, 4, 5, 6, 7, 8, 9]].tolist() == ref[[0, 1, 4, 5, 6, 7, 8, 9]].tolist()
+    assert vec[2] == pytest.approx(ref[2], rel=1e-12) and vec[3] == pytest.approx(ref[3], rel=1e-12)
+    want = (x.astype(np.float64) ** 2).sum(-1)
+    assert rowsq.shape == want.shape
+    np.testing.assert_allclose(rowsq, want, rtol=1e-12)
+    assert not np.allclose(rowsq.reshape(-1)[:-1], want.reshape(-1)[1:])
+
+
 def test_mean_far_above_the_spread_keeps_its_variance():
     """The variance of 1e4 + 1e-3 z comes out to 1e-6 relative: each segment takes a corrected
     two-pass spread about its own mean (negative control: the one-pass sum x^2 - n mean^2
