@@ -363,22 +363,22 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         raise OptionsError(f"model={type(model).__name__}: probe needs a torch.nn.Module")
     options = options or ProbeOptions()
     points = instrument_points(model)
+    named = dict(model.named_modules())
     if options.modules is not None:
-        named = dict(model.named_modules())
         missing = [m for m in options.modules if m not in named and m not in points]
         if missing:
             raise OptionsError(f"modules={missing!r}: no such module in the model; names look like "
                                f"{', '.join(list(points)[:3])}")
         points = {m: points.get(m, "module") for m in options.modules}
     run = ProbeRun(model, options)
-    training = {m: m.training for m in model.modules()}
-    requires = {n: p.requires_grad for n, p in model.named_parameters()}
-    grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
-    grad_objs = {n: p.grad for n, p in model.named_parameters()}
+    training = {m: m.training for m in named.values()}
+    entry = list(model.named_parameters())
+    requires = {n: p.requires_grad for n, p in entry}
+    grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
+    grad_objs = {n: p.grad for n, p in entry}
     handles = []
     ok = False
     try:
-        named = dict(model.named_modules())
         for name, kind in points.items():
             def fwd(module, inputs, output, _name=name, _kind=kind):
                 if not run.active:
@@ -406,19 +406,18 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         run.active = False
         for h in handles:
             h.remove()
+        params = dict(model.named_parameters())  # as they are now (a parameter may have been replaced)
         try:
             if ok and options.params:
-                now = {n: p.grad for n, p in model.named_parameters()}
                 delta = {}
-                for n, g in now.items():
-                    before = grads.get(n)
+                for n, p in params.items():
+                    g, before = p.grad, grads.get(n)
                     delta[n] = g if (g is None or before is None) else g.detach() - before
                 run.params = param_stats(model, spectral=options.spectral, grads=delta)
                 run._stats = None
         finally:
             for m, flag in training.items():
                 m.training = flag
-            params = dict(model.named_parameters())
             for n, flag in requires.items():
                 params[n].requires_grad_(flag)
             if options.restore_grads:
