@@ -241,13 +241,13 @@ class ProbeRun:
         tensor is held by a weak reference, so a live match cannot be a reused address.
         ``rows``: the per-token mean squares are wanted next (:meth:`_row_ms`); they come
         from the same read."""
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version, valid is None)
+        key = (t.data_ptr(), t._version, valid is None)  # the object itself is checked below
         last = self._last.get(direction)
         if last is not None and last[1] == key and last[0]() is t:
             return last[2]
         if rows and valid is None and t.dim() >= 1:
             vec, ms = summarize_rows(t)
-            self._recent_ms = [(weakref.ref(t), key[:5], ms)] + self._recent_ms[:3]
+            self._recent_ms = [(weakref.ref(t), key[:2], ms)] + self._recent_ms[:3]
         else:
             vec = summarize(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
         self._last[direction] = (weakref.ref(t), key, vec)
@@ -260,7 +260,7 @@ class ProbeRun:
         then weighs the norm's per-token factor. Usually the summary already read it
         (``_summary(rows=True)``). The last few tensors are held by weak references, so a live
         match is the same tensor, unchanged."""
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        key = (t.data_ptr(), t._version)  # the object itself is checked below
         for ref, k, ms in self._recent_ms:
             if k == key and ref() is t:
                 return ms
@@ -287,15 +287,16 @@ class ProbeRun:
         if name == self.order[0]:
             self.steps += 1
         valid = _causal_valid(out) if kind in _CAUSAL_KINDS else None
+        rows = self._wants_rows(kind, "forward", out)
         if kind == "attn_probs" and self.options.attention and valid is not None:
             vec, panel = summarize_probs(out, _KNOWN_FILL.get((kind, "forward")) if self._tinylm else None)
             self._add(self._attn, name, panel, merge_attention_vectors)
         else:
-            vec = self._summary(out, valid, "forward", kind, rows=self._wants_rows(kind, "forward", out))
+            vec = self._summary(out, valid, "forward", kind, rows=rows)
             if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
                 self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
         self._add(self._vec, (name, "forward"), vec, merge_vectors)
-        if self._wants_rows(kind, "forward", out):
+        if rows:
             with torch.no_grad():
                 ms = self._row_ms(out)
                 if kind != "resid_mid" and out.dim() >= 3:
