@@ -12,7 +12,11 @@ ratio of the fastest runs are printed beside it. On a virtual machine the drift 
 duration; the headline is taken over the *quiet* pairs, those whose two passes each lost at
 most ``--max-steal`` ms, when there are at least 5 of them (the median over all pairs is
 printed beside it, and how many were quiet). The process's CPU time (all threads; steal is
-not CPU time) gives a second within-pair ratio that the hypervisor cannot move. The probe
+not CPU time) gives a second within-pair ratio that the hypervisor cannot move. And the
+probe times its own work (``run.seconds``: its hooks with their reductions, its exit work):
+1 + that time over the bare pass of the same pair estimates the ratio from what the probe
+itself spends, free of the drift between the two passes (it cannot see what the probe costs
+torch indirectly, e.g. through the caches). The probe
 reduces CPU tensors with numba (diagnostics/fused.py, as many threads as torch); with
 ``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
 instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. Peak
@@ -53,14 +57,18 @@ def _step(model, tokens) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _probed(model, tokens, fused: bool = True) -> None:
+def _probed(model, tokens, fused: bool = True) -> float:
+    """One probed pass; returns the seconds spent in the probe's own work (run.seconds and the
+    conversion of its results)."""
     from diagnostics import probe
 
     os.environ["TINYLM_FUSED"] = "1" if fused else "0"
 
     with probe(model) as run:
         _step(model, tokens)
+    t = time.perf_counter()
     run.stats  # the one conversion to Python floats belongs to the cost
+    return run.seconds + time.perf_counter() - t
 
 
 def _quartiles(xs: list[float]) -> str:
@@ -137,7 +145,7 @@ def main() -> int:
     _probed(model, tokens)
     if args.torch_path:
         _probed(model, tokens, fused=False)
-    bare, probed, plain, pairs, quiet, cpu = [], [], [], [], [], []
+    bare, probed, plain, pairs, quiet, cpu, inside = [], [], [], [], [], [], []
     coin = random.Random(0)
     for _ in range(args.repeats):
         order = ["bare", "probed"] if coin.random() < 0.5 else ["probed", "bare"]
@@ -149,11 +157,14 @@ def main() -> int:
             if arm == "bare":
                 _step(model, tokens)
             else:
-                _probed(model, tokens, fused=arm == "probed")
+                own = _probed(model, tokens, fused=arm == "probed")
+                if arm == "probed":
+                    own_time = own
             took[arm] = time.perf_counter() - t
             used[arm] = time.process_time() - c
             stolen[arm] = _steal_ms() - s0
         cpu.append(used["probed"] / used["bare"])
+        inside.append((own_time, own_time / took["bare"]))
         bare.append(took["bare"])
         probed.append(took["probed"])
         pairs.append(took["probed"] / took["bare"])
@@ -179,6 +190,10 @@ def main() -> int:
           f"ratio of medians {p / b:.3f}, of fastest {min(probed) / min(bare):.3f}")
     print(f"  CPU time, all pairs    : {statistics.median(cpu):8.3f}  median of probed/bare process CPU time; "
           f"quartiles {_quartiles(cpu)}")
+    own = statistics.median(i for i, _ in inside)
+    print(f"  inside the probe       : {own * 1000:8.1f} ms per pass (median; its hooks, reductions and exit, "
+          f"timed by the probe itself), 1 + that / the pair's bare pass: "
+          f"{1 + statistics.median(r for _, r in inside):.3f} (quartiles {_quartiles([1 + r for _, r in inside])})")
     if plain:
         q = statistics.median(plain)
         print(f"probed, torch-op path   : {q * 1000:8.1f} ms (median), ratio {q / b:.3f} to bare, "

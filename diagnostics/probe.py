@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import weakref
 from contextlib import contextmanager
 from typing import Iterator
@@ -230,6 +231,9 @@ class ProbeRun:
         self.order: list[str] = []
         self.steps = 0
         self.params: dict[str, ParamStats] = {}
+        #: wall seconds spent in the probe's own work: its hooks (reductions included) and the
+        #: parameter statistics on exit (what the probe adds to the steps it watches)
+        self.seconds = 0.0
         self._stats: ProbeStats | None = None
 
     # -- accumulation (called from hooks; no host sync) --
@@ -317,9 +321,11 @@ class ProbeRun:
 
         def hook(grad: Tensor) -> None:
             if self.active:
+                t0 = time.perf_counter()
                 with torch.no_grad():
                     per_token = self._row_ms(grad) * inv
                     self._add(self._normb, name, summarize(per_token), merge_vectors)
+                self.seconds += time.perf_counter() - t0
             return None
         out.register_hook(hook)
 
@@ -327,10 +333,12 @@ class ProbeRun:
         def hook(grad: Tensor) -> None:
             if not self.active:
                 return None
+            t0 = time.perf_counter()
             with torch.no_grad():
                 valid = _causal_valid(grad) if kind in _CAUSAL_KINDS else None
                 vec = self._summary(grad, valid, "backward", kind, rows=self._wants_rows(kind, "backward", grad))
                 self._add(self._vec, (name, "backward"), vec, merge_vectors)
+            self.seconds += time.perf_counter() - t0
             return None
         return hook
 
@@ -384,16 +392,20 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
             def fwd(module, inputs, output, _name=name, _kind=kind):
                 if not run.active:
                     return None
+                t0 = time.perf_counter()
                 t = _first_tensor(output)
                 if t is not None and t.is_floating_point():
                     run._forward(_name, _kind, t)
                     if isinstance(module, tinylm.RMSNorm):
                         run._norm(_name, module, inputs, t)
+                run.seconds += time.perf_counter() - t0
                 return None
             if kind == "attn_heads":  # not a module: the input of the attention's output_proj
                 def pre(module, inputs, _name=name, _kind=kind):
                     if run.active and inputs and isinstance(inputs[0], Tensor):
+                        t0 = time.perf_counter()
                         run._forward(_name, _kind, inputs[0])
+                        run.seconds += time.perf_counter() - t0
                     return None
                 handles.append(named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(pre))
                 continue
@@ -410,12 +422,14 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         params = dict(model.named_parameters())  # as they are now (a parameter may have been replaced)
         try:
             if ok and options.params:
+                t0 = time.perf_counter()
                 delta = {}
                 for n, p in params.items():
                     g, before = p.grad, grads.get(n)
                     delta[n] = g if (g is None or before is None) else g.detach() - before
                 run.params = param_stats(model, spectral=options.spectral, grads=delta)
                 run._stats = None
+                run.seconds += time.perf_counter() - t0
         finally:
             for m, flag in training.items():
                 m.training = flag
