@@ -213,8 +213,8 @@ def entropy(typingctx, pb):
 
     ln p = k ln 2 + ln(1 + u) with p = (1 + u) 2^k, 1 + u in [sqrt(1/2), sqrt(2)): k is read
     off the bits of p / sqrt(1/2), 1 + u is p with its exponent replaced. Entries below
-    2^-126 (and zeros) contribute 0. Explicit vectors, the last one loaded under a mask (rows
-    are short: a scalar remainder would cost as much as the rest).
+    2^-126 (and zeros) contribute 0. One row for :func:`_rows`: its last vector is loaded
+    under a mask (rows are short: a scalar remainder would cost as much as the rest).
     """
     sig = types.Tuple((types.float64, types.uint32))(pb)
 
@@ -222,31 +222,25 @@ def entropy(typingctx, pb):
         f32 = ir.FloatType()
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         n = builder.extract_value(ary.shape, 0)
-        n32 = builder.trunc(n, I32)
-        iota = ir.Constant(VI, list(range(LANES)))
         h = cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES))
-        hi = cgutils.alloca_once_value(builder, ir.Constant(VI, [0] * LANES))
-        load = _fn(builder, f"llvm.masked.load.v{LANES}i32.p0", VI, VI.as_pointer(), I32,
-                   ir.VectorType(ir.IntType(1), LANES), VI)
+        hi = cgutils.alloca_once_value(builder, _ints(0))
         fma = _fn(builder, f"llvm.fma.v{LANES}f32", VF, VF, VF, VF)
         umax = _fn(builder, f"llvm.umax.v{LANES}i32", VI, VI, VI)
         const = lambda v: ir.Constant(VF, [float(v)] * LANES)  # noqa: E731  (float32 values: exact)
-        ints = lambda v: ir.Constant(VI, [int(v)] * LANES)  # noqa: E731
-        with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), n, ir.Constant(n.type, LANES)) as (i, _):
-            lanes = builder.add(iota, _splat(builder, builder.trunc(i, I32), VI))
-            mask = builder.icmp_unsigned("<", lanes, _splat(builder, n32, VI))
-            ptr = builder.bitcast(builder.gep(ary.data, [i]), VI.as_pointer())
-            b = builder.call(load, [ptr, ir.Constant(I32, 4), mask, ints(0)])
-            k = builder.ashr(builder.sub(b, ints(0x3F3504F3)), ints(23))
-            u = builder.fsub(builder.bitcast(builder.sub(b, builder.shl(k, ints(23))), VF), const(1.0))
+
+        def body(b, mask):  # lanes past the row hold 0: below 2^-126, they add nothing
+            k = builder.ashr(builder.sub(b, _ints(0x3F3504F3)), _ints(23))
+            u = builder.fsub(builder.bitcast(builder.sub(b, builder.shl(k, _ints(23))), VF), const(1.0))
             poly = const(P9)
             for c in (P8, P7, P6, P5, P4, P3, P2, P1, P0):
                 poly = builder.call(fma, [poly, u, const(c)])
             ln = builder.call(fma, [builder.sitofp(k, VF), const(LN2), builder.fmul(u, poly)])
             term = builder.fmul(builder.bitcast(b, VF), ln)
-            keep = builder.icmp_unsigned(">=", b, ints(E1))
+            keep = builder.icmp_unsigned(">=", b, _ints(E1))
             builder.store(builder.fsub(builder.load(h), builder.select(keep, term, const(0.0))), h)
-            builder.store(builder.call(umax, [builder.load(hi), builder.and_(b, ints(ABS))]), hi)
+            builder.store(builder.call(umax, [builder.load(hi), builder.and_(b, _ints(ABS))]), hi)
+
+        _rows(builder, ary, ir.Constant(n.type, 0), n, body)
         add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f32", f32, f32, VF)
         total = builder.call(add, [ir.Constant(f32, 0.0), builder.load(h)], fastmath=("reassoc",))
         top = builder.call(_fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, VI), [builder.load(hi)])

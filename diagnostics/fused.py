@@ -50,13 +50,10 @@ _checked: bool | None = None
 
 
 def available() -> bool:
-    """True when the compiled path can run (numba importable, ``TINYLM_FUSED`` not ``0``).
-
-    Called once per reduced tensor, from hooks that run right after the op that wrote the
-    tensor, when the interpreter's own data is out of the caches: ``os.getenv``'s two Python
-    frames, not ``os.environ.get``'s four."""
+    """True when the compiled path can run (numba importable, ``TINYLM_FUSED`` not ``0``; the
+    variable is read on every call, so that it can be switched between calls)."""
     global _checked
-    if os.getenv("TINYLM_FUSED") == "0":
+    if os.environ.get("TINYLM_FUSED", "1") == "0":
         return False
     if _checked is None:
         try:
