@@ -1,6 +1,7 @@
 """The probe: hooks removed whatever happens, the model left exactly as it was, any nn.Module."""
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -275,15 +276,13 @@ def test_the_run_times_its_own_work():
     """run.seconds: the wall time inside the probe's hooks and its exit work, positive, below
     the whole probed step, and growing with each step (negative control: a run whose hooks
     never fire, the model not called, records none)."""
-    import time as _time
-
     model, x = model_of(seed=5), tokens(seed=5)
-    t0 = _time.perf_counter()
+    t0 = time.perf_counter()
     with probe(model, ProbeOptions(params=False)) as run:
         step(model, x)
         one = run.seconds
         step(model, x)
-    whole = _time.perf_counter() - t0
+    whole = time.perf_counter() - t0
     assert 0.0 < one < run.seconds < whole
     with probe(model, ProbeOptions(params=False)) as idle:
         pass
