@@ -249,7 +249,7 @@ class ProbeRun:
         last = self._last.get(direction)
         if last is not None and last[1] == key and last[0]() is t:
             return last[2]
-        if rows and valid is None and t.dim() >= 1:
+        if rows:  # _wants_rows: a residual point or a norm's gradient, never masked
             vec, ms = summarize_rows(t)
             self._recent_ms = [(weakref.ref(t), key[:2], ms)] + self._recent_ms[:3]
         else:
