@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -46,6 +46,14 @@ LN2 = F32(math.log(2.0))
 P0, P1, P2, P3, P4, P5, P6, P7, P8, P9 = (F32(c) for c in (
     1.0, -0.49999988079071045, 0.33333325386047363, -0.25001585483551025, 0.2000207155942917,
     -0.16609126329421997, 0.14180079102516174, -0.13240842521190643, 0.129141703248024, -0.07638592272996902))
+
+
+@intrinsic
+def at(typingctx, addr):
+    """The uint32 pointer at the integer address ``addr`` (of memory the caller keeps alive)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], I32.as_pointer())
+    return types.CPointer(types.uint32)(types.intp), codegen
 
 
 @intrinsic
@@ -470,3 +478,19 @@ def reduce_parallel(xb, T, D, probs, threads):
     for c in prange(threads):
         segments(xb, T, D, c * nseg // threads, (c + 1) * nseg // threads, res, att, rowsq)
     return finish(res, att), rowsq
+
+
+@njit(cache=True)
+def serial_at(addr, n, T, D, probs):
+    """:func:`reduce_serial` of the n float32 entries at address ``addr``. Taking an address
+    rather than an array spares the caller a numpy view of its tensor: in a hook, where the
+    interpreter runs out of the caches, that view, its reshape and the typing of an array
+    argument cost more than a small tensor's reduction."""
+    return reduce_serial(carray(at(addr), n), T, D, probs)
+
+
+@njit(cache=True)
+def parallel_at(addr, n, T, D, probs, threads):
+    """:func:`reduce_parallel` of the n float32 entries at address ``addr`` (a function apart
+    from :func:`serial_at`, so that a program that reduces serially never starts the pool)."""
+    return reduce_parallel(carray(at(addr), n), T, D, probs, threads)

@@ -73,8 +73,8 @@ def _build():
     return _kernels
 
 
-def summary(x: np.ndarray, width: int | None = None, probs: bool = False) -> np.ndarray:
-    """The summary of a C-contiguous float32 array: float64, laid out as FIELDS of
+def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:
+    """The summary of a C-contiguous float32 array or CPU tensor: float64, laid out as FIELDS of
     :mod:`diagnostics.stats`, followed, when ``probs``, by its ATTN_FIELDS.
 
     ``width`` None: every entry. ``width`` = T: ``x`` holds causal T x T matrices and only
@@ -86,24 +86,32 @@ def summary(x: np.ndarray, width: int | None = None, probs: bool = False) -> np.
     return _run(x, width if causal else 0, 0, probs and causal)[0]
 
 
-def summary_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def summary_rows(x: np.ndarray | _torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(summary, sum of squares of each row): :func:`summary` of every entry of the C-contiguous
-    float32 array ``x`` (at least 1-D), and, from the same read, sum x^2 over its last
-    dimension (float64, shape ``x.shape[:-1]``)."""
+    float32 array or CPU tensor ``x`` (at least 1-D), and, from the same read, sum x^2 over its
+    last dimension (float64, shape ``x.shape[:-1]``)."""
     out, rowsq = _run(x, 0, max(x.shape[-1], 1), False)
     return out, rowsq.reshape(x.shape[:-1])
 
 
-def _run(x: np.ndarray, T: int, D: int, probs: bool) -> tuple[np.ndarray, np.ndarray]:
-    flat = x.reshape(-1)
-    if flat.size == 0:
+def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels on ``x``'s entries, read in place: a tensor by its data pointer (the caller
+    checked it is a contiguous float32 CPU tensor without a pending negation), an array by
+    the address of its C-contiguous float32 flattening."""
+    if isinstance(x, np.ndarray):
+        x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the kernel's read
+        if x.dtype != np.float32:
+            raise TypeError(f"fused kernels read float32, got {x.dtype}")
+        n, addr = x.size, x.ctypes.data
+    else:
+        n, addr = x.numel(), x.data_ptr()
+    if n == 0:
         return np.zeros(16 if probs else 10), np.zeros(0)
     k = _kernels or _build()
-    args = (flat.view(np.uint32), T, D, probs)
     threads = _torch.get_num_threads()
-    if flat.size < PARALLEL_MIN or threads <= 1:
-        return k.reduce_serial(*args)
-    out = k.reduce_parallel(*args, threads)
+    if n < PARALLEL_MIN or threads <= 1:
+        return k.serial_at(addr, n, T, D, probs)
+    out = k.parallel_at(addr, n, T, D, probs, threads)
     if _torch.get_num_threads() != threads:  # numba's OpenMP layer sets the runtime it shares with torch
         _torch.set_num_threads(threads)      # to its own thread count: put the caller's back
     return out

@@ -31,6 +31,7 @@ import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -46,12 +47,13 @@ from .stats import (
     merge_attention_vectors,
     merge_vectors,
     causal_mask,
+    reduce,
+    reduce_probs,
+    reduce_rows,
     row_mean_square,
     summarize,
     summarize_attention,
     summarize_cosine,
-    summarize_probs,
-    summarize_rows,
 )
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats"]
@@ -213,6 +215,15 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     return out
 
 
+def _as_lists(store: dict) -> dict:
+    """{key: vector as a list of floats} of a store of :func:`~diagnostics.stats.reduce` vectors:
+    numpy arrays (the compiled path) directly, tensors (the torch path) stacked and moved in
+    one transfer, so one device sync for all of them."""
+    keys = [k for k, v in store.items() if not isinstance(v, np.ndarray)]
+    moved = dict(zip(keys, torch.stack([store[k] for k in keys]).tolist())) if keys else {}
+    return {k: moved[k] if k in moved else v.tolist() for k, v in store.items()}
+
+
 class ProbeRun:
     """The live state of one probe; ``stats`` converts the accumulated tensors once and caches."""
 
@@ -227,6 +238,7 @@ class ProbeRun:
         self._tinylm = _is_tinylm(model)
         self._last: dict[str, tuple] = {}  # direction -> (weak ref, identity, summary) of the last tensor summarized
         self._recent_ms: list[tuple] = []  # (weak ref, identity, per-row mean square) of the last few tensors
+        self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
         self.steps = 0
@@ -250,10 +262,10 @@ class ProbeRun:
         if last is not None and last[1] == key and last[0]() is t:
             return last[2]
         if rows:  # _wants_rows: a residual point or a norm's gradient, never masked
-            vec, ms = summarize_rows(t)
+            vec, ms = reduce_rows(t)
             self._recent_ms = [(weakref.ref(t), key[:2], ms)] + self._recent_ms[:3]
         else:
-            vec = summarize(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
+            vec = reduce(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
         self._last[direction] = (weakref.ref(t), key, vec)
         return vec
 
@@ -293,7 +305,7 @@ class ProbeRun:
         valid = _causal_valid(out) if kind in _CAUSAL_KINDS else None
         rows = self._wants_rows(kind, "forward", out)
         if kind == "attn_probs" and self.options.attention and valid is not None:
-            vec, panel = summarize_probs(out, _KNOWN_FILL.get((kind, "forward")) if self._tinylm else None)
+            vec, panel = reduce_probs(out, _KNOWN_FILL.get((kind, "forward")) if self._tinylm else None)
             self._add(self._attn, name, panel, merge_attention_vectors)
         else:
             vec = self._summary(out, valid, "forward", kind, rows=rows)
@@ -305,11 +317,11 @@ class ProbeRun:
                 ms = self._row_ms(out)
                 if kind != "resid_mid" and out.dim() >= 3:
                     self._add(self._cos, name, summarize_cosine(out, ms), merge_vectors)
-                self._add(self._inv, name, summarize(1.0 / (ms + self.model.config.eps)), merge_vectors)
+                self._add(self._inv, name, reduce(1.0 / (ms + self.model.config.eps)), merge_vectors)
         elif self.options.cosine and kind == "residual" and out.dim() >= 3:
             self._add(self._cos, name, summarize_cosine(out), merge_vectors)
         if self.options.backward and out.requires_grad:
-            out.register_hook(self._grad_hook(name, kind))
+            self._targets(out).append((name, kind, None))
 
     def _norm(self, name: str, module: nn.Module, inputs, out: Tensor) -> None:
         """RMSNorm: keep each token's 1/(mean x^2 + eps) of its input (B*T floats, not the
@@ -318,26 +330,36 @@ class ProbeRun:
             return
         with torch.no_grad():
             inv = 1.0 / (self._row_ms(inputs[0]) + float(getattr(module, "eps", 0.0)))
+        self._targets(out).append((name, "norm", inv))
 
-        def hook(grad: Tensor) -> None:
-            if self.active:
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    per_token = self._row_ms(grad) * inv
-                    self._add(self._normb, name, summarize(per_token), merge_vectors)
-                self.seconds += time.perf_counter() - t0
-            return None
-        out.register_hook(hook)
+    def _targets(self, t: Tensor) -> list:
+        """What the gradient of ``t`` is measured for: a list of (name, kind, inv) that the one
+        hook on ``t`` works through when the gradient arrives (inv: a norm's per-token factor,
+        else None). The hook is put on ``t`` when it is first seen; a tensor seen again right
+        after (a branch is the output of its last projection; a norm's output also carries
+        its backward factor) adds to its list, so each gradient makes one trip from autograd
+        into Python. The last tensor is held by a weak reference: a live match is the same one."""
+        last = self._hooked
+        if last is not None and last[0]() is t:
+            return last[1]
+        targets: list = []
+        t.register_hook(self._grad_hook(targets))
+        self._hooked = (weakref.ref(t), targets)
+        return targets
 
-    def _grad_hook(self, name: str, kind: str):
+    def _grad_hook(self, targets: list):
         def hook(grad: Tensor) -> None:
             if not self.active:
                 return None
             t0 = time.perf_counter()
             with torch.no_grad():
-                valid = _causal_valid(grad) if kind in _CAUSAL_KINDS else None
-                vec = self._summary(grad, valid, "backward", kind, rows=self._wants_rows(kind, "backward", grad))
-                self._add(self._vec, (name, "backward"), vec, merge_vectors)
+                for name, kind, inv in targets:
+                    if inv is not None:  # the norm's factor: its per-token mean squares, weighed
+                        self._add(self._normb, name, reduce(self._row_ms(grad) * inv), merge_vectors)
+                        continue
+                    valid = _causal_valid(grad) if kind in _CAUSAL_KINDS else None
+                    vec = self._summary(grad, valid, "backward", kind, rows=self._wants_rows(kind, "backward", grad))
+                    self._add(self._vec, (name, "backward"), vec, merge_vectors)
             self.seconds += time.perf_counter() - t0
             return None
         return hook
@@ -346,13 +368,11 @@ class ProbeRun:
     def stats(self) -> ProbeStats:
         """Everything measured so far, as Python floats (one device sync for all tensors)."""
         if self._stats is None:
-            keys = list(self._vec)
-            rows = torch.stack([self._vec[k] for k in keys]).tolist() if keys else []
-            tensors = {k: Moments.from_vector(r) for k, r in zip(keys, rows)}
-            attn = {k: AttnMoments.from_vector(v.tolist()) for k, v in self._attn.items()}
-            cos = {k: Moments.from_vector(v.tolist()) for k, v in self._cos.items()}
-            inv = {k: Moments.from_vector(v.tolist()) for k, v in self._inv.items()}
-            nb = {k: Moments.from_vector(v.tolist()) for k, v in self._normb.items()}
+            tensors = {k: Moments.from_vector(r) for k, r in _as_lists(self._vec).items()}
+            attn = {k: AttnMoments.from_vector(r) for k, r in _as_lists(self._attn).items()}
+            cos = {k: Moments.from_vector(r) for k, r in _as_lists(self._cos).items()}
+            inv = {k: Moments.from_vector(r) for k, r in _as_lists(self._inv).items()}
+            nb = {k: Moments.from_vector(r) for k, r in _as_lists(self._normb).items()}
             self._stats = ProbeStats(tensors=tensors, kinds=dict(self.kinds), order=list(self.order),
                                      attention=attn, cosine=cos, params=dict(self.params), steps=self.steps,
                                      inv_ms=inv, norm_back=nb)

@@ -112,13 +112,25 @@ def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None)
     (0 or -inf, as for causal attention probabilities and scores); the entries are then left
     in place and their known share taken out of the counts, which saves a masking pass.
     """
+    return as_tensor(reduce(x, valid, fill))
+
+
+def reduce(x: Tensor, valid: Tensor | None = None, fill: float | None = None) -> np.ndarray | Tensor:
+    """:func:`summarize`'s vector as its path produces it: a numpy array on the compiled path
+    (no conversion), a tensor on ``x``'s device on the torch path (no device sync). For callers
+    that keep many vectors and convert them once (a probe); :func:`merge_vectors` takes either."""
     x = x.detach()
     if _fusable(x):
         if valid is None:
-            return torch.from_numpy(fused.summary(_as_f32_numpy(x)))
+            return fused.summary(_as_f32(x))
         if _is_causal(valid, x):
-            return torch.from_numpy(fused.summary(_as_f32_numpy(x), x.shape[-1]))
+            return fused.summary(_as_f32(x), x.shape[-1])
     return _summarize_torch(x, valid, fill)
+
+
+def as_tensor(v: np.ndarray | Tensor) -> Tensor:
+    """A vector of :func:`reduce` (or the like) as a tensor (a numpy array's memory is shared)."""
+    return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
 
 
 def row_mean_square(x: Tensor) -> Tensor:
@@ -132,11 +144,17 @@ def row_mean_square(x: Tensor) -> Tensor:
 def summarize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """(:func:`summarize` of ``x``, :func:`row_mean_square` of ``x``): on the fused path both
     from one read (the mean squares summed in float64, returned as float32)."""
+    vec, ms = reduce_rows(x)
+    return as_tensor(vec), ms
+
+
+def reduce_rows(x: Tensor) -> tuple[np.ndarray | Tensor, Tensor]:
+    """:func:`summarize_rows` with the summary as :func:`reduce` gives it."""
     x = x.detach()
     if _fusable(x) and x.shape[-1] > 0:
-        vec, rowsq = fused.summary_rows(_as_f32_numpy(x))
-        return torch.from_numpy(vec), torch.from_numpy(rowsq / x.shape[-1]).float()
-    return summarize(x), row_mean_square(x)
+        vec, rowsq = fused.summary_rows(_as_f32(x))
+        return vec, torch.from_numpy(rowsq / x.shape[-1]).float()
+    return _summarize_torch(x, None, None), row_mean_square(x)
 
 
 @torch.no_grad()
@@ -193,13 +211,14 @@ def _fusable(x: Tensor) -> bool:
     return x.is_cpu and x.dtype in _FUSED_DTYPES and x.ndim > 0 and fused.available()
 
 
-def _as_f32_numpy(x: Tensor) -> np.ndarray:
-    """A C-contiguous float32 numpy view of CPU tensor ``x`` (a copy only when it must convert)."""
+def _as_f32(x: Tensor) -> Tensor:
+    """CPU tensor ``x`` as a contiguous float32 tensor whose memory holds its values (a copy only
+    when it must convert: another dtype, a strided view, a pending negation)."""
     if x.dtype != torch.float32:
         x = x.float()
     if not x.is_contiguous():
         x = x.contiguous()
-    return (x.resolve_neg() if x.is_neg() else x).numpy()
+    return x.resolve_neg() if x.is_neg() else x
 
 
 _TRIL: dict[tuple[int, torch.device], Tensor] = {}
@@ -270,21 +289,34 @@ def _chan(na: Tensor, ma: Tensor, m2a: Tensor, nb: Tensor, mb: Tensor, m2b: Tens
     return mean, m2
 
 
-def _merge(a: Tensor, b: Tensor, n: int, ext: int, pick) -> Tensor:
-    """Merge two summary vectors: (count, mean, M2) at n, n+1, n+2 by Chan's rule,
-    ``pick`` (max or min) at ``ext``, and a sum everywhere else."""
+def _merge(a: np.ndarray | Tensor, b: np.ndarray | Tensor, n: int, ext: int, largest: bool) -> np.ndarray | Tensor:
+    """Merge two summary vectors: (count, mean, M2) at n, n+1, n+2 by Chan's rule, the larger
+    (``largest``) or smaller at ``ext``, and a sum everywhere else. Two numpy arrays (the
+    compiled path) merge in numpy; otherwise in torch, on the tensor's device."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        out = a + b
+        na, nb = a[n], b[n]
+        total = na + nb
+        delta = b[n + 1] - a[n + 1]
+        out[n + 1] = a[n + 1] + delta * nb / total if total > 0 else 0.0
+        out[n + 2] = a[n + 2] + b[n + 2] + (delta * delta * na * nb / total if total > 0 else 0.0)
+        out[ext] = (np.maximum if largest else np.minimum)(a[ext], b[ext])
+        return out
+    a = torch.from_numpy(a).to(b.device) if isinstance(a, np.ndarray) else a
+    b = torch.from_numpy(b).to(a.device) if isinstance(b, np.ndarray) else b
     mean, m2 = _chan(a[n], a[n + 1], a[n + 2], b[n], b[n + 1], b[n + 2])
     out = a + b
     out[n + 1] = mean
     out[n + 2] = m2
-    out[ext] = pick(a[ext], b[ext])
+    out[ext] = (torch.maximum if largest else torch.minimum)(a[ext], b[ext])
     return out
 
 
 @torch.no_grad()
-def merge_vectors(a: Tensor, b: Tensor) -> Tensor:
-    """Merge two :func:`summarize` vectors (Chan for mean/M2, max for max|x|, sums for the rest)."""
-    return _merge(a, b, 1, 4, torch.maximum)
+def merge_vectors(a: np.ndarray | Tensor, b: np.ndarray | Tensor) -> np.ndarray | Tensor:
+    """Merge two :func:`summarize` (or :func:`reduce`) vectors (Chan for mean/M2, max for max|x|,
+    sums for the rest); a numpy array when both are."""
+    return _merge(a, b, 1, 4, True)
 
 
 @torch.no_grad()
@@ -306,12 +338,18 @@ def summarize_attention(probs: Tensor) -> Tensor:
 def summarize_probs(probs: Tensor, fill: float | None = None) -> tuple[Tensor, Tensor]:
     """(:func:`summarize` of square ``probs`` over the causal entries, :func:`summarize_attention`),
     from one read of each row when the fused path takes ``probs``; ``fill`` as for summarize."""
+    vec, panel = reduce_probs(probs, fill)
+    return as_tensor(vec), as_tensor(panel)
+
+
+def reduce_probs(probs: Tensor, fill: float | None = None) -> tuple[np.ndarray | Tensor, np.ndarray | Tensor]:
+    """:func:`summarize_probs` with both vectors as :func:`reduce` gives them."""
     p = probs.detach()
     if p.dim() >= 2 and p.shape[-1] == p.shape[-2] and _fusable(p):
-        v = torch.from_numpy(fused.summary(_as_f32_numpy(p), p.shape[-1], probs=True))
+        v = fused.summary(_as_f32(p), p.shape[-1], probs=True)
         return v[:len(FIELDS)], v[len(FIELDS):]
     valid = causal_mask(p.shape[-1], p.device) if p.dim() >= 2 and p.shape[-1] == p.shape[-2] else None
-    return summarize(p, valid, fill), _attention_torch(p)
+    return _summarize_torch(p, valid, fill), _attention_torch(p)
 
 
 @torch.no_grad()
@@ -335,9 +373,9 @@ def _attention_torch(p: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def merge_attention_vectors(a: Tensor, b: Tensor) -> Tensor:
+def merge_attention_vectors(a: np.ndarray | Tensor, b: np.ndarray | Tensor) -> np.ndarray | Tensor:
     """Merge two :func:`summarize_attention` vectors (Chan for the entropy, min for its minimum)."""
-    return _merge(a, b, 0, 3, torch.minimum)
+    return _merge(a, b, 0, 3, False)
 
 
 @torch.no_grad()

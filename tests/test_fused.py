@@ -171,3 +171,24 @@ def test_the_callers_torch_thread_count_is_left_alone():
     the caller's count back after a parallel launch. A fresh process, so the pool starts inside."""
     out = subprocess.run([sys.executable, "-c", _THREADS_CHILD], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "2", "1", "3", "1"]
+
+
+def test_a_tensor_is_read_in_place_like_its_array():
+    """summary and summary_rows take a CPU tensor (read at its data pointer) or a numpy array
+    (at the address of its C-contiguous flattening): the same vectors, bit for bit, for a
+    tensor and its array, for a strided array (copied first) and for causal matrices."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 40, 33, generator=g)
+    a = x.numpy()
+    assert fused.summary(x).tolist() == fused.summary(a).tolist()
+    vt, rt = fused.summary_rows(x)
+    va, ra = fused.summary_rows(a)
+    assert vt.tolist() == va.tolist() and rt.tolist() == ra.tolist() and rt.shape == (6, 40)
+    strided = a[:, ::2, :]
+    assert fused.summary(strided).tolist() == fused.summary(np.ascontiguousarray(strided)).tolist()
+    s = torch.randn(3, 2, 17, 17, generator=g)
+    assert fused.summary(s, 17, probs=True).tolist() == fused.summary(s.numpy(), 17, probs=True).tolist()
+    # negative control: another tensor's pointer gives other numbers
+    assert fused.summary(x).tolist() != fused.summary(x + 1).tolist()
+    with pytest.raises(TypeError, match="float32"):
+        fused.summary(a.astype(np.float64))

@@ -287,3 +287,37 @@ def test_the_run_times_its_own_work():
     with probe(model, ProbeOptions(params=False)) as idle:
         pass
     assert idle.seconds == 0.0
+
+
+def test_one_gradient_hook_per_tensor():
+    """The attention branch is output_proj's output and a norm's output also carries its
+    backward factor: each such tensor gets one gradient hook that measures it for every name
+    (each hook is a trip from autograd into Python). Checked on the tensors themselves, and
+    the shared measurements equal those of each name probed alone."""
+    model, x = model_of(3), tokens(3)
+    seen = {}
+
+    def keep(name):
+        def hook(module, inputs, output):
+            seen[name] = len(output._backward_hooks or {})
+        return hook
+
+    with probe(model) as run:
+        # registered after the probe's own hooks, so they see what the probe put on the tensors
+        hs = [model.get_submodule(n).register_forward_hook(keep(n)) for n in
+              ("layers.0.attn", "layers.0.attn.output_proj", "layers.0.ln1", "layers.1.ffn", "layers.1.ffn.w2")]
+        step(model, x)
+        for h in hs:
+            h.remove()
+    assert seen == {n: 1 for n in seen} and len(seen) == 5
+    t = run.stats.tensors
+    for name in ("layers.0.attn", "layers.0.attn.output_proj", "layers.1.ffn", "layers.1.ffn.w2", "layers.0.ln1"):
+        model.zero_grad(set_to_none=True)
+        with probe(model, ProbeOptions(modules=(name,))) as alone:
+            step(model, x)
+        a = alone.stats
+        assert a.tensors[(name, "backward")].vector() == pytest.approx(t[(name, "backward")].vector(), rel=1e-12)
+    assert a.norm_back["layers.0.ln1"].vector() == pytest.approx(run.stats.norm_back["layers.0.ln1"].vector(), rel=1e-12)
+    # negative control: the branch and its projection are one tensor, the block output another
+    assert t[("layers.0.attn", "backward")].vector() == t[("layers.0.attn.output_proj", "backward")].vector()
+    assert t[("layers.0", "backward")].vector() != t[("layers.0.attn", "backward")].vector()

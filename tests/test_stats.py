@@ -7,6 +7,7 @@ CPU probe uses) and on the plain torch path (other devices, or ``TINYLM_FUSED=0`
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,9 @@ from diagnostics.stats import (
     AttnMoments,
     Moments,
     ProbeStats,
+    merge_attention_vectors,
     merge_vectors,
+    reduce,
     summarize,
     summarize_attention,
     summarize_cosine,
@@ -121,6 +124,27 @@ def test_python_merge_equals_tensor_merge_bit_for_bit():
     py = Moments.from_vector(va.tolist()).merge(Moments.from_vector(vb.tolist()))
     t = Moments.from_vector(merge_vectors(va, vb).tolist())
     assert py.vector() == t.vector()
+
+
+def test_reduce_keeps_the_container_of_its_path_and_merges_like_tensors(path):
+    """reduce gives numpy on the compiled path (no conversion per hook) and a tensor on the torch
+    path; merge_vectors and merge_attention_vectors give the same numbers for either container,
+    including a merge with an empty summary (n = 0: mean 0, M2 the sum)."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(3000, generator=g) * 2 + 1, torch.randn(500, generator=g) - 3
+    va, vb = reduce(a), reduce(b)
+    assert isinstance(va, np.ndarray if path == "fused" else torch.Tensor)
+    want = merge_vectors(summarize(a), summarize(b)).tolist()
+    got = merge_vectors(va, vb)
+    assert type(got) is type(va) and got.tolist() == want
+    assert merge_vectors(np.asarray(va), torch.as_tensor(vb)).tolist() == want  # mixed containers
+    empty = reduce(torch.zeros(0))
+    assert merge_vectors(empty, va).tolist() == merge_vectors(torch.as_tensor(empty), torch.as_tensor(va)).tolist()
+    assert merge_vectors(empty, va).tolist() == pytest.approx(list(va.tolist()), rel=1e-15)
+    pa = np.array([4.0, 1.5, 0.2, 0.7, 3.0, 1.0])
+    pb = np.array([6.0, 1.1, 0.4, 0.2, 5.0, 2.0])
+    assert merge_attention_vectors(pa, pb).tolist() == merge_attention_vectors(torch.from_numpy(pa), torch.from_numpy(pb)).tolist()
+    assert merge_attention_vectors(pa, pb)[3] == 0.2  # the smaller minimum entropy, not the larger
 
 
 def test_merge_is_associative_to_rounding():
