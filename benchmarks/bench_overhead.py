@@ -76,6 +76,30 @@ def _quartiles(xs: list[float]) -> str:
     return f"{q[0]:.3f}-{q[2]:.3f}"
 
 
+def _median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float, float] | None:
+    """(low, high, coverage): the distribution-free interval for the median of ``xs`` from
+    order statistics, [x_(k), x_(n+1-k)] with the largest k whose coverage 1 - 2 P(B <= k - 1),
+    B ~ Binomial(n, 1/2), is still at least ``level``; None when n is too small for one."""
+    from scipy.stats import binom
+
+    s, n = sorted(xs), len(xs)
+    k = 0
+    while binom.cdf(k, n, 0.5) <= (1 - level) / 2:
+        k += 1
+    if k == 0:
+        return None
+    return s[k - 1], s[n - k], 1 - 2 * binom.cdf(k - 1, n, 0.5)
+
+
+def _interval_text(xs: list[float]) -> str:
+    ci = _median_interval(xs)
+    if ci is None:
+        return "too few pairs for a 95% interval"
+    lo, hi, cover = ci
+    verdict = "met" if hi <= 1.10 else ("not met" if lo > 1.10 else "not resolved by this run")
+    return f"{cover:.1%} interval for the median {lo:.3f}-{hi:.3f}: target <= 1.10 {verdict}"
+
+
 def _steal_ms() -> float:
     """CPU time stolen by the hypervisor from all CPUs since boot, in ms (0 where not reported)."""
     try:
@@ -183,17 +207,20 @@ def main() -> int:
     if len(quiet) >= 5:
         print(f"ratio probed/bare       : {statistics.median(quiet):8.3f}  median over the {len(quiet)} quiet pairs "
               f"(steal <= {args.max_steal:.0f} ms per pass; target <= 1.10); quartiles {_quartiles(quiet)}")
+        print(f"                          {_interval_text(quiet)}")
     else:
         print(f"ratio probed/bare       : only {len(quiet)} of {args.repeats} pairs were quiet "
               f"(steal <= {args.max_steal:.0f} ms per pass): the machine is loaded; all pairs below")
     print(f"  all {args.repeats} pairs          : {statistics.median(pairs):8.3f}  median; quartiles {_quartiles(pairs)}; "
           f"ratio of medians {p / b:.3f}, of fastest {min(probed) / min(bare):.3f}")
+    print(f"                          {_interval_text(pairs)}")
     print(f"  CPU time, all pairs    : {statistics.median(cpu):8.3f}  median of probed/bare process CPU time; "
           f"quartiles {_quartiles(cpu)}")
     own = statistics.median(i for i, _ in inside)
     print(f"  inside the probe       : {own * 1000:8.1f} ms per pass (median; its hooks, reductions and exit, "
           f"timed by the probe itself), 1 + that / the pair's bare pass: "
           f"{1 + statistics.median(r for _, r in inside):.3f} (quartiles {_quartiles([1 + r for _, r in inside])})")
+    print(f"                          {_interval_text([1 + r for _, r in inside])}")
     if plain:
         q = statistics.median(plain)
         print(f"probed, torch-op path   : {q * 1000:8.1f} ms (median), ratio {q / b:.3f} to bare, "
