@@ -95,14 +95,18 @@ def summary_rows(x: np.ndarray | _torch.Tensor) -> tuple[np.ndarray, np.ndarray]
 
 
 def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels on ``x``'s entries, read in place: a tensor by its data pointer (the caller
-    checked it is a contiguous float32 CPU tensor without a pending negation), an array by
-    the address of its C-contiguous float32 flattening."""
+    """The kernels on ``x``'s entries, read in place: a tensor by its data pointer (it must be a
+    contiguous float32 CPU tensor without a pending negation: anything else, e.g. an expanded
+    view whose entries are fewer than its size, is refused), an array by the address of its
+    C-contiguous float32 flattening."""
     if isinstance(x, np.ndarray):
         x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the kernel's read
         if x.dtype != np.float32:
             raise TypeError(f"fused kernels read float32, got {x.dtype}")
         n, addr = x.size, x.ctypes.data
+    elif x.dtype != _torch.float32 or not x.is_cpu or not x.is_contiguous() or x.is_neg():
+        raise TypeError(f"fused kernels read a contiguous float32 CPU tensor, got {x.dtype} on {x.device}"
+                        f"{'' if x.is_contiguous() else ', strided'}{', negated view' if x.is_neg() else ''}")
     else:
         n, addr = x.numel(), x.data_ptr()
     if n == 0:

@@ -154,7 +154,7 @@ def reduce_rows(x: Tensor) -> tuple[np.ndarray | Tensor, Tensor]:
     if _fusable(x) and x.shape[-1] > 0:
         vec, rowsq = fused.summary_rows(_as_f32(x))
         return vec, torch.from_numpy(rowsq / x.shape[-1]).float()
-    return _summarize_torch(x, None, None), row_mean_square(x)
+    return reduce(x), row_mean_square(x)
 
 
 @torch.no_grad()
@@ -349,7 +349,7 @@ def reduce_probs(probs: Tensor, fill: float | None = None) -> tuple[np.ndarray |
         v = fused.summary(_as_f32(p), p.shape[-1], probs=True)
         return v[:len(FIELDS)], v[len(FIELDS):]
     valid = causal_mask(p.shape[-1], p.device) if p.dim() >= 2 and p.shape[-1] == p.shape[-2] else None
-    return _summarize_torch(p, valid, fill), _attention_torch(p)
+    return reduce(p, valid, fill), _attention_torch(p)
 
 
 @torch.no_grad()

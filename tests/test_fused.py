@@ -192,3 +192,9 @@ def test_a_tensor_is_read_in_place_like_its_array():
     assert fused.summary(x).tolist() != fused.summary(x + 1).tolist()
     with pytest.raises(TypeError, match="float32"):
         fused.summary(a.astype(np.float64))
+    # a tensor is read at its pointer only when its memory is its values, in order
+    negated = torch._neg_view(x)  # what a real tensor's pending negation looks like
+    assert negated.is_neg()
+    for bad in (x.double(), x[:, ::2], torch.randn(1, 33).expand(1000, 33), negated):
+        with pytest.raises(TypeError, match="contiguous float32"):
+            fused.summary(bad)
