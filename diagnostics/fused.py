@@ -40,10 +40,13 @@ import os
 import numpy as np
 import torch as _torch
 
-__all__ = ["available", "summary", "summary_rows", "PARALLEL_MIN"]
+__all__ = ["available", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
+
+#: Tensor dtypes the kernels take (float32, and the formats that convert to it exactly).
+DTYPES = frozenset((_torch.float32, _torch.bfloat16, _torch.float16))
 
 _kernels = None
 _checked: bool | None = None
@@ -74,7 +77,8 @@ def _build():
 
 
 def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:
-    """The summary of a C-contiguous float32 array or CPU tensor: float64, laid out as FIELDS of
+    """The summary of a C-contiguous float32 array or a CPU tensor of :data:`DTYPES` (any layout:
+    see :func:`_readable`): float64, laid out as FIELDS of
     :mod:`diagnostics.stats`, followed, when ``probs``, by its ATTN_FIELDS.
 
     ``width`` None: every entry. ``width`` = T: ``x`` holds causal T x T matrices and only
@@ -88,26 +92,36 @@ def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool
 
 def summary_rows(x: np.ndarray | _torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """(summary, sum of squares of each row): :func:`summary` of every entry of the C-contiguous
-    float32 array or CPU tensor ``x`` (at least 1-D), and, from the same read, sum x^2 over its
+    float32 array or CPU tensor (as for :func:`summary`) ``x`` (at least 1-D), and, from the same read, sum x^2 over its
     last dimension (float64, shape ``x.shape[:-1]``)."""
     out, rowsq = _run(x, 0, max(x.shape[-1], 1), False)
     return out, rowsq.reshape(x.shape[:-1])
 
 
+def _readable(x: _torch.Tensor) -> _torch.Tensor:
+    """CPU tensor ``x`` as a contiguous float32 tensor whose memory holds its values in order,
+    the one the kernels read at its pointer: a copy only when it must convert (bf16/fp16,
+    exactly; a strided or expanded view; a pending negation). Other devices and dtypes (a
+    float64 tensor would lose digits) are refused."""
+    if not x.is_cpu or x.dtype not in DTYPES:
+        raise TypeError(f"fused kernels read CPU float32, bfloat16 or float16 tensors, got {x.dtype} on {x.device}")
+    if x.dtype != _torch.float32:
+        x = x.float()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return x.resolve_neg() if x.is_neg() else x
+
+
 def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels on ``x``'s entries, read in place: a tensor by its data pointer (it must be a
-    contiguous float32 CPU tensor without a pending negation: anything else, e.g. an expanded
-    view whose entries are fewer than its size, is refused), an array by the address of its
-    C-contiguous float32 flattening."""
+    """The kernels on ``x``'s entries, read in place: a tensor at its data pointer (after
+    :func:`_readable`), an array at the address of its C-contiguous float32 flattening."""
     if isinstance(x, np.ndarray):
         x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the kernel's read
         if x.dtype != np.float32:
             raise TypeError(f"fused kernels read float32, got {x.dtype}")
         n, addr = x.size, x.ctypes.data
-    elif x.dtype != _torch.float32 or not x.is_cpu or not x.is_contiguous() or x.is_neg():
-        raise TypeError(f"fused kernels read a contiguous float32 CPU tensor, got {x.dtype} on {x.device}"
-                        f"{'' if x.is_contiguous() else ', strided'}{', negated view' if x.is_neg() else ''}")
     else:
+        x = _readable(x)  # kept alive below, for the kernel's read
         n, addr = x.numel(), x.data_ptr()
     if n == 0:
         return np.zeros(16 if probs else 10), np.zeros(0)

@@ -225,16 +225,17 @@ def _as_lists(store: dict) -> dict:
 
 
 class ProbeRun:
-    """The live state of one probe; ``stats`` converts the accumulated tensors once and caches."""
+    """The live state of one probe; ``stats`` converts the accumulated vectors once and caches."""
 
     def __init__(self, model: nn.Module, options: ProbeOptions):
         self.model, self.options = model, options
         self.active = False
-        self._vec: dict[tuple[str, str], Tensor] = {}
-        self._attn: dict[str, Tensor] = {}
-        self._cos: dict[str, Tensor] = {}
-        self._inv: dict[str, Tensor] = {}
-        self._normb: dict[str, Tensor] = {}
+        # the stores hold vectors as stats.reduce gives them: numpy (compiled path) or tensors
+        self._vec: dict[tuple[str, str], np.ndarray | Tensor] = {}
+        self._attn: dict[str, np.ndarray | Tensor] = {}
+        self._cos: dict[str, np.ndarray | Tensor] = {}
+        self._inv: dict[str, np.ndarray | Tensor] = {}
+        self._normb: dict[str, np.ndarray | Tensor] = {}
         self._tinylm = _is_tinylm(model)
         self._last: dict[str, tuple] = {}  # direction -> (weak ref, identity, summary) of the last tensor summarized
         self._recent_ms: list[tuple] = []  # (weak ref, identity, per-row mean square) of the last few tensors
@@ -249,8 +250,9 @@ class ProbeRun:
         self._stats: ProbeStats | None = None
 
     # -- accumulation (called from hooks; no host sync) --
-    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str, rows: bool = False) -> Tensor:
-        """summarize(t), or the summary of the hook that ran just before in this direction when
+    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str, rows: bool = False
+                 ) -> np.ndarray | Tensor:
+        """reduce(t), or the summary of the hook that ran just before in this direction when
         that was the very same tensor, unchanged: the attention branch is output_proj's output
         and the FFN branch w2's, forward and backward, and backward the gradient that reaches a
         block's output (or its mid-point) passes unchanged to the branch added there. The last
@@ -292,7 +294,7 @@ class ProbeRun:
                 and kind in ("residual", "resid_mid", "embedding")
         return kind == "norm" and self.options.backward and t.dim() >= 1
 
-    def _add(self, store: dict, key, vec: Tensor, merge) -> None:
+    def _add(self, store: dict, key, vec: np.ndarray | Tensor, merge) -> None:
         store[key] = merge(store[key], vec) if key in store else vec
         self._stats = None
 

@@ -122,9 +122,9 @@ def reduce(x: Tensor, valid: Tensor | None = None, fill: float | None = None) ->
     x = x.detach()
     if _fusable(x):
         if valid is None:
-            return fused.summary(_as_f32(x))
+            return fused.summary(x)
         if _is_causal(valid, x):
-            return fused.summary(_as_f32(x), x.shape[-1])
+            return fused.summary(x, x.shape[-1])
     return _summarize_torch(x, valid, fill)
 
 
@@ -152,7 +152,7 @@ def reduce_rows(x: Tensor) -> tuple[np.ndarray | Tensor, Tensor]:
     """:func:`summarize_rows` with the summary as :func:`reduce` gives it."""
     x = x.detach()
     if _fusable(x) and x.shape[-1] > 0:
-        vec, rowsq = fused.summary_rows(_as_f32(x))
+        vec, rowsq = fused.summary_rows(x)
         return vec, torch.from_numpy(rowsq / x.shape[-1]).float()
     return reduce(x), row_mean_square(x)
 
@@ -201,24 +201,11 @@ def _summarize_torch(x: Tensor, valid: Tensor | None, fill: float | None) -> Ten
     return const + _assemble(dev) @ raw
 
 
-_FUSED_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
-
-
 def _fusable(x: Tensor) -> bool:
     """Whether :mod:`diagnostics.fused` reduces ``x`` (CPU, 16/32-bit float, numba present).
     (Attribute reads only: this runs for every tensor a hook reduces, when the interpreter is
     out of the caches; ``x.device`` builds an object.)"""
-    return x.is_cpu and x.dtype in _FUSED_DTYPES and x.ndim > 0 and fused.available()
-
-
-def _as_f32(x: Tensor) -> Tensor:
-    """CPU tensor ``x`` as a contiguous float32 tensor whose memory holds its values (a copy only
-    when it must convert: another dtype, a strided view, a pending negation)."""
-    if x.dtype != torch.float32:
-        x = x.float()
-    if not x.is_contiguous():
-        x = x.contiguous()
-    return x.resolve_neg() if x.is_neg() else x
+    return x.is_cpu and x.dtype in fused.DTYPES and x.ndim > 0 and fused.available()
 
 
 _TRIL: dict[tuple[int, torch.device], Tensor] = {}
@@ -346,7 +333,7 @@ def reduce_probs(probs: Tensor, fill: float | None = None) -> tuple[np.ndarray |
     """:func:`summarize_probs` with both vectors as :func:`reduce` gives them."""
     p = probs.detach()
     if p.dim() >= 2 and p.shape[-1] == p.shape[-2] and _fusable(p):
-        v = fused.summary(_as_f32(p), p.shape[-1], probs=True)
+        v = fused.summary(p, p.shape[-1], probs=True)
         return v[:len(FIELDS)], v[len(FIELDS):]
     valid = causal_mask(p.shape[-1], p.device) if p.dim() >= 2 and p.shape[-1] == p.shape[-2] else None
     return reduce(p, valid, fill), _attention_torch(p)

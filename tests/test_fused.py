@@ -192,9 +192,14 @@ def test_a_tensor_is_read_in_place_like_its_array():
     assert fused.summary(x).tolist() != fused.summary(x + 1).tolist()
     with pytest.raises(TypeError, match="float32"):
         fused.summary(a.astype(np.float64))
-    # a tensor is read at its pointer only when its memory is its values, in order
+    # a tensor whose memory is not its values in order is read from its contiguous float32
+    # copy (an expanded view has fewer entries than its size: reading it at its pointer would
+    # run past the storage); a dtype that would lose digits, or another device, is refused
     negated = torch._neg_view(x)  # what a real tensor's pending negation looks like
     assert negated.is_neg()
-    for bad in (x.double(), x[:, ::2], torch.randn(1, 33).expand(1000, 33), negated):
-        with pytest.raises(TypeError, match="contiguous float32"):
-            fused.summary(bad)
+    for odd in (x[:, ::2], torch.randn(1, 33).expand(1000, 33), negated, x.to(torch.bfloat16)):
+        plain = torch.tensor(odd.float().tolist())
+        assert fused.summary(odd).tolist() == fused.summary(plain).tolist()
+        assert [r.tolist() for r in fused.summary_rows(odd)] == [r.tolist() for r in fused.summary_rows(plain)]
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        fused.summary(x.double())
