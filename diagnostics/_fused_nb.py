@@ -25,8 +25,6 @@ F32 = np.float32
 ABS = np.uint32(0x7FFFFFFF)
 #: entries per segment of a flat tensor (16 KiB of float32: fits the L1 cache)
 SEG = 4096
-#: entropies of probability rows are summed in float32 over at most this many entries
-CH = 256
 #: raw row of one segment: n, finite, mean, m2, max |x|, nonzero, |x| < 2^-14, finite |x| >= 2^16,
 #: |x| < 2^-126, finite |x| >= 2^127 (zeros are in both small counts)
 NRAW = 10
@@ -77,6 +75,11 @@ VI = ir.VectorType(I32, LANES)
 VF = ir.VectorType(ir.FloatType(), LANES)
 VD = ir.VectorType(ir.DoubleType(), LANES)
 MASK = ir.VectorType(ir.IntType(1), LANES)
+#: how far ahead (bytes) the reading loops ask for the data they will read: in a hook the
+#: tensor was written before other work and is read from memory, and the hardware prefetcher
+#: alone leaves the loop waiting (benchmarks/bench_cold_read.py: the kernels against a plain
+#: torch.sum of tensors just made by their op)
+AHEAD = 4096
 
 
 def _fn(builder, name, ret, *args):
@@ -93,23 +96,38 @@ def _ints(v):
     return ir.Constant(VI, [int(v)] * LANES)
 
 
-def _rows(builder, ary, T, D, body, row_end=None):
+def _rows(builder, ary, T, D, body, row_end=None, prefetch=False):
     """Call body(bits, mask) for each vector of each row, then row_end(t) (mask None: all
     lanes; else the <LANES x i1> lanes in the row, the others loaded as 0). Rows: causal
     (T > 0), row t the first t + 1 entries of row t of a T x T matrix; flat, consecutive rows
-    of D entries (D = the size: one row)."""
+    of D entries (D = the size: one row). ``prefetch``: each full vector also asks for the
+    line :data:`AHEAD` bytes further on (causal: the same columns as many rows further down, a
+    line the loop will read), so that a tensor read from memory arrives before it is needed."""
     n = builder.extract_value(ary.shape, 0)
     causal = builder.icmp_signed(">", T, ir.Constant(T.type, 0))
     stride = builder.select(causal, T, D)
     nrows = builder.select(causal, T, builder.sdiv(n, D))
     step = ir.Constant(n.type, LANES)
     load = _fn(builder, f"llvm.masked.load.v{LANES}i32.p0", VI, VI.as_pointer(), I32, MASK, VI)
+    if prefetch:
+        i8p = ir.IntType(8).as_pointer()
+        pf = _fn(builder, "llvm.prefetch.p0", ir.VoidType(), i8p, I32, I32, I32)
+        entries = ir.Constant(n.type, AHEAD // 4)
+        # causal: whole rows ahead, at least AHEAD bytes (rows t + k of a matrix exist for all
+        # but the last k rows; past them the line is the next matrix's, or past the tensor,
+        # which a prefetch may name: it never faults)
+        down = builder.mul(builder.add(builder.sdiv(builder.sub(entries, ir.Constant(n.type, 1)), builder.select(
+            causal, T, ir.Constant(n.type, 1))), ir.Constant(n.type, 1)), T)
+        ahead = builder.select(causal, down, entries)
     with cgutils.for_range(builder, nrows) as loop:
         t = loop.index
         row = builder.gep(ary.data, [builder.mul(t, stride)])
         length = builder.select(causal, builder.add(t, ir.Constant(t.type, 1)), D)
         full = builder.and_(length, ir.Constant(n.type, -LANES))
         with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), full, step) as (i, _):
+            if prefetch:
+                builder.call(pf, [builder.bitcast(builder.gep(row, [builder.add(i, ahead)]), i8p),
+                                  ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
             body(builder.load(builder.bitcast(builder.gep(row, [i]), VI.as_pointer()), align=4), None)
         with builder.if_then(builder.icmp_signed("<", full, length)):
             lanes = builder.add(ir.Constant(VI, list(range(LANES))), _splat(builder, builder.trunc(full, I32), VI))
@@ -164,7 +182,7 @@ def _screen(rows):
             builder.store(total, builder.gep(out.data, [t]))
             builder.store(zeros, rsq)
 
-        _rows(builder, ary, args[1], args[2], body, row_end if rows else None)
+        _rows(builder, ary, args[1], args[2], body, row_end if rows else None, prefetch=True)
         s1 = builder.call(add, [ir.Constant(f64, 0.0), builder.load(a1)], fastmath=("reassoc",))
         s2 = builder.call(add, [ir.Constant(f64, 0.0), builder.load(a2)], fastmath=("reassoc",))
         top = builder.call(_fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, VI), [builder.load(hi)])
@@ -215,22 +233,27 @@ def small(typingctx, xb, T):
 
 
 @intrinsic
-def entropy(typingctx, pb):
-    """-sum p ln p over probabilities p (float32 sums in LANES lanes, added at the end), and the
-    bits of the largest p.
+def entropy_rows(typingctx, pb, T, hrow, toprow):
+    """For each row t of the causal T x T matrix of probabilities ``pb`` (see :func:`_rows`):
+    hrow[t] = -sum p ln p (float64 sums of float32 terms) and toprow[t] = the bits of its
+    largest p.
 
     ln p = k ln 2 + ln(1 + u) with p = (1 + u) 2^k, 1 + u in [sqrt(1/2), sqrt(2)): k is read
-    off the bits of p / sqrt(1/2), 1 + u is p with its exponent replaced. Entries below
-    2^-126 (and zeros) contribute 0. One row for :func:`_rows`: its last vector is loaded
-    under a mask (rows are short: a scalar remainder would cost as much as the rest).
+    off the bits of p / sqrt(1/2), 1 + u is p with its exponent replaced, and ln(1 + u) =
+    u P(u) with P evaluated by Estrin's scheme (a dependency chain of 4 operations instead of
+    Horner's 9: rows are short, and the loop waited on the chain). Entries below 2^-126 (and
+    zeros, and the lanes past a row) contribute 0. One loop over all rows, each row's sums
+    reduced and stored at its end.
     """
-    sig = types.Tuple((types.float64, types.uint32))(pb)
+    sig = types.void(pb, T, hrow, toprow)
 
     def codegen(context, builder, signature, args):
-        f32 = ir.FloatType()
+        f64 = ir.DoubleType()
         ary = context.make_array(signature.args[0])(context, builder, args[0])
-        n = builder.extract_value(ary.shape, 0)
-        h = cgutils.alloca_once_value(builder, ir.Constant(VF, [0.0] * LANES))
+        hout = context.make_array(signature.args[2])(context, builder, args[2])
+        tout = context.make_array(signature.args[3])(context, builder, args[3])
+        zeros = ir.Constant(VD, [0.0] * LANES)
+        h = cgutils.alloca_once_value(builder, zeros)
         hi = cgutils.alloca_once_value(builder, _ints(0))
         fma = _fn(builder, f"llvm.fma.v{LANES}f32", VF, VF, VF, VF)
         umax = _fn(builder, f"llvm.umax.v{LANES}i32", VI, VI, VI)
@@ -239,34 +262,66 @@ def entropy(typingctx, pb):
         def body(b, mask):  # lanes past the row hold 0: below 2^-126, they add nothing
             k = builder.ashr(builder.sub(b, _ints(0x3F3504F3)), _ints(23))
             u = builder.fsub(builder.bitcast(builder.sub(b, builder.shl(k, _ints(23))), VF), const(1.0))
-            poly = const(P9)
-            for c in (P8, P7, P6, P5, P4, P3, P2, P1, P0):
-                poly = builder.call(fma, [poly, u, const(c)])
+            u2 = builder.fmul(u, u)
+            u4 = builder.fmul(u2, u2)
+            a = [builder.call(fma, [const(c1), u, const(c0)]) for c0, c1 in ((P0, P1), (P2, P3), (P4, P5), (P6, P7), (P8, P9))]
+            low = builder.call(fma, [a[1], u2, a[0]])
+            mid = builder.call(fma, [a[3], u2, a[2]])
+            poly = builder.call(fma, [builder.call(fma, [a[4], u4, mid]), u4, low])
             ln = builder.call(fma, [builder.sitofp(k, VF), const(LN2), builder.fmul(u, poly)])
             term = builder.fmul(builder.bitcast(b, VF), ln)
             keep = builder.icmp_unsigned(">=", b, _ints(E1))
-            builder.store(builder.fsub(builder.load(h), builder.select(keep, term, const(0.0))), h)
+            wide = builder.fpext(builder.select(keep, term, const(0.0)), VD)
+            builder.store(builder.fsub(builder.load(h), wide), h)
             builder.store(builder.call(umax, [builder.load(hi), builder.and_(b, _ints(ABS))]), hi)
 
-        _rows(builder, ary, ir.Constant(n.type, 0), n, body)
-        add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f32", f32, f32, VF)
-        total = builder.call(add, [ir.Constant(f32, 0.0), builder.load(h)], fastmath=("reassoc",))
-        top = builder.call(_fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, VI), [builder.load(hi)])
-        return context.make_tuple(builder, signature.return_type, [builder.fpext(total, ir.DoubleType()), top])
+        add = _fn(builder, f"llvm.vector.reduce.fadd.v{LANES}f64", f64, f64, VD)
+        top = _fn(builder, f"llvm.vector.reduce.umax.v{LANES}i32", I32, VI)
+
+        def row_end(t):
+            total = builder.call(add, [ir.Constant(f64, 0.0), builder.load(h)], fastmath=("reassoc",))
+            builder.store(total, builder.gep(hout.data, [t]))
+            builder.store(builder.call(top, [builder.load(hi)]), builder.gep(tout.data, [t]))
+            builder.store(zeros, h)
+            builder.store(_ints(0), hi)
+
+        _rows(builder, ary, args[1], args[1], body, row_end, prefetch=True)
+        return context.get_dummy_value()
     return sig, codegen
 
 
-@njit(cache=True)
-def row_panel(pb):
-    """The entropy of one row of probabilities (float32 sums over chunks of CH entries, added in
-    float64) and the bits of its largest entry."""
-    h = 0.0
-    top = np.uint32(0)
-    for c in range(0, pb.size, CH):
-        hc, tc = entropy(pb[c:min(c + CH, pb.size)])
-        h += hc
-        top = max(top, tc)
-    return h, top
+@intrinsic
+def add_scaled(typingctx, xb, scale, acc):
+    """acc += scale * x over the float32 bits ``xb`` (a row; float64 products and sums), in
+    LANES-wide vectors, the last loaded and stored under a mask."""
+    sig = types.void(xb, scale, acc)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        out = context.make_array(signature.args[2])(context, builder, args[2])
+        n = builder.extract_value(ary.shape, 0)
+        k = _splat(builder, args[1], VD)
+        fma = _fn(builder, f"llvm.fma.v{LANES}f64", VD, VD, VD, VD)
+        load = _fn(builder, f"llvm.masked.load.v{LANES}i32.p0", VI, VI.as_pointer(), I32, MASK, VI)
+        loadd = _fn(builder, f"llvm.masked.load.v{LANES}f64.p0", VD, VD.as_pointer(), I32, MASK, VD)
+        stored = _fn(builder, f"llvm.masked.store.v{LANES}f64.p0", ir.VoidType(), VD, VD.as_pointer(), I32, MASK)
+        full = builder.and_(n, ir.Constant(n.type, -LANES))
+        with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), full, ir.Constant(n.type, LANES)) as (i, _):
+            x = builder.fpext(builder.bitcast(builder.load(builder.bitcast(builder.gep(ary.data, [i]), VI.as_pointer()),
+                                                           align=4), VF), VD)
+            ptr = builder.bitcast(builder.gep(out.data, [i]), VD.as_pointer())
+            builder.store(builder.call(fma, [x, k, builder.load(ptr, align=8)]), ptr, align=8)
+        with builder.if_then(builder.icmp_signed("<", full, n)):
+            lanes = builder.add(ir.Constant(VI, list(range(LANES))), _splat(builder, builder.trunc(full, I32), VI))
+            mask = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(n, I32), VI))
+            bits = builder.call(load, [builder.bitcast(builder.gep(ary.data, [full]), VI.as_pointer()),
+                                       ir.Constant(I32, 4), mask, _ints(0)])
+            ptr = builder.bitcast(builder.gep(out.data, [full]), VD.as_pointer())
+            a = builder.call(loadd, [ptr, ir.Constant(I32, 8), mask, ir.Constant(VD, [0.0] * LANES)])
+            x = builder.fpext(builder.bitcast(bits, VF), VD)
+            builder.call(stored, [builder.call(fma, [x, k, a]), ptr, ir.Constant(I32, 8), mask])
+        return context.get_dummy_value()
+    return sig, codegen
 
 
 # -- one segment: a flat block, or one causal T x T matrix --
@@ -319,17 +374,19 @@ def segment(xb, T, D, K, out, att, rowsq):
     rows = 1 if T == 0 else T
     n = xb.size if T == 0 else T * (T + 1) // 2
     if att.size > 0:
+        hs = np.empty(T)
+        tops = np.empty(T, np.uint32)
+        entropy_rows(xb, T, hs, tops)
         h1 = h2 = 0.0
         hmin = np.inf
         sat = 0
         for t in range(T):
-            lo, hi = span(xb.size, T, t)
-            h, tp = row_panel(xb[lo:hi])
+            h = hs[t]
             h1 += h
             h2 += h * h
             if t >= 1:
                 hmin = min(hmin, h)
-                sat += as_f32(tp) > SATURATED
+                sat += as_f32(tops[t]) > SATURATED
         att[0] = T
         att[1] = h1
         att[2] = h2
@@ -391,11 +448,24 @@ def width_of(T, D):
 
 
 @njit(cache=True)
-def segments(xb, T, D, r0, r1, res, att, rowsq):
+def unit_sums(xb, D, S, row0, rowsq, units):
+    """Add each row of D entries of ``xb`` (rows row0, row0 + 1, ... of the tensor), divided by
+    its norm sqrt(rowsq), to the float64 sum ``units[b]`` of its sequence b (S rows each). A
+    zero row adds nothing; a row with a non-finite entry makes its sequence's sum NaN. The rows
+    were just read for their sums of squares: this reads them again from the L1 cache."""
+    for i in range(xb.size // D):
+        q = rowsq[i]
+        if q != 0.0:
+            add_scaled(xb[i * D:(i + 1) * D], 1.0 / math.sqrt(q), units[(row0 + i) // S])
+
+
+@njit(cache=True)
+def segments(xb, T, D, r0, r1, res, att, rowsq, S, units):
     """Fill res[r] (and att[r], and the rows' sums of squares) for segments r0 <= r < r1 of
     :func:`width_of` entries (the last: what is left). Each segment is shifted by the mean of
     the one before it (the first: by its first entry, or 0 if that is not finite), so that
-    homogeneous data is summed about a shift near its mean."""
+    homogeneous data is summed about a shift near its mean. With sequences of S > 1 rows,
+    each row's unit vector is added to its sequence's sum in ``units`` (:func:`unit_sums`)."""
     if r1 <= r0:
         return
     width = width_of(T, D)
@@ -404,7 +474,10 @@ def segments(xb, T, D, r0, r1, res, att, rowsq):
     for r in range(r0, r1):
         lo = r * width
         hi = min(lo + width, xb.size)
-        segment(xb[lo:hi], T, D, K, res[r], att[r], rowsq[r * per:r * per + (hi - lo) // D] if D > 0 else rowsq)
+        sq = rowsq[r * per:r * per + (hi - lo) // D] if D > 0 else rowsq
+        segment(xb[lo:hi], T, D, K, res[r], att[r], sq)
+        if S > 1:
+            unit_sums(xb[lo:hi], D, S, r * per, sq, units)
         K = res[r, 2] if res[r, 1] > 0 else K
 
 
@@ -462,35 +535,67 @@ def layout(n, T, D, probs):
 
 
 @njit(cache=True)
-def reduce_serial(xb, T, D, probs):
-    """(summary, rowsq): the summary (FIELDS, then ATTN_FIELDS when ``probs``) of the float32
-    bits ``xb``: all of them (T = 0), or the causal entries of T x T matrices; and, for flat
-    rows of D > 0 entries, each row's sum of x^2 (else empty)."""
-    nseg, res, att, rowsq = layout(xb.size, T, D, probs)
-    segments(xb, T, D, 0, nseg, res, att, rowsq)
-    return finish(res, att), rowsq
-
-
-@njit(parallel=True, cache=True)
-def reduce_parallel(xb, T, D, probs, threads):
-    """reduce_serial, the segments split over ``threads`` numba threads."""
-    nseg, res, att, rowsq = layout(xb.size, T, D, probs)
-    for c in prange(threads):
-        segments(xb, T, D, c * nseg // threads, (c + 1) * nseg // threads, res, att, rowsq)
-    return finish(res, att), rowsq
+def cosines(units, S):
+    """The summary (FIELDS) of each sequence's mean cosine similarity between its different rows,
+    from ``units`` (threads, sequences, D): per thread, each sequence's sum of the unit vectors
+    u_t = x_t / |x_t| of the rows it read. |sum_t u_t|^2 = S + the sum over the S (S - 1)
+    ordered pairs s != t of cos(x_s, x_t). The cosines are rounded to float32 and summarised
+    as the torch path (:func:`diagnostics.stats.summarize_cosine`) summarises them."""
+    cos = np.empty(units.shape[1], np.float32)
+    for b in range(cos.size):
+        u = units[0, b].copy()
+        for c in range(1, units.shape[0]):
+            u += units[c, b]
+        cos[b] = ((u * u).sum() - S) / (S * (S - 1))
+    nseg, res, att, rowsq = layout(cos.size, 0, 0, False)
+    none = np.zeros((0, 0))
+    segments(cos.view(np.uint32), 0, 0, 0, nseg, res, att, rowsq, 0, none)
+    return finish(res, att)
 
 
 @njit(cache=True)
-def serial_at(addr, n, T, D, probs):
+def units_for(n, D, S, threads):
+    """Zeroed (threads, sequences, D) sums of unit vectors for sequences of S > 1 rows of D
+    entries, else an empty array."""
+    if S < 2:
+        return np.zeros((threads, 0, 0))
+    return np.zeros((threads, n // (D * S), D))
+
+
+@njit(cache=True)
+def reduce_serial(xb, T, D, probs, S):
+    """(summary, rowsq, cosine): the summary (FIELDS, then ATTN_FIELDS when ``probs``) of the
+    float32 bits ``xb``: all of them (T = 0), or the causal entries of T x T matrices; for flat
+    rows of D > 0 entries, each row's sum of x^2 (else empty); and, for sequences of S > 1 such
+    rows, the summary of their :func:`cosines` (else empty)."""
+    nseg, res, att, rowsq = layout(xb.size, T, D, probs)
+    units = units_for(xb.size, D, S, 1)
+    segments(xb, T, D, 0, nseg, res, att, rowsq, S, units[0])
+    return finish(res, att), rowsq, cosines(units, S) if S > 1 else np.zeros(0)
+
+
+@njit(parallel=True, cache=True)
+def reduce_parallel(xb, T, D, probs, S, threads):
+    """reduce_serial, the segments split over ``threads`` numba threads (each with its own sums
+    of unit vectors, added at the end)."""
+    nseg, res, att, rowsq = layout(xb.size, T, D, probs)
+    units = units_for(xb.size, D, S, threads)
+    for c in prange(threads):
+        segments(xb, T, D, c * nseg // threads, (c + 1) * nseg // threads, res, att, rowsq, S, units[c])
+    return finish(res, att), rowsq, cosines(units, S) if S > 1 else np.zeros(0)
+
+
+@njit(cache=True)
+def serial_at(addr, n, T, D, probs, S):
     """:func:`reduce_serial` of the n float32 entries at address ``addr``. Taking an address
     rather than an array spares the caller a numpy view of its tensor: in a hook, where the
     interpreter runs out of the caches, that view, its reshape and the typing of an array
     argument cost more than a small tensor's reduction."""
-    return reduce_serial(carray(at(addr), n), T, D, probs)
+    return reduce_serial(carray(at(addr), n), T, D, probs, S)
 
 
 @njit(cache=True)
-def parallel_at(addr, n, T, D, probs, threads):
+def parallel_at(addr, n, T, D, probs, S, threads):
     """:func:`reduce_parallel` of the n float32 entries at address ``addr`` (a function apart
     from :func:`serial_at`, so that a program that reduces serially never starts the pool)."""
-    return reduce_parallel(carray(at(addr), n), T, D, probs, threads)
+    return reduce_parallel(carray(at(addr), n), T, D, probs, S, threads)

@@ -24,7 +24,10 @@ below 2^-14 (most gradients). Otherwise a second vector loop over the segment, s
 cache, counts them. Segments merge in float64 by Chan's rule (as
 :func:`diagnostics.stats.merge_vectors` merges runs), and the kernel returns the finished
 FIELDS vector. Attention probabilities also get their panel (entropy -sum p ln p of each
-row, with a polynomial logarithm, and its largest entry). Tensors of at least
+row, with a polynomial logarithm, and its largest entry), rows of a residual point their
+sums of squares and, per sequence, the sum of their unit vectors (the cosine between
+tokens). The loops that read a tensor first ask for the line 4 KiB ahead (a software
+prefetch): in a hook the tensor comes from memory. Tensors of at least
 :data:`PARALLEL_MIN` entries are split (whole segments) over as many numba threads as torch
 uses.
 
@@ -87,15 +90,23 @@ def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool
     saturated rows, max p > 0.99, over rows t >= 1).
     """
     causal = width is not None
-    return _run(x, width if causal else 0, 0, probs and causal)[0]
+    return _run(x, width if causal else 0, 0, probs and causal, 0)[0]
 
 
-def summary_rows(x: np.ndarray | _torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """(summary, sum of squares of each row): :func:`summary` of every entry of the C-contiguous
-    float32 array or CPU tensor (as for :func:`summary`) ``x`` (at least 1-D), and, from the same read, sum x^2 over its
-    last dimension (float64, shape ``x.shape[:-1]``)."""
-    out, rowsq = _run(x, 0, max(x.shape[-1], 1), False)
-    return out, rowsq.reshape(x.shape[:-1])
+def summary_rows(x: np.ndarray | _torch.Tensor, cosine: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(summary, sum of squares of each row, cosine): :func:`summary` of every entry of the
+    C-contiguous float32 array or CPU tensor (as for :func:`summary`) ``x`` (at least 1-D),
+    and, from the same read, sum x^2 over its last dimension (float64, shape ``x.shape[:-1]``).
+    ``cosine`` (``x`` at least 2-D: sequences of ``x.shape[-2]`` rows): the summary (FIELDS)
+    of each sequence's mean cosine similarity between its different rows, as
+    :func:`diagnostics.stats.summarize_cosine` defines it, summed in float64 (no values,
+    all zeros, for sequences of one row); else None."""
+    S = x.shape[-2] if cosine and x.ndim >= 2 else 0
+    out, rowsq, cos = _run(x, 0, max(x.shape[-1], 1), False, S)
+    if cosine:
+        cos = cos if cos.size else np.zeros(10)
+    return out, rowsq.reshape(x.shape[:-1]), cos if cosine else None
 
 
 def _readable(x: _torch.Tensor) -> _torch.Tensor:
@@ -112,9 +123,11 @@ def _readable(x: _torch.Tensor) -> _torch.Tensor:
     return x.resolve_neg() if x.is_neg() else x
 
 
-def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool) -> tuple[np.ndarray, np.ndarray]:
+def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool, S: int
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernels on ``x``'s entries, read in place: a tensor at its data pointer (after
-    :func:`_readable`), an array at the address of its C-contiguous float32 flattening."""
+    :func:`_readable`), an array at the address of its C-contiguous float32 flattening.
+    (summary, rows' sums of squares, cosine summary): see ``_fused_nb.reduce_serial``."""
     if isinstance(x, np.ndarray):
         x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the kernel's read
         if x.dtype != np.float32:
@@ -124,12 +137,12 @@ def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool) -> tuple[np
         x = _readable(x)  # kept alive below, for the kernel's read
         n, addr = x.numel(), x.data_ptr()
     if n == 0:
-        return np.zeros(16 if probs else 10), np.zeros(0)
+        return np.zeros(16 if probs else 10), np.zeros(0), np.zeros(0)
     k = _kernels or _build()
     threads = _torch.get_num_threads()
     if n < PARALLEL_MIN or threads <= 1:
-        return k.serial_at(addr, n, T, D, probs)
-    out = k.parallel_at(addr, n, T, D, probs, threads)
+        return k.serial_at(addr, n, T, D, probs, S)
+    out = k.parallel_at(addr, n, T, D, probs, S, threads)
     if _torch.get_num_threads() != threads:  # numba's OpenMP layer sets the runtime it shares with torch
         _torch.set_num_threads(threads)      # to its own thread count: put the caller's back
     return out

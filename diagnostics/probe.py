@@ -238,7 +238,7 @@ class ProbeRun:
         self._normb: dict[str, np.ndarray | Tensor] = {}
         self._tinylm = _is_tinylm(model)
         self._last: dict[str, tuple] = {}  # direction -> (weak ref, identity, summary) of the last tensor summarized
-        self._recent_ms: list[tuple] = []  # (weak ref, identity, per-row mean square) of the last few tensors
+        self._recent_ms: list[tuple] = []  # (weak ref, identity, per-row mean square, cosine or None) of the last few tensors
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
@@ -250,41 +250,49 @@ class ProbeRun:
         self._stats: ProbeStats | None = None
 
     # -- accumulation (called from hooks; no host sync) --
-    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str, rows: bool = False
-                 ) -> np.ndarray | Tensor:
+    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str, rows: bool = False,
+                 cosine: bool = False) -> np.ndarray | Tensor:
         """reduce(t), or the summary of the hook that ran just before in this direction when
         that was the very same tensor, unchanged: the attention branch is output_proj's output
         and the FFN branch w2's, forward and backward, and backward the gradient that reaches a
         block's output (or its mid-point) passes unchanged to the branch added there. The last
         tensor is held by a weak reference, so a live match cannot be a reused address.
-        ``rows``: the per-token mean squares are wanted next (:meth:`_row_ms`); they come
-        from the same read."""
+        ``rows``: the per-token mean squares (and, with ``cosine``, the cosine between tokens)
+        are wanted next (:meth:`_rows`); they come from the same read."""
         key = (t.data_ptr(), t._version, valid is None)  # the object itself is checked below
         last = self._last.get(direction)
         if last is not None and last[1] == key and last[0]() is t:
             return last[2]
         if rows:  # _wants_rows: a residual point or a norm's gradient, never masked
-            vec, ms = reduce_rows(t)
-            self._recent_ms = [(weakref.ref(t), key[:2], ms)] + self._recent_ms[:3]
+            vec, ms, cos = reduce_rows(t, cosine)
+            self._recent_ms = [(weakref.ref(t), key[:2], ms, cos)] + self._recent_ms[:3]
         else:
             vec = reduce(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
         self._last[direction] = (weakref.ref(t), key, vec)
         return vec
 
-    def _row_ms(self, t: Tensor) -> Tensor:
-        """row_mean_square(t), once per tensor: a block's output is the residual point, the next
-        block's (or the final) norm's input and, for the cosine, the rows' norms; resid_mid is
-        its tap and the second norm's input; backward, a norm output's gradient is reduced and
-        then weighs the norm's per-token factor. Usually the summary already read it
-        (``_summary(rows=True)``). The last few tensors are held by weak references, so a live
-        match is the same tensor, unchanged."""
+    def _rows(self, t: Tensor, cosine: bool = False) -> tuple[Tensor, np.ndarray | Tensor | None]:
+        """(row_mean_square(t), summarize_cosine(t) when ``cosine``), once per tensor: a block's
+        output is the residual point, the next block's (or the final) norm's input and the
+        cosine's rows; resid_mid is its tap and the second norm's input; backward, a norm
+        output's gradient is reduced and then weighs the norm's per-token factor. Usually the
+        summary already read them (``_summary(rows=True)``). The last few tensors are held by
+        weak references, so a live match is the same tensor, unchanged."""
         key = (t.data_ptr(), t._version)  # the object itself is checked below
-        for ref, k, ms in self._recent_ms:
+        for i, (ref, k, ms, cos) in enumerate(self._recent_ms):
             if k == key and ref() is t:
-                return ms
+                if cosine and cos is None:
+                    cos = summarize_cosine(t, ms)
+                    self._recent_ms[i] = (ref, k, ms, cos)
+                return ms, cos
         ms = row_mean_square(t)
-        self._recent_ms = [(weakref.ref(t), key, ms)] + self._recent_ms[:3]
-        return ms
+        cos = summarize_cosine(t, ms) if cosine else None
+        self._recent_ms = [(weakref.ref(t), key, ms, cos)] + self._recent_ms[:3]
+        return ms, cos
+
+    def _row_ms(self, t: Tensor) -> Tensor:
+        """row_mean_square(t), once per tensor (see :meth:`_rows`)."""
+        return self._rows(t)[0]
 
     def _wants_rows(self, kind: str, direction: str, t: Tensor) -> bool:
         """Whether the per-token mean squares of ``t`` are used next: forward, a tinylm residual
@@ -306,22 +314,21 @@ class ProbeRun:
             self.steps += 1
         valid = _causal_valid(out) if kind in _CAUSAL_KINDS else None
         rows = self._wants_rows(kind, "forward", out)
+        cosine = rows and kind != "resid_mid" and out.dim() >= 3  # a block's input or output
         if kind == "attn_probs" and self.options.attention and valid is not None:
             vec, panel = reduce_probs(out, _KNOWN_FILL.get((kind, "forward")) if self._tinylm else None)
             self._add(self._attn, name, panel, merge_attention_vectors)
         else:
-            vec = self._summary(out, valid, "forward", kind, rows=rows)
+            vec = self._summary(out, valid, "forward", kind, rows=rows, cosine=cosine)
             if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
                 self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
         self._add(self._vec, (name, "forward"), vec, merge_vectors)
         if rows:
             with torch.no_grad():
-                ms = self._row_ms(out)
-                if kind != "resid_mid" and out.dim() >= 3:
-                    self._add(self._cos, name, summarize_cosine(out, ms), merge_vectors)
+                ms, cos = self._rows(out, cosine)
+                if cosine:
+                    self._add(self._cos, name, cos, merge_vectors)
                 self._add(self._inv, name, reduce(1.0 / (ms + self.model.config.eps)), merge_vectors)
-        elif self.options.cosine and kind == "residual" and out.dim() >= 3:
-            self._add(self._cos, name, summarize_cosine(out), merge_vectors)
         if self.options.backward and out.requires_grad:
             self._targets(out).append((name, kind, None))
 

@@ -144,20 +144,23 @@ def row_mean_square(x: Tensor) -> Tensor:
 def summarize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """(:func:`summarize` of ``x``, :func:`row_mean_square` of ``x``): on the fused path both
     from one read (the mean squares summed in float64, returned as float32)."""
-    vec, ms = reduce_rows(x)
+    vec, ms, _ = reduce_rows(x)
     return as_tensor(vec), ms
 
 
-def reduce_rows(x: Tensor) -> tuple[np.ndarray | Tensor, Tensor]:
-    """:func:`summarize_rows` with the summary as :func:`reduce` gives it."""
+def reduce_rows(x: Tensor, cosine: bool = False
+                ) -> tuple[np.ndarray | Tensor, Tensor, np.ndarray | Tensor | None]:
+    """:func:`summarize_rows` with the summary as :func:`reduce` gives it, and, when ``cosine``,
+    :func:`summarize_cosine` of ``x`` (else None): on the fused path from the rows just read,
+    the sum of unit vectors kept in float64."""
     x = x.detach()
     if _fusable(x) and x.shape[-1] > 0:
-        vec, rowsq = fused.summary_rows(x)
-        return vec, torch.from_numpy(rowsq / x.shape[-1]).float()
-    return reduce(x), row_mean_square(x)
+        vec, rowsq, cos = fused.summary_rows(x, cosine)
+        return vec, torch.from_numpy(rowsq / x.shape[-1]).float(), cos
+    ms = row_mean_square(x)
+    return reduce(x), ms, summarize_cosine(x, ms) if cosine else None
 
 
-@torch.no_grad()
 def _summarize_torch(x: Tensor, valid: Tensor | None, fill: float | None) -> Tensor:
     """:func:`summarize` with torch ops (any device and dtype)."""
     if x.dtype not in (torch.float32, torch.float64):

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnostics import fused
-from diagnostics.stats import FIELDS, AttnMoments, Moments, summarize, summarize_attention, summarize_probs
+from diagnostics.stats import (FIELDS, AttnMoments, Moments, summarize, summarize_attention, summarize_cosine,
+                               summarize_probs)
 
 
 def rel(a: float, b: float) -> float:
@@ -96,7 +97,8 @@ def test_summary_rows_reads_the_summary_and_each_rows_sum_of_squares(shape):
     not a multiple of 16, longer than a segment, and tensors split over threads (negative
     control: the sums shifted by one row are not these)."""
     x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32) * 3 + 0.5
-    vec, rowsq = fused.summary_rows(x)
+    vec, rowsq, cos = fused.summary_rows(x)
+    assert cos is None  # only when asked for
     ref = fused.summary(x)
     assert vec[[0, 1, 4, 5, 6, 7, 8, 9]].tolist() == ref[[0, 1, 4, 5, 6, 7, 8, 9]].tolist()
     assert vec[2] == pytest.approx(ref[2], rel=1e-12) and vec[3] == pytest.approx(ref[3], rel=1e-12)
@@ -104,6 +106,44 @@ def test_summary_rows_reads_the_summary_and_each_rows_sum_of_squares(shape):
     assert rowsq.shape == want.shape
     np.testing.assert_allclose(rowsq, want, rtol=1e-12)
     assert not np.allclose(rowsq.reshape(-1)[:-1], want.reshape(-1)[1:])
+
+
+@pytest.mark.parametrize("shape", [(4, 256, 512), (3, 7, 16), (2, 300, 33), (5, 2, 1), (9, 40)])
+def test_cosine_from_the_rows_read_equals_the_torch_cosine(shape, monkeypatch):
+    """fused.summary_rows(cosine=True): the summary of each sequence's mean cosine between its
+    different rows equals summarize_cosine (torch: a float32 product) to float32 rounding of
+    the sums, for sequences split over threads, rows not a multiple of 16, one-entry rows and
+    a single 2-D sequence; a zero row counts as a zero vector on both paths; scaling each row
+    by its own positive factor changes nothing. Negative control: negating every other row
+    (a cosine's sign flips with one of its rows) gives other cosines."""
+    g = torch.Generator().manual_seed(len(shape) * 31 + shape[-1])
+    # a component shared by the tokens of a sequence, so that the cosines are far from 0
+    x = torch.randn(shape, generator=g) + torch.randn((*shape[:-2], 1, shape[-1]), generator=g)
+    if shape[-2] > 2:
+        x[..., -1, :] = 0.0
+    monkeypatch.setenv("TINYLM_FUSED", "0")
+    want = Moments.from_vector(summarize_cosine(x).tolist())
+    monkeypatch.setenv("TINYLM_FUSED", "1")
+    vec, rowsq, cos = fused.summary_rows(x, cosine=True)
+    got = Moments.from_vector(cos.tolist())
+    assert got.count == want.count == math.prod(shape[:-2])
+    assert got.mean == pytest.approx(want.mean, abs=1e-6)
+    assert got.var == pytest.approx(want.var, rel=1e-4, abs=1e-9)
+    assert got.max_abs == pytest.approx(want.max_abs, abs=1e-6)
+    scaled = x * torch.rand((*shape[:-1], 1), generator=g).add(0.1).mul(100)
+    same = Moments.from_vector(fused.summary_rows(scaled, cosine=True)[2].tolist())
+    assert same.mean == pytest.approx(got.mean, abs=1e-6)
+    sign = torch.ones(shape[-2], 1)
+    sign[1::2] = -1.0
+    flipped = Moments.from_vector(fused.summary_rows(x * sign, cosine=True)[2].tolist())
+    assert abs(flipped.mean - got.mean) > 1e-2
+
+
+def test_cosine_of_one_row_sequences_is_the_summary_of_nothing():
+    """Sequences of one row have no pair of different rows: the summary counts nothing."""
+    x = torch.randn(3, 1, 8)
+    assert fused.summary_rows(x, cosine=True)[2].tolist() == [0.0] * 10
+    assert fused.summary_rows(x[0, 0], cosine=True)[2].tolist() == [0.0] * 10
 
 
 def test_mean_far_above_the_spread_keeps_its_variance():
@@ -181,9 +221,10 @@ def test_a_tensor_is_read_in_place_like_its_array():
     x = torch.randn(6, 40, 33, generator=g)
     a = x.numpy()
     assert fused.summary(x).tolist() == fused.summary(a).tolist()
-    vt, rt = fused.summary_rows(x)
-    va, ra = fused.summary_rows(a)
+    vt, rt, ct = fused.summary_rows(x, cosine=True)
+    va, ra, ca = fused.summary_rows(a, cosine=True)
     assert vt.tolist() == va.tolist() and rt.tolist() == ra.tolist() and rt.shape == (6, 40)
+    assert ct.tolist() == ca.tolist()
     strided = a[:, ::2, :]
     assert fused.summary(strided).tolist() == fused.summary(np.ascontiguousarray(strided)).tolist()
     s = torch.randn(3, 2, 17, 17, generator=g)
@@ -200,6 +241,7 @@ def test_a_tensor_is_read_in_place_like_its_array():
     for odd in (x[:, ::2], torch.randn(1, 33).expand(1000, 33), negated, x.to(torch.bfloat16)):
         plain = torch.tensor(odd.float().tolist())
         assert fused.summary(odd).tolist() == fused.summary(plain).tolist()
-        assert [r.tolist() for r in fused.summary_rows(odd)] == [r.tolist() for r in fused.summary_rows(plain)]
+        assert [r.tolist() for r in fused.summary_rows(odd, cosine=True)] \
+            == [r.tolist() for r in fused.summary_rows(plain, cosine=True)]
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         fused.summary(x.double())
