@@ -171,7 +171,10 @@ def main() -> int:
         _probed(model, tokens, fused=False)
     bare, probed, plain, pairs, quiet, cpu, inside = [], [], [], [], [], [], []
     coin = random.Random(0)
-    for _ in range(args.repeats):
+    tty = sys.stderr.isatty()
+    for i in range(args.repeats):
+        if tty:  # a long run (--repeats 201 takes about 7 minutes) says where it is
+            print(f"\rpair {i + 1}/{args.repeats}", end="", file=sys.stderr, flush=True)
         order = ["bare", "probed"] if coin.random() < 0.5 else ["probed", "bare"]
         if args.torch_path:
             order.append("plain")
@@ -196,6 +199,8 @@ def main() -> int:
             quiet.append(pairs[-1])
         if args.torch_path:
             plain.append(took["plain"])
+    if tty:
+        print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
     os.environ["TINYLM_FUSED"] = "1"
     b, p = statistics.median(bare), statistics.median(probed)
     threads = torch.get_num_threads()

@@ -328,7 +328,8 @@ class ProbeRun:
                 ms, cos = self._rows(out, cosine)
                 if cosine:
                     self._add(self._cos, name, cos, merge_vectors)
-                self._add(self._inv, name, reduce(1.0 / (ms + self.model.config.eps)), merge_vectors)
+                # reciprocal_ on the fresh sum: `1.0 / t` goes through a Python wrapper and two ops
+                self._add(self._inv, name, reduce((ms + self.model.config.eps).reciprocal_()), merge_vectors)
         if self.options.backward and out.requires_grad:
             self._targets(out).append((name, kind, None))
 
@@ -338,7 +339,7 @@ class ProbeRun:
         if not (self.options.backward and out.requires_grad and inputs and isinstance(inputs[0], Tensor)):
             return
         with torch.no_grad():
-            inv = 1.0 / (self._row_ms(inputs[0]) + float(getattr(module, "eps", 0.0)))
+            inv = (self._row_ms(inputs[0]) + float(getattr(module, "eps", 0.0))).reciprocal_()
         self._targets(out).append((name, "norm", inv))
 
     def _targets(self, t: Tensor) -> list:
