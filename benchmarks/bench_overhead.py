@@ -1,6 +1,6 @@
 """Overhead of the probe: forward+backward of the tinystories preset, bare versus probed.
 
-    python benchmarks/bench_overhead.py [--batch 4] [--seq 256] [--repeats 15] [--threads N] [--torch-path]
+    python benchmarks/bench_overhead.py [--batch 4] [--seq 256] [--repeats 15] [--threads N] [--torch-path] [--breakdown 5]
 
 Both run in this one process on the same model and batch, after one warm-up each, in
 ``--repeats`` pairs (bare then probed, or probed then bare, by a seeded coin). On a shared
@@ -16,7 +16,8 @@ not CPU time) gives a second within-pair ratio that the hypervisor cannot move. 
 probe times its own work (``run.seconds``: its hooks with their reductions, its exit work):
 1 + that time over the bare pass of the same pair estimates the ratio from what the probe
 itself spends, free of the drift between the two passes (it cannot see what the probe costs
-torch indirectly, e.g. through the caches). The probe
+torch indirectly, e.g. through the caches). ``--breakdown`` more probed passes then time
+the compiled reductions apart, to split the probe's own time into kernels and the rest. The probe
 reduces CPU tensors with numba (diagnostics/fused.py, as many threads as torch); with
 ``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
 instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. Peak
@@ -69,6 +70,34 @@ def _probed(model, tokens, fused: bool = True) -> float:
     t = time.perf_counter()
     run.stats  # the one conversion to Python floats belongs to the cost
     return run.seconds + time.perf_counter() - t
+
+
+def _breakdown(model, tokens, passes: int) -> tuple[float, float, int]:
+    """(kernel seconds, the probe's own seconds, kernel calls) per probed pass, medians over
+    ``passes`` passes run after the timed pairs, with ``diagnostics.fused._run`` (every
+    compiled reduction) wrapped in a timer; the wrapper's own cost lands in the kernel share."""
+    from diagnostics import fused
+
+    real, spent = fused._run, []
+
+    def timed(*args):
+        t = time.perf_counter()
+        try:
+            return real(*args)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    kernel, own, calls = [], [], []
+    fused._run = timed
+    try:
+        for _ in range(passes):
+            spent.clear()
+            own.append(_probed(model, tokens))
+            kernel.append(sum(spent))
+            calls.append(len(spent))
+    finally:
+        fused._run = real
+    return statistics.median(kernel), statistics.median(own), int(statistics.median(calls))
 
 
 def _quartiles(xs: list[float]) -> str:
@@ -153,6 +182,8 @@ def main() -> int:
     ap.add_argument("--max-steal", type=float, default=20.0,
                     help="ms of steal a pass may lose and still count as quiet (default 20: two clock ticks)")
     ap.add_argument("--torch-path", action="store_true", help="also time the probe with torch ops (TINYLM_FUSED=0)")
+    ap.add_argument("--breakdown", type=int, default=5,
+                    help="probed passes after the pairs that time the compiled reductions apart (0: none)")
     ap.add_argument("--peak-child", choices=["bare", "probed"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
@@ -213,6 +244,8 @@ def main() -> int:
         print(f"ratio probed/bare       : {statistics.median(quiet):8.3f}  median over the {len(quiet)} quiet pairs "
               f"(steal <= {args.max_steal:.0f} ms per pass; target <= 1.10); quartiles {_quartiles(quiet)}")
         print(f"                          {_interval_text(quiet)}")
+    elif args.repeats < 5:
+        print(f"ratio probed/bare       : {args.repeats} pairs are too few for the quiet-pair headline; all pairs below")
     else:
         print(f"ratio probed/bare       : only {len(quiet)} of {args.repeats} pairs were quiet "
               f"(steal <= {args.max_steal:.0f} ms per pass): the machine is loaded; all pairs below")
@@ -226,6 +259,11 @@ def main() -> int:
           f"timed by the probe itself), 1 + that / the pair's bare pass: "
           f"{1 + statistics.median(r for _, r in inside):.3f} (quartiles {_quartiles([1 + r for _, r in inside])})")
     print(f"                          {_interval_text([1 + r for _, r in inside])}")
+    if args.breakdown and fused.available():
+        k, o, n = _breakdown(model, tokens, args.breakdown)
+        print(f"  of which kernels       : {k * 1000:8.1f} ms in {n} compiled reductions per pass, the rest "
+              f"{(o - k) * 1000:.1f} ms (Python in the hooks, small torch ops, exit work; median of "
+              f"{args.breakdown} more probed passes)")
     if plain:
         q = statistics.median(plain)
         print(f"probed, torch-op path   : {q * 1000:8.1f} ms (median), ratio {q / b:.3f} to bare, "
