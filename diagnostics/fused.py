@@ -116,10 +116,9 @@ def _readable(x: _torch.Tensor) -> _torch.Tensor:
     float64 tensor would lose digits) are refused."""
     if not x.is_cpu or x.dtype not in DTYPES:
         raise TypeError(f"fused kernels read CPU float32, bfloat16 or float16 tensors, got {x.dtype} on {x.device}")
-    if x.dtype != _torch.float32:
-        x = x.float()
-    if not x.is_contiguous():
-        x = x.contiguous()
+    if x.dtype == _torch.float32 and x.is_contiguous() and not x.is_neg():
+        return x  # the common case: read as it is (autograd never sees the read)
+    x = x.detach().float().contiguous()  # a copy outside autograd
     return x.resolve_neg() if x.is_neg() else x
 
 
