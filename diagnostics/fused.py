@@ -104,8 +104,8 @@ def summary_rows(x: np.ndarray | _torch.Tensor, cosine: bool = False
     all zeros, for sequences of one row); else None."""
     S = x.shape[-2] if cosine and x.ndim >= 2 else 0
     out, rowsq, cos = _run(x, 0, max(x.shape[-1], 1), False, S)
-    if cosine:
-        cos = cos if cos.size else np.zeros(10)
+    if cosine and not cos.size:
+        cos = np.zeros(10)  # the summary of no values
     return out, rowsq.reshape(x.shape[:-1]), cos if cosine else None
 
 
