@@ -96,6 +96,13 @@ def _ints(v):
     return ir.Constant(VI, [int(v)] * LANES)
 
 
+def _tail(builder, full, length):
+    """The <LANES x i1> mask of the vector that starts at entry ``full`` (a multiple of LANES):
+    the lanes whose entry is before ``length``."""
+    lanes = builder.add(ir.Constant(VI, list(range(LANES))), _splat(builder, builder.trunc(full, I32), VI))
+    return builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(length, I32), VI))
+
+
 def _rows(builder, ary, T, D, body, row_end=None, prefetch=False):
     """Call body(bits, mask) for each vector of each row, then row_end(t) (mask None: all
     lanes; else the <LANES x i1> lanes in the row, the others loaded as 0). Rows: causal
@@ -130,8 +137,7 @@ def _rows(builder, ary, T, D, body, row_end=None, prefetch=False):
                                   ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
             body(builder.load(builder.bitcast(builder.gep(row, [i]), VI.as_pointer()), align=4), None)
         with builder.if_then(builder.icmp_signed("<", full, length)):
-            lanes = builder.add(ir.Constant(VI, list(range(LANES))), _splat(builder, builder.trunc(full, I32), VI))
-            mask = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(length, I32), VI))
+            mask = _tail(builder, full, length)
             ptr = builder.bitcast(builder.gep(row, [full]), VI.as_pointer())
             body(builder.call(load, [ptr, ir.Constant(I32, 4), mask, _ints(0)]), mask)
         if row_end is not None:
@@ -312,8 +318,7 @@ def add_scaled(typingctx, xb, scale, acc):
             ptr = builder.bitcast(builder.gep(out.data, [i]), VD.as_pointer())
             builder.store(builder.call(fma, [x, k, builder.load(ptr, align=8)]), ptr, align=8)
         with builder.if_then(builder.icmp_signed("<", full, n)):
-            lanes = builder.add(ir.Constant(VI, list(range(LANES))), _splat(builder, builder.trunc(full, I32), VI))
-            mask = builder.icmp_signed("<", lanes, _splat(builder, builder.trunc(n, I32), VI))
+            mask = _tail(builder, full, n)
             bits = builder.call(load, [builder.bitcast(builder.gep(ary.data, [full]), VI.as_pointer()),
                                        ir.Constant(I32, 4), mask, _ints(0)])
             ptr = builder.bitcast(builder.gep(out.data, [full]), VD.as_pointer())
