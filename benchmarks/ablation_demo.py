@@ -40,9 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import tinylm
-    from diagnostics.data import stdlib_corpus
-    from diagnostics.train import TrainOptions, train
-    from diagnostics.watch import first_departure, write_json
+    from tinylm.data import stdlib_corpus
+    from tinylm.train import TrainOptions
+    from diagnostics.judge.watch import train_watched as train
+    from diagnostics.judge.watch import first_departure, write_json
     from reports.watch_view import plot_histories
 
     tokens = stdlib_corpus()

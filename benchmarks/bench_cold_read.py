@@ -5,7 +5,7 @@
 In a hook the tensor was written by the op before it, and other work has usually pushed
 it out of the caches, so the kernels read it from memory. Here each tensor of the
 ``tinystories`` probe (batch 4 x 256) is made afresh by its op (a matmul, a masked softmax)
-before every timing, then reduced either by the probe's kernel (``diagnostics.fused``: the
+before every timing, then reduced either by the probe's kernel (``diagnostics.measure.accel``: the
 summary, and for attention probabilities the entropy panel; the causal kernels read the
 lower triangle only) or by ``torch.sum`` over all of it (one plain pass, the cheapest read
 torch offers), in alternating order. Printed per tensor: the median of each and their
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from diagnostics import fused  # noqa: E402
+from diagnostics.measure import accel as fused  # noqa: E402
 
 
 def _makers(batch: int, seq: int):

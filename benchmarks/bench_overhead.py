@@ -18,7 +18,7 @@ probe times its own work (``run.seconds``: its hooks with their reductions, its 
 itself spends, free of the drift between the two passes (it cannot see what the probe costs
 torch indirectly, e.g. through the caches). ``--breakdown`` more probed passes then time
 the compiled reductions apart, to split the probe's own time into kernels and the rest. The probe
-reduces CPU tensors with numba (diagnostics/fused.py, as many threads as torch); with
+reduces CPU tensors with numba (diagnostics/measure/accel.py, as many threads as torch); with
 ``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
 instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. Peak
 memory: torch's CPU allocator is invisible to tracemalloc, so each kind of pass runs
@@ -74,9 +74,9 @@ def _probed(model, tokens, fused: bool = True) -> float:
 
 def _breakdown(model, tokens, passes: int) -> tuple[float, float, int]:
     """(kernel seconds, the probe's own seconds, kernel calls) per probed pass, medians over
-    ``passes`` passes run after the timed pairs, with ``diagnostics.fused._run`` (every
+    ``passes`` passes run after the timed pairs, with ``diagnostics.measure.accel._run`` (every
     compiled reduction) wrapped in a timer; the wrapper's own cost lands in the kernel share."""
-    from diagnostics import fused
+    from diagnostics.measure import accel as fused
 
     real, spent = fused._run, []
 
@@ -194,7 +194,7 @@ def main() -> int:
         _peak(args.peak_child, args.batch, args.seq)
         return 0
     model, tokens = _model_and_batch(args.batch, args.seq)
-    from diagnostics import fused
+    from diagnostics.measure import accel as fused
 
     _step(model, tokens)
     _probed(model, tokens)
@@ -235,7 +235,7 @@ def main() -> int:
     os.environ["TINYLM_FUSED"] = "1"
     b, p = statistics.median(bare), statistics.median(probed)
     threads = torch.get_num_threads()
-    path = "numba (diagnostics/fused.py)" if fused.available() else "torch ops (numba missing)"
+    path = "numba (diagnostics/measure/accel.py)" if fused.available() else "torch ops (numba missing)"
     print(f"tinystories preset, batch {args.batch} x {args.seq}, {threads} torch thread(s), {args.repeats} pairs")
     print(f"probe reductions        : {path}, up to {threads} thread(s)")
     print(f"forward+backward bare   : {b * 1000:8.1f} ms (median; fastest {min(bare) * 1000:.1f})")

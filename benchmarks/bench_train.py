@@ -34,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     import tinylm
-    from diagnostics.data import stdlib_corpus
-    from diagnostics.train import TrainOptions, train
+    from tinylm.data import stdlib_corpus
+    from tinylm.train import TrainOptions
+    from diagnostics.judge.watch import train_watched as train
 
     tokens = stdlib_corpus()
     config = tinylm.preset(args.preset)

@@ -1,4 +1,4 @@
-"""Accuracy of the token-kernel theory (diagnostics.kernel) against measurement at depth 8.
+"""Accuracy of the token-kernel theory (diagnostics.theory.tokenkernel) against measurement at depth 8.
 
     python benchmarks/kernel_accuracy.py [--widths 128 256] [--depth 8] [--seeds 8] [--seq 64] [--batch 8]
 
@@ -27,7 +27,7 @@ from scipy import stats  # noqa: E402
 
 import tinylm  # noqa: E402
 from diagnostics import ProbeOptions, predict, probe  # noqa: E402
-from diagnostics.kernel import kernel_theory  # noqa: E402
+from diagnostics.theory.tokenkernel import kernel_theory  # noqa: E402
 
 POINTS = (("heads", "layers.{i}.attn.heads"), ("attn", "layers.{i}.attn"), ("stream", "layers.{i}"))
 

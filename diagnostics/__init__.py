@@ -1,20 +1,24 @@
-"""diagnostics: model-agnostic measurement of per-layer activation and gradient variance.
+"""diagnostics: measurement, prediction and judgement of per-layer variance, for any nn.Module.
 
-``probe`` measures, ``theory`` predicts, ``verdicts`` judge, ``diagnose`` does all
-three, ``compare`` runs init schemes side by side, ``train`` trains a model while a
-``Watch`` records per-layer statistics. See diagnostics/API.md.
+Three sub-packages, one concept each:
+
+* :mod:`diagnostics.measure` — ``probe`` and the mergeable moments it records;
+* :mod:`diagnostics.theory` — ``predict``: theory's moments beside every measured one;
+* :mod:`diagnostics.judge` — verdicts and thresholds, and the jobs built on them:
+  ``diagnose`` (one model), ``compare`` (init schemes side by side), ``Watch`` (training).
+
+The results of those jobs share one schema (:mod:`diagnostics.result`); their options
+are :mod:`diagnostics.options`. See diagnostics/API.md.
 """
 
-from .compare import compare
-from .diagnose import diagnose
-from .distributed import merge_distributed
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from .judge import Thresholds, Watch, WatchEvent, compare, diagnose
+from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
-from .probe import ProbeRun, instrument_points, probe
-from .stats import AttnMoments, Moments, ParamStats, ProbeStats
-from .theory import Prediction, predict
-from .train import TrainError, TrainOptions, TrainResult, load_training, lr_schedule, train
-from .watch import Watch, WatchEvent
-from .verdicts import Thresholds
 from .result import (
     SCHEMA_VERSION,
     AttentionRow,
@@ -25,6 +29,7 @@ from .result import (
     ParamRow,
     TensorRow,
 )
+from .theory import Prediction, predict
 
 __all__ = [
     "diagnose",
@@ -51,12 +56,32 @@ __all__ = [
     "Header",
     "ParamRow",
     "TensorRow",
-    "train",
-    "TrainOptions",
-    "TrainResult",
-    "TrainError",
-    "lr_schedule",
-    "load_training",
     "Watch",
     "WatchEvent",
 ]
+
+# Names that moved to tinylm (the training loop belongs with the model); still importable
+# from here, with a DeprecationWarning that names the new home.
+_MOVED = {
+    "TrainError": "tinylm.train",
+    "TrainOptions": "tinylm.train",
+    "TrainResult": "tinylm.train",
+    "lr_schedule": "tinylm.train",
+    "load_training": "tinylm.train",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "train":
+        warnings.warn("diagnostics.train moved to tinylm.train.train; pass monitor=diagnostics.Watch(model, ...)",
+                      DeprecationWarning, stacklevel=2)
+        from .judge.watch import train_watched
+
+        return train_watched
+    if name in _MOVED:
+        import importlib
+
+        home = _MOVED[name]
+        warnings.warn(f"diagnostics.{name} moved to {home}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), name)
+    raise AttributeError(f"module 'diagnostics' has no attribute {name!r}")

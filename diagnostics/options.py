@@ -62,7 +62,7 @@ class DiagnoseOptions:
     theory: "local" (each layer from its measured input and actual weights), "global"
         (analytic at init), "auto" (global if every parameter's std matches its declared
         init within 5%, else local) or "none".
-    thresholds: a diagnostics.verdicts.Thresholds (None = the documented defaults).
+    thresholds: a diagnostics.judge.verdicts.Thresholds (None = the documented defaults).
     progress: progress(done, total, description) callback, or None.
     """
 

@@ -24,7 +24,7 @@ Schema versions (``SCHEMA_VERSION``, written as ``schema_version``):
 * "1": ratio the arithmetic mean of the replicates' ratios, with a symmetric t interval.
 * "2": ratio the geometric mean with the interval on ln(ratio) (above); the global
   forward predictions of a tinylm model from the token-kernel theory
-  (:mod:`diagnostics.kernel`); new fields ``TensorRow.rule``,
+  (:mod:`diagnostics.theory.tokenkernel`); new fields ``TensorRow.rule``,
   ``TensorRow.predicted_independent`` and ``DepthRow.cosine_predicted``.
 """
 
@@ -254,7 +254,7 @@ class DiagnoseResult:
     """Everything ``diagnose`` found; the report draws from it.
 
     ``healthy`` is True when ``findings`` is empty. ``thresholds`` holds the
-    :class:`diagnostics.verdicts.Thresholds` values used, as a dict.
+    :class:`diagnostics.judge.verdicts.Thresholds` values used, as a dict.
     ``created`` is the only non-deterministic field (UTC ISO-8601 timestamp).
     """
 

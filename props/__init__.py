@@ -5,17 +5,17 @@ or ``python -m pytest props``; against your own code with ``tinylm props --impl
 package.module:object`` (protocol in :mod:`props.impl`). ``python -m props.mutate``
 shows that the suite catches deliberate bugs.
 
-Public pieces: :mod:`props.strategies` (hypothesis strategies), :mod:`props.stats`
+Public pieces: :mod:`props.strategies` (hypothesis strategies), :mod:`props.stattests`
 (statistical checks with stated false-alarm rates), :mod:`props.record`
 (``record``/``check``/``prop``), :mod:`props.impl` (the protocol),
 :mod:`props.runner` (run the suite, read results).
 """
 
-from . import impl, record, stats, strategies, tolerances
+from . import impl, record, stattests, strategies, tolerances
 from .impl import FUNCTIONS, Implementation, ImplError, TinyLMImpl, load
 from .record import check, prop
 from .runner import PropertyResult, SuiteRun, run_suite
-from .stats import ALPHA, TestResult, binomial_test, mean_test, variance_test, z_threshold
+from .stattests import ALPHA, TestResult, binomial_test, mean_test, variance_test, z_threshold
 
 __all__ = [
     "impl",

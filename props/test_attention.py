@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from props.record import check, prop
-from props.stats import ALPHA, variance_test
+from props.stattests import ALPHA, variance_test
 from props.strategies import generator, seeds, sizes
 from props.tolerances import unit_roundoff
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from scipy import stats as sst
 
 from props.record import check, prop
-from props.stats import ALPHA, mean_test, normal_fourth_moment, truncnorm_moments, variance_test
+from props.stattests import ALPHA, mean_test, normal_fourth_moment, truncnorm_moments, variance_test
 from props.strategies import generator, seeds
 from tinylm.config import ModelConfig
 

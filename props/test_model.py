@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch.autograd.functional import jacobian
 
 from props.record import check, prop
-from props.stats import ALPHA, normal_fourth_moment, variance_test
+from props.stattests import ALPHA, normal_fourth_moment, variance_test
 from props.strategies import generator, model_configs, seeds, sizes
 from props.tolerances import unit_roundoff
 from tinylm.config import ModelConfig

@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from props.record import check, prop
-from props.stats import ALPHA, binomial_test, mean_test, variance_test
+from props.stattests import ALPHA, binomial_test, mean_test, variance_test
 from props.strategies import LOW_PRECISION, generator, seeds, sizes
 from props.tolerances import unit_roundoff
 

@@ -45,8 +45,8 @@ def _tokens(data: str | None, vocab_size: int | None) -> tuple[Any, int | None]:
     """The ``--data`` file's tokens (memory-mapped, never written) and the vocabulary for them; one-line errors."""
     if data is None:
         return None, vocab_size
-    from diagnostics.compare import DEFAULT_SEQ_LEN, data_vocab
-    from diagnostics.data import load_tokens
+    from diagnostics.judge.compare import DEFAULT_SEQ_LEN, data_vocab
+    from tinylm.data import load_tokens
 
     from .cli import UsageError
 
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import tinylm
-    from diagnostics.compare import compare
+    from diagnostics.judge.compare import compare
 
     from . import export
     from .cli import UsageError

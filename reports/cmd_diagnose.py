@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     seeds = _seeds(args, source.fresh)
     tokens = load_token_stream(args.data, config.vocab_size, seq_len)
     from diagnostics import DiagnoseOptions, diagnose
-    from diagnostics.memory import check_fits
+    from tinylm.memory import check_fits
 
     check_fits(config, args.batch_size, seq_len, dtype)  # estimate before allocating: a one-line error if too big
 

@@ -84,7 +84,7 @@ def _build_model(args: argparse.Namespace):
 
 
 def _load_data(args: argparse.Namespace, vocab_size: int):
-    from diagnostics.data import DataError, load_tokens, stdlib_corpus
+    from tinylm.data import DataError, load_tokens, stdlib_corpus
 
     if args.data is not None:
         return load_tokens(args.data, vocab_size), str(args.data)
@@ -95,7 +95,7 @@ def _load_data(args: argparse.Namespace, vocab_size: int):
 
 
 def _options(args: argparse.Namespace, stored: dict | None):
-    from diagnostics.train import TrainOptions
+    from tinylm.train import TrainOptions
 
     given = {name: getattr(args, name) for name in _TRAIN_FLAGS if getattr(args, name) is not None}
     if args.seed is not None:
@@ -109,8 +109,8 @@ def _options(args: argparse.Namespace, stored: dict | None):
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from diagnostics import watch as watchmod
-    from diagnostics.train import load_training, train
+    from diagnostics.judge import watch as watchmod
+    from tinylm.train import load_training
 
     out = Path(args.output)
     resume = None
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"resuming from {args.resume} at iteration {resume['iteration']}")
     display = _Display(console, options.steps, quiet=args.quiet)
     with display:
-        result = train(model, tokens, options, output=out, resume=resume, on_step=display.step,
+        result = watchmod.train_watched(model, tokens, options, output=out, resume=resume, on_step=display.step,
                        on_event=display.event, data=None if args.data is None else str(Path(args.data).resolve()))
     _summary(console, result, options, out)
     for flag, writer in (("watch_json", watchmod.write_json), ("watch_csv", watchmod.write_csv)):
@@ -193,7 +193,7 @@ class _Display:
 
 
 def _summary(console, result, options, out: Path) -> None:
-    from diagnostics.watch import first_departure, loss_summary
+    from diagnostics.judge.watch import first_departure, loss_summary
 
     k, first, last = loss_summary(result.history)
     console.print(

@@ -2,7 +2,7 @@
 
 Nothing the user gave is modified: checkpoints are read only through
 ``tinylm.checkpoint.load`` (``weights_only``), token files through
-``diagnostics.data.load_tokens`` (memory-mapped, read-only), and an output path
+``tinylm.data.load_tokens`` (memory-mapped, read-only), and an output path
 that resolves to the checkpoint or the data file is refused before any work.
 """
 
@@ -136,7 +136,7 @@ def load_token_stream(data: str | None, vocab_size: int, seq_len: int) -> Any:
     """The token file ``data`` as a 1-D integer array checked against the vocabulary (None: random tokens)."""
     if data is None:
         return None
-    from diagnostics.data import load_tokens
+    from tinylm.data import load_tokens
 
     tokens = load_tokens(data, vocab_size)
     if len(tokens) < seq_len + 1:

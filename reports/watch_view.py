@@ -1,4 +1,4 @@
-"""The "during training" panel: a watch history (``diagnostics.watch``) drawn in the terminal and as a plot.
+"""The "during training" panel: a watch history (``diagnostics.judge.watch``) drawn in the terminal and as a plot.
 
 ``render_history(history)`` returns a rich renderable: per block, the residual
 stream's activation and gradient variance over the recorded steps as a line of
@@ -6,7 +6,7 @@ block characters on one shared log scale, the first and last values, and the
 first step at which any verdict left ok. ``plot_history(history, path)`` draws
 the same with matplotlib (Agg); ``plot_histories({label: history}, path)`` puts
 several runs side by side (the README's ablation figure). Nothing here computes
-a statistic: the numbers and verdicts come from ``diagnostics.watch``.
+a statistic: the numbers and verdicts come from ``diagnostics.judge.watch``.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def render_history(history: dict[str, Any]):
     from rich.table import Table
     from rich.text import Text
 
-    from diagnostics.watch import first_departure, loss_summary, verdicts
+    from diagnostics.judge.watch import first_departure, loss_summary, verdicts
 
     if not _is_watch(history):
         return Panel(Text(f"the checkpoint's history ({type(history).__name__}) is not a tinylm watch history; "
@@ -143,7 +143,7 @@ def render_history(history: dict[str, Any]):
 
 
 def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
-    from diagnostics.watch import first_departure
+    from diagnostics.judge.watch import first_departure
 
     series = history.get("series") or {}
     sites = chart_sites(history)

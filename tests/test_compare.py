@@ -8,8 +8,8 @@ import torch
 
 import tinylm
 from diagnostics import OptionsError, compare
-from diagnostics.data import DataError
-from diagnostics.compare import SUMMARY_COLUMNS, TIDY_COLUMNS, stream_slope
+from tinylm.data import DataError
+from diagnostics.judge.compare import SUMMARY_COLUMNS, TIDY_COLUMNS, stream_slope
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_data_feeds_the_measured_batch_and_the_training_steps():
 def test_stdlib_bytes_as_data_train_exactly_as_the_default_does():
     """Without data the steps train on the standard library's bytes: the same bytes given as data give
     the same early loss, while the loss at init is now measured on text instead of random tokens."""
-    from diagnostics.compare import _corpus
+    from diagnostics.judge.compare import _corpus
 
     kw = dict(TINY, seeds=1, steps=3)
     _, default = compare(["cs336"], **kw)

@@ -182,7 +182,7 @@ def test_kernel_theory_runs_once_and_reads_the_given_tokens(monkeypatch):
     """Seeds share one kernel theory, and a second diagnose of the same config, length and tokens
     reuses it. Given tokens reach it through their coincidences: windows that repeat one token at
     every position make every token vector the same, and the kernel predicts cosine 1 throughout."""
-    import diagnostics.kernel as kernel
+    import diagnostics.theory.tokenkernel as kernel
 
     calls = []
     real = kernel.kernel_theory

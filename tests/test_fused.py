@@ -1,7 +1,7 @@
-"""The compiled single-pass reductions (diagnostics.fused) against the plain torch path.
+"""The compiled single-pass reductions (diagnostics.measure.accel) against the plain torch path.
 
-A CPU probe reduces every float32 tensor with :mod:`diagnostics.fused`; other devices,
-float64 and ``TINYLM_FUSED=0`` take the torch ops in :func:`diagnostics.stats.summarize`.
+A CPU probe reduces every float32 tensor with :mod:`diagnostics.measure.accel`; other devices,
+float64 and ``TINYLM_FUSED=0`` take the torch ops in :func:`diagnostics.measure.moments.summarize`.
 The two must give the same summary: counts and max |x| exactly, mean and M2 to float64
 rounding.
 """
@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnostics import fused
-from diagnostics.stats import (FIELDS, AttnMoments, Moments, summarize, summarize_attention, summarize_cosine,
+from diagnostics.measure import accel as fused
+from diagnostics.measure.moments import (FIELDS, AttnMoments, Moments, summarize, summarize_attention, summarize_cosine,
                                summarize_probs)
 
 
@@ -193,7 +193,7 @@ def test_polynomial_log_over_every_binade():
 _THREADS_CHILD = """
 import numpy as np, torch
 torch.set_num_threads(1)
-from diagnostics import fused
+from diagnostics.measure import accel as fused
 x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
 seen = []
 for n in (1, 2, 1, 3, 1):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 SCALE = max(1, settings.default.max_examples // 25)
 
 import tinylm
-from diagnostics.memory import MemoryLimitError, check_fits, estimate_bytes
+from tinylm.memory import MemoryLimitError, check_fits, estimate_bytes
 from tinylm import checkpoint
 from tinylm.errors import CheckpointError, TinyLMError, UnsafeCheckpointError
 

@@ -1,4 +1,4 @@
-"""The token-kernel theory (diagnostics.kernel): its exact identities, and its predictions beside measurement."""
+"""The token-kernel theory (diagnostics.theory.tokenkernel): its exact identities, and its predictions beside measurement."""
 
 import math
 
@@ -9,7 +9,7 @@ from scipy import integrate, stats
 
 import tinylm
 from diagnostics import OptionsError, ProbeOptions, predict, probe
-from diagnostics.kernel import attention_kernel, kernel_theory, mean_cosine, normalize, silu_cross_moment
+from diagnostics.theory.tokenkernel import attention_kernel, kernel_theory, mean_cosine, normalize, silu_cross_moment
 from diagnostics.theory import silu_moments
 
 ALPHA = 1e-6  # family-wise false-alarm probability of the statistical checks below
@@ -226,7 +226,7 @@ def test_predict_global_takes_the_kernel_beyond_block_0(measured):
 def test_token_coincidence_and_the_embedding_kernel():
     """P_st counts the sequences with the same token at s and t; the embedding kernel is E[w^2] P
     (cs336 embeddings have mean 0), so the predicted embedding cosine is the mean of P off the diagonal."""
-    from diagnostics.kernel import token_coincidence
+    from diagnostics.theory.tokenkernel import token_coincidence
 
     P = token_coincidence(torch.tensor([[1, 2, 1], [3, 3, 3]]))
     assert np.array_equal(P, [[1.0, 0.5, 1.0], [0.5, 1.0, 0.5], [1.0, 0.5, 1.0]])
@@ -245,7 +245,7 @@ def test_cached_kernel_theory_is_keyed_on_everything_it_depends_on():
     kernel_theory's predictions with the same defaults, without the T x T kernels."""
     from dataclasses import replace
 
-    from diagnostics.kernel import cached_kernel_theory, clear_cache
+    from diagnostics.theory.tokenkernel import cached_kernel_theory, clear_cache
 
     clear_cache()
     cfg = config(d=32, layers=1, seq=8)

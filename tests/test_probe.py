@@ -10,7 +10,7 @@ from torch import nn
 
 import tinylm
 from diagnostics import OptionsError, ProbeOptions, instrument_points, probe
-from diagnostics.stats import Moments
+from diagnostics.measure.moments import Moments
 
 CFG = tinylm.ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=2, d_ff=64)
 
@@ -210,7 +210,7 @@ def test_moments_of_embedding_match_the_rows_looked_up():
 @pytest.mark.parametrize("shape", [(300, 40), (40, 300), (64, 64), (1, 17)])
 def test_spectral_stats_match_svd(shape):
     """sigma_max and stable rank from the Gram matrix agree with float64 svdvals."""
-    from diagnostics.probe import spectral_stats
+    from diagnostics.measure.probe import spectral_stats
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(*shape, generator=g)

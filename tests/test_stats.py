@@ -1,6 +1,6 @@
 """Streaming statistics: exact against float64 references, merges equal one run over both.
 
-Every test runs twice: on the compiled single-pass path (:mod:`diagnostics.fused`, what a
+Every test runs twice: on the compiled single-pass path (:mod:`diagnostics.measure.accel`, what a
 CPU probe uses) and on the plain torch path (other devices, or ``TINYLM_FUSED=0``).
 """
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from diagnostics import fused
-from diagnostics.stats import (
+from diagnostics.measure import accel as fused
+from diagnostics.measure.moments import (
     FIELDS,
     AttnMoments,
     Moments,

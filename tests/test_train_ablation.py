@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics.data import stdlib_corpus
-from diagnostics.train import TrainOptions, train
-from diagnostics.watch import first_departure, verdicts
+from tinylm.data import stdlib_corpus
+from tinylm.train import TrainOptions
+from diagnostics.judge.watch import train_watched as train
+from diagnostics.judge.watch import first_departure, verdicts
 
 
 def _run(norm: str, d: int, T: int, steps: int, lr: float, batch: int, every: int, tokens):

@@ -7,7 +7,7 @@ import torch
 
 import tinylm
 from diagnostics import DepthRow, DiagnoseOptions, OptionsError, TensorRow, Thresholds, diagnose
-from diagnostics.verdicts import growth, judge
+from diagnostics.judge.verdicts import growth, judge
 
 OPTS = DiagnoseOptions(batch_size=2, seq_len=16, batches=1)
 OPTS48 = DiagnoseOptions(batch_size=1, seq_len=16, batches=1)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics import watch as W
-from diagnostics.train import TrainOptions, train
+from diagnostics.judge import watch as W
+from tinylm.train import TrainOptions
+from diagnostics.judge.watch import train_watched as train
 from tinylm import functional as F
 
 SMALL = dict(vocab_size=32, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)

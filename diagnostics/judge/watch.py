@@ -325,8 +325,8 @@ class Watch:
         if not self.enabled:
             yield
             return
-        from .options import ProbeOptions
-        from .probe import probe
+        from ..options import ProbeOptions
+        from ..measure.probe import probe
 
         options = ProbeOptions(modules=tuple(self.sites), backward=True, attention=True, cosine=False, params=False,
                                spectral=False, restore_grads=False, eval_mode=False)
@@ -478,3 +478,16 @@ def write_csv(history: dict[str, Any], path: str) -> None:
             w.writerows(rows)
 
     atomic_write(path, write)
+
+
+def train_watched(model: nn.Module, tokens, options, *, sites: list[str] | None = None,
+                  on_event: Callable[[WatchEvent], None] | None = None, resume: dict[str, Any] | None = None,
+                  **kwargs: Any):
+    """``tinylm.train.train`` with a :class:`Watch` built from ``options`` (``watch_every``,
+    ``spike_factor``) that continues the resumed run's history; ``sites``: the tensors it
+    records (None: its default set); other keyword arguments go to ``train``."""
+    from tinylm.train import train
+
+    watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites,
+                  history=(resume or {}).get("history"), on_event=on_event)
+    return train(model, tokens, options, resume=resume, monitor=watch, **kwargs)

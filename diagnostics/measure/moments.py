@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import fused
+from . import accel
 
 __all__ = [
     "FIELDS",
@@ -104,7 +104,7 @@ def summarize(x: Tensor, valid: Tensor | None = None, fill: float | None = None)
     round to bf16's 3.39e38 or overflow). Non-finite entries are counted apart.
 
     Two paths with these definitions: a CPU tensor of float32/bf16/fp16 with ``valid`` None
-    or exactly the causal mask goes through :func:`diagnostics.fused.summary` (one compiled
+    or exactly the causal mask goes through :func:`diagnostics.accel.summary` (one compiled
     pass; masked entries never read); anything else through torch ops, where all counts come
     from one histogram of float32 exponents and M2 = sum x^2 - n mean^2.
 
@@ -123,9 +123,9 @@ def reduce(x: Tensor, valid: Tensor | None = None, fill: float | None = None) ->
     tensor object for it, one less allocation per hook.)"""
     if _fusable(x):
         if valid is None:
-            return fused.summary(x)
+            return accel.summary(x)
         if _is_causal(valid, x):
-            return fused.summary(x, x.shape[-1])
+            return accel.summary(x, x.shape[-1])
     return _summarize_torch(x.detach(), valid, fill)
 
 
@@ -155,7 +155,7 @@ def reduce_rows(x: Tensor, cosine: bool = False
     :func:`summarize_cosine` of ``x`` (else None): on the fused path from the rows just read,
     the sum of unit vectors kept in float64."""
     if _fusable(x) and x.shape[-1] > 0:
-        vec, rowsq, cos = fused.summary_rows(x, cosine)
+        vec, rowsq, cos = accel.summary_rows(x, cosine)
         return vec, torch.from_numpy(rowsq / x.shape[-1]).float(), cos
     x = x.detach()
     ms = row_mean_square(x)
@@ -206,10 +206,10 @@ def _summarize_torch(x: Tensor, valid: Tensor | None, fill: float | None) -> Ten
 
 
 def _fusable(x: Tensor) -> bool:
-    """Whether :mod:`diagnostics.fused` reduces ``x`` (CPU, 16/32-bit float, numba present).
+    """Whether :mod:`diagnostics.measure.accel` reduces ``x`` (CPU, 16/32-bit float, numba present).
     (Attribute reads only: this runs for every tensor a hook reduces, when the interpreter is
     out of the caches; ``x.device`` builds an object.)"""
-    return x.is_cpu and x.dtype in fused.DTYPES and x.ndim > 0 and fused.available()
+    return x.is_cpu and x.dtype in accel.DTYPES and x.ndim > 0 and accel.available()
 
 
 _TRIL: dict[tuple[int, torch.device], Tensor] = {}
@@ -337,7 +337,7 @@ def reduce_probs(probs: Tensor, fill: float | None = None) -> tuple[np.ndarray |
     """:func:`summarize_probs` with both vectors as :func:`reduce` gives them."""
     p = probs.detach()
     if p.dim() >= 2 and p.shape[-1] == p.shape[-2] and _fusable(p):
-        v = fused.summary(p, p.shape[-1], probs=True)
+        v = accel.summary(p, p.shape[-1], probs=True)
         return v[:len(FIELDS)], v[len(FIELDS):]
     valid = causal_mask(p.shape[-1], p.device) if p.dim() >= 2 and p.shape[-1] == p.shape[-2] else None
     return reduce(p, valid, fill), _attention_torch(p)

@@ -14,11 +14,11 @@ around it and always positive. It is never taken over the elements of one tensor
 
 Theory: "global" for a freshly initialised tinylm model (every parameter's std within 5%
 of its declared init), "local" otherwise (:func:`diagnostics.theory.predict`). In global
-mode the forward predictions come from the token-kernel theory (:mod:`diagnostics.kernel`),
+mode the forward predictions come from the token-kernel theory (:mod:`diagnostics.theory.tokenkernel`),
 computed once per process for each (config, seq_len, scheme, token coincidences): the
 seeds and batches of a run share it, as they share every global prediction (the theory
 is seed-independent). Given tokens enter it through the fraction of sequences holding
-the same token at two positions (:func:`diagnostics.kernel.token_coincidence`); uniform
+the same token at two positions (:func:`diagnostics.theory.tokenkernel.token_coincidence`); uniform
 random tokens through its expectation, 1/V. The backward predictions stay with the
 independent-token rules.
 """
@@ -39,12 +39,12 @@ from torch import Tensor, nn
 import tinylm
 from tinylm.init import declare
 
-from .kernel import token_coincidence
-from .options import DiagnoseOptions, OptionsError, ProbeOptions
-from .probe import block_index, probe
-from .result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
-from .stats import ProbeStats
-from .theory import Prediction, predict
+from ..theory.tokenkernel import token_coincidence
+from ..options import DiagnoseOptions, OptionsError, ProbeOptions
+from ..measure.probe import block_index, probe
+from ..result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
+from ..measure.moments import ProbeStats
+from ..theory import Prediction, predict
 from .verdicts import Thresholds, judge
 
 __all__ = ["diagnose", "log_t_interval", "t_interval"]
@@ -140,7 +140,7 @@ def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -
         raise OptionsError(f"tokens dtype {t.dtype}: token ids must be integers")
     t = t.long()
     if t.dim() == 1:
-        from .data import get_batch
+        from tinylm.data import get_batch
 
         gen = torch.Generator().manual_seed(options.seed)
         out = []

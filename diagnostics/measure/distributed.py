@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .options import OptionsError
-from .stats import ProbeStats
+from ..options import OptionsError
+from .moments import ProbeStats
 
 __all__ = ["merge_distributed"]
 

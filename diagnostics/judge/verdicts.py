@@ -26,9 +26,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-from .options import OptionsError
-from .probe import block_index as block_of
-from .result import AttentionRow, DepthRow, Finding, ParamRow, TensorRow
+from ..options import OptionsError
+from ..measure.probe import block_index as block_of
+from ..result import AttentionRow, DepthRow, Finding, ParamRow, TensorRow
 
 __all__ = ["Thresholds", "judge", "growth"]
 

@@ -3,8 +3,8 @@
 For every scheme x depth x width x seed a fresh tinylm model (pre-norm by default,
 vocabulary 256, heads of width 32, d_ff = 8/3 d) is probed on one batch of tokens:
 uniform random tokens, or with ``data`` (a 1-D integer token array such as
-``diagnostics.data.load_tokens`` returns, or a path to such a file) a random window
-of it drawn with the seed (``diagnostics.data.get_batch``). Out come two pandas
+``tinylm.data.load_tokens`` returns, or a path to such a file) a random window
+of it drawn with the seed (``tinylm.data.get_batch``). Out come two pandas
 DataFrames:
 
 * tidy: one row per (scheme, depth, width, seed, tensor, direction, statistic) with
@@ -14,7 +14,7 @@ DataFrames:
   ln(vocab); the slope of log(variance) of the residual stream over depth, forward and
   backward, with its 99% t interval over seeds (slope per block of the least-squares fit
   of ln Var against the stream index 0..L); the max/min ratio of the stream variance
-  across layers; the verdict of diagnostics.verdicts on the stream (worst over seeds);
+  across layers; the verdict of diagnostics.judge.verdicts on the stream (worst over seeds);
   and, with ``steps`` > 0, the loss after that many AdamW steps (mean over seeds) on batches
   drawn from ``data``, or without data from the standard library's bytes. Columns: scheme,
   depth, width, seeds, data, vocab_size, initial_loss, ln_vocab, slope_forward,
@@ -50,11 +50,11 @@ import torch
 
 import tinylm
 
-from .data import DataError, get_batch, load_tokens
+from tinylm.data import DataError, get_batch, load_tokens
 from .diagnose import t_interval
-from .options import OptionsError, Progress, ProbeOptions
-from .probe import block_index, probe
-from .result import DepthRow
+from ..options import OptionsError, Progress, ProbeOptions
+from ..measure.probe import block_index, probe
+from ..result import DepthRow
 from .verdicts import Thresholds, judge
 
 __all__ = ["compare", "stream_slope", "data_vocab"]
@@ -89,7 +89,7 @@ def _check(name: str, values, kind=int) -> tuple:
 
 @lru_cache(maxsize=1)
 def _corpus():
-    from .data import stdlib_corpus
+    from tinylm.data import stdlib_corpus
 
     return stdlib_corpus(max_bytes=200_000)
 
@@ -104,7 +104,7 @@ def _as_tokens(data, data_name: str | None) -> tuple[np.ndarray, str]:
     tokens = np.asarray(data)
     if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
         raise DataError(f"data: a {tokens.ndim}-D {tokens.dtype} array; tokens must be a 1-D integer array "
-                        "(as diagnostics.data.load_tokens returns)")
+                        "(as tinylm.data.load_tokens returns)")
     return tokens, name
 
 
@@ -161,7 +161,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
     Seeds are seed, seed+1, ...: seed s initialises the model and draws its batch (random tokens,
     or a window of ``data``) and the batches of its ``steps`` training steps.
     data: None (uniform random tokens; training on the standard library's bytes), a 1-D integer
-        token array, or the path of a token file (.npy, .bin, .txt; see diagnostics.data).
+        token array, or the path of a token file (.npy, .bin, .txt; see tinylm.data).
     data_name: what the summary's ``data`` column calls the tokens (default: the path, or "given tokens").
     vocab_size: None sizes it (256, or to the data: see the module doc); an int is used as given.
     """

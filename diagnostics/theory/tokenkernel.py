@@ -1,6 +1,6 @@
 """Token-by-token kernel theory: forward variances at init that account for correlated tokens.
 
-The independent-token ``global`` theory (:mod:`diagnostics.theory`) is exact in block 0
+The independent-token ``global`` theory (:mod:`diagnostics.theory.independent`) is exact in block 0
 and for every FFN tensor, but from block 1 on attention mixes a component shared by all
 positions into the residual stream, the tokens of a sequence become correlated (rank
 collapse) and the attention branch and the stream grow past it. This module tracks that
@@ -55,7 +55,7 @@ random at finite width and with finitely many heads (each head's attention patte
 random draw); the theory propagates its *expectation* through the nonlinear maps (norm,
 softmax, SiLU), which is exact only as d and the number of heads grow. Token coincidences
 enter through their mean over sequences (P_st) only. Dropout is ignored (eval mode). Only the
-forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory`.
+forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory.independent`.
 
 Use: ``diagnostics.predict(model, "global")`` (hence ``diagnose`` on a fresh model) takes its
 forward predictions from here through :func:`cached_kernel_theory`, once per process for each
@@ -86,8 +86,8 @@ import torch
 import tinylm
 from tinylm.init import Dist, declare
 
-from .options import OptionsError
-from .theory import Prediction
+from ..options import OptionsError
+from .prediction import Prediction
 
 __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "cached_kernel_theory", "clear_cache", "token_coincidence",
            "normalize", "attention_kernel", "silu_cross_moment", "mean_cosine"]

@@ -1,6 +1,6 @@
 """Single-pass reductions of CPU float32 tensors, compiled with numba.
 
-:func:`diagnostics.stats.summarize` needs, per tensor, about ten numbers (finite count,
+:func:`diagnostics.measure.moments.summarize` needs, per tensor, about ten numbers (finite count,
 mean, M2, max |x|, zeros, fp16/bf16 under- and overflow counts). Computed with one torch
 op each, that is ten passes over the tensor and, on the CPU, a freshly page-faulted
 temporary for most of them: a probe then cost as much as the forward and backward it
@@ -22,7 +22,7 @@ least 143 and finite, |x| >= 2^16; equal to 254, |x| >= 2^127; non-finite) follo
 extremes when they settle them: all in [2^-14, 2^16) (most activations) or all normal and
 below 2^-14 (most gradients). Otherwise a second vector loop over the segment, still in the
 cache, counts them. Segments merge in float64 by Chan's rule (as
-:func:`diagnostics.stats.merge_vectors` merges runs), and the kernel returns the finished
+:func:`diagnostics.measure.moments.merge_vectors` merges runs), and the kernel returns the finished
 FIELDS vector. Attention probabilities also get their panel (entropy -sum p ln p of each
 row, with a polynomial logarithm, and its largest entry), rows of a residual point their
 sums of squares and, per sequence, the sum of their unit vectors (the cosine between
@@ -74,15 +74,15 @@ def _build():
     """Import (compiling, or loading from numba's on-disk cache) the kernels, once per process."""
     global _kernels
     if _kernels is None:
-        from . import _fused_nb
-        _kernels = _fused_nb
+        from . import _numba
+        _kernels = _numba
     return _kernels
 
 
 def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:
     """The summary of a C-contiguous float32 array or a CPU tensor of :data:`DTYPES` (any layout:
     see :func:`_readable`): float64, laid out as FIELDS of
-    :mod:`diagnostics.stats`, followed, when ``probs``, by its ATTN_FIELDS.
+    :mod:`diagnostics.measure.moments`, followed, when ``probs``, by its ATTN_FIELDS.
 
     ``width`` None: every entry. ``width`` = T: ``x`` holds causal T x T matrices and only
     the entries on or below each diagonal are read; ``probs`` (causal only) adds the
@@ -100,7 +100,7 @@ def summary_rows(x: np.ndarray | _torch.Tensor, cosine: bool = False
     and, from the same read, sum x^2 over its last dimension (float64, shape ``x.shape[:-1]``).
     ``cosine`` (``x`` at least 2-D: sequences of ``x.shape[-2]`` rows): the summary (FIELDS)
     of each sequence's mean cosine similarity between its different rows, as
-    :func:`diagnostics.stats.summarize_cosine` defines it, summed in float64 (no values,
+    :func:`diagnostics.measure.moments.summarize_cosine` defines it, summed in float64 (no values,
     all zeros, for sequences of one row); else None."""
     S = x.shape[-2] if cosine and x.ndim >= 2 else 0
     out, rowsq, cos = _run(x, 0, max(x.shape[-1], 1), False, S)
@@ -126,7 +126,7 @@ def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool, S: int
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The kernels on ``x``'s entries, read in place: a tensor at its data pointer (after
     :func:`_readable`), an array at the address of its C-contiguous float32 flattening.
-    (summary, rows' sums of squares, cosine summary): see ``_fused_nb.reduce_serial``."""
+    (summary, rows' sums of squares, cosine summary): see ``_numba.reduce_serial``."""
     if isinstance(x, np.ndarray):
         x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the kernel's read
         if x.dtype != np.float32:

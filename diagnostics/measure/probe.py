@@ -38,8 +38,8 @@ from torch import Tensor, nn
 import tinylm
 from tinylm.init import declare
 
-from .options import OptionsError, ProbeOptions
-from .stats import (
+from ..options import OptionsError, ProbeOptions
+from .moments import (
     AttnMoments,
     Moments,
     ParamStats,
@@ -216,7 +216,7 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
 
 
 def _as_lists(store: dict) -> dict:
-    """{key: vector as a list of floats} of a store of :func:`~diagnostics.stats.reduce` vectors:
+    """{key: vector as a list of floats} of a store of :func:`~diagnostics.measure.moments.reduce` vectors:
     numpy arrays (the compiled path) directly, tensors (the torch path) stacked and moved in
     one transfer, so one device sync for all of them."""
     keys = [k for k, v in store.items() if not isinstance(v, np.ndarray)]
@@ -395,7 +395,7 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
 
     Per instrumented tensor and direction the run accumulates count, mean, M2 (variance),
     max |x|, exact zeros, non-finite entries and fp16/bf16 under/overflow counts; see
-    :mod:`diagnostics.stats`. Raises OptionsError for a name in ``options.modules`` that
+    :mod:`diagnostics.measure.moments`. Raises OptionsError for a name in ``options.modules`` that
     the model does not have.
     """
     if not isinstance(model, nn.Module):

@@ -7,7 +7,7 @@ One recursion serves both modes; they differ only in where a layer's inputs come
   Dist.mean^2, truncation corrected), activations through the predictions for
   the layers before. The rules below assume independent tokens (uniform random
   tokens). For a tinylm model the *forward* predictions then come from the
-  token-kernel theory (:mod:`diagnostics.kernel`, ``forward="kernel"``, the default),
+  token-kernel theory (:mod:`diagnostics.theory.tokenkernel`, ``forward="kernel"``, the default),
   which tracks the correlation between a sequence's tokens and stays within ~4% at
   depth 8 where the independent-token rules are 4x off; each of those predictions
   keeps the independent-token one in ``Prediction.independent``. The backward
@@ -61,10 +61,8 @@ output mean larger than the random-matrix mean square) is outside validity too.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
@@ -76,12 +74,12 @@ from torch import nn
 import tinylm
 from tinylm.init import declare
 
-from .options import OptionsError
-from .stats import ProbeStats
+from ..options import OptionsError
+from ..measure.moments import ProbeStats
+from .prediction import Prediction, no_variance_left
 
 __all__ = [
-    "Prediction",
-    "predict",
+    "independent_predictions",
     "silu_moments",
     "softmax_moments",
     "ce_grad_mean_square",
@@ -89,32 +87,6 @@ __all__ = [
 
 _MC_DRAWS = 8192
 _MC_SEED = 1234
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """Predicted moments of one tensor in one direction.
-
-    mean_square: predicted E[x^2]; mean: the mean used (local: measured; global: predicted);
-    var = mean_square - mean^2. valid/validity: whether the rule's assumptions hold here.
-    rule: which rule produced it (for the report); the token-kernel theory's rules start
-    with "kernel". cosine: the predicted mean cosine between different tokens of a sequence
-    (the kernel theory, at the residual points; None elsewhere). independent: where the
-    kernel theory made this prediction, the independent-token rule's prediction of the same
-    tensor (with its own validity), kept for comparison; None otherwise.
-    """
-
-    mean_square: float
-    mean: float
-    valid: bool
-    validity: str
-    rule: str
-    cosine: float | None = None
-    independent: Prediction | None = None
-
-    @property
-    def var(self) -> float:
-        return self.mean_square - self.mean**2
 
 
 # ---------------------------------------------------------------- Gaussian expectations
@@ -503,41 +475,11 @@ def _backward(src: _Source) -> None:
             src.put(x, "backward", g_mid + g_in, "residual backward: g_mid + attention input gradient")
 
 
-def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq_len: int,
-            tokens: float | None = None, scheme: str | None = None, softmax: tuple[float, float] | None = None,
-            forward: str = "kernel", coincidence=None) -> dict[tuple[str, str], Prediction]:
-    """Predicted moments of every instrumented tensor of a tinylm model, keyed (name, direction).
-
-    mode "global": analytic at init from the declared distributions of ``scheme``
-    (default ``model.config.init``); ``forward="kernel"`` (default) takes the forward
-    predictions from the token-kernel theory (:func:`diagnostics.kernel.cached_kernel_theory`,
-    computed once per process for each config, seq_len, scheme and ``coincidence``), keeping
-    the independent-token ones in ``Prediction.independent``; ``forward="independent"``
-    keeps the independent-token rules for every prediction. ``coincidence``: the (T, T)
-    fraction of sequences holding the same token at positions s and t
-    (:func:`diagnostics.kernel.token_coincidence`), None for uniform random tokens.
-    Global predictions describe the model without dropout (eval mode, as ``probe``
-    measures by default). mode "local": from ``stats`` (measured moments) and the
-    model's actual weights (``forward`` and ``coincidence`` unused). ``tokens``:
-    positions per loss (batch x seq_len), which sets the scale of every gradient (the
-    loss is their mean); required in global mode; in local mode None reads it from
-    ``stats`` as the count of one batch, which is wrong
-    when ``stats`` pools several batches: pass it then. ``softmax``: the measured
-    (E[sum_c p_c^2], E[p_y]) over the loss's positions (diagnose measures them), against
-    which the cross-entropy rule's premises are checked (None: not checked).
-    Returns {} for a model that is not a tinylm.TransformerLM. Predictions outside their
-    stated validity carry valid=False and say why (see the module doc).
-    """
-    if mode not in ("local", "global"):
-        raise OptionsError(f"mode={mode!r}: choose 'local' or 'global'")
-    if forward not in ("kernel", "independent"):
-        raise OptionsError(f"forward={forward!r}: choose 'kernel' (token-kernel theory) or 'independent'")
-    if not isinstance(model, tinylm.TransformerLM):
-        return {}
-    if mode == "local" and stats is None:
-        raise OptionsError("mode='local' needs stats= (the ProbeStats of a run) to read the layers' inputs from")
-    if mode == "global" and tokens is None:
-        raise OptionsError("mode='global' needs tokens= (batch x seq_len positions per loss)")
+def independent_predictions(model: nn.Module, mode: str, stats: ProbeStats | None, *, seq_len: int,
+                            tokens: float, scheme: str | None, softmax: tuple[float, float] | None
+                            ) -> dict[tuple[str, str], Prediction]:
+    """Every prediction the independent-token rules make for a tinylm model, validity marked
+    (arguments as :func:`diagnostics.theory.predict`, already checked there)."""
     src = _Source(model, mode, stats, int(seq_len), float(tokens or 0.0), scheme, softmax)
     with torch.no_grad():
         try:
@@ -549,36 +491,7 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
         except KeyError:
             pass
     out = _mark_validity(src.out, model.config.num_layers, mode, model.config.norm)
-    if mode == "global" and forward == "kernel":
-        from .kernel import cached_kernel_theory  # imported here: kernel imports Prediction from this module
-
-        kt = cached_kernel_theory(model.config, int(seq_len), scheme=scheme, coincidence=coincidence)
-        out = _with_kernel(out, kt.predictions(dropout_active=False))
     return out
-
-
-def _with_kernel(indep: dict[tuple[str, str], Prediction], kernel: dict[tuple[str, str], Prediction]
-                 ) -> dict[tuple[str, str], Prediction]:
-    """The kernel theory's forward predictions in place of the independent-token ones, each keeping
-    the one it replaces in ``independent``; except where the kernel's is outside validity and the
-    independent-token one is not (block 0 without a norm): that one stays."""
-    out = dict(indep)
-    for key, k in kernel.items():
-        i = indep.get(key)
-        if i is not None and i.valid and not k.valid:
-            continue
-        out[key] = _no_variance_left(dataclasses.replace(k, independent=i))
-    return out
-
-
-def _no_variance_left(p: Prediction) -> Prediction:
-    """A valid prediction whose variance (mean square - mean^2) is not positive is outside validity."""
-    if p.valid and not p.var > 0 and p.mean_square > 0:
-        return dataclasses.replace(
-            p, valid=False, validity=f"the mean ({p.mean:.3g}) exceeds the predicted root mean square "
-                                     f"({math.sqrt(p.mean_square):.3g}): no variance is left to predict (local mode: "
-                                     "a trained layer whose weights align with its input's mean, not a random matrix)")
-    return p
 
 
 _ATTN_INTERNAL = ("attn.probs", "attn.scores", "attn.q_proj", "attn.k_proj", "attn.v_proj")
@@ -601,7 +514,7 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
     """
     marked = {}
     for (name, direction), p in out.items():
-        p = _no_variance_left(p)
+        p = no_variance_left(p)
         blk = name.split(".")[1] if name.startswith("layers.") else None
         if norm == "none" and p.valid:
             unnormalised = "without a norm the FFN reads the raw stream, whose scale varies from token to token"

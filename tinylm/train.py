@@ -9,9 +9,13 @@ One step t = 0 .. steps-1 (CS336 assignment 1, section 4):
     lr_t      = schedule(t)                                  # warmup, then cosine to a floor
     W         = AdamW(W, g, lr_t, betas, eps, weight_decay)
 
-Every ``watch_every`` steps (and at once on a loss spike or a non-finite loss)
-the step runs under the watch (:mod:`diagnostics.watch`), which keeps per-tensor
-moments and per-parameter update ratios in a compact history. A checkpoint holds
+A monitor sees every step through a few callbacks (:class:`Monitor`): whether to
+record this step, a context to run the forward and backward in, an alarm on the
+loss (spike or non-finite: the step is then recorded too), and the record after
+the optimizer step. The training watch (``diagnostics.Watch``) is such a monitor:
+every ``watch_every`` steps it keeps per-tensor moments and per-parameter update
+ratios in a compact history. tinylm knows nothing of diagnostics; the caller
+hands the watch in (``train(..., monitor=Watch(model, every=25))``). A checkpoint holds
 the model, the optimizer, the iteration, the sampler's generator state, the
 training options and the history, so a run resumes where it stopped and
 reproduces the same numbers as an uninterrupted run.
@@ -19,12 +23,13 @@ reproduces the same numbers as an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 import torch
@@ -34,9 +39,9 @@ from tinylm import functional as F
 from tinylm.errors import CheckpointError, TinyLMError
 
 from .data import DataError, check_vocab, get_batch
-from .watch import Watch, WatchEvent
 
-__all__ = ["TrainError", "TrainOptions", "StepInfo", "TrainResult", "lr_schedule", "train", "load_training", "save_training"]
+__all__ = ["TrainError", "TrainOptions", "StepInfo", "TrainResult", "Monitor", "lr_schedule", "train", "load_training",
+           "save_training"]
 
 
 class TrainError(TinyLMError):
@@ -168,9 +173,9 @@ class TrainResult:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     iteration: int
-    history: dict[str, Any]
+    history: dict[str, Any] | None  # the monitor's history (None without one)
     stopped: str | None = None  # why training stopped early (non-finite loss), else None
-    events: list[WatchEvent] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)  # the monitor's events (the watch's WatchEvent)
     seconds: float = 0.0  # wall-clock time of the loop
     cpu_seconds: float = 0.0  # CPU time of this process during the loop (all its threads)
     tokens: int = 0
@@ -178,6 +183,44 @@ class TrainResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+class Monitor:
+    """What the loop asks of a monitor, and the monitor that records nothing.
+
+    The loop, at step t: ``due(t)`` says whether to record; the forward and backward run
+    inside ``capture()`` when recording; ``alarm(loss)`` returns "nonfinite", "spike" or
+    None (an alarm on a step not being recorded makes the loop run that step again
+    inside ``capture()``, when ``enabled``); before the optimizer step of a recorded step
+    ``snapshot_params()`` is taken and after it ``commit(t, loss, lr, grad_norm, reason,
+    before)`` called; ``log(t, loss, lr, grad_norm)`` after every step. ``history`` is
+    stored in the checkpoint, ``events`` returned in the :class:`TrainResult`.
+    """
+
+    enabled: bool = False
+    history: dict[str, Any] | None = None
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def due(self, t: int) -> bool:
+        return False
+
+    def capture(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def alarm(self, loss: float) -> str | None:
+        return None if math.isfinite(loss) else "nonfinite"
+
+    def snapshot_params(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def commit(self, t: int, loss: float, lr: float, grad_norm: float, reason: str = "interval",
+               before: dict[str, torch.Tensor] | None = None) -> None:
+        pass
+
+    def log(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
+        pass
 
 
 def _sampler_generator(options: TrainOptions, state: torch.Tensor | None) -> torch.Generator:
@@ -260,8 +303,7 @@ def train(
     output: str | os.PathLike | None = None,
     resume: dict[str, Any] | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
-    on_event: Callable[[WatchEvent], None] | None = None,
-    watch_sites: list[str] | None = None,
+    monitor: Monitor | Any | None = None,
     data: str | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``tokens`` for ``options.steps`` steps (see the module docstring).
@@ -269,13 +311,15 @@ def train(
     Args:
         model: a ``tinylm.TransformerLM`` (anything with ``.config.vocab_size`` and
             ``.config.context_length`` mapping (B, T) ids to (B, T, V) logits).
-        tokens: 1-D integer token ids (``diagnostics.data.load_tokens`` or ``stdlib_corpus``).
+        tokens: 1-D integer token ids (``tinylm.data.load_tokens`` or ``stdlib_corpus``).
         output: where to write the checkpoint (at the end, on a non-finite stop and
             every ``checkpoint_every`` steps); None writes nothing.
         resume: the dict of :func:`load_training` (optimizer state, iteration,
             history, sampler state) to continue a run.
-        on_step / on_event: callbacks for a progress display and watch messages.
-        watch_sites: names of the tensors the watch records (None: its default set).
+        on_step: called after every step with its :class:`StepInfo` (a progress display).
+        monitor: what watches the run (:class:`Monitor`'s methods; ``diagnostics.Watch``
+            records per-tensor statistics); None records nothing. A resumed run's
+            monitor should start from ``resume["history"]``.
         data: the token file's path, stored in the checkpoint so that a resume finds it
             (None: the built-in corpus or data given in memory).
     Returns:
@@ -296,8 +340,7 @@ def train(
             optimizer.load_state_dict(resume["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
             raise CheckpointError(f"the checkpoint's optimizer state does not fit the model ({e}); resume from a matching checkpoint") from None
-    watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=watch_sites,
-                  history=resume.get("history"), on_event=on_event)
+    watch = monitor if monitor is not None else Monitor()
     params = [p for p in model.parameters() if p.requires_grad]
     clip = options.clip if options.clip > 0 else math.inf
     B, T = options.batch_size, config.context_length

@@ -1,0 +1,95 @@
+"""Theory: the predicted moments of every tensor the probe measures.
+
+Two theories, one :class:`Prediction` type, one :func:`predict` that combines them:
+
+* :mod:`.independent` — per-layer rules that treat the tokens of a sequence as
+  independent (forward and backward, global at init or local from measured inputs);
+* :mod:`.tokenkernel` — the token-kernel theory, which carries the T x T covariance
+  between a sequence's positions forward through the blocks (global mode).
+
+``predict`` takes every prediction from the independent-token rules and, in global
+mode, replaces the forward ones by the token-kernel theory's, keeping the one it
+replaces in ``Prediction.independent``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+import tinylm
+
+from ..measure.moments import ProbeStats
+from ..options import OptionsError
+from .independent import ce_grad_mean_square, independent_predictions, silu_moments, softmax_moments
+from .prediction import Prediction, no_variance_left
+from .tokenkernel import KernelTheory, cached_kernel_theory, kernel_theory, token_coincidence
+
+__all__ = [
+    "Prediction",
+    "predict",
+    "KernelTheory",
+    "kernel_theory",
+    "cached_kernel_theory",
+    "token_coincidence",
+    "silu_moments",
+    "softmax_moments",
+    "ce_grad_mean_square",
+]
+
+
+def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq_len: int,
+            tokens: float | None = None, scheme: str | None = None, softmax: tuple[float, float] | None = None,
+            forward: str = "kernel", coincidence=None) -> dict[tuple[str, str], Prediction]:
+    """Predicted moments of every instrumented tensor of a tinylm model, keyed (name, direction).
+
+    mode "global": analytic at init from the declared distributions of ``scheme``
+    (default ``model.config.init``); ``forward="kernel"`` (default) takes the forward
+    predictions from the token-kernel theory (:func:`.tokenkernel.cached_kernel_theory`,
+    computed once per process for each config, seq_len, scheme and ``coincidence``), keeping
+    the independent-token ones in ``Prediction.independent``; ``forward="independent"``
+    keeps the independent-token rules for every prediction. ``coincidence``: the (T, T)
+    fraction of sequences holding the same token at positions s and t
+    (:func:`.tokenkernel.token_coincidence`), None for uniform random tokens.
+    Global predictions describe the model without dropout (eval mode, as ``probe``
+    measures by default). mode "local": from ``stats`` (measured moments) and the
+    model's actual weights (``forward`` and ``coincidence`` unused). ``tokens``:
+    positions per loss (batch x seq_len), which sets the scale of every gradient (the
+    loss is their mean); required in global mode; in local mode None reads it from
+    ``stats`` as the count of one batch, which is wrong
+    when ``stats`` pools several batches: pass it then. ``softmax``: the measured
+    (E[sum_c p_c^2], E[p_y]) over the loss's positions (diagnose measures them), against
+    which the cross-entropy rule's premises are checked (None: not checked).
+    Returns {} for a model that is not a tinylm.TransformerLM. Predictions outside their
+    stated validity carry valid=False and say why (see :mod:`.independent`).
+    """
+    if mode not in ("local", "global"):
+        raise OptionsError(f"mode={mode!r}: choose 'local' or 'global'")
+    if forward not in ("kernel", "independent"):
+        raise OptionsError(f"forward={forward!r}: choose 'kernel' (token-kernel theory) or 'independent'")
+    if not isinstance(model, tinylm.TransformerLM):
+        return {}
+    if mode == "local" and stats is None:
+        raise OptionsError("mode='local' needs stats= (the ProbeStats of a run) to read the layers' inputs from")
+    if mode == "global" and tokens is None:
+        raise OptionsError("mode='global' needs tokens= (batch x seq_len positions per loss)")
+    out = independent_predictions(model, mode, stats, seq_len=seq_len, tokens=tokens, scheme=scheme, softmax=softmax)
+    if mode == "global" and forward == "kernel":
+        kt = cached_kernel_theory(model.config, int(seq_len), scheme=scheme, coincidence=coincidence)
+        out = _with_kernel(out, kt.predictions(dropout_active=False))
+    return out
+
+
+def _with_kernel(indep: dict[tuple[str, str], Prediction], kernel: dict[tuple[str, str], Prediction]
+                 ) -> dict[tuple[str, str], Prediction]:
+    """The kernel theory's forward predictions in place of the independent-token ones, each keeping
+    the one it replaces in ``independent``; except where the kernel's is outside validity and the
+    independent-token one is not (block 0 without a norm): that one stays."""
+    out = dict(indep)
+    for key, k in kernel.items():
+        i = indep.get(key)
+        if i is not None and i.valid and not k.valid:
+            continue
+        out[key] = no_variance_left(dataclasses.replace(k, independent=i))
+    return out
