@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tinylm.errors import TinyLMError
+from tinylm.validate import boolean, choice, fail, flag_of, integer
 
 __all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "Progress", "THEORY_MODES"]
 
@@ -47,6 +48,14 @@ class ProbeOptions:
     restore_grads: bool = True
     eval_mode: bool = True
 
+    def __post_init__(self) -> None:
+        if self.modules is not None and (isinstance(self.modules, str) or not all(
+                isinstance(m, str) for m in self.modules)):
+            fail("modules", self.modules, "be a tuple of module names (or None for the default set)",
+                 "modules=('layers.0', ...)", error=OptionsError)
+        for name in ("backward", "attention", "cosine", "params", "spectral", "restore_grads", "eval_mode"):
+            boolean(name, getattr(self, name), error=OptionsError)
+
 
 @dataclass(frozen=True)
 class DiagnoseOptions:
@@ -77,15 +86,10 @@ class DiagnoseOptions:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "batches", "seeds"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise OptionsError(f"{name}={v!r}: must be an integer >= 1")
-        if self.seq_len is not None and (isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int)
-                                         or self.seq_len < 2):
-            raise OptionsError(f"seq_len={self.seq_len!r}: must be an integer >= 2 (or None for the default)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise OptionsError(f"seed={self.seed!r}: must be an integer >= 0")
-        if self.theory not in THEORY_MODES:
-            raise OptionsError(f"theory={self.theory!r}: choose one of {', '.join(THEORY_MODES)}")
+            integer(name, getattr(self, name), low=1, fix=f"{flag_of(name)} N", error=OptionsError)
+        if self.seq_len is not None:
+            integer("seq_len", self.seq_len, low=2, fix="--seq-len N (or None for the default)", error=OptionsError)
+        integer("seed", self.seed, low=0, fix="--seed N", error=OptionsError)
+        choice("theory", self.theory, THEORY_MODES, fix="--theory MODE", error=OptionsError)
         if self.progress is not None and not callable(self.progress):
-            raise OptionsError(f"progress={self.progress!r}: must be a callable (done, total, description)")
+            fail("progress", self.progress, "be a callable (done, total, description)", error=OptionsError)

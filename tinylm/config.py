@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
+from .validate import boolean, check, choice, fail, integer, number
 
 __all__ = ["ModelConfig", "default_d_ff", "PRESETS", "preset"]
 
@@ -69,11 +70,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{name}={value!r}: must be an integer")
-            if value <= 0:
-                raise ConfigError(f"{name}={value}: must be positive")
+            integer(name, getattr(self, name), low=1, error=ConfigError)
         if self.d_model % self.num_heads:
             raise ConfigError(
                 f"d_model={self.d_model}, num_heads={self.num_heads}: d_model must be divisible by num_heads"
@@ -83,20 +80,16 @@ class ModelConfig:
                 f"head dimension d_model/num_heads={self.head_dim} is odd: RoPE rotates pairs, so it must be even "
                 "(change num_heads, or set rope=False)"
             )
-        if not (isinstance(self.rope_theta, (int, float)) and math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise ConfigError(f"rope_theta={self.rope_theta!r}: must be a positive finite number")
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0):
-            raise ConfigError(f"eps={self.eps!r}: must be a finite number >= 0")
-        if self.norm not in NORMS:
-            raise ConfigError(f"norm={self.norm!r}: must be one of {', '.join(NORMS)}")
-        if self.ffn not in FFNS:
-            raise ConfigError(f"ffn={self.ffn!r}: must be one of {', '.join(FFNS)}")
-        if not isinstance(self.rope, bool) or not isinstance(self.tie_embeddings, bool):
-            raise ConfigError(f"rope={self.rope!r}, tie_embeddings={self.tie_embeddings!r}: must be booleans")
-        if not (isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0):
-            raise ConfigError(f"dropout={self.dropout!r}: must be in [0, 1)")
+        number("rope_theta", self.rope_theta, low=0.0, strict_low=True, error=ConfigError)
+        number("eps", self.eps, low=0.0, error=ConfigError)
+        choice("norm", self.norm, NORMS, error=ConfigError)
+        choice("ffn", self.ffn, FFNS, error=ConfigError)
+        boolean("rope", self.rope, error=ConfigError)
+        boolean("tie_embeddings", self.tie_embeddings, error=ConfigError)
+        check("dropout", self.dropout, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+              and 0.0 <= v < 1.0, "be a number in [0, 1)", error=ConfigError)
         if not isinstance(self.init, str) or not self.init:
-            raise ConfigError(f"init={self.init!r}: must name an init scheme")
+            fail("init", self.init, "name an init scheme", "one of tinylm.init.SCHEMES", error=ConfigError)
 
     @property
     def head_dim(self) -> int:

@@ -38,7 +38,9 @@ from torch import nn
 from tinylm import functional as F
 from tinylm.errors import CheckpointError, TinyLMError
 
+from . import validate
 from .data import DataError, check_vocab, get_batch
+from .validate import flag_of
 
 __all__ = ["TrainError", "TrainOptions", "StepInfo", "TrainResult", "Monitor", "lr_schedule", "train", "load_training",
            "save_training"]
@@ -86,15 +88,10 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         def integer(name: str, value: Any, low: int) -> None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                flag = "--" + name.replace("_", "-")
-                raise TrainError(f"{name}={value!r}: must be an integer >= {low} ({flag} N)")
+            validate.integer(name, value, low=low, fix=f"{flag_of(name)} N", error=TrainError)
 
         def number(name: str, value: Any, low: float, strict: bool) -> None:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok or (value <= low if strict else value < low):
-                flag = "--" + name.replace("_", "-")
-                raise TrainError(f"{name}={value!r}: must be a finite number {'>' if strict else '>='} {low} ({flag} X)")
+            validate.number(name, value, low=low, strict_low=strict, fix=f"{flag_of(name)} X", error=TrainError)
 
         integer("steps", self.steps, 1)
         integer("batch_size", self.batch_size, 1)
@@ -105,7 +102,8 @@ class TrainOptions:
         if self.min_lr is not None:
             number("min_lr", self.min_lr, 0.0, False)
             if self.min_lr > self.lr:
-                raise TrainError(f"min_lr={self.min_lr} > lr={self.lr}: the floor must not exceed the peak (--min-lr)")
+                validate.fail("min_lr", self.min_lr, f"not exceed the peak lr={self.lr}", "a smaller --min-lr",
+                              error=TrainError)
         if self.warmup is not None:
             integer("warmup", self.warmup, 0)
         number("weight_decay", self.weight_decay, 0.0, False)
@@ -116,7 +114,7 @@ class TrainOptions:
             value = getattr(self, name)
             number(name, value, 0.0, False)
             if value >= 1:
-                raise TrainError(f"{name}={value}: must be in [0, 1) (--{name} X)")
+                validate.fail(name, value, "be in [0, 1)", f"--{name} X", error=TrainError)
 
     @property
     def floor(self) -> float:
