@@ -244,6 +244,14 @@ def _is_state_dict(obj: Any) -> bool:
     return isinstance(obj, dict) and len(obj) > 0 and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
 
 
+def _iteration(value: Any) -> int | None:
+    """A stored iteration count as a non-negative int; anything else (a string, a float, a
+    negative number, a tensor) is not a count and reads as unknown (None)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return int(value)
+
+
 def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, CheckpointInfo]:
     """Read a file into (state_dict, stored config dict or None, info); no model is built."""
     path = Path(path)
@@ -264,7 +272,7 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
                     info.extra[k] = json.loads(v)
                 except json.JSONDecodeError:
                     info.extra[k] = v
-        info.iteration = info.extra.pop("iteration", None)
+        info.iteration = _iteration(info.extra.pop("iteration", None))
         info.history = info.extra.pop("history", None)
         return _strip_prefixes(state), config, info
 
@@ -279,13 +287,13 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
         if not _is_state_dict(state):
             raise CheckpointError(f"{path}: a tinylm checkpoint whose 'model' entry is not a state dict; the file is damaged")
         info = CheckpointInfo(str(path), "tinylm", "stored", version=obj.get("version"))
-        info.iteration = obj.get("iteration")
+        info.iteration = _iteration(obj.get("iteration"))
         info.has_optimizer = "optimizer" in obj
         info.history = obj.get("history")
         info.extra = {k: v for k, v in obj.items() if k not in ("format", "version", "config", "model", "optimizer", "iteration", "history")}
         return _strip_prefixes(state), obj.get("config"), info
     if isinstance(obj, dict) and _is_state_dict(obj.get("model")):
-        info = CheckpointInfo(str(path), "training", "inferred", iteration=obj.get("iteration"), has_optimizer="optimizer" in obj)
+        info = CheckpointInfo(str(path), "training", "inferred", iteration=_iteration(obj.get("iteration")), has_optimizer="optimizer" in obj)
         return _strip_prefixes(obj["model"]), obj.get("config") if isinstance(obj.get("config"), dict) else None, info
     if _is_state_dict(obj):
         return _strip_prefixes(obj), None, CheckpointInfo(str(path), "state_dict", "inferred")
@@ -341,6 +349,25 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     return ModelConfig(**fields)
 
 
+def _check_sizes(config: ModelConfig, state: dict[str, torch.Tensor], path: str) -> None:
+    """The config's sizes against what the weights show, before any module is built: a stored
+    config (or a flag) that claims more blocks or wider layers than the file holds is refused."""
+    seen: dict[str, int] = {}
+    emb = state.get("token_embeddings.weight")
+    if isinstance(emb, torch.Tensor) and emb.dim() == 2:
+        seen["vocab_size"], seen["d_model"] = emb.shape
+    blocks = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
+    if blocks:
+        seen["num_layers"] = max(blocks) + 1
+    w1 = state.get("layers.0.ffn.w1.weight")
+    if isinstance(w1, torch.Tensor) and w1.dim() == 2:
+        seen["d_ff"] = w1.shape[0]
+    wrong = [f"{k}={getattr(config, k)} but the weights show {v}" for k, v in seen.items() if getattr(config, k) != v]
+    if wrong:
+        raise CheckpointError(f"{path}: the config does not match the weights ({'; '.join(wrong)}); "
+                              "fix the flag or the stored config, or drop it and let the shapes decide")
+
+
 def _validate_state(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
@@ -369,6 +396,9 @@ def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> 
     """
     state, config_dict, info = read_state(path, unsafe=unsafe)
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if config_dict is not None and not isinstance(config_dict, dict):
+        raise CheckpointError(f"{path}: the stored config is a {type(config_dict).__name__}, not a dict of fields; "
+                              "the file is damaged or was written by another tool (save with tinylm.checkpoint.save)")
     if config_dict is not None:
         try:
             config = ModelConfig.from_dict({**config_dict, **overrides})
@@ -376,6 +406,7 @@ def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> 
             raise CheckpointError(f"{path}: stored config is invalid: {e}") from None
     else:
         config = infer_config(state, **overrides)
+    _check_sizes(config, state, str(path))
     if config.tie_embeddings and "lm_head.weight" not in state and "token_embeddings.weight" in state:
         state = {**state, "lm_head.weight": state["token_embeddings.weight"]}
     emb = state.get("token_embeddings.weight")

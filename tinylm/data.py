@@ -1,6 +1,7 @@
 """Token data: CS336 token files, text as bytes, a built-in corpus, and batch sampling.
 
-Formats read (never modified; large files are memory-mapped):
+Formats read (never modified; memory-mapped, so a file larger than memory is read
+window by window):
   ``.npy``  a 1-D integer array (``np.save``), loaded with ``allow_pickle=False``;
   ``.bin``  raw little-endian uint16 tokens, as CS336 writes them;
   ``.txt``  UTF-8 text tokenised as its bytes (ids 0..255; needs vocab_size >= 256).
@@ -52,13 +53,17 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> np.nd
             raise DataError(f"--data {path}: not a readable .npy array ({str(e).splitlines()[0][:100]}); "
                             "write tokens with np.save(path, array)") from None
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise DataError(f"--data {path}: holds a {tokens.ndim}-D {tokens.dtype} array; tokens must be a 1-D integer array")
+            found = ""
+            if tokens.ndim == 1 and tokens.size and np.issubdtype(tokens.dtype, np.number):
+                found = f" (values {tokens.min()} .. {tokens.max()})"
+            raise DataError(f"--data {path}: holds a {tokens.ndim}-D {tokens.dtype} array{found}; tokens must be a 1-D "
+                            "integer array (np.save(path, ids.astype(np.int64)))")
     elif suffix == ".bin":
         if path.stat().st_size % 2:
             raise DataError(f"--data {path}: odd byte count; a .bin token file is raw uint16 (2 bytes per token)")
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
     elif suffix == ".txt":
-        tokens = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        tokens = np.memmap(path, dtype=np.uint8, mode="r")
         if vocab_size is not None and vocab_size < 256:
             raise DataError(f"--data {path}: text is tokenised as bytes (ids 0..255) but vocab_size={vocab_size}; "
                             "use a model with vocab_size >= 256 or pre-tokenised .npy/.bin data")

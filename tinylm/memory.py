@@ -23,9 +23,12 @@ import torch
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 
-__all__ = ["MemoryLimitError", "estimate_bytes", "available_bytes", "check_fits"]
+__all__ = ["MemoryLimitError", "estimate_bytes", "available_bytes", "check_fits", "model_bytes", "check_model_fits"]
 
 SAFETY = 1.5
+#: host memory of the Python objects of one TransformerBlock (its modules, parameter and buffer
+#: objects), whatever its sizes: about 47 KiB measured for a block built on the meta device.
+BLOCK_OBJECT_BYTES = 64 * 1024
 
 
 class MemoryLimitError(TinyLMError):
@@ -40,9 +43,47 @@ def estimate_bytes(config: ModelConfig, batch_size: int, seq_len: int, dtype: to
     per_token = 5 * c.vocab_size + c.num_layers * (10 * c.d_model + 3 * c.d_ff + 4 * c.num_heads * seq_len)
     if not backward:
         per_token //= 3
-    params = (c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
-              + c.num_layers * (4 * c.d_model**2 + (3 if c.ffn == "swiglu" else 2) * c.d_model * c.d_ff + 2 * c.d_model))
+    params = _params(c)
     return int(item * (per_token * batch_size * seq_len + (3 if backward else 1) * params))
+
+
+def _params(c: ModelConfig) -> int:
+    """The exact parameter count of ``TransformerLM(c)``."""
+    norms = 0 if c.norm == "none" else 2 * c.d_model
+    final = c.d_model if c.norm == "pre" else 0
+    return (c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + final
+            + c.num_layers * (4 * c.d_model**2 + (3 if c.ffn == "swiglu" else 2) * c.d_model * c.d_ff + norms))
+
+
+def model_bytes(config: ModelConfig, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(bytes of the model's tensors, bytes of its Python objects) for a ``TransformerLM(config)``.
+
+    Tensors: every parameter at ``dtype`` (default float32) plus the RoPE tables, float32
+    cos and sin of (context_length, d_k) in each block. Objects: BLOCK_OBJECT_BYTES
+    per block, the part that a meta-device build costs too.
+    """
+    c = config
+    item = torch.finfo(dtype or torch.float32).bits // 8
+    rope = c.num_layers * 2 * c.context_length * (c.d_model // c.num_heads) * 4 if c.rope else 0
+    return item * _params(c) + rope, c.num_layers * BLOCK_OBJECT_BYTES
+
+
+def check_model_fits(config: ModelConfig, dtype: torch.dtype | None = None, device=None,
+                     available: int | None = None) -> None:
+    """Refuse, before anything is allocated, a model whose tensors (on the CPU) or whose objects
+    (anywhere) would not fit in the host's available memory; the message gives the estimate."""
+    tensors, objects = model_bytes(config, dtype)
+    on_host = str(device if device is not None else "cpu").split(":")[0] == "cpu"
+    need = objects + (tensors if on_host else 0)
+    have = available_bytes() if available is None else available
+    if need <= have:
+        return
+    gib = 2**30
+    c = config
+    raise MemoryLimitError(
+        f"a model with vocab_size={c.vocab_size}, context_length={c.context_length}, d_model={c.d_model}, "
+        f"num_layers={c.num_layers}, d_ff={c.d_ff} would need about {need / gib:.3g} GiB but {have / gib:.3g} GiB "
+        "is available; check these sizes (a stored config or a flag) and use a smaller model")
 
 
 def available_bytes() -> int:

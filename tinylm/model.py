@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from . import functional as F
 from .config import ModelConfig
 from .errors import ConfigError
+from .memory import check_model_fits
 from .layers import Embedding, Linear, MultiHeadSelfAttention, RMSNorm, RotaryPositionalEmbedding, SiLUFFN, SwiGLU, Tap
 
 __all__ = ["TransformerBlock", "TransformerLM"]
@@ -88,6 +89,7 @@ class TransformerLM(nn.Module):
         super().__init__()
         if not isinstance(config, ModelConfig):
             raise ConfigError(f"config must be a tinylm.ModelConfig, got {type(config).__name__}")
+        check_model_fits(config, dtype, device)  # sizes from a file or a flag: refuse before building
         self.config = config
         # Build on the meta device (no memory, no init), then allocate and initialise once below.
         c, kw = config, dict(device="meta", dtype=dtype)

@@ -1,0 +1,98 @@
+"""Sizes from a file or a flag are checked before anything is built: no few-kilobyte file costs gigabytes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import tinylm
+from tinylm import checkpoint
+from tinylm.data import DataError, load_tokens
+from tinylm.errors import CheckpointError
+from tinylm.memory import MemoryLimitError, check_model_fits, model_bytes
+
+SMALL = tinylm.ModelConfig(vocab_size=50, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)
+
+
+@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True}, {"norm": "post", "ffn": "silu", "rope": False},
+                                     {"norm": "none"}])
+def test_model_bytes_counts_every_parameter_and_the_rope_tables(changes):
+    config = SMALL.replace(**changes)
+    m = tinylm.TransformerLM(config)
+    tensors, objects = model_bytes(config)
+    params = sum(p.numel() for p in m.parameters()) * 4  # a tied matrix once
+    buffers = sum(b.numel() * b.element_size() for b in m.buffers())
+    assert tensors == params + buffers
+    assert objects == config.num_layers * 64 * 1024
+
+
+@pytest.mark.parametrize("changes", [{"num_layers": 10**6}, {"context_length": 10**9}, {"d_model": 2**20, "d_ff": 8}])
+def test_an_absurd_config_is_refused_before_any_allocation(changes):
+    config = SMALL.replace(**changes)
+    t = time.perf_counter()
+    with pytest.raises(MemoryLimitError, match="would need about .* GiB but .* GiB is available"):
+        tinylm.TransformerLM(config)
+    assert time.perf_counter() - t < 1.0  # refused from arithmetic, not from a failed allocation
+
+
+def test_the_check_refuses_only_what_does_not_fit():
+    check_model_fits(SMALL, available=10**9)  # fits: no error
+    need = sum(model_bytes(SMALL))
+    with pytest.raises(MemoryLimitError):
+        check_model_fits(SMALL, available=need - 1)  # negative control: one byte short
+    check_model_fits(SMALL, device="meta", available=model_bytes(SMALL)[1])  # meta: only the objects count
+
+
+def _edited(tmp_path, edit):
+    path = tmp_path / "m.pt"
+    checkpoint.save(path, tinylm.TransformerLM(SMALL))
+    obj = torch.load(path, weights_only=True)
+    edit(obj)
+    torch.save(obj, path)
+    return path
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 10**6), ("d_model", 10**9), ("vocab_size", 7), ("d_ff", 64)])
+def test_a_stored_config_that_contradicts_the_weights_is_refused_fast(tmp_path, field, value):
+    path = _edited(tmp_path, lambda o: o.__setitem__("config", {**o["config"], field: value}))
+    before = path.read_bytes()
+    t = time.perf_counter()
+    with pytest.raises(CheckpointError, match=f"{field}={value} but the weights show"):
+        checkpoint.load(path)
+    assert time.perf_counter() - t < 2.0
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("config", [[1, 2, 3], "hello", 7])
+def test_a_stored_config_of_the_wrong_type_is_a_checkpoint_error(tmp_path, config):
+    path = _edited(tmp_path, lambda o: o.__setitem__("config", config))
+    with pytest.raises(CheckpointError, match=f"stored config is a {type(config).__name__}, not a dict"):
+        checkpoint.load(path)
+
+
+@pytest.mark.parametrize("stored, read", [(12, 12), ("12", None), (-1, None), (2.5, None), (True, None)])
+def test_a_stored_iteration_reads_as_a_count_or_as_unknown(tmp_path, stored, read):
+    path = _edited(tmp_path, lambda o: o.__setitem__("iteration", stored))
+    assert checkpoint.load(path)[1].iteration == read
+
+
+@pytest.mark.parametrize("dtype", [">i4", "<i8", ">u2", "u1", ">i8"])
+def test_token_files_in_any_byte_order_and_integer_dtype(tmp_path, dtype):
+    ids = (np.arange(100) * 7 % 50).astype(dtype)
+    np.save(tmp_path / "t.npy", ids)
+    assert np.array_equal(np.asarray(load_tokens(tmp_path / "t.npy", vocab_size=50), dtype=np.int64), ids.astype(np.int64))
+
+
+def test_a_float_token_file_is_refused_with_the_range_found(tmp_path):
+    np.save(tmp_path / "t.npy", np.linspace(0, 3, 10, dtype=np.float32))
+    with pytest.raises(DataError, match=r"float32 array \(values 0.0 .. 3.0\)"):
+        load_tokens(tmp_path / "t.npy")
+
+
+def test_text_is_memory_mapped_not_read_whole(tmp_path):
+    (tmp_path / "t.txt").write_bytes(b"hello world")
+    tokens = load_tokens(tmp_path / "t.txt", vocab_size=256)
+    assert isinstance(tokens, np.memmap) and bytes(np.asarray(tokens)) == b"hello world"
