@@ -89,7 +89,7 @@ class DiagnoseOptions:
             integer(name, getattr(self, name), low=1, fix=f"{flag_of(name)} N", error=OptionsError)
         if self.seq_len is not None:
             integer("seq_len", self.seq_len, low=2, fix="--seq-len N (or None for the default)", error=OptionsError)
-        integer("seed", self.seed, low=0, fix="--seed N", error=OptionsError)
+        integer("seed", self.seed, low=0, high=2**63 - 1, fix="--seed N", error=OptionsError)
         choice("theory", self.theory, THEORY_MODES, fix="--theory MODE", error=OptionsError)
         if self.progress is not None and not callable(self.progress):
             fail("progress", self.progress, "be a callable (done, total, description)", error=OptionsError)

@@ -96,3 +96,44 @@ def test_text_is_memory_mapped_not_read_whole(tmp_path):
     (tmp_path / "t.txt").write_bytes(b"hello world")
     tokens = load_tokens(tmp_path / "t.txt", vocab_size=256)
     assert isinstance(tokens, np.memmap) and bytes(np.asarray(tokens)) == b"hello world"
+
+
+def _safetensors_with(tmp_path, **metadata):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    state = {k: v.contiguous() for k, v in tinylm.TransformerLM(SMALL).state_dict().items()}
+    save_file(state, str(path), metadata={"config": __import__("json").dumps(SMALL.to_dict()), **metadata})
+    return path
+
+
+def test_deeply_nested_metadata_is_refused_not_recursed(tmp_path):
+    path = _safetensors_with(tmp_path, note="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nests 100000 levels deep"):
+        checkpoint.load(path)
+
+
+def test_metadata_within_bounds_still_reads(tmp_path):
+    # negative control for the bound: nesting and strings with brackets inside are read as JSON
+    path = _safetensors_with(tmp_path, note='{"a": [[1, 2], {"b": "]]]}}\\\\\\"["}]}')
+    assert checkpoint.load(path)[1].extra["note"] == {"a": [[1, 2], {"b": ']]]}}\\"['}]}
+
+
+def test_sparse_weights_are_refused(tmp_path):
+    path = tmp_path / "m.pt"
+    state = tinylm.TransformerLM(SMALL).state_dict()
+    state["layers.0.ffn.w1.weight"] = state["layers.0.ffn.w1.weight"].to_sparse()
+    torch.save({"format": "tinylm", "version": 1, "config": SMALL.to_dict(), "model": state}, path)
+    with pytest.raises(CheckpointError, match="sparse or non-dense weights: layers.0.ffn.w1.weight"):
+        checkpoint.load(path)
+
+
+def test_seeds_beyond_64_bits_are_refused():
+    from diagnostics.options import DiagnoseOptions, OptionsError
+    from tinylm.train import TrainError, TrainOptions
+
+    with pytest.raises(OptionsError, match=r"seed=\d+: must be an integer in \[0, 9223372036854775807\]"):
+        DiagnoseOptions(seed=2**64)
+    with pytest.raises(TrainError, match="seed="):
+        TrainOptions(steps=1, seed=2**70)
+    DiagnoseOptions(seed=2**63 - 1)

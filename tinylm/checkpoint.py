@@ -230,6 +230,33 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         ) from None
 
 
+#: bounds on one JSON value in a file's metadata: a few kilobytes of metadata must never cost more.
+JSON_MAX_BYTES, JSON_MAX_DEPTH = 1 << 20, 64
+
+
+def _bounded_json(text: str, what: str, path: Path) -> Any:
+    """``json.loads(text)`` once its size and nesting depth are within bounds; else a CheckpointError."""
+    if len(text) > JSON_MAX_BYTES:
+        raise CheckpointError(f"{path}: its {what} metadata is {len(text):,} characters (at most {JSON_MAX_BYTES:,} "
+                              "are read); re-export the file without it")
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:  # nesting outside strings, without recursion
+        if in_string:
+            escaped, in_string = (False, in_string) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > JSON_MAX_DEPTH:
+        raise CheckpointError(f"{path}: its {what} metadata nests {deepest} levels deep (at most {JSON_MAX_DEPTH}); "
+                              "re-export the file without it")
+    return json.loads(text)
+
+
 def _strip_prefixes(state: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in state.items():
@@ -262,14 +289,14 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
         info = CheckpointInfo(str(path), "safetensors", "inferred")
         if "config" in meta:
             try:
-                config = json.loads(meta["config"])
+                config = _bounded_json(meta["config"], "config", path)
             except json.JSONDecodeError:
                 raise CheckpointError(f"{path}: the config in its safetensors metadata is not valid JSON; re-export it") from None
             info.config_source = "stored"
         for k, v in meta.items():
             if k not in ("format", "version", "config"):
                 try:
-                    info.extra[k] = json.loads(v)
+                    info.extra[k] = _bounded_json(v, repr(k), path)
                 except json.JSONDecodeError:
                     info.extra[k] = v
         info.iteration = _iteration(info.extra.pop("iteration", None))
@@ -382,6 +409,10 @@ def _validate_state(model: nn.Module, state: dict[str, torch.Tensor], path: str)
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items() if state[k].shape != v.shape]
     if wrong:
         raise CheckpointError(f"{path}: wrong shapes: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; check the config flags or the file")
+    sparse = [f"{k} ({v.layout})" for k, v in state.items() if v.layout != torch.strided]
+    if sparse:
+        raise CheckpointError(f"{path}: sparse or non-dense weights: {', '.join(sparse[:3])}; save dense tensors "
+                              "(tensor.to_dense())")
     bad = [f"{k} ({v.dtype})" for k, v in state.items() if not v.is_floating_point()]
     if bad:
         raise CheckpointError(f"{path}: non-float weights: {', '.join(bad[:3])}; weights must be floating point")

@@ -87,15 +87,15 @@ class TrainOptions:
     stop_on_nonfinite: bool = True
 
     def __post_init__(self) -> None:
-        def integer(name: str, value: Any, low: int) -> None:
-            validate.integer(name, value, low=low, fix=f"{flag_of(name)} N", error=TrainError)
+        def integer(name: str, value: Any, low: int, high: int | None = None) -> None:
+            validate.integer(name, value, low=low, high=high, fix=f"{flag_of(name)} N", error=TrainError)
 
         def number(name: str, value: Any, low: float, strict: bool) -> None:
             validate.number(name, value, low=low, strict_low=strict, fix=f"{flag_of(name)} X", error=TrainError)
 
         integer("steps", self.steps, 1)
         integer("batch_size", self.batch_size, 1)
-        integer("seed", self.seed, 0)
+        integer("seed", self.seed, 0, 2**63 - 1)  # torch's generators take 64-bit seeds
         integer("watch_every", self.watch_every, 0)
         integer("checkpoint_every", self.checkpoint_every, 0)
         number("lr", self.lr, 0.0, True)
