@@ -137,3 +137,14 @@ def test_seeds_beyond_64_bits_are_refused():
     with pytest.raises(TrainError, match="seed="):
         TrainOptions(steps=1, seed=2**70)
     DiagnoseOptions(seed=2**63 - 1)
+
+
+def test_available_memory_respects_an_address_space_limit():
+    import subprocess
+    import sys
+
+    code = ("import resource, tinylm.memory as m; full = m.available_bytes(); "
+            "resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.getrlimit(resource.RLIMIT_AS)[1])); "
+            "low = m.available_bytes(); print(full > low, low <= 8 << 30)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True"]

@@ -86,19 +86,54 @@ def check_model_fits(config: ModelConfig, dtype: torch.dtype | None = None, devi
         "is available; check these sizes (a stored config or a flag) and use a smaller model")
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) reads as None
+
+
+def _limits() -> list[int]:
+    """What this process may still take under a cgroup (v2 or v1) or an address-space rlimit."""
+    out = []
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        cap, used = _read_int(limit), _read_int(usage)
+        if cap is not None and cap < 1 << 60:
+            out.append(max(cap - (used or 0), 0))
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            out.append(max(soft - size, 0))
+    except (ImportError, OSError, ValueError):
+        pass
+    return out
+
+
 def available_bytes() -> int:
-    """Memory the OS says is available now (MemAvailable), else the physical total."""
+    """Memory this process can still take: the OS's MemAvailable (else the physical total), lowered
+    by a container's cgroup limit or an address-space rlimit where one is set."""
+    have = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    have = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62  # unknown: do not refuse
+    if have is None:
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            have = 1 << 62  # unknown: do not refuse
+    return min([have, *_limits()])
 
 
 def check_fits(config: ModelConfig, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32,
