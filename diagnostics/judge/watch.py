@@ -482,7 +482,7 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
     statistic, value; verdict: the site's verdict at that record in the direction it concerns
     (an exploding or non-finite forward variance on the forward rows, a vanishing or non-finite
     gradient on the backward rows; "ok" on the other direction; None on rows never judged:
-    attention, update ratios, the series). predicted, ratio and its interval, valid: None.
+    a site not measured at that record, attention, update ratios, the series). predicted, ratio and its interval, valid: None.
     """
     from ..measure.probe import block_index
 
@@ -497,8 +497,9 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
             v = bad.get((step, site))
             judged_dir = None if v is None else ("forward" if v["stat"].startswith("fwd") else "backward")
             at = dict(common, step=step, name=site, kind=kinds.get(site), block=block_index(site))
+            measured = not (st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")))
             for direction in ("forward", "backward"):
-                verdict = v["verdict"] if judged_dir == direction else "ok"
+                verdict = v["verdict"] if judged_dir == direction else ("ok" if measured else None)
                 if "count" in st:
                     rows.append(Row(**at, direction=direction, statistic="count", value=_num(st["count"]),
                                     verdict=verdict))
