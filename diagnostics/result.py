@@ -59,7 +59,8 @@ Schema versions (``SCHEMA_VERSION``, written as ``schema_version``):
   (:mod:`diagnostics.theory.tokenkernel`); new fields ``TensorRow.rule``,
   ``TensorRow.predicted_independent`` and ``DepthRow.cosine_predicted``.
 * "3": the per-tensor numbers are serialised as the tidy rows of :data:`COLUMNS`
-  ("rows": one object per row, the frame of :meth:`DiagnoseResult.to_frame`), with the
+  ("columns": :data:`COLUMNS`; "rows": one list of values per row, in that order, one
+  row per line of the document: the frame of :meth:`DiagnoseResult.to_frame`), with the
   prediction notes of each (name, direction) beside them ("theory": name, direction,
   theory, rule, validity, predicted_independent) instead of the "tensors" list;
   thresholds include the watch's. :meth:`DiagnoseResult.from_dict` reads "2" and "3".
@@ -440,7 +441,8 @@ class DiagnoseResult:
             "header": asdict(self.header),
             "thresholds": dict(self.thresholds),
             "findings": [asdict(f) for f in self.findings],
-            "rows": [dict(zip(COLUMNS, r.astuple())) for r in self.rows()],
+            "columns": list(COLUMNS),
+            "rows": [list(r.astuple()) for r in self.rows()],
             "theory": [{k: getattr(r, k) for k in _THEORY_NOTES} for r in self.tensors if r.predicted is not None],
             "params": [asdict(r) for r in self.params],
             "attention": [asdict(r) for r in self.attention],
@@ -448,8 +450,19 @@ class DiagnoseResult:
         })
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The versioned JSON document (keys sorted; byte-identical for equal inputs but ``created``)."""
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=True, allow_nan=False)
+        """The versioned JSON document (keys sorted; byte-identical for equal inputs but ``created``).
+
+        With ``indent``, each tidy row is written on one line (as a CSV file would hold it)."""
+        doc = self.to_dict()
+        if indent is None:
+            return json.dumps(doc, sort_keys=True, allow_nan=False)
+        rows = doc.pop("rows")
+        mark = "\x00rows\x00"  # a placeholder no name can hold
+        text = json.dumps({**doc, "rows": mark}, indent=indent, sort_keys=True, allow_nan=False)
+        pad = " " * (2 * indent)
+        body = ",\n".join(pad + json.dumps(r, allow_nan=False) for r in rows)
+        listing = "[\n" + body + "\n" + " " * indent + "]" if rows else "[]"
+        return text.replace(json.dumps(mark), listing, 1)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DiagnoseResult":
@@ -476,7 +489,8 @@ class DiagnoseResult:
         if version == "2":
             tensors = [build(TensorRow, r) for r in data["tensors"]]
         else:
-            tensors = _tensors_from_rows([{k: num(v) for k, v in r.items()} for r in data["rows"]],
+            columns = data.get("columns", list(COLUMNS))
+            tensors = _tensors_from_rows([{k: num(v) for k, v in zip(columns, r)} for r in data["rows"]],
                                          [{k: num(v) for k, v in t.items()} for t in data.get("theory", [])])
         return cls(
             header=build(Header, data["header"]),

@@ -105,19 +105,21 @@ def _check_schema(doc: dict) -> None:
     assert doc["schema_version"] == SCHEMA_VERSION == "3"
     assert isinstance(doc["created"], str) and doc["created"]
     assert isinstance(doc["healthy"], bool) and doc["healthy"] == (not doc["findings"])
-    assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "rows",
-                        "theory", "params", "attention", "depth"}
+    assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "columns",
+                        "rows", "theory", "params", "attention", "depth"}
+    assert doc["columns"] == list(COLUMNS)
     assert set(doc["header"]) == {f.name for f in fields(Header)}
     for key, kind in (("findings", Finding), ("params", ParamRow), ("attention", AttentionRow), ("depth", DepthRow)):
         names = {f.name for f in fields(kind)}
         for row in doc[key]:
             assert set(row) == names, (key, set(row) ^ names)
-    for row in doc["rows"]:
-        assert set(row) == set(COLUMNS)
+    rows = [dict(zip(COLUMNS, row)) for row in doc["rows"]]
+    assert all(len(row) == len(COLUMNS) for row in doc["rows"])
+    for row in rows:
         assert row["direction"] in ("forward", "backward")
         v = row["value"]
         assert isinstance(v, (int, float)) or v in ("nan", "inf", "-inf"), (row["statistic"], v)
-    assert {r["statistic"] for r in doc["rows"]} >= {"var", "mean", "max_abs", "frac_nonfinite"}
+    assert {r["statistic"] for r in rows} >= {"var", "mean", "max_abs", "frac_nonfinite"}
     for note in doc["theory"]:
         assert set(note) == {"name", "direction", "theory", "rule", "validity", "predicted_independent"}
     assert all(isinstance(v, (int, float)) for v in doc["thresholds"].values())

@@ -80,10 +80,13 @@ def test_json_reads_back_schema_2_documents(result):
     _, r = result
     doc = json.loads(r.to_json())
     assert doc["schema_version"] == "3" and "tensors" not in doc
-    assert len(doc["rows"]) == len(r.tensors) * 11 and set(doc["rows"][0]) == set(COLUMNS)
+    assert doc["columns"] == list(COLUMNS) and len(doc["rows"]) == len(r.tensors) * 11
+    assert all(len(row) == len(COLUMNS) for row in doc["rows"])
+    assert r.to_json().count("\n") < len(doc["rows"]) + 2000  # one line per row, not one per value
+    assert json.loads(r.to_json(indent=None)) == doc
     assert {(t["name"], t["direction"]) for t in doc["theory"]} == {(t.name, t.direction) for t in r.tensors
                                                                    if t.predicted is not None}
-    old = {k: v for k, v in doc.items() if k not in ("rows", "theory")}
+    old = {k: v for k, v in doc.items() if k not in ("columns", "rows", "theory")}
     old["schema_version"] = "2"
     old["tensors"] = json.loads(json.dumps([asdict(t) for t in r.tensors]))
     back = DiagnoseResult.from_dict(old)
