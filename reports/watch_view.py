@@ -144,7 +144,8 @@ def render_history(history: dict[str, Any]):
         lines.append(Text(f"every verdict stayed ok over all {len(records)} records", style="green"))
     else:
         thr = "" if not math.isfinite(dep["threshold"]) else f" against the threshold {dep['threshold']:.3g}"
-        lines.append(Text(f"first verdict other than ok: step {dep['step']}, {dep['site']} {verdict_text(dep['verdict'])} "
+        what = verdict_text(dep["verdict"])
+        lines.append(Text(f"first verdict other than ok: step {dep['step']}, {dep['site']} {what} "
                           f"({dep['stat']} = {_fmt(dep['value'])}{thr})", style="bold red"))
     events = history.get("events") or []
     for ev in events[:MAX_EVENTS]:
@@ -187,7 +188,8 @@ def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
             ax.axvline(dep["step"], color="red", ls="--", lw=0.8)
         ax.grid(alpha=0.3)
     if label:
-        ax_loss.set_title(label if dep is None else f"{label}\nfirst non-ok: step {dep['step']}, {dep['site']} ({verdict_text(dep['verdict'])})",
+        what = "" if dep is None else verdict_text(dep["verdict"])
+        ax_loss.set_title(label if dep is None else f"{label}\nfirst non-ok: step {dep['step']}, {dep['site']} ({what})",
                           fontsize=9)
     axes[-1].set_xlabel("step")
     ax_fwd.legend(fontsize=7, loc="upper left")

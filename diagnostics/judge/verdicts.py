@@ -108,7 +108,8 @@ class Thresholds:
                                "need exploding_gain > 1 > vanishing_gain")
         for name in ("watch_growth", "watch_shrink", "watch_move", "spike_factor"):
             if getattr(self, name) <= 1:
-                raise OptionsError(f"{name}={getattr(self, name)!r}: must be > 1 (a factor of change); pass a larger value")
+                raise OptionsError(f"{name}={getattr(self, name)!r}: must be > 1 (a factor of change); "
+                                   "pass a larger value")
         if self.spike_ema >= 1:
             raise OptionsError(f"spike_ema={self.spike_ema!r}: must be in [0, 1); pass e.g. 0.9")
         if self.spike_warmup != int(self.spike_warmup):

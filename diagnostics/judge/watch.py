@@ -28,9 +28,8 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
                   "update_ratio": {parameter: r}}, ...],
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
-"kinds", "model" and "thresholds" are written since the history became tidy rows; a
-history stored without them (in older checkpoints) reads the same, with kind, scheme,
-depth and width None and the default thresholds.
+"kinds", "model" and "thresholds" are optional: a history without them reads the same,
+with kind, scheme, depth and width None in its rows and the default thresholds.
 
 Verdicts over time (:func:`verdicts`) compare each site with its own earlier
 records (not with the first alone: a badly initialised model starts far from
@@ -482,7 +481,8 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
     statistic, value; verdict: the site's verdict at that record in the direction it concerns
     (an exploding or non-finite forward variance on the forward rows, a vanishing or non-finite
     gradient on the backward rows; "ok" on the other direction; None on rows never judged:
-    a site not measured at that record, attention, update ratios, the series). predicted, ratio and its interval, valid: None.
+    a site not measured at that record, attention, update ratios, the series). predicted,
+    ratio and its interval, valid: None (the watch predicts nothing).
     """
     from ..measure.probe import block_index
 
