@@ -1,9 +1,41 @@
-"""The result of a diagnosis: plain, typed, frozen rows that the report draws.
+"""The one result schema (tidy rows) and the result of a diagnosis.
 
-Every figure the terminal report shows is a field here; ``reports`` computes
-nothing itself. :meth:`DiagnoseResult.to_json` writes the versioned schema
-(``SCHEMA_VERSION``); everything in it but the one timestamp ``created`` is a
-deterministic function of the model, the tokens and the options.
+Tidy rows. ``diagnose``, the training watch and ``compare`` all emit rows of one
+schema, :data:`COLUMNS`, built by :class:`Row` and turned into a pandas DataFrame
+by :func:`frame` (columns in that order, dtypes :data:`DTYPES`); every table, plot
+and export in ``reports`` reads that frame or the job's object it came from. One row
+is one number: the ``statistic`` of tensor ``name`` in ``direction`` at training
+``step`` of ``run``. A column that does not apply to a row is None (NaN in a float
+column, <NA> in a nullable integer or boolean one):
+
+==========  =======  ============================================================
+column      dtype    meaning
+==========  =======  ============================================================
+run         object   label of the run (a job's ``run=`` argument; None if unnamed)
+step        Int64    training step (the watch; 0 for compare's fresh models)
+seed        Int64    seed of the model's init (compare) or of the one seed measured
+scheme      object   init scheme (tinylm.init name)
+depth       Int64    num_layers of the model
+width       Int64    d_model of the model
+name        object   tensor (module output), parameter, or None for a whole-model number
+kind        object   tensor kind (see :class:`TensorRow`), "parameter", or None
+block       Int64    block index i of ``layers.i.*``
+direction   object   "forward" (the tensor) or "backward" (the gradient of the loss)
+statistic   object   which number: "var", "mean", "max_abs", "count", "loss", ...
+value       float64  the number
+predicted   float64  theory's prediction of ``value`` (variances only)
+ratio       float64  value / predicted: geometric mean over replicates
+ratio_low   float64  99% interval of ``ratio`` (Student-t on ln ratio)
+ratio_high  float64
+valid       boolean  whether ``predicted`` is inside its validity
+verdict     object   "ok" or a VERDICT_KINDS entry for the (name, direction); None if not judged
+==========  =======  ============================================================
+
+The result of a diagnosis. Every figure the terminal report shows is a field of
+:class:`DiagnoseResult`; ``reports`` computes nothing itself.
+:meth:`DiagnoseResult.to_json` writes the versioned schema (``SCHEMA_VERSION``);
+everything in it but the one timestamp ``created`` is a deterministic function of
+the model, the tokens and the options.
 
 Conventions used by all rows:
 
@@ -26,6 +58,12 @@ Schema versions (``SCHEMA_VERSION``, written as ``schema_version``):
   forward predictions of a tinylm model from the token-kernel theory
   (:mod:`diagnostics.theory.tokenkernel`); new fields ``TensorRow.rule``,
   ``TensorRow.predicted_independent`` and ``DepthRow.cosine_predicted``.
+* "3": the per-tensor numbers are serialised as the tidy rows of :data:`COLUMNS`
+  ("columns": :data:`COLUMNS`; "rows": one list of values per row, in that order, one
+  row per line of the document: the frame of :meth:`DiagnoseResult.to_frame`), with the
+  prediction notes of each (name, direction) beside them ("theory": name, direction,
+  theory, rule, validity, predicted_independent) instead of the "tensors" list;
+  thresholds include the watch's. :meth:`DiagnoseResult.from_dict` reads "2" and "3".
 """
 
 from __future__ import annotations
@@ -33,9 +71,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = [
+    "COLUMNS",
+    "DTYPES",
+    "Row",
+    "frame",
+    "TENSOR_STATISTICS",
     "SCHEMA_VERSION",
     "VERDICT_KINDS",
     "Finding",
@@ -47,10 +93,79 @@ __all__ = [
     "DiagnoseResult",
 ]
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 
 #: The verdict kinds, mildest first. "ok" is never a Finding.
 VERDICT_KINDS = ("ok", "vanishing", "exploding", "dead", "saturated", "non_finite")
+
+
+#: The tidy row's columns, in order (see the module docstring).
+COLUMNS = ("run", "step", "seed", "scheme", "depth", "width", "name", "kind", "block", "direction", "statistic",
+           "value", "predicted", "ratio", "ratio_low", "ratio_high", "valid", "verdict")
+
+#: The frame's dtype of each column: nullable integers and booleans, so a missing entry stays missing.
+DTYPES = {"run": "object", "step": "Int64", "seed": "Int64", "scheme": "object", "depth": "Int64",
+          "width": "Int64", "name": "object", "kind": "object", "block": "Int64", "direction": "object",
+          "statistic": "object", "value": "float64", "predicted": "float64", "ratio": "float64",
+          "ratio_low": "float64", "ratio_high": "float64", "valid": "boolean", "verdict": "object"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Row:
+    """One tidy row: the ``statistic`` of ``name`` (in ``direction``) equals ``value``.
+
+    ``statistic`` and ``value`` are required; every other column defaults to None
+    (does not apply). See the module docstring for each column.
+    """
+
+    run: str | None = None
+    step: int | None = None
+    seed: int | None = None
+    scheme: str | None = None
+    depth: int | None = None
+    width: int | None = None
+    name: str | None = None
+    kind: str | None = None
+    block: int | None = None
+    direction: str | None = None
+    statistic: str
+    value: float
+    predicted: float | None = None
+    ratio: float | None = None
+    ratio_low: float | None = None
+    ratio_high: float | None = None
+    valid: bool | None = None
+    verdict: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.direction not in (None, "forward", "backward"):
+            raise ValueError(f"direction={self.direction!r}: must be 'forward', 'backward' or None")
+
+    def astuple(self) -> tuple:
+        """The values in :data:`COLUMNS` order."""
+        return tuple(getattr(self, c) for c in COLUMNS)
+
+
+def frame(rows: Iterable[Row | dict[str, Any]] = ()) -> "pd.DataFrame":
+    """The tidy pandas DataFrame of ``rows``: columns :data:`COLUMNS` in order, dtypes :data:`DTYPES`.
+
+    A row is a :class:`Row`, or a dict of some of the columns (the others None; an
+    unknown key raises ValueError naming it). No rows give an empty frame with the
+    same columns and dtypes, so frames of several runs concatenate.
+    """
+    import pandas as pd
+
+    records = []
+    for r in rows:
+        if isinstance(r, dict):
+            unknown = set(r) - set(COLUMNS)
+            if unknown:
+                raise ValueError(f"row keys {sorted(unknown)}: not columns of the schema; use {', '.join(COLUMNS)}")
+            records.append(tuple(r.get(c) for c in COLUMNS))
+        else:
+            records.append(r.astuple())
+    df = pd.DataFrame.from_records(records, columns=list(COLUMNS))
+    return df.astype(DTYPES)
 
 
 def _clean(value: Any) -> Any:
@@ -150,6 +265,14 @@ class TensorRow:
     verdict: str = "ok"
     rule: str = ""
     predicted_independent: float | None = None
+
+
+#: The statistics of a tensor that :meth:`DiagnoseResult.rows` writes, one row each.
+TENSOR_STATISTICS = ("count", "mean", "var", "mean_square", "max_abs", "frac_zero", "frac_nonfinite",
+                     "frac_fp16_underflow", "frac_fp16_overflow", "frac_bf16_underflow", "frac_bf16_overflow")
+
+#: The prediction notes of a tensor written beside the rows in the JSON (schema "3").
+_THEORY_NOTES = ("name", "direction", "theory", "rule", "validity", "predicted_independent")
 
 
 @dataclass(frozen=True)
@@ -279,56 +402,74 @@ class DiagnoseResult:
                 return row
         raise KeyError(f"no tensor {name!r} ({direction}); known: {', '.join(sorted({r.name for r in self.tensors}))}")
 
-    def to_frame(self):
-        """Tidy pandas DataFrame: one row per (tensor, direction, statistic).
+    def rows(self, run: str | None = None) -> list[Row]:
+        """The tidy rows (:class:`Row`): one per (tensor, direction, statistic) in :data:`TENSOR_STATISTICS`.
 
-        Columns: name, block, kind, direction, statistic, value, predicted, ratio,
-        ratio_low, ratio_high, valid, verdict. ``predicted`` and the ratio columns are
-        filled on the "var" rows only.
+        run, step: ``run`` and None (a diagnosis is of one moment, not a training step);
+        seed: the header's seed when one seed was measured, None when the rows pool several;
+        scheme, depth, width: the init scheme, num_layers and d_model (None for a model
+        without a tinylm config). predicted, ratio, ratio_low, ratio_high and valid are
+        filled on the "var" rows of a tensor with a prediction only; verdict is the
+        tensor's (name, direction) verdict on each of its rows.
         """
-        import pandas as pd
-
-        stats = ("count", "mean", "var", "mean_square", "max_abs", "frac_zero", "frac_nonfinite",
-                 "frac_fp16_underflow", "frac_fp16_overflow", "frac_bf16_underflow", "frac_bf16_overflow")
-        records = []
+        h = self.header
+        cfg = h.config or {}
+        common = dict(run=run, seed=h.seed if h.seeds == 1 else None, scheme=h.init or None,
+                      depth=cfg.get("num_layers"), width=cfg.get("d_model"))
+        out = []
         for r in self.tensors:
-            for s in stats:
-                is_var = s == "var"
-                records.append({
-                    "name": r.name, "block": r.block, "kind": r.kind, "direction": r.direction,
-                    "statistic": s, "value": float(getattr(r, s)),
-                    "predicted": r.predicted if is_var else None,
-                    "ratio": r.ratio if is_var else None,
-                    "ratio_low": r.ratio_low if is_var else None,
-                    "ratio_high": r.ratio_high if is_var else None,
-                    "valid": r.valid, "verdict": r.verdict,
-                })
-        return pd.DataFrame.from_records(records, columns=[
-            "name", "block", "kind", "direction", "statistic", "value", "predicted", "ratio",
-            "ratio_low", "ratio_high", "valid", "verdict"])
+            predicted = r.predicted is not None
+            for s in TENSOR_STATISTICS:
+                var = s == "var"
+                out.append(Row(**common, name=r.name, kind=r.kind, block=r.block, direction=r.direction,
+                               statistic=s, value=float(getattr(r, s)),
+                               predicted=r.predicted if var else None, ratio=r.ratio if var else None,
+                               ratio_low=r.ratio_low if var else None, ratio_high=r.ratio_high if var else None,
+                               valid=r.valid if var and predicted else None, verdict=r.verdict))
+        return out
+
+    def to_frame(self, run: str | None = None):
+        """The tidy pandas DataFrame of :meth:`rows`: columns :data:`COLUMNS`, dtypes :data:`DTYPES`."""
+        return frame(self.rows(run))
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON schema as a dict (see diagnostics/API.md)."""
+        """The JSON schema as a dict (see diagnostics/API.md), always of the current ``SCHEMA_VERSION``."""
         return _clean({
-            "schema_version": self.schema_version,
+            "schema_version": SCHEMA_VERSION,
             "created": self.created,
             "healthy": self.healthy,
             "header": asdict(self.header),
             "thresholds": dict(self.thresholds),
             "findings": [asdict(f) for f in self.findings],
-            "tensors": [asdict(r) for r in self.tensors],
+            "columns": list(COLUMNS),
+            "rows": [list(r.astuple()) for r in self.rows()],
+            "theory": [{k: getattr(r, k) for k in _THEORY_NOTES} for r in self.tensors if r.predicted is not None],
             "params": [asdict(r) for r in self.params],
             "attention": [asdict(r) for r in self.attention],
             "depth": [asdict(r) for r in self.depth],
         })
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The versioned JSON document (keys sorted; byte-identical for equal inputs but ``created``)."""
-        return json.dumps(self.to_dict(), indent=indent, sort_keys=True, allow_nan=False)
+        """The versioned JSON document (keys sorted; byte-identical for equal inputs but ``created``).
+
+        With ``indent``, each tidy row is written on one line (as a CSV file would hold it)."""
+        doc = self.to_dict()
+        if indent is None:
+            return json.dumps(doc, sort_keys=True, allow_nan=False)
+        rows = doc.pop("rows")
+        mark = "\x00rows\x00"  # a placeholder no name can hold
+        text = json.dumps({**doc, "rows": mark}, indent=indent, sort_keys=True, allow_nan=False)
+        pad = " " * (2 * indent)
+        body = ",\n".join(pad + json.dumps(r, allow_nan=False) for r in rows)
+        listing = "[\n" + body + "\n" + " " * indent + "]" if rows else "[]"
+        return text.replace(json.dumps(mark), listing, 1)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DiagnoseResult":
-        """Rebuild from :meth:`to_dict` output (string "nan"/"inf" read back as floats)."""
+        """Rebuild from :meth:`to_dict` output of schema version "3" or "2" (string "nan"/"inf" read
+        back as floats). Version "2" documents carry a "tensors" list, version "3" tidy "rows" and
+        "theory" notes; either gives the same :class:`TensorRow` list. The rebuilt result keeps
+        the version it was read from in ``schema_version``."""
         def num(v: Any) -> Any:
             if isinstance(v, str) and v in ("nan", "inf", "-inf"):
                 return float(v)
@@ -341,14 +482,46 @@ class DiagnoseResult:
                 kw["shape"] = tuple(kw["shape"])
             return kind(**kw)
 
+        version = str(data.get("schema_version", "2"))
+        if version not in ("2", "3"):
+            raise ValueError(f"schema_version={version!r}: this reader knows versions '2' and '3'; "
+                             "write the document with a matching tinylm")
+        if version == "2":
+            tensors = [build(TensorRow, r) for r in data["tensors"]]
+        else:
+            columns = data.get("columns", list(COLUMNS))
+            tensors = _tensors_from_rows([{k: num(v) for k, v in zip(columns, r)} for r in data["rows"]],
+                                         [{k: num(v) for k, v in t.items()} for t in data.get("theory", [])])
         return cls(
             header=build(Header, data["header"]),
-            tensors=[build(TensorRow, r) for r in data["tensors"]],
+            tensors=tensors,
             params=[build(ParamRow, r) for r in data["params"]],
             attention=[build(AttentionRow, r) for r in data["attention"]],
             depth=[build(DepthRow, r) for r in data["depth"]],
             findings=[build(Finding, r) for r in data["findings"]],
             thresholds={k: num(v) for k, v in data["thresholds"].items()},
             created=data.get("created", ""),
-            schema_version=data.get("schema_version", SCHEMA_VERSION),
+            schema_version=version,
         )
+
+
+def _tensors_from_rows(rows: list[dict[str, Any]], notes: list[dict[str, Any]]) -> list[TensorRow]:
+    """The :class:`TensorRow` list that :meth:`DiagnoseResult.rows` and the "theory" notes came from
+    (rows grouped by (name, direction) in their order)."""
+    grouped: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        grouped.setdefault((r["name"], r["direction"]), {})[r["statistic"]] = r
+    by_key = {(n["name"], n["direction"]): n for n in notes}
+    out = []
+    for (name, direction), stats in grouped.items():
+        var = stats["var"]
+        note = by_key.get((name, direction), {})
+        values = {s: stats[s]["value"] for s in TENSOR_STATISTICS}
+        values["count"] = int(values["count"])
+        out.append(TensorRow(
+            name=name, block=var["block"], kind=var["kind"], direction=direction, **values,
+            predicted=var["predicted"], ratio=var["ratio"], ratio_low=var["ratio_low"], ratio_high=var["ratio_high"],
+            theory=note.get("theory", ""), valid=True if var["valid"] is None else bool(var["valid"]),
+            validity=note.get("validity", ""), verdict=var["verdict"], rule=note.get("rule", ""),
+            predicted_independent=note.get("predicted_independent")))
+    return out

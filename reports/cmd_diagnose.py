@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--check", action="store_true", help="exit 1 when any finding is not ok (for CI)")
     g.add_argument("--json", metavar="PATH", help="write the result (versioned schema) as JSON")
-    g.add_argument("--csv", metavar="PATH", help="write the tidy per-tensor rows as CSV")
+    g.add_argument("--csv", metavar="PATH",
+                   help="write the tidy rows (one per tensor, direction and statistic; run = the checkpoint) as CSV")
     g.add_argument("--html", metavar="PATH", help="write the rendered report as HTML")
     g.add_argument("--svg", metavar="PATH", help="write the rendered report as SVG")
     g.add_argument("--plot", metavar="PATH", help="write a PNG of variance over depth (forward and backward)")
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         export.write_json(args.json, result)
     if args.csv:
-        export.write_csv(args.csv, result.to_frame())
+        export.write_csv(args.csv, result.to_frame(run=args.checkpoint))
     if args.html:
         export.write_console(args.html, console, "html")
     if args.svg:

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, help="override the preset's context length (the training window)")
     p.add_argument("--vocab-size", type=int, help="override the preset's vocabulary (>= 256 for byte data)")
     p.add_argument("--watch-json", metavar="PATH", help="also write the watch history as JSON")
-    p.add_argument("--watch-csv", metavar="PATH", help="also write the watch history as tidy CSV rows")
+    p.add_argument("--watch-csv", metavar="PATH",
+                   help="also write the watch history as CSV rows of the tidy result schema (as diagnose --csv)")
     p.add_argument("--quiet", action="store_true", help="no progress display, only the summary")
 
 
@@ -148,10 +149,14 @@ def run(args: argparse.Namespace) -> int:
         result = watchmod.train_watched(model, tokens, options, output=out, resume=resume, on_step=display.step,
                        on_event=display.event, data=None if args.data is None else str(Path(args.data).resolve()))
     _summary(console, result, options, out)
-    for flag, writer in (("watch_json", watchmod.write_json), ("watch_csv", watchmod.write_csv)):
+    from . import export
+
+    writers = {"watch_json": lambda path: watchmod.write_json(result.history, path),
+               "watch_csv": lambda path: export.write_csv(path, watchmod.to_frame(result.history, run=str(out)))}
+    for flag, write in writers.items():
         target = getattr(args, flag)
         if target is not None:
-            writer(result.history, target)
+            write(target)
             console.print(f"wrote the watch history to {target}")
     return 0
 
@@ -195,6 +200,8 @@ class _Display:
 def _summary(console, result, options, out: Path) -> None:
     from diagnostics.judge.watch import first_departure, loss_summary
 
+    from .fmt import verdict_text
+
     k, first, last = loss_summary(result.history)
     console.print(
         f"{result.iteration} steps, {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s; "
@@ -207,5 +214,5 @@ def _summary(console, result, options, out: Path) -> None:
         if dep is None:
             console.print(f"watch: {len(result.history['records'])} records, every verdict ok")
         else:
-            console.print(f"watch: first verdict other than ok at step {dep['step']}: {dep['site']} {dep['verdict']} "
+            console.print(f"watch: first verdict other than ok at step {dep['step']}: {dep['site']} {verdict_text(dep['verdict'])} "
                           f"({dep['stat']} = {dep['value']:.3g})")

@@ -34,10 +34,8 @@ def write_json(path: str | os.PathLike, result: Any) -> None:
     """The result's versioned JSON (``result.to_json()``) written atomically.
 
     The schema is diagnostics/API.md's; its version, ``schema_version``, is
-    ``diagnostics.SCHEMA_VERSION``: "2" since ratio became the geometric mean over
-    replicates with its 99% interval on ln(ratio), the global forward predictions came
-    from the token-kernel theory and rows gained ``rule``, ``predicted_independent`` and
-    ``cosine_predicted`` ("1" before).
+    ``diagnostics.SCHEMA_VERSION`` ("3": the per-tensor numbers as the tidy rows of
+    ``diagnostics.result.COLUMNS``; the versions are listed in :mod:`diagnostics.result`).
     """
     text = result.to_json()
     if not isinstance(text, str):  # a dict: serialise it the same way every time
@@ -48,7 +46,8 @@ def write_json(path: str | os.PathLike, result: Any) -> None:
 
 
 def write_csv(path: str | os.PathLike, frame: Any) -> None:
-    """A tidy pandas DataFrame as CSV (no index column), written atomically."""
+    """A tidy pandas DataFrame (the one result schema: diagnose, the watch, compare) as CSV
+    (no index column; missing entries empty), written atomically."""
     from tinylm.checkpoint import atomic_write
 
     atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False, lineterminator="\n"))

@@ -1,8 +1,10 @@
 """Matplotlib figures (Agg backend, no display needed): variance over depth, and the compare grid.
 
-The figures draw fields of a :class:`diagnostics.DiagnoseResult` or the tidy
-frame of ``diagnostics.compare``; nothing is computed here beyond choosing what
-goes on which axis.
+The figures draw the tidy frame of the one result schema
+(:data:`diagnostics.result.COLUMNS`): a :class:`diagnostics.DiagnoseResult`'s
+``to_frame()`` (with its depth rows and thresholds for the stream and the bands)
+or the tidy frame of ``diagnostics.compare``; nothing is computed here beyond
+choosing what goes on which axis.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ def _ok(v: Any) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
-def _series(result: Any, kind: str, direction: str, field: str) -> tuple[list[int], list[float]]:
+def _series(variances: Any, kind: str, direction: str, column: str) -> tuple[list[int], list[float]]:
+    """(depth, value) of the "var" rows of ``kind`` in ``direction`` with a block: ``column`` is
+    "value" (measured) or "predicted"; depth k is the output of block k-1, as in the depth rows."""
+    rows = variances[(variances["kind"] == kind) & (variances["direction"] == direction) & variances["block"].notna()]
     xs, ys = [], []
-    for r in result.tensors:
-        if r.kind == kind and r.direction == direction and r.block is not None:
-            v = getattr(r, field)
-            if _ok(v):
-                xs.append(r.block + 1)  # depth k = output of block k-1, as in the depth rows
-                ys.append(v)
+    for block, v in zip(rows["block"], rows[column]):
+        v = float(v)
+        if _ok(v):
+            xs.append(int(block) + 1)
+            ys.append(v)
     return xs, ys
 
 
@@ -75,16 +79,19 @@ def _shade_thresholds(ax: Any, result: Any, direction: str) -> None:
 
 def depth_figure(result: Any) -> Any:
     """Variance over depth: forward (activations) and backward (gradients), one line per tensor kind,
-    measured solid, predicted dashed, the verdict thresholds shaded. Returns the Figure."""
+    measured solid, predicted dashed (the "var" rows of ``result.to_frame()``), the verdict
+    thresholds shaded. Returns the Figure."""
+    frame = result.to_frame()
+    variances = frame[frame["statistic"] == "var"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
     for ax, direction in zip(axes, ("forward", "backward")):
         drew = False
         for kind, colour in PLOT_KINDS.items():
-            xs, ys = _series(result, kind, direction, "var")
+            xs, ys = _series(variances, kind, direction, "value")
             if xs:
                 ax.plot(xs, ys, "o-", color=colour, ms=3, lw=1.5, label=kind)
                 drew = True
-            px, py = _series(result, kind, direction, "predicted")
+            px, py = _series(variances, kind, direction, "predicted")
             if px:
                 ax.plot(px, py, "--", color=colour, lw=1, alpha=0.8, label=f"{kind} predicted")
         depth = result.depth
@@ -115,8 +122,8 @@ def depth_figure(result: Any) -> Any:
 def compare_figure(tidy: Any, schemes: Sequence[str] | None = None) -> Any:
     """A grid, one row per scheme and one column per direction, of residual-stream variance over depth.
 
-    ``tidy`` is the tidy frame of ``diagnostics.compare`` (columns scheme, depth, width,
-    seed, tensor, kind, block, direction, statistic, value). One colour per model depth L,
+    ``tidy`` is the tidy frame of ``diagnostics.compare`` (the one result schema; this reads
+    scheme, depth, width, seed, kind, block, direction, statistic, value). One colour per model depth L,
     one thin line per seed; position 0 is the embedding output, k the output of block k-1.
     With several widths, the widest is drawn.
     """

@@ -5,8 +5,10 @@ stream's activation and gradient variance over the recorded steps as a line of
 block characters on one shared log scale, the first and last values, and the
 first step at which any verdict left ok. ``plot_history(history, path)`` draws
 the same with matplotlib (Agg); ``plot_histories({label: history}, path)`` puts
-several runs side by side (the README's ablation figure). Nothing here computes
-a statistic: the numbers and verdicts come from ``diagnostics.judge.watch``.
+several runs side by side (the README's ablation figure). Every series is read
+from the history's tidy frame (``diagnostics.judge.watch.to_frame``, the one result
+schema); nothing here computes a statistic: the numbers and verdicts come from
+``diagnostics.judge.watch``.
 """
 
 from __future__ import annotations
@@ -32,14 +34,22 @@ def _is_watch(history: Any) -> bool:
     return isinstance(history, dict) and history.get("format") == "tinylm-watch" and isinstance(history.get("records"), list)
 
 
-def _series(history: dict[str, Any], site: str, key: str) -> tuple[list[int], list[float]]:
-    steps, values = [], []
-    for rec in history.get("records") or []:
-        st = rec["stats"].get(site)
-        if st is not None:
-            steps.append(rec["step"])
-            values.append(st.get(key, math.nan))
-    return steps, values
+def _frame(history: dict[str, Any]) -> Any:
+    from diagnostics.judge.watch import to_frame
+
+    return to_frame(history)
+
+
+def _series(frame: Any, site: str | None, direction: str | None, statistic: str = "var"
+            ) -> tuple[list[int], list[float]]:
+    """(steps, values) of one statistic of one site (``site`` None: the whole-model series such as
+    "loss") from the tidy frame, in step order."""
+    rows = frame[frame["statistic"] == statistic]
+    rows = rows[rows["name"].isna()] if site is None else rows[rows["name"] == site]
+    if direction is not None:
+        rows = rows[rows["direction"] == direction]
+    rows = rows.sort_values("step", kind="stable")
+    return [int(t) for t in rows["step"]], [float(v) for v in rows["value"]]
 
 
 def _thin(values: list[float], n: int) -> list[float]:
@@ -89,6 +99,8 @@ def render_history(history: dict[str, Any]):
 
     from diagnostics.judge.watch import first_departure, loss_summary, verdicts
 
+    from .fmt import verdict_text
+
     if not _is_watch(history):
         return Panel(Text(f"the checkpoint's history ({type(history).__name__}) is not a tinylm watch history; "
                           "nothing to draw"), title="during training", expand=False)
@@ -108,8 +120,9 @@ def render_history(history: dict[str, Any]):
     for row in verdicts(history):
         bad.setdefault(row["site"], row)
     sites = chart_sites(history)
-    for key, label in (("fwd_var", "activation variance"), ("grad_var", "gradient variance")):
-        rows = [_thin(_series(history, s, key)[1], MAX_COLUMNS) for s in sites]
+    frame = _frame(history)
+    for direction, label in (("forward", "activation variance"), ("backward", "gradient variance")):
+        rows = [_thin(_series(frame, s, direction)[1], MAX_COLUMNS) for s in sites]
         lo, hi = _log_range(rows)
         lines.append(Text(f"{label} over steps {records[0]['step']}..{records[-1]['step']} "
                           f"(log scale: {BARS[0]} 1e{lo:.1f} .. {BARS[-1]} 1e{hi:.1f}; × not finite)", style="bold"))
@@ -121,7 +134,7 @@ def render_history(history: dict[str, Any]):
         table.add_column("verdict", no_wrap=True)
         for site, vals in zip(sites, rows):
             row = bad.get(site)
-            verdict = "ok" if row is None else f"{row['verdict']} at step {row['step']}"
+            verdict = "ok" if row is None else f"{verdict_text(row['verdict'])} at step {row['step']}"
             style = "green" if row is None else "red"
             table.add_row(site, _spark(vals, lo, hi), _fmt(vals[0] if vals else None), _fmt(vals[-1] if vals else None),
                           Text(verdict, style=style))
@@ -131,7 +144,8 @@ def render_history(history: dict[str, Any]):
         lines.append(Text(f"every verdict stayed ok over all {len(records)} records", style="green"))
     else:
         thr = "" if not math.isfinite(dep["threshold"]) else f" against the threshold {dep['threshold']:.3g}"
-        lines.append(Text(f"first verdict other than ok: step {dep['step']}, {dep['site']} {dep['verdict']} "
+        what = verdict_text(dep["verdict"])
+        lines.append(Text(f"first verdict other than ok: step {dep['step']}, {dep['site']} {what} "
                           f"({dep['stat']} = {_fmt(dep['value'])}{thr})", style="bold red"))
     events = history.get("events") or []
     for ev in events[:MAX_EVENTS]:
@@ -145,22 +159,24 @@ def render_history(history: dict[str, Any]):
 def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
     from diagnostics.judge.watch import first_departure
 
-    series = history.get("series") or {}
+    from .fmt import verdict_text
+
+    frame = _frame(history)
     sites = chart_sites(history)
     ax_loss, ax_fwd, ax_grad = axes
-    steps, losses = series.get("step") or [], series.get("loss") or []
+    steps, losses = _series(frame, None, None, "loss")
     ax_loss.plot(steps, losses, lw=0.8, color="black")
     ax_loss.set_yscale("log")
     ax_loss.set_ylabel("training loss (nats)")
     dep = first_departure(history)
     n_blocks = max(1, sum(1 for s in sites if s.startswith("layers.")))
     cmap = __import__("matplotlib").colormaps["viridis"]
-    for key, ax in (("fwd_var", ax_fwd), ("grad_var", ax_grad)):
+    for direction, ax in (("forward", ax_fwd), ("backward", ax_grad)):
         i = 0
         for site in sites:
             if not site.startswith("layers."):
                 continue
-            x, y = _series(history, site, key)
+            x, y = _series(frame, site, direction)
             y = [v if v is not None and math.isfinite(v) and v > 0 else float("nan") for v in y]
             ax.plot(x, y, lw=1.2, color=cmap(i / max(1, n_blocks - 1)), label=f"block {site.split('.')[1]}")
             i += 1
@@ -172,7 +188,8 @@ def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
             ax.axvline(dep["step"], color="red", ls="--", lw=0.8)
         ax.grid(alpha=0.3)
     if label:
-        ax_loss.set_title(label if dep is None else f"{label}\nfirst non-ok: step {dep['step']}, {dep['site']} ({dep['verdict']})",
+        what = "" if dep is None else verdict_text(dep["verdict"])
+        ax_loss.set_title(label if dep is None else f"{label}\nfirst non-ok: step {dep['step']}, {dep['site']} ({what})",
                           fontsize=9)
     axes[-1].set_xlabel("step")
     ax_fwd.legend(fontsize=7, loc="upper left")

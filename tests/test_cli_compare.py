@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 from clihelp import assert_one_line_error
+from diagnostics.result import COLUMNS
 from reports.cli import main
 from reports.render_compare import CompareTable, compare_table
 
@@ -47,8 +48,7 @@ def test_compare_table_plot_and_csv(capsys, tmp_path):
     assert zr[3] == "+0.000" and zr[-2] == "1.00" and zr[-1] == "ok"
     assert "ln V = 5.545" in out.replace("\n", " ")
     tidy = pd.read_csv(csv)
-    assert list(tidy.columns) == ["scheme", "depth", "width", "seed", "tensor", "kind", "block", "direction",
-                                  "statistic", "value"]
+    assert tuple(tidy.columns) == COLUMNS  # the one schema
     assert set(tidy["scheme"]) == {"cs336", "zero-residual"} and set(tidy["depth"]) == {2, 4}
     assert set(tidy["seed"]) == {0, 1}
     with Image.open(png) as img:

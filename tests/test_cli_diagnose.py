@@ -95,28 +95,33 @@ def test_bad_data_is_one_line(capsys, ckpt, tmp_path):
 
 
 def _check_schema(doc: dict) -> None:
-    """The JSON document against the schema of diagnostics/result.py (version 2): every section present,
-    every row with exactly its dataclass's fields, numbers as numbers or the strings nan/inf/-inf."""
+    """The JSON document against the schema of diagnostics/result.py (version 3): every section present,
+    every row with exactly the tidy columns (and every other object exactly its dataclass's fields),
+    numbers as numbers or the strings nan/inf/-inf."""
     from dataclasses import fields
 
-    from diagnostics.result import SCHEMA_VERSION, AttentionRow, DepthRow, Finding, Header, ParamRow, TensorRow
+    from diagnostics.result import COLUMNS, SCHEMA_VERSION, AttentionRow, DepthRow, Finding, Header, ParamRow
 
-    assert doc["schema_version"] == SCHEMA_VERSION == "2"
+    assert doc["schema_version"] == SCHEMA_VERSION == "3"
     assert isinstance(doc["created"], str) and doc["created"]
     assert isinstance(doc["healthy"], bool) and doc["healthy"] == (not doc["findings"])
-    assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "tensors",
-                        "params", "attention", "depth"}
+    assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "columns",
+                        "rows", "theory", "params", "attention", "depth"}
+    assert doc["columns"] == list(COLUMNS)
     assert set(doc["header"]) == {f.name for f in fields(Header)}
-    for key, kind in (("findings", Finding), ("tensors", TensorRow), ("params", ParamRow),
-                      ("attention", AttentionRow), ("depth", DepthRow)):
+    for key, kind in (("findings", Finding), ("params", ParamRow), ("attention", AttentionRow), ("depth", DepthRow)):
         names = {f.name for f in fields(kind)}
         for row in doc[key]:
             assert set(row) == names, (key, set(row) ^ names)
-    for row in doc["tensors"]:
+    rows = [dict(zip(COLUMNS, row)) for row in doc["rows"]]
+    assert all(len(row) == len(COLUMNS) for row in doc["rows"])
+    for row in rows:
         assert row["direction"] in ("forward", "backward")
-        for k in ("var", "mean", "max_abs", "frac_nonfinite"):
-            v = row[k]
-            assert isinstance(v, (int, float)) or v in ("nan", "inf", "-inf"), (k, v)
+        v = row["value"]
+        assert isinstance(v, (int, float)) or v in ("nan", "inf", "-inf"), (row["statistic"], v)
+    assert {r["statistic"] for r in rows} >= {"var", "mean", "max_abs", "frac_nonfinite"}
+    for note in doc["theory"]:
+        assert set(note) == {"name", "direction", "theory", "rule", "validity", "predicted_independent"}
     assert all(isinstance(v, (int, float)) for v in doc["thresholds"].values())
 
 
@@ -124,6 +129,7 @@ def test_every_export_is_written_and_reads_back(capsys, ckpt, tmp_path):
     from PIL import Image
 
     from diagnostics import DiagnoseResult
+    from diagnostics.result import COLUMNS
 
     out = {k: tmp_path / f"report.{k}" for k in ("json", "csv", "html", "svg", "png")}
     code, stdout, err = run_cli(capsys, ckpt, "--json", out["json"], "--csv", out["csv"], "--html", out["html"],
@@ -134,8 +140,7 @@ def test_every_export_is_written_and_reads_back(capsys, ckpt, tmp_path):
     result = DiagnoseResult.from_dict(doc)
     assert result.header.parameter_count == small_model().num_parameters()
     frame = pd.read_csv(out["csv"])
-    assert list(frame.columns) == ["name", "block", "kind", "direction", "statistic", "value", "predicted", "ratio",
-                                   "ratio_low", "ratio_high", "valid", "verdict"]
+    assert tuple(frame.columns) == COLUMNS
     assert len(frame) == len(result.to_frame()) and {"forward", "backward"} <= set(frame["direction"])
     var = frame[(frame["statistic"] == "var") & (frame["name"] == "layers.1") & (frame["direction"] == "forward")]
     assert math.isclose(float(var["value"].iloc[0]), result.tensor("layers.1").var, rel_tol=1e-12)

@@ -9,7 +9,8 @@ import torch
 import tinylm
 from diagnostics import OptionsError, compare
 from tinylm.data import DataError
-from diagnostics.judge.compare import SUMMARY_COLUMNS, TIDY_COLUMNS, stream_slope
+from diagnostics.judge.compare import SUMMARY_COLUMNS, stream_slope
+from diagnostics.result import COLUMNS, DTYPES
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +23,15 @@ def frames():
 
 def test_tidy_has_one_row_per_tensor_direction_statistic(frames):
     tidy, _, _ = frames
-    assert list(tidy.columns) == TIDY_COLUMNS
+    assert list(tidy.columns) == list(COLUMNS) and tidy.dtypes.astype(str).to_dict() == DTYPES  # the one schema
     # per model: stream points (L+1) + logits, forward and backward, 4 statistics
     expected = sum(2 * 2 * (L + 2) * 2 * 4 for L in (2, 4))
     assert len(tidy) == expected
-    assert not tidy.duplicated(["scheme", "depth", "width", "seed", "tensor", "direction", "statistic"]).any()
+    assert not tidy.duplicated(["scheme", "depth", "width", "seed", "name", "direction", "statistic"]).any()
     assert set(tidy.statistic) == {"var", "mean", "max_abs", "frac_zero"}
+    assert set(tidy.step) == {0} and tidy.predicted.isna().all() and tidy.valid.isna().all() and tidy.run.isna().all()
+    # the stream is judged (healthy here), the logits are not
+    assert set(tidy[tidy.name != "lm_head"].verdict) == {"ok"} and tidy[tidy.name == "lm_head"].verdict.isna().all()
 
 
 def test_summary_per_scheme_and_depth(frames):
@@ -44,8 +48,11 @@ def test_summary_per_scheme_and_depth(frames):
 
 
 def test_no_norm_summary_says_exploding():
-    _, summary = compare(["cs336"], depths=(6,), widths=(64,), seeds=1, seq_len=8, norm="none")
+    tidy, summary = compare(["cs336"], depths=(6,), widths=(64,), seeds=1, seq_len=8, norm="none", run="no-norm")
     assert summary.verdict.iloc[0] == "exploding" and summary.slope_forward.iloc[0] > 1
+    # the tidy rows carry the same verdict on the stream tensors the finding names
+    bad = tidy[tidy.verdict == "exploding"]
+    assert len(bad) and set(bad.kind) <= {"residual", "embedding"} and set(tidy.run) == {"no-norm"}
 
 
 def test_steps_give_an_early_loss():
@@ -95,7 +102,7 @@ def test_data_feeds_the_measured_batch_and_the_training_steps():
     config = tinylm.ModelConfig(vocab_size=256, context_length=8, d_model=32, num_layers=1, num_heads=1,
                                 d_ff=tinylm.default_d_ff(32), init="cs336")
     row = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0)).token_embeddings.weight[7]
-    got = tidy.query("seed == 0 and tensor == 'token_embeddings' and direction == 'forward' and statistic == 'var'")
+    got = tidy.query("seed == 0 and name == 'token_embeddings' and direction == 'forward' and statistic == 'var'")
     assert got.value.iloc[0] == pytest.approx(row.double().var(unbiased=False).item(), rel=1e-9)
 
 

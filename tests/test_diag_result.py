@@ -4,12 +4,14 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch import nn
 
 import tinylm
 from diagnostics import SCHEMA_VERSION, DiagnoseOptions, DiagnoseResult, OptionsError, diagnose
+from diagnostics.result import COLUMNS, DTYPES, Row, frame
 
 
 CFG = tinylm.ModelConfig(vocab_size=128, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64)
@@ -57,12 +59,52 @@ def test_json_is_versioned_and_deterministic_but_for_created(result):
 
 def test_frame_is_tidy(result):
     _, r = result
-    df = r.to_frame()
-    assert list(df.columns) == ["name", "block", "kind", "direction", "statistic", "value", "predicted", "ratio",
-                                "ratio_low", "ratio_high", "valid", "verdict"]
+    df = r.to_frame(run="fresh")
+    assert list(df.columns) == list(COLUMNS) and df.dtypes.astype(str).to_dict() == DTYPES
     assert len(df) == len(r.tensors) * 11
+    assert set(df.run) == {"fresh"} and df.step.isna().all()
+    assert set(df.seed) == {0} and set(df.scheme) == {"cs336"} and set(df.depth) == {2} and set(df.width) == {32}
     v = df[(df.name == "lm_head") & (df.direction == "backward") & (df.statistic == "var")]
-    assert len(v) == 1 and v.predicted.iloc[0] > 0
+    assert len(v) == 1 and v.predicted.iloc[0] > 0 and bool(v.valid.iloc[0])
+    assert v.ratio.iloc[0] == r.tensor("lm_head", "backward").ratio
+    other = df[df.statistic != "var"]  # predictions and their validity belong to the variance rows
+    assert other.predicted.isna().all() and other.ratio.isna().all() and other.valid.isna().all()
+    assert set(df.verdict) == {"ok"}
+
+
+def test_json_reads_back_schema_2_documents(result):
+    """A version "2" document (per-tensor objects, as written before the tidy rows) built from the
+    same result reads back to the same tensors; a version-3 one has rows and no "tensors"."""
+    from dataclasses import asdict
+
+    _, r = result
+    doc = json.loads(r.to_json())
+    assert doc["schema_version"] == "3" and "tensors" not in doc
+    assert doc["columns"] == list(COLUMNS) and len(doc["rows"]) == len(r.tensors) * 11
+    assert all(len(row) == len(COLUMNS) for row in doc["rows"])
+    assert r.to_json().count("\n") < len(doc["rows"]) + 2000  # one line per row, not one per value
+    assert json.loads(r.to_json(indent=None)) == doc
+    assert {(t["name"], t["direction"]) for t in doc["theory"]} == {(t.name, t.direction) for t in r.tensors
+                                                                   if t.predicted is not None}
+    old = {k: v for k, v in doc.items() if k not in ("columns", "rows", "theory")}
+    old["schema_version"] = "2"
+    old["tensors"] = json.loads(json.dumps([asdict(t) for t in r.tensors]))
+    back = DiagnoseResult.from_dict(old)
+    assert back.schema_version == "2" and back.tensors == r.tensors and back.depth == r.depth
+    assert json.loads(back.to_json())["schema_version"] == "3"  # written again: the current layout
+    with pytest.raises(ValueError, match="schema_version='1'"):
+        DiagnoseResult.from_dict({**old, "schema_version": "1"})
+
+
+def test_rows_build_the_frame_and_refuse_unknown_columns():
+    df = frame([Row(statistic="loss", value=2.5, step=3), {"name": "x", "statistic": "var", "value": 1.0, "block": 2}])
+    assert list(df.columns) == list(COLUMNS) and list(df.step.astype(object)) == [3, pd.NA]
+    assert pd.isna(df["name"].iloc[0]) and df.block.iloc[1] == 2
+    assert frame().dtypes.astype(str).to_dict() == DTYPES  # an empty frame concatenates with any other
+    with pytest.raises(ValueError, match=r"\['site'\]: not columns"):
+        frame([{"site": "x", "statistic": "var", "value": 1.0}])
+    with pytest.raises(ValueError, match="direction='up'"):
+        Row(statistic="var", value=1.0, direction="up")
 
 
 def test_model_is_left_exactly_as_it_was():

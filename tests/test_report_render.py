@@ -230,3 +230,24 @@ def test_progress_bar_draws_on_a_terminal_and_stays_silent_otherwise():
         update(1, 4, "batch 1 of 4")
     assert quiet.getvalue() == ""
 
+
+
+def test_depth_figure_draws_the_variance_rows_of_the_frame():
+    """The plot reads the tidy frame: the residual line is the forward "var" rows of kind residual at
+    depth block + 1, measured solid and predicted dashed; a non-finite value is left out."""
+    import matplotlib.pyplot as plt
+
+    from reports.plots import depth_figure
+
+    res = make_result(num_layers=3, gain=2.0, nan_block=2)
+    frame = res.to_frame()
+    var = frame[(frame.statistic == "var") & (frame.kind == "residual") & (frame.direction == "forward")]
+    fig = depth_figure(res)
+    try:
+        lines = {line.get_label(): line for line in fig.axes[0].lines}
+        measured, predicted = lines["residual"], lines["residual predicted"]
+        assert list(measured.get_xdata()) == [1, 2]  # block 2 is NaN: not drawn
+        assert list(measured.get_ydata()) == list(var.value.iloc[:2])
+        assert list(predicted.get_xdata()) == [1, 2, 3] and list(predicted.get_ydata()) == list(var.predicted)
+    finally:
+        plt.close(fig)

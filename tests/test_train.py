@@ -186,8 +186,15 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
 
     hist = json.loads((tmp_path / "w.json").read_text())
     assert [r["step"] for r in hist["records"]] == [0, 2, 4]
-    csv_lines = (tmp_path / "w.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("step,reason,loss") and len(csv_lines) == 1 + 3 * len(hist["sites"])
+    import pandas as pd
+
+    from diagnostics.result import COLUMNS
+
+    rows = pd.read_csv(tmp_path / "w.csv")  # the one tidy schema: a forward variance per record and site
+    assert tuple(rows.columns) == COLUMNS
+    var = rows[(rows["statistic"] == "var") & (rows["direction"] == "forward")]
+    assert len(var) == 3 * len(hist["sites"]) and sorted(set(var["step"])) == [0, 2, 4]
+    assert len(rows[rows["statistic"] == "loss"]) == 6
     # resume: the stored data path and options are used; only --steps changes
     code, text, err = _cli(["train", "--resume", str(out), "--steps", "8", "-o", str(out)], capsys)
     assert code == 0, err

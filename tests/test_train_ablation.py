@@ -40,7 +40,7 @@ def _check(runs, post_departs: bool = True):
     assert first_departure(pre.history) is None and pre.history["events"] == []
     # no norm: the residual stream / attention scores of some block explode (or turn non-finite), and the loss with them
     assert first_departure(none.history) is not None
-    blown = [r for r in verdicts(none.history) if r["verdict"] in ("exploding", "non-finite") and r["site"].startswith("layers.")]
+    blown = [r for r in verdicts(none.history) if r["verdict"] in ("exploding", "non_finite") and r["site"].startswith("layers.")]
     assert blown, verdicts(none.history)[:3]
     assert none.stopped is not None or max(none.history["series"]["loss"]) > 10 * max(loss), none.history["series"]["loss"]
     dep = first_departure(post.history)

@@ -14,11 +14,14 @@ import pytest
 import torch
 
 import tinylm
+from diagnostics import Thresholds
+from diagnostics.result import COLUMNS, DTYPES
 from diagnostics.judge import watch as W
 from tinylm.train import TrainOptions
 from diagnostics.judge.watch import train_watched as train
 from tinylm import functional as F
 
+TH = Thresholds()  # the defaults: the one set of thresholds diagnose reads too
 SMALL = dict(vocab_size=32, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)
 
 
@@ -140,7 +143,7 @@ def test_history_is_weights_only_loadable(tmp_path):
 
 def test_spike_alarm_fires_once_and_rearms():
     w = W.Watch(small_model(), every=5, spike_factor=1.5)
-    for _ in range(W.SPIKE_WARMUP):
+    for _ in range(TH.spike_warmup):
         assert w.alarm(2.0) is None
     assert w.alarm(2.9) is None  # 1.45x the running loss: not a spike
     assert w.alarm(4.0) == "spike"
@@ -182,7 +185,7 @@ def test_nonfinite_loss_stops_and_names_the_layer_that_moved_first():
     stats = r.history["records"][-1]["stats"]
     assert stats["layers.1.resid_mid"]["fwd_nonfinite"] == 0.0 and stats["layers.1.ffn"]["fwd_nonfinite"] > 0
     dep = W.first_departure(r.history)
-    assert dep["step"] == 6 and dep["verdict"] == "non-finite"
+    assert dep["step"] == 6 and dep["verdict"] == "non_finite"
 
 
 def test_negative_control_healthy_training_raises_no_alarm_and_no_verdict():
@@ -215,17 +218,17 @@ def test_exploding_is_growth_beyond_the_threshold_over_the_lowest_earlier_value(
     h = _history({"layers.0": [5.0, 1.0, 500.0, 1.5e3]})
     dep = W.first_departure(h)
     assert dep == {"step": 30, "site": "layers.0", "verdict": "exploding", "stat": "fwd_var", "value": 1.5e3,
-                   "threshold": W.GROWTH * 1.0}
+                   "threshold": TH.watch_growth * 1.0}
 
 
 def test_exploding_negative_control_growth_below_the_threshold_is_ok():
-    assert W.first_departure(_history({"layers.0": [1.0, 10.0, 100.0, 0.99 * W.GROWTH]})) is None
+    assert W.first_departure(_history({"layers.0": [1.0, 10.0, 100.0, 0.99 * TH.watch_growth]})) is None
 
 
 def test_branch_outputs_are_not_judged_for_growth_but_for_nonfinite():
     assert W.first_departure(_history({"layers.0.ffn": [1e-6, 1.0]})) is None
     dep = W.first_departure(_history({"layers.0.ffn": [1.0, math.nan]}))
-    assert dep["verdict"] == "non-finite"
+    assert dep["verdict"] == "non_finite"
 
 
 def test_pre_norm_residual_scale_is_not_judged_but_its_attention_scores_are():
@@ -234,15 +237,15 @@ def test_pre_norm_residual_scale_is_not_judged_but_its_attention_scores_are():
     assert W.first_departure(h) is None
     h["norm"] = "post"  # negative control: without pre-norm the same growth is judged
     assert W.first_departure(h)["site"] == "layers.0"
-    s = _history({"layers.0.attn.scores": [1.0, 2 * W.GROWTH]})
+    s = _history({"layers.0.attn.scores": [1.0, 2 * TH.watch_growth]})
     s["norm"] = "pre"
     assert W.first_departure(s)["verdict"] == "exploding"
 
 
 def test_vanishing_gradient_and_its_negative_control():
-    h = _history({"layers.0": [1.0, 1.0, 1.0]}, grads={"layers.0": [1e-6, 1e-8, 0.5e-6 / W.SHRINK]})
+    h = _history({"layers.0": [1.0, 1.0, 1.0]}, grads={"layers.0": [1e-6, 1e-8, 0.5e-6 / TH.watch_shrink]})
     assert W.first_departure(h)["verdict"] == "vanishing" and W.first_departure(h)["step"] == 20
-    h = _history({"layers.0": [1.0, 1.0, 1.0]}, grads={"layers.0": [1e-6, 1e-8, 2e-6 / W.SHRINK]})
+    h = _history({"layers.0": [1.0, 1.0, 1.0]}, grads={"layers.0": [1e-6, 1e-8, 2e-6 / TH.watch_shrink]})
     assert W.first_departure(h) is None
 
 
@@ -252,7 +255,7 @@ def test_first_mover_prefers_the_upstream_site_at_the_earliest_record():
     assert m["site"] == "layers.1" and m["step"] == 20 and m["factor"] == pytest.approx(20.0)
     h = _history({"layers.0": [1.0, 1.0, 30.0], "layers.1": [1.0, 1.0, 1e6]})
     assert W.first_mover(h)["site"] == "layers.0"  # same record: the upstream one
-    assert W.first_mover(_history({"layers.0": [1.0, 2.0, 9.0]})) is None  # below MOVE = 10x
+    assert W.first_mover(_history({"layers.0": [1.0, 2.0, 9.0]})) is None  # below watch_move = 10x
 
 
 # --------------------------------------------------------------------------- exports and the panel
@@ -265,9 +268,13 @@ def test_json_and_csv_exports(tmp_path):
     back = json.loads((tmp_path / "w.json").read_text())
     assert back["records"][1]["stats"]["layers.0"]["fwd_var"] == r.history["records"][1]["stats"]["layers.0"]["fwd_var"]
     rows = list(csv.DictReader(io.StringIO((tmp_path / "w.csv").read_text())))
-    assert len(rows) == 2 * len(r.history["sites"])
-    assert {row["verdict"] for row in rows} == {"ok"}
-    assert float(rows[0]["fwd_var"]) == pytest.approx(r.history["records"][0]["stats"][rows[0]["site"]]["fwd_var"])
+    assert list(rows[0]) == list(COLUMNS)  # the one schema
+    var = [row for row in rows if row["statistic"] == "var" and row["direction"] == "forward"]
+    assert len(var) == 2 * len(r.history["sites"])
+    assert {row["verdict"] for row in rows if row["statistic"] == "var"} == {"ok"}
+    first = var[0]
+    assert float(first["value"]) == pytest.approx(r.history["records"][0]["stats"][first["name"]]["fwd_var"])
+    assert [float(row["value"]) for row in rows if row["statistic"] == "loss"] == r.history["series"]["loss"]
 
 
 def test_json_export_turns_nonfinite_into_valid_json(tmp_path):
@@ -322,3 +329,91 @@ def test_render_history_of_a_foreign_history_says_so(tmp_path):
     assert "not a tinylm watch history" in text
     plot_history({"something": "else"}, tmp_path / "p.png")  # draws an empty figure, does not fail
     assert (tmp_path / "p.png").exists()
+
+
+# --------------------------------------------------------------------------- the one schema and the one set of thresholds
+
+
+def test_frame_is_the_one_schema_with_each_verdict_on_its_direction():
+    h = _history({"layers.0": [1.0, 1.0, 2 * TH.watch_growth]}, grads={"layers.0": [1.0, 1.0, 1.0]})
+    h["series"] = {"step": [0, 10, 20], "loss": [3.0, 2.5, 9.0], "lr": [1e-3] * 3, "grad_norm": [1.0] * 3}
+    df = W.to_frame(h, run="demo")
+    assert list(df.columns) == list(COLUMNS) and df.dtypes.astype(str).to_dict() == DTYPES
+    assert set(df["run"]) == {"demo"}
+    site = df[(df["name"] == "layers.0") & (df["statistic"] == "var")]
+    # 3 records x 2 directions; the explosion at step 20 is the forward variance's verdict, not the gradient's
+    assert len(site) == 6 and list(site["block"]) == [0] * 6
+    at20 = site[site["step"] == 20].set_index("direction")
+    assert at20.loc["forward", "verdict"] == "exploding" and at20.loc["forward", "value"] == 2 * TH.watch_growth
+    assert at20.loc["backward", "verdict"] == "ok"
+    assert set(site[site["step"] < 20]["verdict"]) == {"ok"}
+    loss = df[df["statistic"] == "loss"]
+    assert list(loss["step"]) == [0, 10, 20] and list(loss["value"]) == [3.0, 2.5, 9.0]
+    assert loss["name"].isna().all() and loss["verdict"].isna().all()
+    assert df["predicted"].isna().all() and df["valid"].isna().all()  # the watch predicts nothing
+
+
+def test_a_history_stored_in_the_old_format_reads_the_same():
+    """A history as checkpoints stored it before kinds, model and thresholds were written: its rows,
+    verdicts and panel come out as from a new one, with kind/scheme/depth/width None and the
+    default thresholds."""
+    from reports.watch_view import render_history
+
+    model = small_model()
+    x = torch.from_numpy(tokens()[:16].reshape(2, 8))
+    w = W.Watch(model, every=1)
+    for t in range(2):
+        with w.capture():
+            model(x).logsumexp(-1).mean().backward()
+        w.commit(t, 1.0, 1e-3, 1.0)
+        w.log(t, 1.0, 1e-3, 1.0)
+    new = w.history
+    old = {k: v for k, v in new.items() if k not in ("kinds", "model", "thresholds")}
+    assert set(old) == {"format", "version", "watch_every", "spike_factor", "sites", "norm", "series", "records",
+                        "events"}
+    a, b = W.to_frame(new), W.to_frame(old)
+    assert len(a) == len(b) and b["scheme"].isna().all() and b["depth"].isna().all()
+    assert b[b["statistic"] == "var"]["kind"].isna().all()  # the site kinds were not stored
+    assert set(a["kind"].dropna()) >= {"residual", "attn_scores", "embedding"} and set(a["scheme"]) == {"cs336"}
+    same = ["step", "name", "block", "direction", "statistic", "value", "verdict"]
+    assert a[same].equals(b[same])
+    assert W.verdicts(old) == W.verdicts(new) and W.thresholds_of(old) == Thresholds()
+    assert "every verdict stayed ok over all 2 records" in _render(render_history(old))
+    resumed = W.Watch(small_model(), every=1, history=old)  # a resumed run continues an old history
+    assert resumed.history is old and resumed.history["thresholds"] == Thresholds().to_dict()
+
+
+def test_diagnose_and_the_watch_read_the_same_thresholds():
+    """One Thresholds object drives both jobs: diagnose reports the values it judged with, the watch
+    judges and alarms with them. A 50x rise is ok under the default watch_growth (1e3) and exploding
+    under watch_growth=20 (the negative control is the default)."""
+    from diagnostics import DiagnoseOptions, diagnose
+
+    th = Thresholds(watch_growth=20.0, spike_factor=3.0, spike_warmup=2)
+    model = small_model()
+    w = W.Watch(model, thresholds=th)
+    assert w.thresholds is th and w.spike_factor == 3.0 and w.history["thresholds"] == th.to_dict()
+    result = diagnose(model, options=DiagnoseOptions(batch_size=2, seq_len=8, batches=1, thresholds=th))
+    assert result.thresholds == th.to_dict() == w.history["thresholds"]
+    assert Thresholds.from_dict(result.thresholds) == th
+    rise = _history({"layers.0": [1.0, 50.0]})
+    assert W.first_departure(rise) is None  # defaults: 50x < 1e3x
+    assert W.first_departure(rise, th)["verdict"] == "exploding"
+    rise["thresholds"] = th.to_dict()  # the history's own thresholds are the default reading
+    assert W.first_departure(rise)["threshold"] == 20.0
+    # the spike settings: warmup 2 and factor 3 instead of 10 and 1.5
+    assert [w.alarm(2.0), w.alarm(2.0), w.alarm(5.0), w.alarm(7.0)] == [None, None, None, "spike"]
+    d = W.Watch(small_model())
+    assert d.thresholds == Thresholds() and d.spike_factor == 1.5
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(watch_growth=1.0), "watch_growth=1.0"), (dict(spike_factor=0.5), "spike_factor=0.5"),
+    (dict(spike_ema=1.0), "spike_ema=1.0"), (dict(spike_warmup=2.5), "spike_warmup=2.5"),
+    (dict(watch_move=math.nan), "watch_move=nan"),
+])
+def test_bad_watch_thresholds_are_named(changes, match):
+    with pytest.raises(tinylm.TinyLMError, match=match):
+        Thresholds(**changes)
+    with pytest.raises(tinylm.TinyLMError, match="thresholds="):
+        W.Watch(small_model(), thresholds={"watch_growth": 10})

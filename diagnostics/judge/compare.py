@@ -7,10 +7,14 @@ uniform random tokens, or with ``data`` (a 1-D integer token array such as
 of it drawn with the seed (``tinylm.data.get_batch``). Out come two pandas
 DataFrames:
 
-* tidy: one row per (scheme, depth, width, seed, tensor, direction, statistic) with
-  columns scheme, depth, width, seed, tensor, kind, block, direction, statistic, value.
-  Statistics: "var", "mean", "max_abs", "frac_zero" of each measured tensor.
-* summary: one row per (scheme, depth, width): initial loss (mean over seeds) against
+* tidy: the rows of the one result schema (:data:`diagnostics.result.COLUMNS`, built
+  by :func:`diagnostics.result.frame`), one per (scheme, depth, width, seed, tensor,
+  direction, statistic): step 0 (fresh models), name the tensor, statistics "var",
+  "mean", "max_abs", "frac_zero" of each measured tensor; verdict: for the residual
+  stream, "ok" or the kind of the finding diagnostics.judge.verdicts made on that
+  (tensor, direction) of that model; None for the logits (not judged). No predictions
+  (predicted, ratio and its interval, valid: None); run: the ``run`` argument.
+* summary, beside it: one row per (scheme, depth, width): initial loss (mean over seeds) against
   ln(vocab); the slope of log(variance) of the residual stream over depth, forward and
   backward, with its 99% t interval over seeds (slope per block of the least-squares fit
   of ln Var against the stream index 0..L); the max/min ratio of the stream variance
@@ -54,10 +58,10 @@ from tinylm.data import DataError, get_batch, load_tokens
 from .diagnose import t_interval
 from ..options import OptionsError, Progress, ProbeOptions
 from ..measure.probe import block_index, probe
-from ..result import DepthRow
+from ..result import DepthRow, Row, frame
 from .verdicts import Thresholds, judge
 
-__all__ = ["compare", "stream_slope", "data_vocab"]
+__all__ = ["compare", "stream_slope", "data_vocab", "SUMMARY_COLUMNS"]
 
 #: the largest vocabulary compare sizes to data by itself (above any real tokenizer's); larger ids are refused.
 MAX_DATA_VOCAB = 1 << 20
@@ -65,7 +69,8 @@ DEFAULT_VOCAB, DEFAULT_SEQ_LEN = 256, 32
 RANDOM_SOURCE = "uniform random tokens"
 STDLIB_STEPS = "steps on the standard library's bytes"
 
-TIDY_COLUMNS = ["scheme", "depth", "width", "seed", "tensor", "kind", "block", "direction", "statistic", "value"]
+#: the verdicts, worst first (a cell's summary verdict is the worst over its seeds)
+_WORST_FIRST = ("non_finite", "exploding", "vanishing", "dead", "saturated", "ok")
 SUMMARY_COLUMNS = ["scheme", "depth", "width", "seeds", "data", "vocab_size", "initial_loss", "ln_vocab", "slope_forward",
                    "slope_forward_low", "slope_forward_high", "slope_backward", "slope_backward_low",
                    "slope_backward_high", "max_min_ratio", "verdict", "early_loss", "steps"]
@@ -154,7 +159,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
             seeds: int = 3, steps: int = 0, *, data: np.ndarray | str | os.PathLike | None = None,
             data_name: str | None = None, vocab_size: int | None = None, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 2,
             norm: str = "pre", tensors: str = "stream", lr: float = 1e-3, seed: int = 0,
-            thresholds: Thresholds | None = None, progress: Progress | None = None
+            thresholds: Thresholds | None = None, progress: Progress | None = None, run: str | None = None
             ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Measure every scheme at every depth and width; returns (tidy, summary) DataFrames (see module doc).
 
@@ -163,6 +168,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
     data: None (uniform random tokens; training on the standard library's bytes), a 1-D integer
         token array, or the path of a token file (.npy, .bin, .txt; see tinylm.data).
     data_name: what the summary's ``data`` column calls the tokens (default: the path, or "given tokens").
+    run: the tidy frame's ``run`` column (a label for concatenating comparisons; None by default).
     vocab_size: None sizes it (256, or to the data: see the module doc); an int is used as given.
     """
     schemes = tuple(schemes) if schemes is not None else tuple(tinylm.init.SCHEMES)
@@ -194,7 +200,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
         source = f"{label} ({len(tokens):,} tokens)"
     thresholds = thresholds or Thresholds()
     total, done = len(schemes) * len(depths) * len(widths) * seeds, 0
-    tidy: list[tuple] = []
+    tidy: list[Row] = []
     summary: list[dict] = []
     for scheme in schemes:
         for depth in depths:
@@ -215,18 +221,11 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                     stream = ["token_embeddings"] + [f"layers.{i}" for i in range(depth)]
                     opts = ProbeOptions(modules=tuple(stream + ["lm_head"]) if tensors == "stream" else None,
                                         attention=tensors == "all", params=False)
-                    with probe(model, opts) as run:
+                    with probe(model, opts) as measured:
                         loss = tinylm.functional.cross_entropy(model(x), y)
                         loss.backward()
-                    stats = run.stats
+                    stats = measured.stats
                     losses.append(float(loss.detach()))
-                    for (name, direction), m in stats.tensors.items():
-                        kind = stats.kinds.get(name, "module")
-                        if tensors == "stream":
-                            kind = "embedding" if name == "token_embeddings" else ("logits" if name == "lm_head" else "residual")
-                        for stat, value in (("var", m.var), ("mean", m.mean), ("max_abs", m.max_abs),
-                                            ("frac_zero", m.frac_zero)):
-                            tidy.append((scheme, depth, width, s, name, kind, block_index(name), direction, stat, value))
                     fwd = [stats.tensors[(n, "forward")].var for n in stream]
                     bwd = [stats.tensors[(n, "backward")].var for n in stream if (n, "backward") in stats.tensors]
                     fslopes.append(stream_slope(fwd))
@@ -238,6 +237,21 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                                            backward_predicted=None, cosine=math.nan) for k, n in enumerate(stream)]
                     findings = judge([], [], [], depth_rows, stream, thresholds, scale_invariant=norm == "pre")[0]
                     verdicts.append(findings[0].kind if findings else "ok")
+                    found: dict[tuple[str, str], str] = {}
+                    for f in findings:
+                        for d in ((f.direction,) if f.direction else ("forward", "backward")):
+                            key = (f.where, d)
+                            found[key] = min(found.get(key, "ok"), f.kind, key=_WORST_FIRST.index)
+                    for (name, direction), m in stats.tensors.items():
+                        kind = stats.kinds.get(name, "module")
+                        if tensors == "stream":
+                            kind = "embedding" if name == "token_embeddings" else ("logits" if name == "lm_head" else "residual")
+                        verdict = found.get((name, direction), "ok") if name in stream else None
+                        for stat, value in (("var", m.var), ("mean", m.mean), ("max_abs", m.max_abs),
+                                            ("frac_zero", m.frac_zero)):
+                            tidy.append(Row(run=run, step=0, seed=s, scheme=scheme, depth=depth, width=width, name=name,
+                                            kind=kind, block=block_index(name), direction=direction, statistic=stat,
+                                            value=value, verdict=verdict))
                     if steps:
                         early.append(_train_steps(model, steps, batch_size, seq_len, s, lr, tokens))
                     done += 1
@@ -245,7 +259,6 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                         progress(done, total, f"{scheme} L={depth} d={width} seed {s}")
                 f, flo, fhi = t_interval(fslopes)
                 b, blo, bhi = t_interval(bslopes)
-                order = ("non_finite", "exploding", "vanishing", "dead", "saturated", "ok")
                 summary.append({
                     "scheme": scheme, "depth": depth, "width": width, "seeds": seeds, "data": source,
                     "vocab_size": vocab_size,
@@ -253,7 +266,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                     "slope_forward": f, "slope_forward_low": flo, "slope_forward_high": fhi,
                     "slope_backward": b, "slope_backward_low": blo, "slope_backward_high": bhi,
                     "max_min_ratio": float(np.nanmax(ratios)) if not all(math.isnan(r) for r in ratios) else math.nan,
-                    "verdict": min(verdicts, key=order.index),
+                    "verdict": min(verdicts, key=_WORST_FIRST.index),
                     "early_loss": float(np.mean(early)) if early else None, "steps": steps,
                 })
-    return pd.DataFrame.from_records(tidy, columns=TIDY_COLUMNS), pd.DataFrame.from_records(summary, columns=SUMMARY_COLUMNS)
+    return frame(tidy), pd.DataFrame.from_records(summary, columns=SUMMARY_COLUMNS)

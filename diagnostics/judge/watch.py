@@ -16,6 +16,9 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
     {"format": "tinylm-watch", "version": 1, "watch_every": K, "spike_factor": f,
      "sites": [site, ...],                                    # forward order
      "norm": "pre" | "post" | "none" | None,                  # the model's norm placement
+     "kinds": {site: kind},                                   # tensor kinds (see diagnostics.result)
+     "model": {"scheme", "depth", "width"},                   # init scheme, num_layers, d_model (or None)
+     "thresholds": {name: value},                             # Thresholds.to_dict() of the watch
      "series": {"step": [...], "loss": [...], "lr": [...], "grad_norm": [...]},   # every step
      "records": [{"step": t, "reason": "interval" | "spike" | "nonfinite",
                   "loss": ..., "lr": ..., "grad_norm": ...,
@@ -25,38 +28,47 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
                   "update_ratio": {parameter: r}}, ...],
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
+"kinds", "model" and "thresholds" are optional: a history without them reads the same,
+with kind, scheme, depth and width None in its rows and the default thresholds.
+
 Verdicts over time (:func:`verdicts`) compare each site with its own earlier
 records (not with the first alone: a badly initialised model starts far from
-healthy, and a healthy one's statistics move while it learns):
+healthy, and a healthy one's statistics move while it learns), with the watch
+thresholds of :class:`diagnostics.judge.verdicts.Thresholds` (the one set diagnose
+uses too; their defaults and margins are documented there):
 
-    non-finite   a NaN or inf in the tensor or its gradient (any site)
-    exploding    forward variance above GROWTH = 10^3 x the lowest value it had at an earlier record
-    vanishing    gradient variance below the highest value it had at an earlier record / SHRINK (10^4)
+    non_finite   a NaN or inf in the tensor or its gradient (any site)
+    exploding    forward variance above watch_growth (10^3) x the lowest value it had at an earlier record
+    vanishing    gradient variance below the highest value it had at an earlier record / watch_shrink (10^4)
     ok           otherwise
 
 exploding and vanishing judge the sites that reach a computation at their scale
 (:func:`judged`): attention scores, logits, and the residual stream unless the
 model is pre-norm.
 
-The thresholds are heuristics with a measured margin, not statistical tests: in
-the README's ablation runs at lr 1e-2 (d=128, 200 steps) the judged variances of
-the pre-norm baseline rose at most 129x above their lowest earlier value (layer
-3's attention scores) and its gradient variances fell at most 59x; post-norm's
-75x and 116x; the no-norm ablation's attention scores rose 3e21x.
-
 The message on a spike names the site that moved first (:func:`first_mover`): the earliest record
-at which a variance rose above MOVE = 10 x its lowest earlier value.
+at which a variance rose above watch_move (10) x its lowest earlier value.
+
+The history as tidy rows of the one result schema (:func:`to_rows`, :func:`to_frame`):
+per record and site, the moments in each direction (statistics "count", "mean", "var",
+"max_abs", "frac_nonfinite", with the verdict of that direction at that record); per
+record, each attention layer's "entropy_mean" and "saturated_frac" (direction forward)
+and each parameter's "update_ratio" (kind "parameter"); per logged step, the model's
+"loss", "lr" and "grad_norm" (name None).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+
+from ..result import Row, frame
+from .verdicts import Thresholds
 
 __all__ = [
     "Watch",
@@ -67,22 +79,33 @@ __all__ = [
     "first_mover",
     "judged",
     "to_rows",
+    "to_frame",
+    "thresholds_of",
     "loss_summary",
     "write_json",
     "write_csv",
-    "GROWTH",
-    "SHRINK",
-    "MOVE",
 ]
 
 FORMAT, VERSION = "tinylm-watch", 1
-GROWTH = 1e3  # exploding: forward variance above GROWTH x its lowest earlier value
-SHRINK = 1e4  # vanishing: gradient variance below its highest earlier value / SHRINK
-MOVE = 10.0  # a statistic "moved" when its variance rose above MOVE x its lowest earlier value
 STAT_KEYS = ("count", "fwd_mean", "fwd_var", "fwd_absmax", "fwd_nonfinite",
              "grad_mean", "grad_var", "grad_absmax", "grad_nonfinite")
-EMA_BETA = 0.9  # running loss for spike detection: ema <- beta ema + (1 - beta) loss
-SPIKE_WARMUP = 10  # no spike alarm before this many finite losses
+# a record's key -> (direction, statistic) of the tidy row
+_ROW_OF = {"fwd_mean": ("forward", "mean"), "fwd_var": ("forward", "var"), "fwd_absmax": ("forward", "max_abs"),
+           "fwd_nonfinite": ("forward", "frac_nonfinite"), "grad_mean": ("backward", "mean"),
+           "grad_var": ("backward", "var"), "grad_absmax": ("backward", "max_abs"),
+           "grad_nonfinite": ("backward", "frac_nonfinite")}
+
+
+def thresholds_of(history: dict[str, Any], thresholds: Thresholds | None = None) -> Thresholds:
+    """``thresholds`` when given, else those the history was recorded with, else the defaults."""
+    if thresholds is not None:
+        if not isinstance(thresholds, Thresholds):
+            from ..options import OptionsError
+
+            raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
+        return thresholds
+    stored = history.get("thresholds") if isinstance(history, dict) else None
+    return Thresholds.from_dict(stored) if isinstance(stored, dict) else Thresholds()
 
 
 @dataclass
@@ -176,32 +199,34 @@ def judged(site: str, norm: str | None = None) -> bool:
     return residual and norm != "pre"
 
 
-def _site_verdict(st: dict[str, float], low_fwd: float | None, high_grad: float | None,
+def _site_verdict(st: dict[str, float], low_fwd: float | None, high_grad: float | None, th: Thresholds,
                   ) -> tuple[str, str | None, float, float]:
     """(verdict, statistic, value, threshold) of one site's record, given its earlier extremes
     (None for a site that is not :func:`judged` or has no earlier record)."""
     if st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")):
         return "ok", None, math.nan, math.nan  # not measured at this record (its forward did not run)
     if st.get("fwd_nonfinite", 0.0) > 0 or not _finite(st.get("fwd_var")):
-        return "non-finite", "fwd_nonfinite", st.get("fwd_nonfinite", math.nan), 0.0
+        return "non_finite", "fwd_nonfinite", st.get("fwd_nonfinite", math.nan), 0.0
     if st.get("grad_nonfinite", 0.0) > 0 or (high_grad is not None and not _finite(st.get("grad_var"))):
-        return "non-finite", "grad_nonfinite", st.get("grad_nonfinite", math.nan), 0.0
+        return "non_finite", "grad_nonfinite", st.get("grad_nonfinite", math.nan), 0.0
     v = st["fwd_var"]
-    if low_fwd is not None and v > GROWTH * low_fwd:
-        return "exploding", "fwd_var", v, GROWTH * low_fwd
+    if low_fwd is not None and v > th.watch_growth * low_fwd:
+        return "exploding", "fwd_var", v, th.watch_growth * low_fwd
     g = st.get("grad_var")
-    if high_grad is not None and _finite(g) and g < high_grad / SHRINK:
-        return "vanishing", "grad_var", g, high_grad / SHRINK
+    if high_grad is not None and _finite(g) and g < high_grad / th.watch_shrink:
+        return "vanishing", "grad_var", g, high_grad / th.watch_shrink
     return "ok", None, math.nan, math.nan
 
 
-def verdicts(history: dict[str, Any]) -> list[dict[str, Any]]:
+def verdicts(history: dict[str, Any], thresholds: Thresholds | None = None) -> list[dict[str, Any]]:
     """One row per (record, site) whose verdict is not ok: step, site, verdict, stat, value, threshold.
 
-    exploding: forward variance > GROWTH x the lowest value the site had at an earlier
-    record; vanishing: gradient variance < the highest earlier value / SHRINK;
-    non-finite: any NaN/inf entry in the tensor or its gradient.
+    exploding: forward variance > watch_growth x the lowest value the site had at an earlier
+    record; vanishing: gradient variance < the highest earlier value / watch_shrink;
+    non_finite: any NaN/inf entry in the tensor or its gradient. ``thresholds``: see
+    :func:`thresholds_of` (None: the history's own, else the defaults).
     """
+    th = thresholds_of(history, thresholds)
     records = history.get("records") or []
     lows = _running_extremes(history, "fwd_var", min)
     highs = _running_extremes(history, "grad_var", max)
@@ -212,31 +237,33 @@ def verdicts(history: dict[str, Any]) -> list[dict[str, Any]]:
                 continue  # not measured at this record
             j = judged(site, history.get("norm"))
             verdict, key, value, threshold = _site_verdict(st, low.get(site) if j else None,
-                                                           high.get(site) if j else None)
+                                                           high.get(site) if j else None, th)
             if verdict != "ok":
                 rows.append({"step": rec["step"], "site": site, "verdict": verdict, "stat": key,
                              "value": value, "threshold": threshold})
     return rows
 
 
-def first_departure(history: dict[str, Any]) -> dict[str, Any] | None:
+def first_departure(history: dict[str, Any], thresholds: Thresholds | None = None) -> dict[str, Any] | None:
     """The first (step, site) at which any verdict left ok (earliest step, then forward order), or None."""
-    rows = verdicts(history)
+    rows = verdicts(history, thresholds)
     if not rows:
         return None
     order = {s: k for k, s in enumerate(history.get("sites") or [])}
     return min(rows, key=lambda r: (r["step"], order.get(r["site"], len(order))))
 
 
-def first_mover(history: dict[str, Any], factor: float | None = None) -> dict[str, Any] | None:
+def first_mover(history: dict[str, Any], factor: float | None = None, thresholds: Thresholds | None = None
+                ) -> dict[str, Any] | None:
     """The statistic that moved first: the earliest record at which some site's tensor or
     gradient stopped being finite, or a :func:`judged` site's forward or gradient variance
-    rose above ``factor`` (default MOVE) x the lowest value it had at any earlier record. At that record: the first such site in
+    rose above ``factor`` (default: the thresholds' watch_move, see :func:`thresholds_of`) x the
+    lowest value it had at any earlier record. At that record: the first such site in
     forward order among forward variances (the most upstream activation), else the last
     in forward order among gradient variances (the first the backward pass reaches).
     Returns {"site", "stat", "step", "factor"} (factor: the rise, inf if not finite) or None.
     """
-    factor = MOVE if factor is None else factor
+    factor = thresholds_of(history, thresholds).watch_move if factor is None else factor
     records = history.get("records") or []
     order = {s: k for k, s in enumerate(history.get("sites") or [])}
     lows = {key: _running_extremes(history, key, min) for key in ("fwd_var", "grad_var")}
@@ -275,13 +302,26 @@ class Watch:
     "nonfinite" or None; ``snapshot_params()`` before the optimizer step and
     ``commit(...)`` after it store the record; ``log(...)`` every step.
     ``every=0`` turns recording off (the loss series and the non-finite alarm remain).
+
+    ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object
+    diagnose takes; the watch reads its watch_* and spike_* fields. ``spike_factor``, when
+    given, replaces the thresholds' own (the training options carry one).
     """
 
-    def __init__(self, model: nn.Module, every: int = 25, spike_factor: float = 1.5, sites: list[str] | None = None,
-                 history: dict[str, Any] | None = None, on_event: Callable[[WatchEvent], None] | None = None):
+    def __init__(self, model: nn.Module, every: int = 25, spike_factor: float | None = None,
+                 sites: list[str] | None = None, history: dict[str, Any] | None = None,
+                 on_event: Callable[[WatchEvent], None] | None = None, thresholds: Thresholds | None = None):
+        from ..options import OptionsError
+
+        if thresholds is not None and not isinstance(thresholds, Thresholds):
+            raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
+        thresholds = thresholds or Thresholds()
+        if spike_factor is not None:
+            thresholds = replace(thresholds, spike_factor=float(spike_factor))
+        self.thresholds = thresholds
         self.model = model
         self.every = int(every)
-        self.spike_factor = float(spike_factor)
+        self.spike_factor = thresholds.spike_factor
         names = {n for n, _ in model.named_modules()}
         self.sites = list(sites) if sites is not None else default_sites(model)
         unknown = [s for s in self.sites if s not in names]
@@ -292,14 +332,23 @@ class Watch:
                               "name modules from model.named_modules()")
         self.on_event = on_event
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        config = getattr(model, "config", None)
         if isinstance(history, dict) and history.get("format") == FORMAT:
             self.history = history
         else:
+            from ..measure.probe import instrument_points
+
+            kinds = instrument_points(model)
             self.history = {"format": FORMAT, "version": VERSION, "watch_every": self.every,
                             "spike_factor": self.spike_factor, "sites": list(self.sites),
-                            "norm": getattr(getattr(model, "config", None), "norm", None),
+                            "norm": getattr(config, "norm", None),
+                            "kinds": {s: kinds.get(s, "module") for s in self.sites},
+                            "model": {"scheme": getattr(config, "init", None),
+                                      "depth": getattr(config, "num_layers", None),
+                                      "width": getattr(config, "d_model", None)},
                             "series": {"step": [], "loss": [], "lr": [], "grad_norm": []},
                             "records": [], "events": []}
+        self.history["thresholds"] = thresholds.to_dict()  # a resumed run judges all its records by these
         self.events: list[WatchEvent] = []
         self._pending: dict[str, dict[str, float]] | None = None
         self._pending_attention: dict[str, dict[str, float]] = {}
@@ -339,7 +388,8 @@ class Watch:
     def _update_ema(self, loss: float) -> None:
         if not _finite(loss):
             return
-        self._ema = loss if self._ema is None else EMA_BETA * self._ema + (1 - EMA_BETA) * loss
+        beta = self.thresholds.spike_ema
+        self._ema = loss if self._ema is None else beta * self._ema + (1 - beta) * loss
         self._n += 1
 
     def alarm(self, loss: float) -> str | None:
@@ -347,7 +397,7 @@ class Watch:
         if not _finite(loss):
             return "nonfinite"
         kind = None
-        if self.enabled and self._ema is not None and self._n >= SPIKE_WARMUP:
+        if self.enabled and self._ema is not None and self._n >= self.thresholds.spike_warmup:
             high = loss > self.spike_factor * self._ema
             if high and self._armed:
                 kind = "spike"
@@ -387,13 +437,13 @@ class Watch:
             self._raise_event(t, reason, loss)
 
     def _raise_event(self, t: int, kind: str, loss: float) -> None:
-        m = first_mover(self.history)
+        m = first_mover(self.history, thresholds=self.thresholds)
         if kind == "nonfinite":
             head = f"step {t}: the loss is {loss} (not finite)"
         else:
             head = f"step {t}: the loss spiked to {loss:.4g} ({loss / self._ema:.2f}x the running loss {self._ema:.4g})"
         if m is None:
-            tail = f"no watched variance had risen above {MOVE:g}x its lowest earlier value"
+            tail = f"no watched variance had risen above {self.thresholds.watch_move:g}x its lowest earlier value"
         else:
             tail = _describe_move(m)
         event = WatchEvent(t, kind, m and m["site"], m and m["stat"], m and m["step"], f"{head}; {tail}")
@@ -423,18 +473,66 @@ def loss_summary(history: dict[str, Any]) -> tuple[int, float, float]:
 # --------------------------------------------------------------------------- exports
 
 
-def to_rows(history: dict[str, Any]) -> list[dict[str, Any]]:
-    """Tidy rows, one per (record, site): step, reason, loss, lr, grad_norm, site, the moments, verdict."""
-    bad = {(r["step"], r["site"]): r["verdict"] for r in verdicts(history)}
-    rows = []
+def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresholds | None = None) -> list[Row]:
+    """The history as tidy rows of the one result schema (:class:`diagnostics.result.Row`; see the
+    module docstring for which statistics), in record order, then site order, forward before
+    backward; then the per-step series. Columns: run = ``run``; step; scheme, depth, width from
+    the history's "model" (None in a history stored without it); name, kind, block, direction,
+    statistic, value; verdict: the site's verdict at that record in the direction it concerns
+    (an exploding or non-finite forward variance on the forward rows, a vanishing or non-finite
+    gradient on the backward rows; "ok" on the other direction; None on rows never judged:
+    a site not measured at that record, attention, update ratios, the series). predicted,
+    ratio and its interval, valid: None (the watch predicts nothing).
+    """
+    from ..measure.probe import block_index
+
+    bad = {(r["step"], r["site"]): r for r in verdicts(history, thresholds)}
+    model = history.get("model") or {}
+    kinds = history.get("kinds") or {}
+    common = dict(run=run, scheme=model.get("scheme"), depth=model.get("depth"), width=model.get("width"))
+    rows: list[Row] = []
     for rec in history.get("records") or []:
+        step = rec["step"]
         for site, st in rec["stats"].items():
-            row = {"step": rec["step"], "reason": rec["reason"], "loss": rec["loss"], "lr": rec["lr"],
-                   "grad_norm": rec["grad_norm"], "site": site}
-            row.update({k: st.get(k) for k in STAT_KEYS})
-            row["verdict"] = bad.get((rec["step"], site), "ok")
-            rows.append(row)
+            v = bad.get((step, site))
+            judged_dir = None if v is None else ("forward" if v["stat"].startswith("fwd") else "backward")
+            at = dict(common, step=step, name=site, kind=kinds.get(site), block=block_index(site))
+            measured = not (st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")))
+            for direction in ("forward", "backward"):
+                verdict = v["verdict"] if judged_dir == direction else ("ok" if measured else None)
+                if "count" in st:
+                    rows.append(Row(**at, direction=direction, statistic="count", value=_num(st["count"]),
+                                    verdict=verdict))
+                for key, (d, stat) in _ROW_OF.items():
+                    if d == direction and key in st:
+                        rows.append(Row(**at, direction=d, statistic=stat, value=_num(st[key]), verdict=verdict))
+        for site, att in (rec.get("attention") or {}).items():
+            at = dict(common, step=step, name=site, kind=kinds.get(site, "attn_probs"), block=block_index(site),
+                      direction="forward")
+            rows.append(Row(**at, statistic="entropy_mean", value=_num(att.get("entropy_mean"))))
+            rows.append(Row(**at, statistic="saturated_frac", value=_num(att.get("saturated"))))
+        for param, ratio in (rec.get("update_ratio") or {}).items():
+            rows.append(Row(**common, step=step, name=param, kind="parameter", block=block_index(param),
+                            statistic="update_ratio", value=_num(ratio)))
+    series = history.get("series") or {}
+    for k, step in enumerate(series.get("step") or []):
+        for stat in ("loss", "lr", "grad_norm"):
+            values = series.get(stat) or []
+            if k < len(values):
+                rows.append(Row(**common, step=step, statistic=stat, value=_num(values[k])))
     return rows
+
+
+def to_frame(history: dict[str, Any], run: str | None = None, thresholds: Thresholds | None = None):
+    """The tidy pandas DataFrame of :func:`to_rows` (columns and dtypes of :func:`diagnostics.result.frame`)."""
+    return frame(to_rows(history, run, thresholds))
+
+
+def _num(x: Any) -> float:
+    """A stored number as a float (None and the JSON strings of non-finite values included)."""
+    if x is None:
+        return math.nan
+    return float(x)
 
 
 def _json_safe(x: Any) -> Any:
@@ -462,32 +560,23 @@ def write_json(history: dict[str, Any], path: str) -> None:
     atomic_write(path, write)
 
 
-def write_csv(history: dict[str, Any], path: str) -> None:
-    """The tidy rows of :func:`to_rows` as CSV, written atomically."""
-    import csv
-
+def write_csv(history: dict[str, Any], path: str, run: str | None = None) -> None:
+    """The tidy frame of :func:`to_frame` as CSV (no index column), written atomically."""
     from tinylm.checkpoint import atomic_write
 
-    rows = to_rows(history)
-    columns = ["step", "reason", "loss", "lr", "grad_norm", "site", *STAT_KEYS, "verdict"]
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=columns)
-            w.writeheader()
-            w.writerows(rows)
-
-    atomic_write(path, write)
+    df = to_frame(history, run)
+    atomic_write(path, lambda tmp: df.to_csv(tmp, index=False, lineterminator="\n"))
 
 
 def train_watched(model: nn.Module, tokens, options, *, sites: list[str] | None = None,
                   on_event: Callable[[WatchEvent], None] | None = None, resume: dict[str, Any] | None = None,
-                  **kwargs: Any):
+                  thresholds: Thresholds | None = None, **kwargs: Any):
     """``tinylm.train.train`` with a :class:`Watch` built from ``options`` (``watch_every``,
-    ``spike_factor``) that continues the resumed run's history; ``sites``: the tensors it
-    records (None: its default set); other keyword arguments go to ``train``."""
+    ``spike_factor``) and ``thresholds`` (None: the defaults) that continues the resumed run's
+    history; ``sites``: the tensors it records (None: its default set); other keyword
+    arguments go to ``train``."""
     from tinylm.train import train
 
     watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites,
-                  history=(resume or {}).get("history"), on_event=on_event)
+                  history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds)
     return train(model, tokens, options, resume=resume, monitor=watch, **kwargs)
