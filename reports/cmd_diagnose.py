@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the tidy rows (one per tensor, direction and statistic; run = the checkpoint) as CSV")
     g.add_argument("--html", metavar="PATH", help="write the rendered report as HTML")
     g.add_argument("--svg", metavar="PATH", help="write the rendered report as SVG")
-    g.add_argument("--plot", metavar="PATH", help="write a PNG of variance over depth (forward and backward)")
+    g.add_argument("--plot", metavar="PATH", help="write a PNG of variance over depth (forward and backward); for a checkpoint with "
+                   "a training history also PATH's stem + .training.png beside it (same rules)")
     g.add_argument("--all", action="store_true", help="every instrumented tensor in the per-layer table, not the summary")
     g.add_argument("--width", type=positive_int, help="report width in columns (default: the terminal's)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -133,6 +134,12 @@ def run(args: argparse.Namespace) -> int:
                  else f"uniform random tokens over [0, {config.vocab_size})")
     ctx = ReportContext(source=source.description, data=data_text, dtype=args.dtype, device=str(device),
                         nonfinite_params=source.nonfinite, all_tensors=args.all)
+    from diagnostics.judge.watch import check_history
+
+    history, problem = check_history(source.history)
+    if problem:
+        Console(stderr=True, highlight=False).print(f"note: the checkpoint's training history is skipped ({problem})")
+    source.history = history
     watch_view = _watch_view(source.history)
     doc = report(result, ctx, extra=[watch_view.render_history(source.history)] if watch_view else [])
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError
+from .intake import check_outputs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,10 +39,7 @@ def run(args: argparse.Namespace) -> int:
         changes["rope"] = False
     config = preset(args.preset, **changes)
     out = Path(args.output)
-    if out.exists() and not args.force:
-        raise UsageError(f"{out} exists; pass --force to overwrite it or choose another -o")
-    if out.is_dir():
-        raise UsageError(f"-o {out} is a directory; give a file name such as {out / 'model.pt'}")
+    check_outputs({"-o": args.output}, {}, force=args.force)
     model = TransformerLM(config, generator=torch.Generator().manual_seed(args.seed))
     checkpoint.save(out, model, seed=args.seed)
     print(f"wrote {out} ({model.num_parameters():,} parameters, preset {args.preset}, init {args.init}, seed {args.seed})")

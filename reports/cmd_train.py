@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from .cli import UsageError
+from .intake import check_outputs
 
 # Hyper-parameter flags: default None so that a resumed run keeps the stored value unless the flag is given.
 _TRAIN_FLAGS = {
@@ -56,14 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch-csv", metavar="PATH",
                    help="also write the watch history as CSV rows of the tidy result schema (as diagnose --csv)")
     p.add_argument("--quiet", action="store_true", help="no progress display, only the summary")
-
-
-def _check_output(path: Path, force: bool, resume: str | None) -> None:
-    if path.is_dir():
-        raise UsageError(f"-o {path} is a directory; give a file name such as {path / 'model.pt'}")
-    same = resume is not None and Path(resume).resolve() == path.resolve()
-    if path.exists() and not force and not same:
-        raise UsageError(f"{path} exists; pass --force to overwrite it or choose another -o")
 
 
 def _build_model(args: argparse.Namespace):
@@ -129,11 +122,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         options = _options(args, None)
         model = _build_model(args)
-    _check_output(out, args.force, args.resume)
-    for flag in ("watch_json", "watch_csv"):
-        target = getattr(args, flag)
-        if target is not None and Path(target).is_dir():
-            raise UsageError(f"--{flag.replace('_', '-')} {target} is a directory; give a file name")
+    check_outputs({"-o": args.output, "--watch-json": args.watch_json, "--watch-csv": args.watch_csv},
+                  {"--data file": args.data, "--resume checkpoint": args.resume}, force=args.force,
+                  may_replace={"-o": "--resume checkpoint"})
     tokens, source = _load_data(args, model.config.vocab_size)
 
     console = Console(highlight=False, soft_wrap=True)

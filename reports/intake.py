@@ -154,26 +154,67 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
-def check_outputs(outputs: dict[str, str | None], protected: dict[str, str | None]) -> None:
-    """Refuse an output path that is an input (checkpoint, data), a directory, or given twice.
+def _kind_of(path: Path) -> str:
+    suffix = path.suffix.lower()
+    return next((kind for kind, suffixes in _KINDS.items() if suffix in suffixes), "other")
 
-    ``outputs`` maps a flag (``--json``) to its path; ``protected`` maps a name
-    (``checkpoint``) to an input path. Raises UsageError naming the flag.
+
+def _writable_parent(flag: str, value: str, path: Path) -> None:
+    """The nearest existing ancestor of ``path`` must be a directory this process may write in."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {value}: {parent} is a file, not a directory; choose an output path in a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {value}: cannot write in {parent} (permission denied); choose a writable directory")
+
+
+def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None], *, force: bool | None = None,
+                  may_replace: dict[str, str] | None = None) -> None:
+    """Every output path of a command against its inputs and each other, before any work.
+
+    ``outputs`` maps a flag (``--json``) to its path, ``inputs`` a name (``checkpoint``,
+    ``--data file``) to an input path. Paths are compared resolved (symlinks, ``..``) and
+    by file identity. Refused, each with a one-line UsageError naming the flag: an output
+    that is an input (whatever ``--force`` says; ``may_replace`` lists the exceptions,
+    e.g. ``{"-o": "--resume checkpoint"}`` for a run written back over the checkpoint it
+    resumed), one given twice, a directory, one under a regular file or in a directory
+    that cannot be written, and an existing file of another kind than the flag writes
+    (``--json report.npy`` over a token file). ``force``: for commands whose outputs need
+    ``--force`` to replace an existing file (``init``, ``train``), False refuses an
+    existing one; None (reports) replaces an existing file of the same kind.
     """
     seen: dict[Path, str] = {}
+    allowed = may_replace or {}
     for flag, value in outputs.items():
         if value is None:
             continue
         path = Path(value)
-        for name, src in protected.items():
-            if src is not None and _same_file(path, Path(src)):
-                raise UsageError(f"{flag} {value} is the {name} itself; choose another output path (inputs are never overwritten)")
+        for name, src in inputs.items():
+            if src is not None and _same_file(path, Path(src)) and allowed.get(flag) != name:
+                raise UsageError(f"{flag} {value} is the {name} itself; choose another output path "
+                                 "(inputs are never overwritten, even with --force)")
         if path.is_dir():
-            raise UsageError(f"{flag} {value} is a directory; give a file name such as {path / ('report' + _SUFFIX.get(flag, ''))}")
+            raise UsageError(f"{flag} {value} is a directory; give a file name such as "
+                             f"{path / ('report' + _SUFFIX.get(flag.split()[0], ''))}")
+        _writable_parent(flag, value, path)
+        if path.exists() and not any(src is not None and _same_file(path, Path(src)) for src in inputs.values()):
+            if force is False:
+                raise UsageError(f"{value} exists; pass --force to overwrite it or choose another {flag}")
+            want = _KIND_OF_FLAG.get(flag.split()[0])
+            if want is not None and _kind_of(path) != want:
+                raise UsageError(f"{flag} {value} exists and is not a {want} file; an output replaces only a file of "
+                                 "its own kind: choose another path")
         key = path.resolve()
         if key in seen:
             raise UsageError(f"{flag} and {seen[key]} both write {value}; give each output its own path")
         seen[key] = flag
 
 
+#: what each output flag writes, and the suffixes that mark a file of that kind
+_KINDS = {"json": (".json",), "csv": (".csv",), "html": (".html", ".htm"), "svg": (".svg",), "png": (".png",),
+          "checkpoint": (".pt", ".pth", ".ckpt", ".safetensors", ".bin")}
+_KIND_OF_FLAG = {"--json": "json", "--csv": "csv", "--html": "html", "--svg": "svg", "--plot": "png",
+                 "--watch-json": "json", "--watch-csv": "csv", "-o": "checkpoint"}
 _SUFFIX = {"--json": ".json", "--csv": ".csv", "--html": ".html", "--svg": ".svg", "--plot": ".png"}

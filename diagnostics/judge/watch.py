@@ -65,6 +65,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
+from tinylm.errors import TinyLMError
 from torch import nn
 
 from ..result import Row, frame
@@ -122,6 +123,80 @@ class WatchEvent:
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "kind": self.kind, "site": self.site, "stat": self.stat,
                 "moved_at": self.moved_at, "message": self.message}
+
+
+def _is_number(x: Any) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def _history_problem(h: Any) -> str | None:
+    """What makes ``h`` not a watch history of the documented shape (None: it is one)."""
+    if not isinstance(h, dict):
+        return f"it is a {type(h).__name__}, not a dict"
+    if h.get("format") != FORMAT:
+        return f"its format is {h.get('format')!r}, not {FORMAT!r}"
+    if h.get("version") != VERSION:
+        return f"its version is {h.get('version')!r}; this tinylm reads version {VERSION}"
+    sites = h.get("sites")
+    if not isinstance(sites, list) or not all(isinstance(x, str) for x in sites):
+        return "'sites' is not a list of module names"
+    series = h.get("series")
+    if not isinstance(series, dict) or not all(isinstance(series.get(k), list) for k in ("step", "loss", "lr", "grad_norm")):
+        return "'series' lacks the lists step, loss, lr and grad_norm"
+    if len({len(series[k]) for k in ("step", "loss", "lr", "grad_norm")}) != 1:
+        return "the lists of 'series' differ in length"
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in series["step"]) or not all(
+            _is_number(x) for k in ("loss", "lr", "grad_norm") for x in series[k]):
+        return "'series' holds a value that is not a number"
+    for k in ("kinds", "model", "thresholds"):
+        if k in h and h[k] is not None and not isinstance(h[k], dict):
+            return f"'{k}' is not a dict"
+    if not all(isinstance(a, str) and isinstance(b, str) for a, b in (h.get("kinds") or {}).items()):
+        return "'kinds' is not {site: kind}"
+    model = h.get("model") or {}
+    if not (isinstance(model.get("scheme"), (str, type(None))) and all(
+            model.get(k) is None or (isinstance(model.get(k), int) and not isinstance(model.get(k), bool))
+            for k in ("depth", "width"))):
+        return "'model' is not {scheme: name, depth: int, width: int}"
+    if h.get("thresholds") is not None:
+        try:
+            Thresholds.from_dict(h["thresholds"])
+        except (TinyLMError, TypeError) as e:
+            return f"'thresholds' does not read: {e}"
+    records, events = h.get("records"), h.get("events")
+    if not isinstance(records, list) or not isinstance(events, list):
+        return "'records' or 'events' is not a list"
+    for i, rec in enumerate(records):
+        where = f"records[{i}]"
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec.get("step"), bool):
+            return f"{where} is not a record with an integer step"
+        if not all(_is_number(rec.get(k)) for k in ("loss", "lr", "grad_norm")):
+            return f"{where} holds a loss, lr or grad_norm that is not a number"
+        stats = rec.get("stats")
+        if not isinstance(stats, dict) or not all(
+                isinstance(site, str) and isinstance(st, dict) and all(_is_number(st.get(k)) for k in STAT_KEYS)
+                for site, st in stats.items()):
+            return f"{where}.stats is not {{site: {{{', '.join(STAT_KEYS[:2])}, ...: number}}}}"
+        for part, keys in (("attention", ("entropy_mean", "saturated")), ("update_ratio", None)):
+            value = rec.get(part) or {}
+            if not isinstance(value, dict):
+                return f"{where}.{part} is not a dict"
+            for name, v in value.items():
+                ok = (isinstance(v, dict) and all(_is_number(v.get(k)) for k in keys)) if keys else _is_number(v)
+                if not isinstance(name, str) or not ok:
+                    return f"{where}.{part}[{name!r}] is not of the documented shape"
+    if not all(isinstance(e, dict) for e in events):
+        return "'events' holds an entry that is not a dict"
+    return None
+
+
+def check_history(history: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """(history, None) when ``history`` (as read from a checkpoint) has the documented shape;
+    (None, why) otherwise: a partial, damaged or unknown history is skipped, never fatal."""
+    if history is None:
+        return None, None
+    why = _history_problem(history)
+    return (None, why) if why else (history, None)
 
 
 def default_sites(model: nn.Module) -> list[str]:
@@ -326,14 +401,13 @@ class Watch:
         self.sites = list(sites) if sites is not None else default_sites(model)
         unknown = [s for s in self.sites if s not in names]
         if unknown:
-            from tinylm.errors import TinyLMError
-
             raise TinyLMError(f"watch site(s) {', '.join(unknown[:3])} are not modules of the model; "
                               "name modules from model.named_modules()")
         self.on_event = on_event
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         config = getattr(model, "config", None)
-        if isinstance(history, dict) and history.get("format") == FORMAT:
+        history, self.history_problem = check_history(history)  # a damaged history: start a new one
+        if history is not None:
             self.history = history
         else:
             from ..measure.probe import instrument_points
