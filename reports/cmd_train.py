@@ -125,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
     check_outputs({"-o": args.output, "--watch-json": args.watch_json, "--watch-csv": args.watch_csv},
                   {"--data file": args.data, "--resume checkpoint": args.resume}, force=args.force,
                   may_replace={"-o": "--resume checkpoint"})
+    from tinylm.memory import check_fits
+
+    check_fits(model.config, options.batch_size, model.config.context_length)  # before the first step allocates
     tokens, source = _load_data(args, model.config.vocab_size)
 
     console = Console(highlight=False, soft_wrap=True)

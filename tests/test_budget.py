@@ -148,3 +148,12 @@ def test_available_memory_respects_an_address_space_limit():
             "low = m.available_bytes(); print(full > low, low <= 8 << 30)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "True"]
+
+
+def test_a_damaged_sampler_state_is_a_checkpoint_error():
+    from tinylm.train import TrainOptions, _sampler_generator
+
+    with pytest.raises(CheckpointError, match="sampler state is damaged"):
+        _sampler_generator(TrainOptions(steps=1), torch.zeros(7, dtype=torch.uint8))
+    good = torch.Generator().manual_seed(5).get_state()
+    assert torch.equal(_sampler_generator(TrainOptions(steps=1), good).get_state(), good)

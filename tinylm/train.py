@@ -224,7 +224,11 @@ class Monitor:
 def _sampler_generator(options: TrainOptions, state: torch.Tensor | None) -> torch.Generator:
     gen = torch.Generator().manual_seed(options.seed)
     if state is not None:
-        gen.set_state(state)
+        try:
+            gen.set_state(state)
+        except (RuntimeError, TypeError, ValueError):
+            raise CheckpointError("the checkpoint's sampler state is damaged (not a CPU generator state); resume from "
+                                  "another checkpoint, or start a new run with the same --seed") from None
     return gen
 
 

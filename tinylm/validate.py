@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 
 from .errors import TinyLMError
 
-__all__ = ["fail", "integer", "number", "choice", "boolean", "flag_of"]
+__all__ = ["fail", "integer", "number", "choice", "boolean", "check", "flag_of"]
 
 
 def flag_of(name: str) -> str:

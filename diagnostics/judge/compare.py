@@ -55,6 +55,8 @@ import torch
 import tinylm
 
 from tinylm.data import DataError, get_batch, load_tokens
+from tinylm.memory import check_fits
+from tinylm.validate import check, choice, fail, integer
 from .diagnose import t_interval
 from ..options import OptionsError, Progress, ProbeOptions
 from ..measure.probe import block_index, probe
@@ -87,9 +89,9 @@ def stream_slope(variances: Sequence[float]) -> float:
 
 def _check(name: str, values, kind=int) -> tuple:
     values = tuple(values)
-    if not values or any(isinstance(v, bool) or not isinstance(v, kind) or v <= 0 for v in values):
-        raise OptionsError(f"{name}={values!r}: must be a non-empty list of positive integers")
-    return values
+    return check(name, values, lambda vs: bool(vs) and all(not isinstance(v, bool) and isinstance(v, kind) and v > 0
+                                                           for v in vs),
+                 "be a non-empty list of positive integers", fix=f"--{name} 2,8,32", error=OptionsError)
 
 
 @lru_cache(maxsize=1)
@@ -155,6 +157,13 @@ def _train_steps(model: tinylm.TransformerLM, steps: int, batch_size: int, seq_l
     return float(loss.detach())
 
 
+def _config(vocab_size: int, seq_len: int, width: int, depth: int, norm: str, scheme: str) -> tinylm.ModelConfig:
+    """The model of one grid cell: heads of 32 dimensions where the width allows, else one head."""
+    heads = max(1, width // 32) if width % max(1, width // 32) == 0 else 1
+    return tinylm.ModelConfig(vocab_size=vocab_size, context_length=seq_len, d_model=width, num_layers=depth,
+                              num_heads=heads, d_ff=tinylm.default_d_ff(width), norm=norm, init=scheme)
+
+
 def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8, 32), widths: Sequence[int] = (128,),
             seeds: int = 3, steps: int = 0, *, data: np.ndarray | str | os.PathLike | None = None,
             data_name: str | None = None, vocab_size: int | None = None, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 2,
@@ -175,18 +184,14 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
     for s in schemes:
         tinylm.init.get(s)
     depths, widths = _check("depths", depths), _check("widths", widths)
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise OptionsError(f"seeds={seeds!r}: must be an integer >= 1")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise OptionsError(f"steps={steps!r}: must be an integer >= 0")
-    if tensors not in ("stream", "all"):
-        raise OptionsError(f"tensors={tensors!r}: choose 'stream' or 'all'")
+    integer("seeds", seeds, low=1, fix="--seeds N", error=OptionsError)
+    integer("steps", steps, low=0, fix="--steps N", error=OptionsError)
+    choice("tensors", tensors, ("stream", "all"), error=OptionsError)
     if progress is not None and not callable(progress):
-        raise OptionsError(f"progress={progress!r}: must be a callable (done, total, description)")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise OptionsError(f"seq_len={seq_len!r}: must be an integer >= 1")
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1):
-        raise OptionsError(f"vocab_size={vocab_size!r}: must be a positive integer, or None to size it to the data")
+        fail("progress", progress, "be a callable (done, total, description)", error=OptionsError)
+    integer("seq_len", seq_len, low=1, fix="seq_len=N", error=OptionsError)
+    if vocab_size is not None:
+        integer("vocab_size", vocab_size, low=1, fix="--vocab-size N, or None to size it to the data", error=OptionsError)
     tokens = None
     if data is None:
         vocab_size = DEFAULT_VOCAB if vocab_size is None else vocab_size
@@ -199,16 +204,16 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                             "use more data or a smaller seq_len")
         source = f"{label} ({len(tokens):,} tokens)"
     thresholds = thresholds or Thresholds()
+    for depth in depths:  # the largest model of the grid must fit, with its batch, before any is built
+        for width in widths:
+            check_fits(_config(vocab_size, seq_len, width, depth, norm, schemes[0]), batch_size, seq_len)
     total, done = len(schemes) * len(depths) * len(widths) * seeds, 0
     tidy: list[Row] = []
     summary: list[dict] = []
     for scheme in schemes:
         for depth in depths:
             for width in widths:
-                heads = max(1, width // 32) if width % max(1, width // 32) == 0 else 1
-                config = tinylm.ModelConfig(vocab_size=vocab_size, context_length=seq_len, d_model=width,
-                                            num_layers=depth, num_heads=heads, d_ff=tinylm.default_d_ff(width),
-                                            norm=norm, init=scheme)
+                config = _config(vocab_size, seq_len, width, depth, norm, scheme)
                 losses, early, fslopes, bslopes, ratios, verdicts = [], [], [], [], [], []
                 for s in range(seed, seed + seeds):
                     gen = torch.Generator().manual_seed(s)
