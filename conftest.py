@@ -9,7 +9,7 @@ import torch
 from props.profiles import register_profiles
 
 # The default run uses pytest-xdist with one worker per core; torch's own threads
-# on top would oversubscribe the cores (one test went from 1.5 s to 45 s).
+# on top would oversubscribe the cores.
 torch.set_num_threads(1)
 
 register_profiles()

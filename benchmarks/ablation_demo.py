@@ -7,7 +7,7 @@ other than ok, its spike/non-finite messages, and draws the three histories side
 by side (``docs/ablation.png``). The data are the built-in corpus (bytes), so the
 vocabulary is 256.
 
-    python benchmarks/ablation_demo.py                   # the README's figure
+    python benchmarks/ablation_demo.py                   # docs/ablation.png (docs/ablations.md)
     python benchmarks/ablation_demo.py --lr 3e-2 --steps 100 -o /tmp/a.png
 """
 

@@ -5,7 +5,7 @@ stream's activation and gradient variance over the recorded steps as a line of
 block characters on one shared log scale, the first and last values, and the
 first step at which any verdict left ok. ``plot_history(history, path)`` draws
 the same with matplotlib (Agg); ``plot_histories({label: history}, path)`` puts
-several runs side by side (the README's ablation figure). Every series is read
+several runs side by side (docs/ablation.png). Every series is read
 from the history's tidy frame (``diagnostics.judge.watch.to_frame``, the one result
 schema); nothing here computes a statistic: the numbers and verdicts come from
 ``diagnostics.judge.watch``.

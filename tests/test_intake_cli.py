@@ -1,4 +1,4 @@
-"""Hardened intake through the command line and the probe (issue 6).
+"""Hardened intake through the command line and the probe (docs/safety.md).
 
 Every bad input: exit code 2, one line on stderr naming the problem, no traceback.
 Nothing the user gave is executed or changed. The probe restores the model even
@@ -46,7 +46,7 @@ def run_cli(capsys, *argv):
 
 
 def bad_files(tmp_path, model):
-    """(name, path, phrase) for each kind of broken checkpoint the issue lists."""
+    """(name, path, phrase) for each kind of broken checkpoint docs/safety.md lists."""
     good = tmp_path / "good.pt"
     checkpoint.save(good, model)
     data = good.read_bytes()

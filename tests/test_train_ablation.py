@@ -2,7 +2,7 @@
 the pre-norm baseline stays healthy while the no-norm and post-norm ablations leave ok.
 
 The default run uses a reduced model (d=32, T=16) for 20 steps at lr 3e-2, where both
-ablations leave ok; the slow variant trains the README's configuration (d=128, T=64,
+ablations leave ok; the slow variant trains the configuration of docs/ablations.md (d=128, T=64,
 200 steps, lr 1e-2; ``benchmarks/ablation_demo.py``), where the no-norm model diverges
 and the post-norm model, like the baseline, stays ok.
 """
@@ -46,7 +46,7 @@ def _check(runs, post_departs: bool = True):
     dep = first_departure(post.history)
     if post_departs:  # post-norm: the gradient reaching the lower layers collapses (its gradient imbalance)
         assert dep is not None and dep["verdict"] == "vanishing", dep
-    else:  # at the README's width and learning rate, post-norm trains and stays ok (measured; see README)
+    else:  # at docs/ablations.md's width and learning rate, post-norm trains and stays ok (see its table)
         post_loss = post.history["series"]["loss"]
         assert dep is None and _mean(post_loss[-5:]) < 0.8 * _mean(post_loss[:5]), dep
 

@@ -7,11 +7,8 @@ The estimate counts what autograd keeps for the backward pass of a tinylm
   per block           ~10 d + 3 d_ff + 4 H T   (projections, norms, FFN, scores/probs)
   parameters          3 P     (weights, gradients, one spare copy during the update)
 
-Measured peak resident growth during forward+backward (activations and gradients;
-the weights existed before) for the ``tinystories`` preset at batch 2/4/8 x 256 was
-385/599/1187 MiB against 384/681/1275 MiB estimated for the same parts (CPU,
-float32, torch 2.13). ``check_fits`` multiplies by a safety factor of 1.5, so it
-errs on the side of refusing.
+The calibration against measured peak memory is in docs/model.md. ``check_fits``
+multiplies by a safety factor of 1.5, so it errs on the side of refusing.
 """
 
 from __future__ import annotations
