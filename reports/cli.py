@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_user_error(e: BaseException) -> bool:
+    """A TinyLMError (a mistake in what the user gave us). Flags are parsed before tinylm
+    (and torch) is imported, so a parse error costs no import: look the class up only if
+    tinylm was loaded."""
+    errors = sys.modules.get("tinylm.errors")
+    return errors is not None and isinstance(e, errors.TinyLMError)
+
+
 def _say(message: str) -> None:
     print(message.replace("\n", " "), file=sys.stderr)
 
@@ -67,8 +75,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tinylm``; returns the exit code (console scripts pass it to sys.exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    from tinylm.errors import TinyLMError
-
     try:
         parser = build_parser()
         if not argv:
@@ -78,19 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb is None:
             raise UsageError("no verb given (see tinylm --help)")
         return int(args._run(args))
-    except (UsageError, TinyLMError) as e:
-        if debug:
-            traceback.print_exc()
-        _say(f"tinylm: error: {e}")
-        return EXIT_USAGE
     except KeyboardInterrupt:
         _say("tinylm: interrupted")
         return EXIT_INTERRUPTED
     except SystemExit as e:  # --help and --version exit 0 through argparse
         return int(e.code or 0)
-    except Exception as e:  # a bug of ours: one line unless --debug
+    except Exception as e:
         if debug:
             traceback.print_exc()
+        if isinstance(e, UsageError) or _is_user_error(e):
+            _say(f"tinylm: error: {e}")
+            return EXIT_USAGE
+        # a bug of ours: one line unless --debug
         _say(f"tinylm: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
         return EXIT_INTERNAL
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
 
 from .intake import check_outputs
 
@@ -27,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from tinylm import TransformerLM, checkpoint, preset
     from tinylm.init import get
 

@@ -12,11 +12,12 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .cli import UsageError
+
+if TYPE_CHECKING:  # torch is imported where a command starts its work, after the flags are checked
+    import torch
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -31,7 +32,7 @@ __all__ = [
 ]
 
 DEFAULT_PRESET, DEFAULT_INIT = "tinystories", "cs336"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass
@@ -82,11 +83,15 @@ def positive_int(text: str) -> int:
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UsageError(f"--dtype {name}: choose one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    import torch
+
+    return getattr(torch, name)
 
 
 def resolve_device(name: str | None) -> torch.device:
     """``None`` -> cuda when available, else cpu; an unavailable device is a UsageError."""
+    import torch
+
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -106,6 +111,8 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
 
     No checkpoint: ``tinystories`` preset, ``cs336`` init, drawn from a generator seeded with ``seed``.
     """
+    import torch
+
     import tinylm
     from tinylm import checkpoint as ckpt
 
