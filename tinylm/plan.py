@@ -41,7 +41,7 @@ from .config import ModelConfig
 from .errors import ConfigError
 
 __all__ = ["Step", "BlockPlan", "ModelPlan", "Branch", "build", "EMBEDDING", "HEAD", "FINAL_NORM",
-           "block_name", "mid_name", "block_index"]
+           "block_name", "mid_name", "block_index", "is_sum"]
 
 #: the kinds of step a block is made of
 STEP_KINDS = ("norm", "attention", "ffn", "add")
@@ -61,6 +61,11 @@ def block_name(i: int) -> str:
 def mid_name(i: int) -> str:
     """The residual point between block i's two sublayers (its ``resid_mid`` Tap)."""
     return f"layers.{i}.resid_mid"
+
+
+def is_sum(name: str) -> bool:
+    """Whether ``name`` is a residual sum no module outputs (a post-norm block's ``"{a}+{b}"``)."""
+    return "+" in name
 
 
 def block_index(name: str) -> int | None:
