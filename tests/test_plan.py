@@ -150,6 +150,8 @@ def test_plan_names_are_the_probes_names(norm):
     assert [b.norm for b in br] == norms
     assert p.final_norm == ("ln_final" if norm == "pre" else None)
     assert p.branch("layers.1.ffn").stream == "layers.1.resid_mid"
+    assert all(tplan.branch_stream(b.kind, b.block) == b.stream for b in br)
+    assert [tplan.stream_into(b.index) for b in p.blocks] == [b.input for b in p.blocks]
     with pytest.raises(KeyError, match="name='layers.1.ln1'"):
         p.branch("layers.1.ln1")
 
@@ -158,3 +160,5 @@ def test_block_index_and_bad_input():
     assert [tplan.block_index(n) for n in ("layers.3", "layers.12.attn.q_proj", "lm_head", "layers.x")] == [3, 12, None, None]
     with pytest.raises(ConfigError, match="config=dict"):
         tplan.build({"norm": "pre"})
+    with pytest.raises(ValueError, match="kind='mlp'"):
+        tplan.branch_stream("mlp", 0)

@@ -41,7 +41,7 @@ from .config import ModelConfig
 from .errors import ConfigError
 
 __all__ = ["Step", "BlockPlan", "ModelPlan", "Branch", "build", "EMBEDDING", "HEAD", "FINAL_NORM",
-           "block_name", "mid_name", "block_index", "is_sum"]
+           "block_name", "mid_name", "stream_into", "branch_stream", "block_index", "is_sum"]
 
 #: the kinds of step a block is made of
 STEP_KINDS = ("norm", "attention", "ffn", "add")
@@ -61,6 +61,20 @@ def block_name(i: int) -> str:
 def mid_name(i: int) -> str:
     """The residual point between block i's two sublayers (its ``resid_mid`` Tap)."""
     return f"layers.{i}.resid_mid"
+
+
+def stream_into(i: int) -> str:
+    """The residual point block i reads: the embedding output for block 0, else block i-1's output."""
+    return EMBEDDING if i == 0 else block_name(i - 1)
+
+
+def branch_stream(kind: str, i: int) -> str:
+    """The residual point block i's branch of ``kind`` ("attn" or "ffn") is added to: the block's
+    input for attention, its mid point for the FFN, under every norm placement (equal to
+    ``Branch.stream`` of every plan; for code that has names but no config)."""
+    if kind not in ("attn", "ffn"):
+        raise ValueError(f"kind={kind!r}: must be 'attn' or 'ffn'")
+    return stream_into(i) if kind == "attn" else mid_name(i)
 
 
 def is_sum(name: str) -> bool:
@@ -140,7 +154,7 @@ class BlockPlan:
 
 
 def _block(i: int, norm: str) -> BlockPlan:
-    b, x, h, z = block_name(i), (EMBEDDING if i == 0 else block_name(i - 1)), mid_name(i), block_name(i)
+    b, x, h, z = block_name(i), stream_into(i), mid_name(i), block_name(i)
     attn, ffn, ln1, ln2 = f"{b}.attn", f"{b}.ffn", f"{b}.ln1", f"{b}.ln2"
     if norm == "pre":
         steps = (Step("norm", ln1, (x,), (ln1,), "attn"),
