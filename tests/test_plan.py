@@ -162,3 +162,27 @@ def test_block_index_and_bad_input():
         tplan.build({"norm": "pre"})
     with pytest.raises(ValueError, match="kind='mlp'"):
         tplan.branch_stream("mlp", 0)
+
+
+def test_describe_reads_as_the_block_docstring():
+    """The text form of a one-block plan, per placement (TransformerBlock's docstring, step by step)."""
+    text = {n: tplan.build(_config(n, "swiglu", True, False, layers=1)).describe() for n in ("pre", "post", "none")}
+    assert text["pre"].splitlines()[1:] == [
+        "layers.0.ln1: norm(token_embeddings) -> layers.0.ln1",
+        "layers.0.attn: attention(layers.0.ln1) -> layers.0.attn",
+        "layers.0.resid_mid: add(token_embeddings, layers.0.attn) -> layers.0.resid_mid",
+        "layers.0.ln2: norm(layers.0.resid_mid) -> layers.0.ln2",
+        "layers.0.ffn: ffn(layers.0.ln2) -> layers.0.ffn",
+        "layers.0: add(layers.0.resid_mid, layers.0.ffn) -> layers.0",
+        "ln_final: norm(layers.0) -> ln_final",
+        "lm_head: linear(ln_final) -> logits"]
+    assert text["post"].splitlines()[1:] == [
+        "layers.0.attn: attention(token_embeddings) -> layers.0.attn",
+        "layers.0: add(token_embeddings, layers.0.attn) -> token_embeddings+layers.0.attn",
+        "layers.0.ln1: norm(token_embeddings+layers.0.attn) -> layers.0.ln1 = layers.0.resid_mid",
+        "layers.0.ffn: ffn(layers.0.resid_mid) -> layers.0.ffn",
+        "layers.0: add(layers.0.resid_mid, layers.0.ffn) -> layers.0.resid_mid+layers.0.ffn",
+        "layers.0.ln2: norm(layers.0.resid_mid+layers.0.ffn) -> layers.0.ln2 = layers.0",
+        "lm_head: linear(layers.0) -> logits"]
+    assert [line.split(":")[0] for line in text["none"].splitlines()] == [
+        "token_embeddings", "layers.0.attn", "layers.0.resid_mid", "layers.0.ffn", "layers.0", "lm_head"]

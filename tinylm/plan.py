@@ -216,6 +216,17 @@ class ModelPlan:
         """The tensor lm_head reads: ln_final's output, or the last block's."""
         return self.final_norm or self.blocks[-1].output
 
+    def describe(self) -> str:
+        """The plan as text, one line per step: ``module: kind(reads) -> writes``."""
+        lines = [f"{self.embedding}: embedding(token_ids) -> {self.embedding}"]
+        for b in self.blocks:
+            for s in b.steps:
+                lines.append(f"{s.module}: {s.kind}({', '.join(s.reads)}) -> {' = '.join(s.writes)}")
+        if self.final_norm:
+            lines.append(f"{self.final_norm}: norm({self.blocks[-1].output}) -> {self.final_norm}")
+        lines.append(f"{self.head}: linear({self.head_input()}) -> logits")
+        return "\n".join(lines)
+
     def producers(self) -> dict[str, Step]:
         """{tensor name: the block step that writes it}, every name a step writes."""
         return {n: s for b in self.blocks for s in b.steps for n in s.writes}
