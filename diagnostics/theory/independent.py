@@ -518,6 +518,8 @@ def _norm_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.
 
 
 def _branch_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    """A branch's backward starts from the gradient at its output (local mode: as measured there, which
+    inverted dropout scales against the stream's) and hands its input the gradient it passes back."""
     src = walk.src
     back, what = (_attention_back, "attention") if step.kind == "attention" else (_ffn_back, "ffn")
     g_in = back(src, step.module, src.ms(step.output, "backward"))
