@@ -442,7 +442,8 @@ def _ce_validity(src: _Source, logit_var: float) -> tuple[bool, str]:
 
 def _backward(src: _Source) -> None:
     """The backward rules: cross-entropy at the logits, then one rule per step of the block plan in reverse."""
-    V, head = src.config.vocab_size, src.plan.head
+    plan, V = src.plan, src.config.vocab_size
+    head = plan.head
     if src.N > 0:
         n_tokens = src.N  # the positions of one loss, also when the stats pool several batches
     else:
@@ -451,8 +452,7 @@ def _backward(src: _Source) -> None:
     valid, why = _ce_validity(src, logit_var)
     src.put(head, "backward", ce_grad_mean_square(logit_var, V, n_tokens),
             "cross-entropy: (E[sum p^2] - 2/V + 1)/(V N^2)", mean=0.0, valid=valid, why=why)
-    plan = src.plan
-    g_head_in = _linear_back_factor(src, plan.head) * src.ms(plan.head, "backward")
+    g_head_in = _linear_back_factor(src, head) * src.ms(head, "backward")
     last = plan.blocks[-1].output
     if plan.final_norm is not None and src.has(plan.final_norm):
         fn = plan.final_norm
