@@ -29,7 +29,14 @@ import tinylm  # noqa: E402
 from diagnostics import ProbeOptions, predict, probe  # noqa: E402
 from diagnostics.theory.tokenkernel import kernel_theory  # noqa: E402
 
-POINTS = (("heads", "layers.{i}.attn.heads"), ("attn", "layers.{i}.attn"), ("stream", "layers.{i}"))
+POINTS = ("heads", "attn", "stream")
+
+
+def points(block: tinylm.BlockPlan) -> dict[str, str]:
+    """{column: tensor name} of one block: the attention heads (before output_proj), the attention
+    branch (after it) and the residual stream (the block output)."""
+    attn = next(b for b in block.branches() if b.kind == "attn")
+    return {"heads": f"{attn.name}.heads", "attn": attn.name, "stream": block.output}
 
 
 def measure(config: tinylm.ModelConfig, seeds: int, batch: int, seq: int):
@@ -69,18 +76,18 @@ def report(width: int, depth: int, seeds: int, batch: int, seq: int) -> float:
     print(f"\nd_model {width}, depth {depth}, heads {config.num_heads}, T {seq}, batch {batch}, {seeds} seeds "
           f"(kernel_theory {t_kernel:.2f} s, {kt.draws} draws per block)")
     print("measured / kernel-predicted [99% t interval over seeds]   measured / independent-token-predicted")
-    head = f"{'blk':>3} " + " ".join(f"{k + ' meas':>10} {k + ' kern':>10} {'ratio':>13} {'indep r':>7}" for k, _ in POINTS)
+    head = f"{'blk':>3} " + " ".join(f"{k + ' meas':>10} {k + ' kern':>10} {'ratio':>13} {'indep r':>7}" for k in POINTS)
     print(head + f" {'cos meas':>8} {'cos kern':>8}")
     worst = 0.0
-    for i in range(depth):
+    for block in tinylm.plan.build(config).blocks:
         cells = []
-        for key, pattern in POINTS:
-            name = pattern.format(i=i)
+        for key, name in points(block).items():
             r, h = ratio(var[name], kt.var(name))
             worst = max(worst, abs(r - 1)) if key in ("attn", "stream") else worst
             cells.append(f"{np.mean(var[name]):10.4g} {kt.var(name):10.4g} {r:6.3f}+-{h:5.3f} "
                          f"{np.mean(var[name]) / indep[(name, 'forward')].var:7.3f}")
-        print(f"{i:3d} " + " ".join(cells) + f" {np.mean(cos[f'layers.{i}']):8.3f} {kt.cosine[f'layers.{i}']:8.3f}")
+        out = block.output
+        print(f"{block.index:3d} " + " ".join(cells) + f" {np.mean(cos[out]):8.3f} {kt.cosine[out]:8.3f}")
     print(f"worst |measured/kernel - 1| over the attention branch and the stream: {worst:.3f}")
     return worst
 

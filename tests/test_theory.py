@@ -310,3 +310,56 @@ def test_negative_predicted_variance_is_outside_validity():
     m.mean = 10.0 * math.sqrt(m.mean_square)
     p = predict(model, "local", st, seq_len=T, tokens=n)[("lm_head", "forward")]
     assert p.var < 0 and not p.valid and "mean" in p.validity
+
+
+@pytest.mark.parametrize("norm", ["pre", "post", "none"])
+def test_the_theories_cover_every_tensor_the_plan_names(norm):
+    """The rules walk the block plan: in global mode every tensor a plan step writes or reads (residual
+    sums no module outputs aside) gets a forward and a backward prediction from the independent-token
+    rules, and a forward one from the token-kernel theory, and nothing outside the probe's points is
+    predicted. Where this placement lacks a module another has (no ln1 or ln2 without a norm, no
+    ln_final beyond pre-norm), that name gets no prediction."""
+    from diagnostics.measure.probe import instrument_points
+    from diagnostics.theory.tokenkernel import kernel_theory
+
+    cfg = tinylm.ModelConfig(vocab_size=61, context_length=8, d_model=32, num_layers=2, num_heads=2, d_ff=48, norm=norm)
+    model = tinylm.TransformerLM(cfg, generator=torch.Generator().manual_seed(0))
+    plan = tinylm.plan.build(cfg)
+    named = {plan.embedding, plan.head} | ({plan.final_norm} if plan.final_norm else set())
+    named |= {n for b in plan.blocks for s in b.steps for n in s.reads + s.writes if not tinylm.plan.is_sum(n)}
+    indep = predict(model, "global", seq_len=8, tokens=16, forward="independent")
+    kernel = kernel_theory(cfg, 8).predictions()
+    for n in named:
+        assert (n, "forward") in indep and (n, "backward") in indep and (n, "forward") in kernel, n
+    assert {n for n, _ in indep} <= set(instrument_points(model)) and {n for n, _ in kernel} <= {n for n, _ in indep}
+    absent = ({"layers.0.ln1", "layers.1.ln2"} if norm == "none" else set()) | ({"ln_final"} if norm != "pre" else set())
+    assert not any(n in absent for n, _ in indep) and not any(n in absent for n, _ in kernel)
+    assert {n for n, _ in indep} <= named | {n for n in instrument_points(model) if "." in n and n.rsplit(".", 1)[0] in named}
+
+
+@pytest.mark.parametrize("norm", ["pre", "post", "none"])
+def test_local_branch_gradients_start_from_the_measured_branch_gradient(norm):
+    """Local mode, dropout active (eval_mode=False): the attention and FFN backward rules start from the
+    gradient measured at the branch output, which inverted dropout scales by ~1/(1-p) against the stream
+    gradient the add passes back. output_proj / w2 are the branch's last Linear, so their predicted
+    gradient is the measured one exactly. Negative control: the stream gradient (the gradient at the
+    add's output) differs from the branch's by far more than rounding, so reading it would fail."""
+    from diagnostics import ProbeOptions
+
+    cfg = tinylm.ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=48,
+                             norm=norm, dropout=0.2)
+    gen = torch.Generator().manual_seed(1)
+    model = tinylm.TransformerLM(cfg, generator=gen)
+    tokens = torch.randint(0, 97, (4, 13), generator=gen)
+    torch.manual_seed(0)  # the dropout masks
+    with probe(model, ProbeOptions(eval_mode=False)) as run:
+        tinylm.functional.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    pred = predict(model, "local", run.stats, seq_len=12, tokens=48)
+    g = lambda name: run.stats.tensors[(name, "backward")].mean_square  # noqa: E731
+    for i in range(2):
+        for branch, last in (("attn", "output_proj"), ("ffn", "w2")):
+            assert pred[(f"layers.{i}.{branch}.{last}", "backward")].mean_square == g(f"layers.{i}.{branch}")
+    if norm != "post":  # there the add's output is a sum no module outputs: nothing measured to confuse
+        for i in range(2):
+            assert abs(g(f"layers.{i}.attn") / g(f"layers.{i}.resid_mid") - 1) > 0.05
+            assert abs(g(f"layers.{i}.ffn") / g(f"layers.{i}") - 1) > 0.05

@@ -2,10 +2,11 @@
 
 Pre-norm RMSNorm, SwiGLU, RoPE, causal multi-head attention; ablations (post-norm,
 no norm, NoPE, SiLU FFN) chosen by :class:`ModelConfig`; named init schemes in
-:mod:`tinylm.init`; checkpoints in :mod:`tinylm.checkpoint`.
+:mod:`tinylm.init`; checkpoints in :mod:`tinylm.checkpoint`; the block plan (the
+model's dataflow as data, with module and tensor names) in :mod:`tinylm.plan`.
 """
 
-from . import functional, init
+from . import functional, init, plan
 from .config import PRESETS, ModelConfig, default_d_ff, preset
 from .errors import CheckpointError, ConfigError, MissingOptionError, TinyLMError, UnsafeCheckpointError
 from .layers import (
@@ -19,6 +20,7 @@ from .layers import (
     Tap,
 )
 from .model import TransformerBlock, TransformerLM
+from .plan import BlockPlan, ModelPlan
 
 __version__ = "0.1.0"
 
@@ -39,6 +41,9 @@ __all__ = [
     "TransformerLM",
     "functional",
     "init",
+    "plan",
+    "BlockPlan",
+    "ModelPlan",
     "TinyLMError",
     "ConfigError",
     "CheckpointError",

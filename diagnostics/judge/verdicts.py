@@ -26,8 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
+from tinylm.plan import block_index as block_of
+from tinylm.plan import block_name, branch_stream
+
 from ..options import OptionsError
-from ..measure.probe import block_index as block_of
 from ..result import AttentionRow, DepthRow, Finding, ParamRow, TensorRow
 
 __all__ = ["Thresholds", "judge", "growth"]
@@ -277,7 +279,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
             k, g = up[0]
             mark_root(direction, k)
             findings.append(Finding(
-                kind="exploding", where=f"layers.{k}", value=g, threshold=th.exploding_gain,
+                kind="exploding", where=block_name(k), value=g, threshold=th.exploding_gain,
                 statistic=f"per-block {direction} {what} gain", direction=direction, block=k,
                 message=f"block {k} multiplies the residual stream's {what} by {_fmt(g)} (> {_fmt(th.exploding_gain)}); "
                         f"{len(up)} of {len(gains)} blocks do, {_fmt(total)}x in all ({kind_of or 'geometric'} growth)",
@@ -288,7 +290,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
             k = next((k for k, g in gains if g >= geo), gains[0][0])
             mark_root(direction, k)
             findings.append(Finding(
-                kind="exploding", where=f"layers.{k}", value=total, threshold=th.exploding_total,
+                kind="exploding", where=block_name(k), value=total, threshold=th.exploding_total,
                 statistic=f"total {direction} {what} growth over depth", direction=direction, block=k,
                 message=f"the residual stream's {what} grows {_fmt(total)}x over {len(gains)} blocks "
                         f"(> {_fmt(th.exploding_total)}; {_fmt(geo)}x per block, {kind_of or 'geometric'} growth)",
@@ -298,7 +300,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         if down:
             k, g = down[0]
             findings.append(Finding(
-                kind="vanishing", where=f"layers.{k}", value=g, threshold=th.vanishing_gain,
+                kind="vanishing", where=block_name(k), value=g, threshold=th.vanishing_gain,
                 statistic=f"per-block {direction} {what} gain", direction=direction, block=k,
                 message=f"block {k} shrinks the residual stream's {what} by a factor {_fmt(g)} (< {_fmt(th.vanishing_gain)}); "
                         f"{len(down)} of {len(gains)} blocks do",
@@ -311,8 +313,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
             continue
         if r.name in deliberate_zero:
             continue
-        stream = (f"layers.{r.block - 1}" if r.block > 0 else "token_embeddings") if r.kind == "attn_branch" \
-            else f"layers.{r.block}.resid_mid"
+        stream = branch_stream("attn" if r.kind == "attn_branch" else "ffn", r.block)  # the point it is added to
         s = rows.get((stream, "forward"))
         if s is None or not s.var > 0 or not math.isfinite(r.var):
             continue
@@ -352,7 +353,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         if weak:
             b, ratio = weak[0]
             findings.append(Finding(
-                kind="vanishing", where=f"layers.{b}", value=ratio, threshold=th.vanishing_grad,
+                kind="vanishing", where=block_name(b), value=ratio, threshold=th.vanishing_grad,
                 statistic="median weight-gradient std in the block / largest in the model", direction="backward",
                 block=b,
                 message=f"the weights of block {b} get gradients {_fmt(ratio)} times the model's largest (median; "

@@ -25,7 +25,6 @@ graph the caller still holds does nothing once the probe has exited.
 from __future__ import annotations
 
 import math
-import re
 import time
 import weakref
 from contextlib import contextmanager
@@ -58,7 +57,6 @@ from .moments import (
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats"]
 
-_BLOCK = re.compile(r"^layers\.(\d+)(?:\.|$)")
 _TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden"}
 _CAUSAL_KINDS = ("attn_scores", "attn_probs")
 # tinylm's causal attention: masked scores are -inf (F.attention_scores), so their probabilities
@@ -67,10 +65,7 @@ _KNOWN_FILL = {("attn_scores", "forward"): -math.inf, ("attn_probs", "forward"):
                ("attn_scores", "backward"): 0.0}
 
 
-def block_index(name: str) -> int | None:
-    """i for a name ``layers.i`` or ``layers.i.*``, else None."""
-    m = _BLOCK.match(name)
-    return int(m.group(1)) if m else None
+block_index = tinylm.plan.block_index  # i for a name ``layers.i`` or ``layers.i.*``, else None
 
 
 def _is_tinylm(model: nn.Module) -> bool:

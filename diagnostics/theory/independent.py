@@ -38,6 +38,12 @@ Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per el
   causal entry; E[g_q^2] = E[k^2] E[sum_j g_s,tj^2] / d_k, E[g_k^2] likewise with q,
   E[g_v^2] = E[g_o^2] (1/T) sum_t S2(t+1).
 * Residual stream: branch variances add (pre-norm and no-norm); post-norm normalises the sum.
+  Backward, an add passes its output's gradient to both terms and a residual point's gradient
+  is the sum of what its readers pass back (the add, and the branch or norm that reads it).
+
+The rules are applied one per step of the block plan (:mod:`tinylm.plan`), forward in the
+plan's order and backward in reverse, so every norm placement the plan describes is covered
+by the same four rules (norm, attention, FFN, residual add).
 * Cross-entropy gradient (mean over the N positions of one loss, V classes): E[g^2] =
   (E[sum_c p_c^2] - 2 E[p_y] + 1) / (V N^2), taken with E[sum p^2] = S2(V) for iid logits of
   variance sigma_l^2 and E[p_y] = 1/V (targets independent of p): a near-uniform softmax, as at
@@ -182,6 +188,8 @@ class _Source:
         self.model, self.mode, self.stats, self.T, self.N = model, mode, stats, seq_len, tokens
         self.softmax = softmax
         self.config = model.config
+        self.plan = tinylm.plan.build(model.config)
+        self.producer = self.plan.producers()
         self.out: dict[tuple[str, str], Prediction] = {}
         self.params = dict(model.named_parameters())
         if mode == "global":
@@ -205,6 +213,14 @@ class _Source:
 
     def var(self, name: str, direction: str = "forward") -> float:
         return self.ms(name, direction) - self.mean(name, direction) ** 2
+
+    def fwd_ms(self, name: str) -> float:
+        """E[x^2] of a tensor: ``ms`` for a named one; for a residual sum no module outputs, the sum of
+        its two terms' (independent at init: the branch's output weights are zero-mean)."""
+        if tinylm.plan.is_sum(name):
+            a, b = self.producer[name].reads
+            return self.fwd_ms(a) + self.fwd_ms(b)
+        return self.ms(name)
 
     def second_moment(self, pname: str) -> float:
         """mean(w^2): actual (local) or declared E[w^2] (global)."""
@@ -266,8 +282,9 @@ def _norm_back(src: _Source, name: str, g_ms: float, x_ms: float, x_name: str | 
     return gain2 * g_ms / (x_ms + src.config.eps) * chi * proj if x_ms + src.config.eps > 0 else 0.0
 
 
-def _attention_fwd(src: _Source, i: int, x: str) -> None:
-    p, T = f"layers.{i}.attn", src.T
+def _attention_fwd(src: _Source, i: int, p: str, x: str) -> None:
+    """Attention module ``p`` of block i reading tensor ``x``: q, k, v, scores, probs, heads, output_proj."""
+    T = src.T
     outside = (False, "tokens are correlated beyond block 0 (attention mixes a shared component into the "
                       "stream); the independent-token rule underestimates")
     for proj in ("q_proj", "k_proj", "v_proj"):
@@ -292,8 +309,8 @@ def _attention_fwd(src: _Source, i: int, x: str) -> None:
     src.put(p, "forward", ms, "attention branch = output_proj", valid=gvalid, why=gwhy)
 
 
-def _ffn_fwd(src: _Source, i: int, x: str) -> None:
-    p = f"layers.{i}.ffn"
+def _ffn_fwd(src: _Source, p: str, x: str) -> None:
+    """FFN module ``p`` reading tensor ``x``: w1, [w3], hidden, w2."""
     _linear_fwd(src, f"{p}.w1", x)
     a_mean, a_var = src.mean(f"{p}.w1"), max(src.var(f"{p}.w1"), 0.0)
     m1, m2, _ = silu_moments(round(a_mean, 9), round(math.sqrt(a_var), 9))
@@ -307,53 +324,59 @@ def _ffn_fwd(src: _Source, i: int, x: str) -> None:
     src.put(p, "forward", ms, "ffn branch = w2")
 
 
+# the two terms of each block's residual adds, as the rules name them
+_TERMS = {"attn": ("x", "attn"), "ffn": ("h", "ffn")}
+_OUTSIDE = "the stream carries the attention's shared component from block 1 on; independent-token sums underestimate"
+
+
+def _norm_step_fwd(src: _Source, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    _norm_fwd(src, step.module, src.fwd_ms(step.reads[0]))
+    for alias in step.writes[1:]:  # post-norm: the norm's output is a residual point
+        a, b = _TERMS[step.branch]
+        src.put(alias, "forward", src.out[(step.output, "forward")].mean_square,
+                f"post-norm: {step.module.rsplit('.', 1)[-1]}({a} + {b})")
+
+
+def _attention_step_fwd(src: _Source, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    _attention_fwd(src, block.index, step.module, step.reads[0])
+
+
+def _ffn_step_fwd(src: _Source, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    _ffn_fwd(src, step.module, step.reads[0])
+
+
+def _add_step_fwd(src: _Source, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    """Residual add: branch variances add (the branch's output weights are zero-mean at init). A sum
+    no module outputs (post-norm) is not predicted: its norm reads it through ``fwd_ms``."""
+    if tinylm.plan.is_sum(step.output):
+        return
+    stream, branch = step.reads
+    gvalid = src.mode == "local" or block.index == 0
+    a, b = _TERMS[step.branch]
+    src.put(step.output, "forward", src.ms(stream) + src.ms(branch), f"residual: Var({a}) + Var({b})",
+            valid=gvalid, why="" if gvalid else _OUTSIDE)
+
+
+_FORWARD = {"norm": _norm_step_fwd, "attention": _attention_step_fwd, "ffn": _ffn_step_fwd, "add": _add_step_fwd}
+
+
 def _forward(src: _Source) -> None:
-    c, L = src.config, src.config.num_layers
-    if src.mode == "local":
-        ms_e = src.second_moment("token_embeddings.weight")
-    else:
-        ms_e = src.second_moment("token_embeddings.weight")
-    src.put("token_embeddings", "forward", ms_e, "embedding: E[w^2]")
-    outside = "the stream carries the attention's shared component from block 1 on; independent-token sums underestimate"
-    for i in range(L):
-        b = f"layers.{i}"
-        x = "token_embeddings" if i == 0 else f"layers.{i - 1}"
-        gvalid = src.mode == "local" or i == 0
-        if c.norm == "pre":
-            _norm_fwd(src, f"{b}.ln1", src.ms(x))
-            _attention_fwd(src, i, f"{b}.ln1")
-            src.put(f"{b}.resid_mid", "forward", src.ms(x) + src.ms(f"{b}.attn"), "residual: Var(x) + Var(attn)",
-                    valid=gvalid, why="" if gvalid else outside)
-            _norm_fwd(src, f"{b}.ln2", src.ms(f"{b}.resid_mid"))
-            _ffn_fwd(src, i, f"{b}.ln2")
-            src.put(b, "forward", src.ms(f"{b}.resid_mid") + src.ms(f"{b}.ffn"), "residual: Var(h) + Var(ffn)",
-                    valid=gvalid, why="" if gvalid else outside)
-        elif c.norm == "post":
-            _attention_fwd(src, i, x)
-            _norm_fwd(src, f"{b}.ln1", src.ms(x) + src.ms(f"{b}.attn"))
-            src.put(f"{b}.resid_mid", "forward", src.out[(f"{b}.ln1", "forward")].mean_square,
-                    "post-norm: ln1(x + attn)")
-            _ffn_fwd(src, i, f"{b}.resid_mid")
-            _norm_fwd(src, f"{b}.ln2", src.ms(f"{b}.resid_mid") + src.ms(f"{b}.ffn"))
-            src.put(b, "forward", src.out[(f"{b}.ln2", "forward")].mean_square, "post-norm: ln2(h + ffn)")
-        else:
-            _attention_fwd(src, i, x)
-            src.put(f"{b}.resid_mid", "forward", src.ms(x) + src.ms(f"{b}.attn"), "residual: Var(x) + Var(attn)",
-                    valid=gvalid, why="" if gvalid else outside)
-            _ffn_fwd(src, i, f"{b}.resid_mid")
-            src.put(b, "forward", src.ms(f"{b}.resid_mid") + src.ms(f"{b}.ffn"), "residual: Var(h) + Var(ffn)",
-                    valid=gvalid, why="" if gvalid else outside)
-    last = f"layers.{L - 1}"
-    head_in = last
-    if src.has("ln_final") or (src.mode == "global" and c.norm == "pre"):
-        _norm_fwd(src, "ln_final", src.ms(last))
-        head_in = "ln_final"
-    _linear_fwd(src, "lm_head", head_in)
+    """The forward rules, one per step of the block plan, in the plan's order."""
+    plan = src.plan
+    src.put(plan.embedding, "forward", src.second_moment(f"{plan.embedding}.weight"), "embedding: E[w^2]")
+    for block in plan.blocks:
+        for step in block.steps:
+            _FORWARD[step.kind](src, block, step)
+    head_in = plan.blocks[-1].output
+    if plan.final_norm is not None and (src.mode == "global" or src.has(plan.final_norm)):
+        _norm_fwd(src, plan.final_norm, src.ms(head_in))
+        head_in = plan.final_norm
+    _linear_fwd(src, plan.head, head_in)
 
 
-def _attention_back(src: _Source, i: int, g_branch: float) -> float:
-    """Gradients inside attention i given E[g^2] at its output; returns E[g^2] at its input (all of q, k, v)."""
-    p, c, T = f"layers.{i}.attn", src.config, src.T
+def _attention_back(src: _Source, p: str, g_branch: float) -> float:
+    """Gradients inside attention module ``p`` given E[g^2] at its output; returns E[g^2] at its input (all of q, k, v)."""
+    c, T = src.config, src.T
     dk = c.d_model // c.num_heads
     src.put(f"{p}.output_proj", "backward", g_branch, "attention branch gradient = stream gradient")
     g_o = _linear_back_factor(src, f"{p}.output_proj") * g_branch
@@ -376,8 +399,8 @@ def _attention_back(src: _Source, i: int, g_branch: float) -> float:
                for n in ("q_proj", "k_proj", "v_proj"))
 
 
-def _ffn_back(src: _Source, i: int, g_branch: float) -> float:
-    p = f"layers.{i}.ffn"
+def _ffn_back(src: _Source, p: str, g_branch: float) -> float:
+    """Gradients inside FFN module ``p`` given E[g^2] at its output; returns E[g^2] at its input."""
     src.put(f"{p}.w2", "backward", g_branch, "ffn branch gradient")
     src.put(f"{p}.hidden", "backward", _linear_back_factor(src, f"{p}.w2") * g_branch,
             "linear backward: d_out E[w^2] E[g_y^2]")
@@ -418,61 +441,108 @@ def _ce_validity(src: _Source, logit_var: float) -> tuple[bool, str]:
 
 
 def _backward(src: _Source) -> None:
-    c, L, V = src.config, src.config.num_layers, src.config.vocab_size
+    """The backward rules: cross-entropy at the logits, then one rule per step of the block plan in reverse."""
+    plan, V = src.plan, src.config.vocab_size
+    head = plan.head
     if src.N > 0:
         n_tokens = src.N  # the positions of one loss, also when the stats pool several batches
     else:
-        n_tokens = src.stats.tensors[("lm_head", "forward")].n_total / V
-    logit_var = src.var("lm_head")
+        n_tokens = src.stats.tensors[(head, "forward")].n_total / V
+    logit_var = src.var(head)
     valid, why = _ce_validity(src, logit_var)
-    src.put("lm_head", "backward", ce_grad_mean_square(logit_var, V, n_tokens),
+    src.put(head, "backward", ce_grad_mean_square(logit_var, V, n_tokens),
             "cross-entropy: (E[sum p^2] - 2/V + 1)/(V N^2)", mean=0.0, valid=valid, why=why)
-    g_head_in = _linear_back_factor(src, "lm_head") * src.ms("lm_head", "backward")
-    last = f"layers.{L - 1}"
-    if src.has("ln_final"):
-        src.put("ln_final", "backward", g_head_in, "linear backward: d_out E[w^2] E[g_y^2]")
-        src.put(last, "backward", _norm_back(src, "ln_final", src.ms("ln_final", "backward"), src.ms(last), last),
-                "rmsnorm backward")
+    g_head_in = _linear_back_factor(src, head) * src.ms(head, "backward")
+    last = plan.blocks[-1].output
+    if plan.final_norm is not None and src.has(plan.final_norm):
+        fn = plan.final_norm
+        src.put(fn, "backward", g_head_in, "linear backward: d_out E[w^2] E[g_y^2]")
+        src.put(last, "backward", _norm_back(src, fn, src.ms(fn, "backward"), src.ms(last), last), "rmsnorm backward")
     else:
         src.put(last, "backward", g_head_in, "linear backward: d_out E[w^2] E[g_y^2]")
-    for i in reversed(range(L)):
-        b = f"layers.{i}"
-        x = "token_embeddings" if i == 0 else f"layers.{i - 1}"
-        g_out = src.ms(b, "backward")
-        if c.norm == "pre":
-            src.put(f"{b}.ffn", "backward", g_out, "ffn branch gradient = stream gradient")
-            g_ln2 = _ffn_back(src, i, g_out)
-            src.put(f"{b}.ln2", "backward", g_ln2, "linear backward into the norm output")
-            src.put(f"{b}.resid_mid", "backward",
-                    g_out + _norm_back(src, f"{b}.ln2", src.ms(f"{b}.ln2", "backward"), src.ms(f"{b}.resid_mid"),
-                                       f"{b}.resid_mid"),
-                    "residual backward: g_out + rmsnorm backward")
-            g_mid = src.ms(f"{b}.resid_mid", "backward")
-            src.put(f"{b}.attn", "backward", g_mid, "attention branch gradient = stream gradient")
-            g_ln1 = _attention_back(src, i, g_mid)
-            src.put(f"{b}.ln1", "backward", g_ln1, "linear backward into the norm output")
-            src.put(x, "backward", g_mid + _norm_back(src, f"{b}.ln1", src.ms(f"{b}.ln1", "backward"), src.ms(x), x),
-                    "residual backward: g_mid + rmsnorm backward")
-        elif c.norm == "post":
-            src.put(f"{b}.ln2", "backward", g_out, "block output")
-            g_sum = _norm_back(src, f"{b}.ln2", g_out, src.ms(f"{b}.resid_mid") + src.ms(f"{b}.ffn"))
-            src.put(f"{b}.ffn", "backward", g_sum, "post-norm: rmsnorm backward of ln2")
-            g_h_in = _ffn_back(src, i, src.ms(f"{b}.ffn", "backward"))
-            src.put(f"{b}.resid_mid", "backward", src.ms(f"{b}.ffn", "backward") + g_h_in,
-                    "residual backward: g_sum + ffn input gradient")
-            src.put(f"{b}.ln1", "backward", src.ms(f"{b}.resid_mid", "backward"), "ln1 output = resid_mid")
-            g_sum1 = _norm_back(src, f"{b}.ln1", src.ms(f"{b}.resid_mid", "backward"), src.ms(x) + src.ms(f"{b}.attn"))
-            src.put(f"{b}.attn", "backward", g_sum1, "post-norm: rmsnorm backward of ln1")
-            g_in = _attention_back(src, i, src.ms(f"{b}.attn", "backward"))
-            src.put(x, "backward", src.ms(f"{b}.attn", "backward") + g_in, "residual backward: g_sum + attention input gradient")
-        else:
-            src.put(f"{b}.ffn", "backward", g_out, "ffn branch gradient = stream gradient")
-            g_h_in = _ffn_back(src, i, g_out)
-            src.put(f"{b}.resid_mid", "backward", g_out + g_h_in, "residual backward: g_out + ffn input gradient")
-            g_mid = src.ms(f"{b}.resid_mid", "backward")
-            src.put(f"{b}.attn", "backward", g_mid, "attention branch gradient = stream gradient")
-            g_in = _attention_back(src, i, g_mid)
-            src.put(x, "backward", g_mid + g_in, "residual backward: g_mid + attention input gradient")
+    walk = _BackWalk(src)
+    for block in reversed(plan.blocks):
+        for step in reversed(block.steps):
+            walk.finish(block, step.writes)
+            _BACKWARD[step.kind](walk, block, step)
+    walk.finish(None, (plan.embedding,))
+
+
+class _BackWalk:
+    """The backward rules walk the plan's steps in reverse. Each step hands the tensors it read a
+    contribution to their gradient: (value, label, rule). A value is a number, or a tensor name
+    whose gradient (measured in local mode, predicted in global) it is, read when the contributions
+    are summed. A tensor's gradient is put once every step that reads it has contributed, i.e. when
+    the walk reaches the step that wrote it: alone, a contribution keeps its own rule; several
+    (a residual point: the add passes the gradient through, the branch or its norm adds its input
+    gradient) make "residual backward: a + b" of their labels."""
+
+    def __init__(self, src: _Source):
+        self.src = src
+        self.parts: dict[str, list[tuple[float | str, str, str]]] = {}
+        self.sums: dict[str, float] = {}  # gradients of residual sums no module outputs
+
+    def give(self, name: str, value: float | str, label: str, rule: str = "") -> None:
+        self.parts.setdefault(name, []).append((value, label, rule))
+
+    def grad(self, name: str) -> float:
+        return self.sums[name] if tinylm.plan.is_sum(name) else self.src.ms(name, "backward")
+
+    def finish(self, block: tinylm.plan.BlockPlan | None, names: tuple[str, ...]) -> None:
+        src = self.src
+        got = [n for n in names if n in self.parts]
+        assert len(got) <= 1, f"{names}: one tensor, read under one name"
+        for name in got:
+            parts = self.parts.pop(name)
+            values = [src.ms(v, "backward") if isinstance(v, str) else v for v, _, _ in parts]
+            total = values[0] if len(values) == 1 else sum(values[1:], values[0])
+            if tinylm.plan.is_sum(name):
+                self.sums[name] = total
+            else:
+                rule = parts[0][2] if len(parts) == 1 else "residual backward: " + " + ".join(p[1] for p in parts)
+                src.put(name, "backward", total, rule)
+        primary = names[-1]  # a step that writes two names: its module's output is the residual point's alias
+        for alias in names[:-1]:
+            if block is not None and primary == block.output:
+                rule = "block output"
+            else:
+                rule = f"{alias.rsplit('.', 1)[-1]} output = {primary.rsplit('.', 1)[-1]}"
+            src.put(alias, "backward", src.ms(primary, "backward"), rule)
+
+
+def _norm_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    src, x = walk.src, step.reads[0]
+    g = _norm_back(src, step.module, src.ms(step.writes[-1], "backward"), src.fwd_ms(x),
+                   None if tinylm.plan.is_sum(x) else x)
+    walk.give(x, g, "rmsnorm backward")
+
+
+def _branch_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    """A branch's backward starts from the gradient at its output (local mode: as measured there, which
+    inverted dropout scales against the stream's) and hands its input the gradient it passes back."""
+    src = walk.src
+    back, what = (_attention_back, "attention") if step.kind == "attention" else (_ffn_back, "ffn")
+    g_in = back(src, step.module, src.ms(step.output, "backward"))
+    walk.give(step.reads[0], g_in, f"{what} input gradient", "linear backward into the norm output")
+
+
+def _add_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
+    """An add passes its output's gradient to both terms. Where the output is a sum no module
+    outputs (post-norm), the branch gets the gradient through the norm that reads the sum, and
+    the stream the branch's gradient (equal to the sum's; measured in local mode)."""
+    stream, branch = step.reads
+    what = "attention" if step.branch == "attn" else "ffn"
+    out = step.output
+    if tinylm.plan.is_sum(out):
+        norm = next(s.module for s in block.steps if s.kind == "norm" and s.reads == (out,))
+        walk.give(stream, branch, "g_sum")
+        walk.give(branch, walk.grad(out), "g_sum", f"post-norm: rmsnorm backward of {norm.rsplit('.', 1)[-1]}")
+    else:
+        walk.give(stream, out, "g_out" if out == block.output else "g_mid")
+        walk.give(branch, out, "", f"{what} branch gradient = stream gradient")
+
+
+_BACKWARD = {"norm": _norm_step_back, "attention": _branch_step_back, "ffn": _branch_step_back, "add": _add_step_back}
 
 
 def independent_predictions(model: nn.Module, mode: str, stats: ProbeStats | None, *, seq_len: int,
@@ -490,14 +560,13 @@ def independent_predictions(model: nn.Module, mode: str, stats: ProbeStats | Non
             _backward(src)
         except KeyError:
             pass
-    out = _mark_validity(src.out, model.config.num_layers, mode, model.config.norm)
-    return out
+    return _mark_validity(src.out, src.plan, mode)
 
 
 _ATTN_INTERNAL = ("attn.probs", "attn.scores", "attn.q_proj", "attn.k_proj", "attn.v_proj")
 
 
-def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode: str, norm: str = "pre"
+def _mark_validity(out: dict[tuple[str, str], Prediction], plan: tinylm.plan.ModelPlan, mode: str
                    ) -> dict[tuple[str, str], Prediction]:
     """Flag the backward predictions whose independence assumptions fail (see the module doc).
 
@@ -512,10 +581,12 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
     * Any prediction whose variance (mean square - mean^2) is not positive: there is
       nothing to compare the measured variance with.
     """
+    num_layers, norm = len(plan.blocks), plan.config.norm
+    block_outputs = {b.output for b in plan.blocks}
     marked = {}
     for (name, direction), p in out.items():
         p = no_variance_left(p)
-        blk = name.split(".")[1] if name.startswith("layers.") else None
+        blk = tinylm.plan.block_index(name)
         if norm == "none" and p.valid:
             unnormalised = "without a norm the FFN reads the raw stream, whose scale varies from token to token"
             if name.endswith(("ffn.hidden", "ffn.w1", "ffn.w3")) and (direction == "backward" or name.endswith("hidden")) \
@@ -523,8 +594,8 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
                 p = Prediction(p.mean_square, p.mean, False, unnormalised + ": SiLU's Gaussian moments do not apply",
                                p.rule)
             elif mode == "global" and direction == "forward" and (
-                    (num_layers > 1 and ((blk is not None and blk != "0") or name == "lm_head"))
-                    or name.endswith(("ffn.hidden", "ffn.w2", "ffn")) or (blk is not None and name.count(".") == 1)):
+                    (num_layers > 1 and ((blk is not None and blk != 0) or name == plan.head))
+                    or name.endswith(("ffn.hidden", "ffn.w2", "ffn")) or name in block_outputs):
                 p = Prediction(p.mean_square, p.mean, False, unnormalised + " and tokens correlate beyond block 0",
                                p.rule)
         if direction == "backward" and p.valid:
@@ -532,7 +603,7 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], num_layers: int, mode
                 p = Prediction(p.mean_square, p.mean, False,
                                "gradients inside attention assume independent tokens forward and backward "
                                "(true only for a single block)", p.rule)
-            elif mode == "global" and num_layers > 1 and name not in ("lm_head", "ln_final"):
+            elif mode == "global" and num_layers > 1 and name not in (plan.head, plan.final_norm):
                 p = Prediction(p.mean_square, p.mean, False,
                                "the gradient passes the stream's norms, whose input variance the independent-token "
                                "theory underestimates beyond block 0", p.rule)

@@ -34,7 +34,8 @@ random tokens. The rules (E[w^2]: a parameter's declared second moment; d_in: a 
   Gauss-Hermite quadrature (correlation Ka_st / sqrt(Ka_ss Ka_tt)). SiLU FFN: Kh = E[silu silu].
 * Residual sum: kernels add (x + f(x): the cross term E[x_s . W_o u_t] vanishes at init,
   W_o being zero-mean and independent of everything before it). Pre-, post- and no-norm
-  blocks are composed from these rules exactly as tinylm's TransformerBlock composes them.
+  blocks are composed from these rules by walking the block plan (:mod:`tinylm.plan`, which
+  ``tests/test_plan.py`` holds to tinylm's TransformerBlock), one rule per step.
 
 What the kernel predicts for a tensor: its mean square per element, mean_t K_tt (the pooled
 variance a probe measures, the mean being 0 at init except for a SiLU FFN's hidden layer),
@@ -379,7 +380,13 @@ def _m2(d: Dist) -> float:
     return d.variance + d.mean**2
 
 
+# the two terms of each block's residual adds, as the rules name them
+_TERMS = {"attn": ("K", "K_attn"), "ffn": ("K_mid", "K_ffn")}
+
+
 class _Walk:
+    """The forward pass of the block plan on T x T kernels."""
+
     def __init__(self, config: tinylm.ModelConfig, T: int, scheme: str, draws: int, seed: int, nodes: int,
                  coincidence: np.ndarray | None = None, keep_kernels: bool = True):
         self.c, self.T, self.draws, self.seed, self.nodes = config, T, draws, seed, nodes
@@ -389,10 +396,11 @@ class _Walk:
         self.fans = {n + ".weight": (m.in_features, m.out_features) for n, m in meta.named_modules()
                      if isinstance(m, tinylm.layers.Linear)}
         self.out = KernelTheory(config, T, scheme, draws)
+        self.plan = tinylm.plan.build(config)
 
     def m2(self, pname: str) -> float:
-        if pname not in self.decl and pname == "lm_head.weight":  # tied to the embeddings
-            pname = "token_embeddings.weight"
+        if pname not in self.decl and pname == f"{self.plan.head}.weight":  # tied to the embeddings
+            pname = f"{self.plan.embedding}.weight"
         return _m2(self.decl[pname])
 
     def factor(self, linear: str) -> float:
@@ -417,8 +425,10 @@ class _Walk:
     def linear_ms(self, name: str, K: np.ndarray) -> None:
         self.put(name, None, "kernel linear: d_in E[w^2] K", ms=self.factor(name) * float(np.mean(np.diag(K))))
 
-    def attention(self, i: int, K: np.ndarray) -> tuple[np.ndarray, float]:
-        p, c = f"layers.{i}.attn", self.c
+    def attention(self, i: int, p: str, K: np.ndarray) -> tuple[np.ndarray, float]:
+        """Attention module ``p`` of block i (its index seeds the draws) reading kernel K: the branch's
+        kernel and the independent-token heads' mean square (for ``BlockKernel.heads_independent``)."""
+        c = self.c
         for proj in ("q_proj", "k_proj", "v_proj"):
             self.linear_ms(f"{p}.{proj}", K)
         fq, fk, fv = (self.factor(f"{p}.{n}") for n in ("q_proj", "k_proj", "v_proj"))
@@ -436,8 +446,8 @@ class _Walk:
         heads_ind = fv * float(np.mean(np.diag(K) * res["s2"]))
         return Ko, heads_ind
 
-    def ffn(self, i: int, K: np.ndarray) -> np.ndarray:
-        p = f"layers.{i}.ffn"
+    def ffn(self, p: str, K: np.ndarray) -> np.ndarray:
+        """FFN module ``p`` reading kernel K: the branch's kernel."""
         Ka = self.factor(f"{p}.w1") * K
         self.put(f"{p}.w1", Ka, "kernel linear: d_in E[w^2] K", keep=False)
         S = silu_cross_moment(Ka, self.nodes)  # E[silu(a_s) silu(a_t)]
@@ -457,8 +467,9 @@ class _Walk:
         return Kf
 
     def run(self) -> KernelTheory:
+        """The kernel rules, one per step of the block plan, in the plan's order."""
         c, T, o = self.c, self.T, self.out
-        e = self.decl["token_embeddings.weight"]
+        e = self.decl[f"{self.plan.embedding}.weight"]
         m2, mu = _m2(e), e.mean
         if self.coincidence is None:  # uniform random tokens: the same token at s and t with probability 1/V
             P = np.full((T, T), 1.0 / c.vocab_size)
@@ -466,41 +477,42 @@ class _Walk:
         else:
             P = self.coincidence
         K = m2 * P + mu * mu * (1.0 - P)  # rows of one table: the same row (P), or two iid rows (mean^2)
-        self.put("token_embeddings", K, "kernel embedding: E[w^2] on the diagonal, E[w^2] P_st + mean^2 (1 - P_st) "
+        self.put(self.plan.embedding, K, "kernel embedding: E[w^2] on the diagonal, E[w^2] P_st + mean^2 (1 - P_st) "
                                         "off it (P_st: the same token at s and t; 1/V for uniform random tokens)")
-        o.cosine["token_embeddings"] = mean_cosine(K)
-        for i in range(c.num_layers):
-            b = f"layers.{i}"
-            if c.norm == "pre":
-                Ka, heads_ind = self.attention(i, self.norm(f"{b}.ln1", K))
-                H = K + Ka
-                self.put(f"{b}.resid_mid", H, "kernel residual: K + K_attn")
-                Kf = self.ffn(i, self.norm(f"{b}.ln2", H))
-                Z = H + Kf
-                self.put(b, Z, "kernel residual: K_mid + K_ffn")
-            elif c.norm == "post":
-                Ka, heads_ind = self.attention(i, K)
-                H = self.norm(f"{b}.ln1", K + Ka)
-                self.put(f"{b}.resid_mid", H, "kernel post-norm: ln1(K + K_attn)")
-                Kf = self.ffn(i, H)
-                Z = self.norm(f"{b}.ln2", H + Kf)
-                self.put(b, Z, "kernel post-norm: ln2(K_mid + K_ffn)")
-            else:
-                Ka, heads_ind = self.attention(i, K)
-                H = K + Ka
-                self.put(f"{b}.resid_mid", H, "kernel residual: K + K_attn")
-                Kf = self.ffn(i, H)
-                Z = H + Kf
-                self.put(b, Z, "kernel residual: K_mid + K_ffn")
-            o.cosine[f"{b}.resid_mid"] = mean_cosine(H)
-            o.cosine[b] = mean_cosine(Z)
-            msd = lambda A: float(np.mean(np.diag(A)))  # noqa: E731
-            o.blocks.append(BlockKernel(i, o.mean_square[(f"{b}.attn.heads", "forward")], msd(Ka), msd(Kf), msd(H),
-                                        msd(Z), o.cosine[b], o.cosine[f"{b}.resid_mid"], heads_ind))
-            K = Z
-        if c.norm == "pre":
-            K = self.norm("ln_final", K)
-        self.put("lm_head", self.factor("lm_head") * K, "kernel linear: d_in E[w^2] K")
+        o.cosine[self.plan.embedding] = mean_cosine(K)
+        env = {self.plan.embedding: K}  # the kernel of every tensor the plan names
+        msd = lambda A: float(np.mean(np.diag(A)))  # noqa: E731
+        for block in self.plan.blocks:
+            heads_ind = math.nan
+            for step in block.steps:
+                x = env[step.reads[0]]
+                if step.kind == "norm":
+                    Kout = self.norm(step.module, x)
+                    for alias in step.writes[1:]:  # post-norm: the norm's output is a residual point
+                        a, b = _TERMS[step.branch]
+                        self.put(alias, Kout, f"kernel post-norm: {step.module.rsplit('.', 1)[-1]}({a} + {b})")
+                elif step.kind == "attention":
+                    Kout, heads_ind = self.attention(block.index, step.module, x)
+                elif step.kind == "ffn":
+                    Kout = self.ffn(step.module, x)
+                else:  # residual add: kernels add (the cross term vanishes at init)
+                    Kout = x + env[step.reads[1]]
+                    if not tinylm.plan.is_sum(step.output):
+                        a, b = _TERMS[step.branch]
+                        self.put(step.output, Kout, f"kernel residual: {a} + {b}")
+                for name in step.writes:
+                    env[name] = Kout
+            attn, ffn = block.branches()
+            H, Z = env[block.mid], env[block.output]
+            o.cosine[block.mid] = mean_cosine(H)
+            o.cosine[block.output] = mean_cosine(Z)
+            o.blocks.append(BlockKernel(block.index, o.mean_square[(f"{attn.name}.heads", "forward")], msd(env[attn.name]),
+                                        msd(env[ffn.name]), msd(H), msd(Z), o.cosine[block.output], o.cosine[block.mid],
+                                        heads_ind))
+        K = env[self.plan.blocks[-1].output]
+        if self.plan.final_norm is not None:
+            K = self.norm(self.plan.final_norm, K)
+        self.put(self.plan.head, self.factor(self.plan.head) * K, "kernel linear: d_in E[w^2] K")
         return o
 
 

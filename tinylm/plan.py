@@ -1,0 +1,256 @@
+"""The block plan: the model's dataflow as data, built from a :class:`ModelConfig`.
+
+A plan lists what :class:`tinylm.TransformerLM` computes, in order, with the module
+names it computes them in and the names of the tensors each step reads and writes:
+
+    token_embeddings -> block 0 -> ... -> block L-1 -> [ln_final] -> lm_head
+
+and inside block i (x the residual point the block reads, ``layers.{i-1}`` or
+``token_embeddings`` for block 0; h = ``layers.{i}.resid_mid``; z = ``layers.{i}``):
+
+    pre : norm ln1(x); attention(ln1); add x + attn -> h; norm ln2(h); ffn(ln2); add h + ffn -> z
+    post: attention(x); add x + attn; norm ln1 -> h; ffn(h); add h + ffn; norm ln2 -> z
+    none: attention(x); add x + attn -> h; ffn(h); add h + ffn -> z
+
+A tensor is named by the module whose output it is (the names a probe records: every
+module, every :class:`tinylm.Tap`, ``layers.i.resid_mid`` and the block output
+``layers.i``). Two names may denote one tensor: a post-norm block's ``ln1`` output *is*
+``resid_mid`` and its ``ln2`` output *is* the block output, so such a step writes both
+names. A sum no module outputs (the post-norm ``x + attn`` before ``ln1``) is named
+``"{a}+{b}"`` after the two tensors it adds; no module has that name.
+
+``tests/test_plan.py`` holds the plan to ``TransformerBlock.forward`` for every config
+variant; the theories (``diagnostics.theory``) and the verdicts walk the plan instead of
+rebuilding the wiring and the names.
+
+Example::
+
+    p = tinylm.plan.build(config)
+    p.residual_points()          # ('token_embeddings', 'layers.0.resid_mid', 'layers.0', ...)
+    for block in p.blocks:
+        for step in block.steps:
+            step.kind, step.module, step.reads, step.writes
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .errors import ConfigError
+
+__all__ = ["Step", "BlockPlan", "ModelPlan", "Branch", "build", "EMBEDDING", "HEAD", "FINAL_NORM",
+           "block_name", "mid_name", "stream_into", "branch_stream", "block_index", "is_sum"]
+
+#: the kinds of step a block is made of
+STEP_KINDS = ("norm", "attention", "ffn", "add")
+
+EMBEDDING = "token_embeddings"
+FINAL_NORM = "ln_final"
+HEAD = "lm_head"
+
+_BLOCK = re.compile(r"^layers\.(\d+)(?:\.|$)")
+
+
+def block_name(i: int) -> str:
+    """The module name of block i, which is also the name of its output on the residual stream."""
+    return f"layers.{i}"
+
+
+def mid_name(i: int) -> str:
+    """The residual point between block i's two sublayers (its ``resid_mid`` Tap)."""
+    return f"layers.{i}.resid_mid"
+
+
+def stream_into(i: int) -> str:
+    """The residual point block i reads: the embedding output for block 0, else block i-1's output."""
+    return EMBEDDING if i == 0 else block_name(i - 1)
+
+
+def branch_stream(kind: str, i: int) -> str:
+    """The residual point block i's branch of ``kind`` ("attn" or "ffn") is added to: the block's
+    input for attention, its mid point for the FFN, under every norm placement (equal to
+    ``Branch.stream`` of every plan; for code that has names but no config)."""
+    if kind not in ("attn", "ffn"):
+        raise ValueError(f"kind={kind!r}: must be 'attn' or 'ffn'")
+    return stream_into(i) if kind == "attn" else mid_name(i)
+
+
+def is_sum(name: str) -> bool:
+    """Whether ``name`` is a residual sum no module outputs (a post-norm block's ``"{a}+{b}"``)."""
+    return "+" in name
+
+
+def block_index(name: str) -> int | None:
+    """i for a name ``layers.i`` or ``layers.i.*``, else None."""
+    m = _BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One operation of a block.
+
+    kind: "norm" (RMSNorm), "attention" (the attention branch), "ffn" (the FFN branch) or
+    "add" (a residual add). module: the module that computes it (the norm, the branch, the
+    ``resid_mid`` Tap or the block for an add that no module but the block computes).
+    reads: the tensors it reads (an add: the stream, then the branch). writes: the names of
+    the one tensor it writes, the module's own output first, then any residual point that is
+    the same tensor. branch: "attn" or "ffn", the branch this step belongs to (its norm, the
+    branch, its add).
+    """
+
+    kind: str
+    module: str
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    branch: str
+
+    @property
+    def output(self) -> str:
+        """The first name of the tensor this step writes."""
+        return self.writes[0]
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A residual branch: ``name`` (its output, ``layers.i.attn`` or ``layers.i.ffn``), kind
+    "attn" or "ffn", its block, ``reads`` (the tensor it reads: a norm output or the stream),
+    ``norm`` (the norm feeding it, or None) and ``stream`` (the residual point it is added to)."""
+
+    name: str
+    kind: str
+    block: int
+    reads: str
+    norm: str | None
+    stream: str
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Block i: the residual point it reads (``input``), its ``mid`` point and ``output``, its steps in order."""
+
+    index: int
+    input: str
+    mid: str
+    output: str
+    steps: tuple[Step, ...]
+
+    @property
+    def name(self) -> str:
+        return block_name(self.index)
+
+    def branches(self) -> tuple[Branch, ...]:
+        """The attention and FFN branches of this block, in order."""
+        out = []
+        for s in self.steps:
+            if s.kind not in ("attention", "ffn"):
+                continue
+            norm = next((n.module for n in self.steps if n.kind == "norm" and n.output == s.reads[0]), None)
+            add = next(a for a in self.steps if a.kind == "add" and s.output in a.reads)
+            out.append(Branch(s.output, s.branch, self.index, s.reads[0], norm, add.reads[0]))
+        return tuple(out)
+
+
+def _block(i: int, norm: str) -> BlockPlan:
+    b, x, h, z = block_name(i), stream_into(i), mid_name(i), block_name(i)
+    attn, ffn, ln1, ln2 = f"{b}.attn", f"{b}.ffn", f"{b}.ln1", f"{b}.ln2"
+    if norm == "pre":
+        steps = (Step("norm", ln1, (x,), (ln1,), "attn"),
+                 Step("attention", attn, (ln1,), (attn,), "attn"),
+                 Step("add", h, (x, attn), (h,), "attn"),
+                 Step("norm", ln2, (h,), (ln2,), "ffn"),
+                 Step("ffn", ffn, (ln2,), (ffn,), "ffn"),
+                 Step("add", b, (h, ffn), (z,), "ffn"))
+    elif norm == "post":
+        s1, s2 = f"{x}+{attn}", f"{h}+{ffn}"
+        steps = (Step("attention", attn, (x,), (attn,), "attn"),
+                 Step("add", b, (x, attn), (s1,), "attn"),
+                 Step("norm", ln1, (s1,), (ln1, h), "attn"),
+                 Step("ffn", ffn, (h,), (ffn,), "ffn"),
+                 Step("add", b, (h, ffn), (s2,), "ffn"),
+                 Step("norm", ln2, (s2,), (ln2, z), "ffn"))
+    elif norm == "none":
+        steps = (Step("attention", attn, (x,), (attn,), "attn"),
+                 Step("add", h, (x, attn), (h,), "attn"),
+                 Step("ffn", ffn, (h,), (ffn,), "ffn"),
+                 Step("add", b, (h, ffn), (z,), "ffn"))
+    else:
+        raise ConfigError(f"norm={norm!r}: must be 'pre', 'post' or 'none'")
+    return BlockPlan(i, x, h, z, steps)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The dataflow of a TransformerLM: ``embedding`` -> ``blocks`` -> ``final_norm`` (None
+    unless pre-norm) -> ``head``. Built by :func:`build`."""
+
+    config: ModelConfig
+    blocks: tuple[BlockPlan, ...]
+    embedding: str = EMBEDDING
+    final_norm: str | None = None
+    head: str = HEAD
+
+    def residual_points(self) -> tuple[str, ...]:
+        """The names on the residual stream in order: the embedding output, then per block its
+        mid point ``layers.i.resid_mid`` and its output ``layers.i``."""
+        return (self.embedding,) + tuple(n for b in self.blocks for n in (b.mid, b.output))
+
+    def block_outputs(self) -> tuple[str, ...]:
+        """The embedding output and every block's output: the stream between blocks."""
+        return (self.embedding,) + tuple(b.output for b in self.blocks)
+
+    def branches(self) -> tuple[Branch, ...]:
+        """Every attention and FFN branch in order."""
+        return tuple(br for b in self.blocks for br in b.branches())
+
+    def branch(self, name: str) -> Branch:
+        """The branch whose output is ``name`` (KeyError if none)."""
+        for br in self.branches():
+            if br.name == name:
+                return br
+        raise KeyError(f"name={name!r}: not a branch of this plan; branches look like layers.0.attn, layers.0.ffn")
+
+    def head_input(self) -> str:
+        """The tensor lm_head reads: ln_final's output, or the last block's."""
+        return self.final_norm or self.blocks[-1].output
+
+    def describe(self) -> str:
+        """The plan as text, one line per step: ``module: kind(reads) -> writes``."""
+        lines = [f"{self.embedding}: embedding(token_ids) -> {self.embedding}"]
+        for b in self.blocks:
+            for s in b.steps:
+                lines.append(f"{s.module}: {s.kind}({', '.join(s.reads)}) -> {' = '.join(s.writes)}")
+        if self.final_norm:
+            lines.append(f"{self.final_norm}: norm({self.blocks[-1].output}) -> {self.final_norm}")
+        lines.append(f"{self.head}: linear({self.head_input()}) -> logits")
+        return "\n".join(lines)
+
+    def producers(self) -> dict[str, Step]:
+        """{tensor name: the block step that writes it}, every name a step writes."""
+        return {n: s for b in self.blocks for s in b.steps for n in s.writes}
+
+    def modules(self) -> tuple[str, ...]:
+        """The named modules the plan runs, in the order they finish (as forward hooks fire): each
+        step's module, the ``resid_mid`` Tap where it marks a step's output, then the block itself
+        (a residual add no Tap marks is computed in the block's own forward)."""
+        out = [self.embedding]
+        for b in self.blocks:
+            for s in b.steps:
+                if s.module != b.name:
+                    out.append(s.module)
+                if b.mid in s.writes and s.module != b.mid:  # post-norm: the Tap marks ln1's output
+                    out.append(b.mid)
+            out.append(b.name)
+        if self.final_norm:
+            out.append(self.final_norm)
+        return tuple(out + [self.head])
+
+
+def build(config: ModelConfig) -> ModelPlan:
+    """The plan of ``TransformerLM(config)``: which steps run, in which modules, on which tensors."""
+    if not isinstance(config, ModelConfig):
+        raise ConfigError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
+    blocks = tuple(_block(i, config.norm) for i in range(config.num_layers))
+    return ModelPlan(config, blocks, final_norm=FINAL_NORM if config.norm == "pre" else None)
