@@ -186,3 +186,22 @@ def test_describe_reads_as_the_block_docstring():
         "lm_head: linear(layers.0) -> logits"]
     assert [line.split(":")[0] for line in text["none"].splitlines()] == [
         "token_embeddings", "layers.0.attn", "layers.0.resid_mid", "layers.0.ffn", "layers.0", "lm_head"]
+
+
+def test_the_watch_records_and_judges_what_the_plan_names():
+    import torch
+
+    import tinylm
+    from diagnostics.judge import watch as W
+
+    for norm in ("pre", "post", "none"):
+        config = tinylm.ModelConfig(vocab_size=20, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32,
+                                    norm=norm)
+        model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+        p = tinylm.plan.build(config)
+        sites = W.default_sites(model)
+        assert set(p.residual_points()) <= set(sites) and {b.name for b in p.branches()} <= set(sites)
+        assert sites[0] == p.embedding and sites[-1] == p.head
+        judged = {s for s in sites if W.judged(s, norm)}
+        stream = set(p.residual_points()) if norm != "pre" else set()
+        assert judged == stream | {p.head} | {f"{b.name}.scores" for b in p.branches() if b.kind == "attn"}

@@ -41,7 +41,7 @@ from .config import ModelConfig
 from .errors import ConfigError
 
 __all__ = ["Step", "BlockPlan", "ModelPlan", "Branch", "build", "EMBEDDING", "HEAD", "FINAL_NORM",
-           "block_name", "mid_name", "stream_into", "branch_stream", "block_index", "is_sum"]
+           "block_name", "mid_name", "stream_into", "branch_stream", "block_index", "is_sum", "on_stream"]
 
 #: the kinds of step a block is made of
 STEP_KINDS = ("norm", "attention", "ffn", "add")
@@ -80,6 +80,13 @@ def branch_stream(kind: str, i: int) -> str:
 def is_sum(name: str) -> bool:
     """Whether ``name`` is a residual sum no module outputs (a post-norm block's ``"{a}+{b}"``)."""
     return "+" in name
+
+
+def on_stream(name: str) -> bool:
+    """Whether ``name`` is a residual point of a tinylm model (the embedding output, a block's
+    mid point or a block's output), read from the name alone."""
+    i = block_index(name)
+    return name == EMBEDDING or (i is not None and name in (block_name(i), mid_name(i)))
 
 
 def block_index(name: str) -> int | None:

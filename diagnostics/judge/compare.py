@@ -223,7 +223,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                         x, y = batch[:, :-1], batch[:, 1:]
                     else:
                         x, y = get_batch(tokens, batch_size, seq_len, gen)
-                    stream = ["token_embeddings"] + [f"layers.{i}" for i in range(depth)]
+                    stream = list(tinylm.plan.build(config).block_outputs())
                     opts = ProbeOptions(modules=tuple(stream + ["lm_head"]) if tensors == "stream" else None,
                                         attention=tensors == "all", params=False)
                     with probe(model, opts) as measured:

@@ -330,7 +330,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
 
     depth: list[DepthRow] = []
     if tiny:
-        points = ["token_embeddings"] + [f"layers.{i}" for i in range(model.config.num_layers)]
+        points = tinylm.plan.build(model.config).block_outputs()
         for k, name in enumerate(points):
             f = pooled.tensors.get((name, "forward"))
             if f is None:

@@ -65,6 +65,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
+
+import tinylm
 from tinylm.errors import TinyLMError
 from torch import nn
 
@@ -208,15 +210,15 @@ def default_sites(model: nn.Module) -> list[str]:
     ``layers.i`` (the residual stream); lm_head (the logits).
     """
     names = {name for name, _ in model.named_modules()}
-    sites = ["token_embeddings"]
-    i = 0
-    while f"layers.{i}" in names:
-        for suffix in ("attn.scores", "attn.probs", "attn", "resid_mid", "ffn", ""):
-            name = f"layers.{i}.{suffix}" if suffix else f"layers.{i}"
-            if name in names:
-                sites.append(name)
-        i += 1
-    sites.append("lm_head")
+    config = getattr(model, "config", None)
+    if not isinstance(config, tinylm.ModelConfig):
+        return [s for s in (tinylm.plan.EMBEDDING, tinylm.plan.HEAD) if s in names]
+    p = tinylm.plan.build(config)
+    sites = [p.embedding]
+    for b in p.blocks:
+        attn, ffn = b.branches()
+        sites += [f"{attn.name}.scores", f"{attn.name}.probs", attn.name, b.mid, ffn.name, b.output]
+    sites.append(p.head)
     return [s for s in sites if s in names]
 
 
@@ -267,11 +269,9 @@ def judged(site: str, norm: str | None = None) -> bool:
     is scale-invariant, so the stream's scale does not reach any computation). Branch outputs
     (attn, ffn) and attention probabilities are only judged for non-finite values: several
     init schemes start the branches at or near zero, so their growth is learning."""
-    leaf = site.rsplit(".", 1)[-1]
-    if site == "lm_head" or leaf == "scores":
+    if site == tinylm.plan.HEAD or site.rsplit(".", 1)[-1] == "scores":
         return True
-    residual = site == "token_embeddings" or leaf == "resid_mid" or (site.startswith("layers.") and site.count(".") == 1)
-    return residual and norm != "pre"
+    return tinylm.plan.on_stream(site) and norm != "pre"
 
 
 def _site_verdict(st: dict[str, float], low_fwd: float | None, high_grad: float | None, th: Thresholds,
