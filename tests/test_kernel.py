@@ -144,7 +144,7 @@ def test_arguments_are_validated():
 
 # ---------------------------------------------------------------- beside measurement
 
-DELTA = 0.10  # the claim: measured/predicted within 10% (the acceptance), cosine within 0.03
+DELTA = 0.10  # the claim: measured/predicted within 10%, cosine within 0.03
 COS_DELTA = 0.03
 CHECKED = ("attn.heads", "attn", "resid_mid", "ffn", "")  # "" = the block output (the residual stream)
 

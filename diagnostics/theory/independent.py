@@ -8,8 +8,8 @@ One recursion serves both modes; they differ only in where a layer's inputs come
   the layers before. The rules below assume independent tokens (uniform random
   tokens). For a tinylm model the *forward* predictions then come from the
   token-kernel theory (:mod:`diagnostics.theory.tokenkernel`, ``forward="kernel"``, the default),
-  which tracks the correlation between a sequence's tokens and stays within ~4% at
-  depth 8 where the independent-token rules are 4x off; each of those predictions
+  which tracks the correlation between a sequence's tokens (accuracy: docs/theory.md);
+  each of those predictions
   keeps the independent-token one in ``Prediction.independent``. The backward
   predictions stay with the independent-token rules below.
 * ``local``: each layer from the *measured* moments of its own input (a
@@ -25,7 +25,7 @@ Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per el
 * RMSNorm y = gain x / sqrt(ms(x) + eps): E[y^2] = mean(gain^2) ms/(ms + eps); backward
   E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d (the projection onto x removes
   1/d of the energy); local mode measures the per-token product mean_t E[g_y^2]_t/(ms_t + eps)
-  (gradient and norm vary together over positions: pooling them separately is 20% off
+  (gradient and norm vary together over positions, so pooling them separately is biased
   beyond block 0), global mode takes E[g_y^2] d/((d-2)(ms + eps)) (chi-square token norms).
 * SwiGLU h = silu(a) * b, a, b independent Gaussians: E[h^2] = E[silu(a)^2] E[b^2];
   backward E[g_b^2] = E[g_h^2] E[silu(a)^2], E[g_a^2] = E[g_h^2] E[b^2] E[silu'(a)^2]
@@ -576,7 +576,7 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], plan: tinylm.plan.Mod
     * Global backward below the final norm divides by the stream variance the
       independent-token theory underestimates beyond block 0: valid only when L = 1.
     * No norm: the FFN reads the raw stream, whose scale varies over tokens, so the SiLU
-      rules (local), the FFN products and block outputs (global, ~10% off in block 0) and
+      rules (local), the FFN products and block outputs (global) and
       every global forward prediction beyond block 0 are outside validity.
     * Any prediction whose variance (mean square - mean^2) is not positive: there is
       nothing to compare the measured variance with.

@@ -42,14 +42,9 @@ variance a probe measures, the mean being 0 at init except for a SiLU FFN's hidd
 and, at the residual points, the mean cosine between different tokens of a sequence,
 mean_{s != t} K_st / sqrt(K_ss K_tt), which is what ``ProbeStats.cosine`` measures.
 
-Accuracy (benchmarks/kernel_accuracy.py; cs336, L 8, T 64, 8 seeds, default draws): measured/
-predicted within 4% for the attention branch (worst 0.964 and 1.037, d 128) and within 1% for
-the stream at every block, d_model 128 and 256, where the independent-token theory is 4x and
-1.5x off at block 7; the heads within 4.1% (1.041 in block 0, where the exact independent-token
-rule reads 1.035 too: the spread of 8 seeds); the mean cosine within 0.011. Also within ~5% for
-kaiming, torch-default, gpt2, small-init, post-norm, NoPE and the SiLU FFN (spot checks, 4 seeds). At L 24, d 128 the stream drifts to 0.94 of the prediction
-(cosine over-predicted by 0.03), at d 256 and 512 it stays within 3%: a finite-width effect.
-Without a norm it fails (stream 4x off at block 3 of 4): see ``KernelTheory.predictions``.
+Accuracy: docs/theory.md (``benchmarks/kernel_accuracy.py``); ``tests/test_kernel.py`` holds
+the theory to measurement within 10% per block and the mean cosine within 0.03. Without a
+norm it fails: see ``KernelTheory.predictions``.
 
 Approximations (where this theory can break): the kernel of one sequence under one init is
 random at finite width and with finitely many heads (each head's attention pattern is a
@@ -60,11 +55,9 @@ forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory
 
 Use: ``diagnostics.predict(model, "global")`` (hence ``diagnose`` on a fresh model) takes its
 forward predictions from here through :func:`cached_kernel_theory`, once per process for each
-config, seq_len, scheme and coincidence matrix. Cost (one thread): the attention Monte Carlo,
-~4 T^3 float64 operations per draw and block, dominates; with the default draws about 0.1 s for
-the tinystories preset at T = 128 and 0.5 s for gpt2-small at T = 256 (12 blocks); it grows as
-T^2 up to T = 256 (2^11 rows per block) and as T^3 beyond, where the draws stay at 8: 0.35 s
-per block at T = 512, 1.6 s at T = 1024.
+config, seq_len, scheme and coincidence matrix. Cost: the attention Monte Carlo,
+~4 T^3 float64 operations per draw and block, dominates; it grows as T^2 up to T = 256 (2^11
+rows per block) and as T^3 beyond, where the draws stay at 8 (timings: docs/theory.md).
 
 Example::
 
@@ -95,11 +88,8 @@ __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "cached_kernel_theory
 
 #: Monte Carlo draws of one attention head per block when ``draws`` is not given: about
 #: 2^11 query rows in all (32 draws at T = 64, 16 at T = 128, 8 at T = 256), at least 8. The
-#: v-expectation is exact, so the Monte Carlo spread is small; measured (sd over 16 seeds of the
-#: draws): the heads' mean square 0.9% at T = 64 (d_k 32) in block 0, 0.3-0.9% beyond (d 128,
-#: L 8), about 1% at T = 256 (gpt2-small); the stream 0.15% or less, the mean cosine 0.001. It
-#: falls as 1/sqrt(draws). One draw costs ~4 T^3 float64 operations (A K A^T): a block takes
-#: ~30 ms at T = 256 with the default, and the cost grows as T^2 beyond (8 draws, T^3 each).
+#: v-expectation is exact, so the Monte Carlo spread is small (docs/theory.md) and falls as
+#: 1/sqrt(draws). One draw costs ~4 T^3 float64 operations (A K A^T).
 _ROWS_PER_BLOCK = 2**11
 _MIN_DRAWS = 8
 _QUAD_NODES = 32
@@ -263,7 +253,7 @@ def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
     expectation (off by O((sigma_s - sigma_t)^2), below 1e-7 relative), computed as a
     Chebyshev series in rho (:func:`_silu_cheb`, error below 1e-12) at 3 values of s and
     interpolated in s (one value when the sigma_t agree to 1e-9); evaluated on the upper
-    triangle only: a cost of O(T^2) cheap operations, ~10 ms at T = 256.
+    triangle only: a cost of O(T^2) cheap operations.
     """
     sd = np.sqrt(np.clip(np.diag(Ka), 0.0, None))
     T = Ka.shape[0]
@@ -357,7 +347,7 @@ class KernelTheory:
         cosine between tokens in ``cosine``.
 
         valid is False without a norm (the stream grows geometrically and one sequence's kernel
-        fluctuates far from its expectation; measured 1.3x off at block 2 of L 4) and with dropout
+        fluctuates far from its expectation) and with dropout
         when ``dropout_active`` (the kernel describes the model without dropout: pass False when
         the measurement ran in eval mode, as ``probe`` does by default); pre- and post-norm were
         checked against measurement.
@@ -584,7 +574,7 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
     scheme = scheme or config.init
     tinylm.init.get(scheme)  # raises naming the scheme if unknown
     # One torch thread: the walk is many medium-sized ops, where waking a pool of threads costs more
-    # than it saves (measured 2x slower with 2 threads on a busy 2-core machine); and one thread makes
+    # than it saves; and one thread makes
     # the Monte Carlo sums, hence the predictions, independent of the caller's thread count.
     threads = torch.get_num_threads()
     try:
