@@ -265,3 +265,16 @@ def test_reducer_reads_a_tensor_once_and_never_serves_a_stale_one(path):
     ra = small(a)
     small(b), small(c)
     assert small(a) is not ra and small(a).moments.tolist() == ra.moments.tolist()
+
+
+def test_the_panel_ignores_what_lies_above_the_diagonal(path):
+    """Causal probabilities with NaN or 1 above the diagonal have the panel of the same rows with
+    zeros there (the compiled path never reads them; the reference takes them as 0). Negative
+    control: the panel of those rows read whole, without ``causal``, differs."""
+    T = 9
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    p = torch.softmax(torch.randn(2, T, T, generator=torch.Generator().manual_seed(12)).masked_fill(~mask, -math.inf), -1)
+    want = reduce(p, causal=True, probs=True).panel.tolist()
+    for junk in (math.nan, 1.0):
+        assert reduce(p.masked_fill(~mask, junk), causal=True, probs=True).panel.tolist() == want
+    assert reduce(p.masked_fill(~mask, 1.0), probs=True).panel.tolist() != want

@@ -62,7 +62,6 @@ def _check(x: Tensor, causal: bool, probs: bool, rows: bool) -> None:
         raise OptionsError("x.shape=(): rows needs a last dimension; pass a tensor of at least 1 dimension")
 
 
-@torch.no_grad()
 def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
            cosine: bool = False) -> Reduction:
     """The statistics of ``x`` that :mod:`.reference` defines, as a :class:`Reduction`.
@@ -76,8 +75,10 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     _check(x, causal, probs, rows)
     if accel.takes(x):
         if not (rows or cosine) and (causal or not probs):
-            v = torch.from_numpy(accel.summary(x, x.shape[-1] if causal else None, probs=probs))
-            return Reduction(v[:len(FIELDS)], v[len(FIELDS):] if probs else None)
+            v = accel.summary(x, x.shape[-1] if causal else None, probs=probs)
+            if probs:  # numpy slices: slicing a tensor costs more than the small reductions
+                return Reduction(torch.from_numpy(v[:len(FIELDS)]), torch.from_numpy(v[len(FIELDS):]))
+            return Reduction(torch.from_numpy(v))
         if not (causal or probs) and x.shape[-1] > 0:
             vec, rowsq, cos = accel.summary_rows(x, cosine)
             ms = torch.from_numpy(rowsq / x.shape[-1]).float() if rows else None
@@ -95,6 +96,8 @@ class Reducer:
     reduces ``x`` again, asking also for the parts it had, and remembers that."""
 
     def __init__(self, size: int = 4):
+        if not isinstance(size, int) or size < 1:
+            raise OptionsError(f"size={size!r}: must be a positive int (the tensors remembered); pass e.g. 4")
         self.size = size
         self._recent: list[tuple[weakref.ref, tuple, Reduction]] = []  # most recent first
 
@@ -149,15 +152,14 @@ def _merge(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
     return _merge_torch(a, b, n, ext, largest)
 
 
-@torch.no_grad()
 def merge_vectors(a: Tensor, b: Tensor) -> Tensor:
     """Two :data:`FIELDS` vectors merged into the vector of both tensors' entries: n = n_a + n_b,
     delta = mean_b - mean_a, mean = mean_a + delta n_b / n, M2 = M2_a + M2_b + delta^2 n_a n_b / n
-    (Chan), max for max|x|, sums for the counts."""
+    (Chan), max for max|x|, sums for the counts. (Vectors of :func:`reduce` carry no autograd
+    history; a new tensor is returned and neither input changes.)"""
     return _merge(a, b, 1, 4, True)
 
 
-@torch.no_grad()
 def merge_attention_vectors(a: Tensor, b: Tensor) -> Tensor:
     """Two :data:`ATTN_FIELDS` vectors merged (Chan for the entropy over rows, min for its minimum)."""
     return _merge(a, b, 0, 3, False)

@@ -56,12 +56,12 @@ def panel(p: Tensor, causal: bool = True) -> Tensor:
     """The ATTN_FIELDS vector of probabilities ``p`` (..., T, S), each row summing to 1.
 
     Row t's entropy is H_t = -sum_j p_tj ln p_tj (0 ln 0 = 0); ``causal``: entries above the
-    diagonal are taken to be 0 (never read). Row 0 of causal attention has one key and is always
+    diagonal are taken to be 0, whatever they hold. Row 0 of causal attention has one key and is always
     saturated, so the minimum and the saturated rows are over rows t >= 1 only."""
     p = p.detach()
     p = p.double() if p.dtype == torch.float64 else p.float()  # saturation is judged in p's precision
     if causal:
-        p = p * causal_mask(p.shape[-1], p.device)
+        p = torch.where(causal_mask(p.shape[-1], p.device), p, 0.0)
     h = torch.special.entr(p.double()).sum(-1)  # (..., T)
     later, top = h[..., 1:], p[..., 1:, :].amax(-1)  # rows t >= 1
     mean = h.mean() if h.numel() else h.new_zeros(())
