@@ -1,9 +1,10 @@
-"""The compiled single-pass reductions (diagnostics.measure.accel) against the plain torch path.
+"""The compiled single-pass reductions (diagnostics.measure.accel) against the plain-torch reference.
 
-A CPU probe reduces every float32 tensor with :mod:`diagnostics.measure.accel`; other devices,
-float64 and ``TINYLM_FUSED=0`` take the torch ops in :func:`diagnostics.measure.moments.summarize`.
-The two must give the same summary: counts and max |x| exactly, mean and M2 to float64
-rounding.
+A CPU probe reduces every float32, bf16 and fp16 tensor with :mod:`diagnostics.measure.accel`;
+other devices, float64 and ``TINYLM_FUSED=0`` take :mod:`diagnostics.measure.reference`.
+:func:`diagnostics.measure.reducer.reduce` must give the same on both: counts and max |x|
+exactly, mean and M2 to float64 rounding, the attention panel and the cosines to the float32
+rounding of the kernels' logarithm and unit vectors.
 """
 
 import math
@@ -17,8 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnostics.measure import accel as fused
-from diagnostics.measure.moments import (FIELDS, AttnMoments, Moments, summarize, summarize_attention, summarize_cosine,
-                               summarize_probs)
+from diagnostics.measure import reference
+from diagnostics.measure.moments import FIELDS, AttnMoments, Moments
+from diagnostics.measure.reducer import reduce
+
+
+def summarize(x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    return reduce(x, causal=causal).moments
 
 
 def rel(a: float, b: float) -> float:
@@ -28,42 +34,41 @@ _SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-45, 3e-5, 6.1e-
             -7e4, 1.7e38, 3.4e38, 1e30, 1.0, -2.5]
 
 
-def _both(x: torch.Tensor, valid=None, monkeypatch=None) -> tuple[list[float], list[float]]:
+def _both(x: torch.Tensor, causal: bool = False, monkeypatch=None) -> tuple[list[float], list[float]]:
     monkeypatch.setenv("TINYLM_FUSED", "1")
-    a = summarize(x, valid).tolist()
+    a = summarize(x, causal).tolist()
     monkeypatch.setenv("TINYLM_FUSED", "0")
-    b = summarize(x, valid).tolist()
+    b = summarize(x, causal).tolist()
     return a, b
 
 
 def _disagreements(a: list[float], b: list[float], x: torch.Tensor) -> list[tuple]:
     """What breaks the contract: counts and max |x| identical on both paths; mean and M2 of each
-    path against a float64 two-pass reference over the finite entries, within that path's
+    path against a float64 two-pass computation over the finite entries, within that path's
     rounding: the fused path sums float64 shifted by the mean of the segment before (the first:
-    by its first entry) (1e-12 of M2); the torch path forms sum x^2 - n mean^2, in float32
-    rows for large tensors (1e-5 of sum x^2)."""
+    by its first entry) (1e-12 of M2); the reference is itself a float64 two-pass (1e-12)."""
     bad = [(name, u, v) for name, u, v in zip(FIELDS, a, b) if name not in ("mean", "m2") and u != v]
     f = x.double().reshape(-1)
     f = f[torch.isfinite(f)]
     if f.numel() == 0:
         return bad
-    mean, m2, sq = f.mean().item(), ((f - f.mean()) ** 2).sum().item(), (f * f).sum().item()
+    mean, m2 = f.mean().item(), ((f - f.mean()) ** 2).sum().item()
     spread = math.sqrt(m2 / f.numel())
     if abs(a[2] - mean) > 1e-12 * (abs(mean) + spread):
         bad.append(("fused mean", a[2], mean))
     if abs(a[3] - m2) > 1e-12 * m2 + 1e-300:
         bad.append(("fused m2", a[3], m2))
-    if abs(b[2] - mean) > 1e-6 * (abs(mean) + spread):
-        bad.append(("torch mean", b[2], mean))
-    if abs(b[3] - m2) > 1e-5 * sq + 1e-300:
-        bad.append(("torch m2", b[3], m2))
+    if abs(b[2] - mean) > 1e-12 * (abs(mean) + spread):
+        bad.append(("reference mean", b[2], mean))
+    if abs(b[3] - m2) > 1e-12 * m2 + 1e-300:
+        bad.append(("reference m2", b[3], m2))
     return bad
 
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 20_000), seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e4, 1e30]),
        offset=st.sampled_from([0.0, 1.0, -1e3]), specials=st.lists(st.sampled_from(_SPECIAL), max_size=6))
-def test_fused_equals_torch_path(n, seed, scale, offset, specials):
+def test_fused_equals_reference(n, seed, scale, offset, specials):
     """Property: for any float32 tensor, the two paths give the same summary (exact counts and
     max; mean and M2 to float64 rounding), whatever non-finite, subnormal or huge values it holds."""
     mp = pytest.MonkeyPatch()
@@ -79,13 +84,13 @@ def test_fused_equals_torch_path(n, seed, scale, offset, specials):
 
 
 @pytest.mark.parametrize("T", [1, 2, 7, 64, 100])  # 100: 5050 causal entries, packed into two blocks
-def test_fused_causal_equals_masked_torch_path(T, monkeypatch):
+def test_fused_causal_equals_masked_reference(T, monkeypatch):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(3, 2, T, T, generator=g)
     x[0, 0, -1, 0] = math.nan
     x[1, 1, 0, -1] = math.inf  # above the diagonal when T > 1: never read
     valid = torch.ones(T, T, dtype=torch.bool).tril()
-    a, b = _both(x, valid, monkeypatch)
+    a, b = _both(x, True, monkeypatch)
     assert not _disagreements(a, b, x[..., valid])
     assert a[0] == 6 * T * (T + 1) // 2
 
@@ -109,10 +114,9 @@ def test_summary_rows_reads_the_summary_and_each_rows_sum_of_squares(shape):
 
 
 @pytest.mark.parametrize("shape", [(4, 256, 512), (3, 7, 16), (2, 300, 33), (5, 2, 1), (9, 40)])
-def test_cosine_from_the_rows_read_equals_the_torch_cosine(shape, monkeypatch):
+def test_cosine_from_the_rows_read_equals_the_reference_cosine(shape, monkeypatch):
     """fused.summary_rows(cosine=True): the summary of each sequence's mean cosine between its
-    different rows equals summarize_cosine (torch: a float32 product) to float32 rounding of
-    the sums, for sequences split over threads, rows not a multiple of 16, one-entry rows and
+    different rows equals reference.cosines (float64) to float32 rounding of the cosines, for sequences split over threads, rows not a multiple of 16, one-entry rows and
     a single 2-D sequence; a zero row counts as a zero vector on both paths; scaling each row
     by its own positive factor changes nothing. Negative control: negating every other row
     (a cosine's sign flips with one of its rows) gives other cosines."""
@@ -121,9 +125,7 @@ def test_cosine_from_the_rows_read_equals_the_torch_cosine(shape, monkeypatch):
     x = torch.randn(shape, generator=g) + torch.randn((*shape[:-2], 1, shape[-1]), generator=g)
     if shape[-2] > 2:
         x[..., -1, :] = 0.0
-    monkeypatch.setenv("TINYLM_FUSED", "0")
-    want = Moments.from_vector(summarize_cosine(x).tolist())
-    monkeypatch.setenv("TINYLM_FUSED", "1")
+    want = Moments.from_vector(reference.cosines(x).tolist())
     vec, rowsq, cos = fused.summary_rows(x, cosine=True)
     got = Moments.from_vector(cos.tolist())
     assert got.count == want.count == math.prod(shape[:-2])
@@ -152,7 +154,7 @@ def test_mean_far_above_the_spread_keeps_its_variance():
     in float64 loses it to cancellation)."""
     x = 1e4 + 1e-3 * torch.randn(100_000, generator=torch.Generator().manual_seed(9))
     ref = x.double().var(correction=0).item()
-    m = Moments.from_vector(summarize(x).tolist())
+    m = Moments.from_vector(fused.summary(x).tolist())
     assert rel(m.var, ref) < 1e-6
     xd = x.double()
     naive = ((xd * xd).sum() - xd.sum() ** 2 / xd.numel()).item() / xd.numel()
@@ -163,7 +165,8 @@ def test_mean_far_above_the_spread_keeps_its_variance():
 def test_fused_attention_panel_matches_float64(T):
     s = torch.randn(2, 3, T, T, generator=torch.Generator().manual_seed(11)) * 4
     p = torch.softmax(s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf), -1)
-    a = AttnMoments.from_vector(summarize_attention(p).tolist())
+    r = reduce(p, causal=True, probs=True)
+    a = AttnMoments.from_vector(r.panel.tolist())
     ent = torch.special.entr(p.double()).sum(-1)
     # float32 p ln p with a polynomial log: relative error ~1e-6 per row
     assert a.entropy_mean == pytest.approx(ent.mean().item(), rel=2e-6)
@@ -171,8 +174,7 @@ def test_fused_attention_panel_matches_float64(T):
     assert a.rows_saturated == (p[..., 1:, :].amax(-1) > 0.99).sum().item()
     assert a.rows == 2 * 3 * T and a.rows_after_first == 2 * 3 * (T - 1)
     # the moments read with the panel are the causal summary's, to the last bit
-    both = summarize_probs(p)[0].tolist()
-    assert both == summarize(p, torch.ones(T, T, dtype=torch.bool).tril()).tolist()
+    assert r.moments.tolist() == summarize(p, causal=True).tolist()
 
 
 def test_polynomial_log_over_every_binade():
@@ -245,3 +247,89 @@ def test_a_tensor_is_read_in_place_like_its_array():
             == [r.tolist() for r in fused.summary_rows(plain, cosine=True)]
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         fused.summary(x.double())
+
+
+def _cases():
+    """(name, tensor, options) the probe meets and a few it should survive: odd sizes, strided
+    and expanded views, a pending negation, fp16 and bf16, causal scores and probabilities,
+    rows with their cosines, and tensors large enough to be split over threads."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 67, 97, generator=g) * 2 + 0.3
+    big = torch.randn(8, 256, 160, generator=g)  # 327,680 entries >= PARALLEL_MIN
+    T = 37
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    s = torch.randn(3, 2, T, T, generator=g) * 3
+    p = torch.softmax(s.masked_fill(~mask, -math.inf), -1)
+    ps = torch.softmax(torch.randn(2, 4, 130, 130, generator=g).mul(6).masked_fill(
+        ~torch.ones(130, 130, dtype=torch.bool).tril(), -math.inf), -1)  # 135,200 entries, saturated rows
+    pbig = torch.softmax(torch.randn(4, 4, 256, 256, generator=g).masked_fill(
+        ~torch.ones(256, 256, dtype=torch.bool).tril(), -math.inf), -1)  # 1,048,576 entries
+    rows = dict(rows=True, cosine=True)
+    return [
+        ("odd flat", x, {}), ("one entry", x[:1, :1, :1], {}), ("strided", x[:, ::3, 1::2], {}),
+        ("transposed", x.transpose(0, 2), {}), ("expanded", torch.randn(1, 33, generator=g).expand(500, 33), {}),
+        ("negated view", torch._neg_view(x), {}), ("fp16", x.half(), {}), ("bf16", x.bfloat16(), {}),
+        ("big", big, {}), ("big rows", big, rows), ("rows", x, rows), ("strided rows", x[:, 1::2], rows),
+        ("bf16 rows", x.bfloat16(), rows), ("one-row sequences", x[:, :1], rows), ("2-D rows", x[0], rows),
+        ("causal scores", s, dict(causal=True)), ("causal fp16", s.half(), dict(causal=True)),
+        ("causal strided", s[:, :1], dict(causal=True)),
+        ("probs", p, dict(causal=True, probs=True)), ("saturated probs", ps, dict(causal=True, probs=True)),
+        ("big probs", pbig, dict(causal=True, probs=True)), ("bf16 probs", p.bfloat16(), dict(causal=True, probs=True)),
+    ]
+
+
+def _moment_gaps(a: torch.Tensor, b: torch.Tensor) -> list:
+    a, b = a.tolist(), b.tolist()
+    bad = [(f, u, v) for f, u, v in zip(FIELDS, a, b) if f not in ("mean", "m2") and u != v]
+    spread = math.sqrt(b[3] / b[1]) if b[1] else 0.0
+    if abs(a[2] - b[2]) > 1e-12 * (abs(b[2]) + spread):
+        bad.append(("mean", a[2], b[2]))
+    if abs(a[3] - b[3]) > 1e-12 * b[3]:
+        bad.append(("m2", a[3], b[3]))
+    return bad
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_part_of_reduce_equals_the_reference(threads, monkeypatch):
+    """reduce on the compiled path equals reduce on the reference for every case of _cases,
+    serial and split over two threads: moments as _disagreements asks (counts and max exact,
+    mean and M2 to 1e-12); row mean squares to one float32 rounding; the panel's counts exactly,
+    its entropies to the polynomial logarithm's 2e-6; the cosines' count exactly, their mean to
+    1e-6 and variance to 1e-4 (the kernel rounds each cosine to float32). Negative control:
+    the moments of the same tensor shifted by one ulp of its mean are caught."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for name, x, opts in _cases():
+            monkeypatch.setenv("TINYLM_FUSED", "1")
+            assert fused.takes(x), name
+            a = reduce(x, **opts)
+            monkeypatch.setenv("TINYLM_FUSED", "0")
+            b = reduce(x, **opts)
+            assert not _moment_gaps(a.moments, b.moments), (name, _moment_gaps(a.moments, b.moments))
+            if opts.get("rows"):
+                assert a.row_ms.dtype == b.row_ms.dtype == torch.float32 and a.row_ms.shape == x.shape[:-1]
+                torch.testing.assert_close(a.row_ms, b.row_ms, rtol=1.2e-7, atol=0.0)
+                ca, cb = Moments.from_vector(a.cosine.tolist()), Moments.from_vector(b.cosine.tolist())
+                assert ca.count == cb.count == (math.prod(x.shape[:-2]) if x.shape[-2] > 1 else 0), name
+                if cb.count:
+                    assert ca.mean == pytest.approx(cb.mean, abs=1e-6), name
+                    assert ca.var == pytest.approx(cb.var, rel=1e-4, abs=1e-9), name
+                else:  # sequences of one row: the summary of no values on both paths
+                    assert a.cosine.tolist() == b.cosine.tolist() == [0.0] * len(FIELDS), name
+            if opts.get("probs"):
+                pa, pb = AttnMoments.from_vector(a.panel.tolist()), AttnMoments.from_vector(b.panel.tolist())
+                assert (pa.rows, pa.rows_after_first, pa.rows_saturated) == (pb.rows, pb.rows_after_first,
+                                                                            pb.rows_saturated), name
+                assert pa.entropy_mean == pytest.approx(pb.entropy_mean, rel=2e-6), name
+                assert pa.entropy_min == pytest.approx(pb.entropy_min, rel=2e-6, abs=1e-6), name
+                assert math.sqrt(pa.entropy_m2 / pa.rows) == pytest.approx(math.sqrt(pb.entropy_m2 / pb.rows),
+                                                                          rel=1e-4, abs=1e-6), name
+        x = _cases()[0][1]
+        monkeypatch.setenv("TINYLM_FUSED", "1")
+        shifted = reduce(x + torch.finfo(torch.float32).eps * 0.3).moments
+        assert _moment_gaps(shifted, reduce(x).moments)
+    finally:
+        torch.set_num_threads(before)
+    saturated = dict((name, x) for name, x, _ in _cases())["saturated probs"]
+    assert saturated[..., 1:, :].amax(-1).gt(0.99).sum() > 0  # the case does test the saturated count

@@ -223,7 +223,7 @@ def test_spectral_stats_match_svd(shape):
 
 
 def test_a_tensor_seen_twice_in_a_row_is_reduced_once_and_correctly():
-    """The same tensor reaching two hooks back to back is summarized once (a branch is its
+    """The same tensor reaching two hooks back to back is reduced once, by the run's Reducer (a branch is its
     projection's output; backward, the gradient at a block's output and mid-point passes
     unchanged to the branch added there), and that summary is what each name alone measures.
     Negative control: resid_mid and the attention branch are different tensors forward."""
@@ -247,7 +247,7 @@ def test_a_tensor_seen_twice_in_a_row_is_reduced_once_and_correctly():
 
 def test_row_mean_squares_are_shared_and_never_stale():
     """A block's output is the residual point, the next norm's input and the cosine's rows: its
-    per-token mean square is read once (with its summary) and shared, and each consumer agrees
+    per-token mean square is read once (with its summary, by the run's Reducer) and shared, and each consumer agrees
     with what that name measures alone (there from torch's float32 norms: to 1e-6). Negative
     control: a tensor changed in place is measured again (4x after doubling), not served from
     the memo."""
@@ -270,6 +270,35 @@ def test_row_mean_squares_are_shared_and_never_stale():
     assert run._row_ms(t) is first
     t.mul_(2.0)
     assert torch.allclose(run._row_ms(t), 4 * first)
+
+
+def test_each_tensor_is_read_once_per_step(monkeypatch):
+    """Counting the reductions the run's Reducer makes: one per tensor, not one per name. Per
+    block, forward, the attention branch is output_proj's output and the FFN branch w2's;
+    backward, the gradient at the block's output is the FFN branch's (and w2's) and the one at
+    its mid-point the attention branch's (and output_proj's): 2 + 4 names per block that read
+    nothing new. Norm inputs and norm gradients' row mean squares come from reads already made.
+    Negative control: a Reducer that remembers nothing reads once per name and more."""
+    from diagnostics.measure import reducer as reducer_module
+
+    real, calls = reducer_module.reduce, []
+
+    def counted(x, **kw):
+        calls.append(kw)
+        return real(x, **kw)
+
+    monkeypatch.setattr(reducer_module, "reduce", counted)
+    model, x = model_of(seed=6), tokens(seed=6)
+    with probe(model, ProbeOptions(params=False)) as run:
+        step(model, x)
+    names = len(run.stats.tensors)
+    assert len(calls) == names - 6 * CFG.num_layers
+    calls.clear()
+    monkeypatch.setattr(reducer_module.Reducer, "__call__",
+                        lambda self, t, **kw: reducer_module.reduce(t, **kw))  # remembers nothing
+    with probe(model, ProbeOptions(params=False)) as run:
+        step(model, x)
+    assert len(calls) > names
 
 
 def test_the_run_times_its_own_work():

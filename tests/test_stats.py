@@ -1,7 +1,8 @@
 """Streaming statistics: exact against float64 references, merges equal one run over both.
 
 Every test runs twice: on the compiled single-pass path (:mod:`diagnostics.measure.accel`, what a
-CPU probe uses) and on the plain torch path (other devices, or ``TINYLM_FUSED=0``).
+CPU probe uses) and on the plain-torch reference (:mod:`diagnostics.measure.reference`: other
+devices, or ``TINYLM_FUSED=0``).
 """
 
 import json
@@ -12,25 +13,21 @@ import pytest
 import torch
 
 from diagnostics.measure import accel as fused
-from diagnostics.measure.moments import (
-    FIELDS,
-    AttnMoments,
-    Moments,
-    ProbeStats,
-    merge_attention_vectors,
-    merge_vectors,
-    reduce,
-    summarize,
-    summarize_attention,
-    summarize_cosine,
-)
+from diagnostics.measure import reducer as reducer_module
+from diagnostics.measure.moments import FIELDS, AttnMoments, Moments, ProbeStats
+from diagnostics.measure.reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
+from diagnostics.options import OptionsError
 
 
-@pytest.fixture(autouse=True, params=["fused", "torch"])
+@pytest.fixture(autouse=True, params=["fused", "reference"])
 def path(request, monkeypatch):
     monkeypatch.setenv("TINYLM_FUSED", "1" if request.param == "fused" else "0")
     assert fused.available() == (request.param == "fused")
     return request.param
+
+
+def summarize(x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    return reduce(x, causal=causal).moments
 
 
 def moments_of(x: torch.Tensor) -> Moments:
@@ -41,17 +38,17 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-300)
 
 
-@pytest.mark.parametrize("n", [7, 1000, 70_000, 300_001])  # small (float64 path) and row-summed float32 path
+@pytest.mark.parametrize("n", [7, 1000, 70_000, 300_001])  # one segment, many, and more than PARALLEL_MIN
 def test_moments_match_float64_reference(n):
     g = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=g) * 3 + 0.5
     m = moments_of(x)
     var, mean = torch.var_mean(x.double(), correction=0)
     assert m.count == n and m.n_total == n
-    # float32 rows summed in float64: relative error a few float32 ulps (2^-24 ~ 6e-8) times sqrt(row)
-    assert rel(m.mean, mean.item()) < 1e-5 and rel(m.var, var.item()) < 1e-5
+    # both paths accumulate in float64: relative error a few float64 ulps times log2(n)
+    assert rel(m.mean, mean.item()) < 1e-12 and rel(m.var, var.item()) < 1e-12
     assert m.max_abs == x.abs().max().item()
-    assert rel(m.mean_square, (x.double() ** 2).mean().item()) < 1e-5
+    assert rel(m.mean_square, (x.double() ** 2).mean().item()) < 1e-12
 
 
 def test_float64_input_is_summed_in_float64():
@@ -93,7 +90,7 @@ def test_masked_entries_are_ignored():
     T = 6
     valid = torch.ones(T, T, dtype=torch.bool).tril()
     s = torch.randn(3, 2, T, T, generator=torch.Generator().manual_seed(3)).masked_fill(~valid, -math.inf)
-    m = Moments.from_vector(summarize(s, valid).tolist())
+    m = Moments.from_vector(summarize(s, causal=True).tolist())
     ref = s[torch.isfinite(s)].double()
     assert m.n_total == m.count == ref.numel() == 3 * 2 * T * (T + 1) // 2
     assert m.frac_nonfinite == 0 and m.n_zero == 0
@@ -126,25 +123,26 @@ def test_python_merge_equals_tensor_merge_bit_for_bit():
     assert py.vector() == t.vector()
 
 
-def test_reduce_keeps_the_container_of_its_path_and_merges_like_tensors(path):
-    """reduce gives numpy on the compiled path (no conversion per hook) and a tensor on the torch
-    path; merge_vectors and merge_attention_vectors give the same numbers for either container,
-    including a merge with an empty summary (n = 0: mean 0, M2 the sum)."""
+def test_reduce_gives_float64_cpu_tensors_and_both_merges_agree_bit_for_bit(path):
+    """reduce gives float64 tensors on x's device on either path; merge_vectors and
+    merge_attention_vectors merge CPU vectors in numpy and others with torch ops, and the two
+    give the same bits, including a merge with an empty summary (n = 0: mean 0, M2 the sum)."""
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(3000, generator=g) * 2 + 1, torch.randn(500, generator=g) - 3
-    va, vb = reduce(a), reduce(b)
-    assert isinstance(va, np.ndarray if path == "fused" else torch.Tensor)
-    want = merge_vectors(summarize(a), summarize(b)).tolist()
+    va, vb = summarize(a), summarize(b)
+    assert va.dtype == torch.float64 and va.is_cpu and va.shape == (len(FIELDS),)
     got = merge_vectors(va, vb)
-    assert type(got) is type(va) and got.tolist() == want
-    assert merge_vectors(np.asarray(va), torch.as_tensor(vb)).tolist() == want  # mixed containers
-    empty = reduce(torch.zeros(0))
-    assert merge_vectors(empty, va).tolist() == merge_vectors(torch.as_tensor(empty), torch.as_tensor(va)).tolist()
+    assert got.tolist() == reducer_module._merge_torch(va, vb, 1, 4, True).tolist()
+    empty = summarize(torch.zeros(0))
+    assert empty.tolist() == [0.0] * len(FIELDS)
+    assert merge_vectors(empty, va).tolist() == reducer_module._merge_torch(empty, va, 1, 4, True).tolist()
     assert merge_vectors(empty, va).tolist() == pytest.approx(list(va.tolist()), rel=1e-15)
-    pa = np.array([4.0, 1.5, 0.2, 0.7, 3.0, 1.0])
-    pb = np.array([6.0, 1.1, 0.4, 0.2, 5.0, 2.0])
-    assert merge_attention_vectors(pa, pb).tolist() == merge_attention_vectors(torch.from_numpy(pa), torch.from_numpy(pb)).tolist()
+    pa = torch.tensor([4.0, 1.5, 0.2, 0.7, 3.0, 1.0], dtype=torch.float64)
+    pb = torch.tensor([6.0, 1.1, 0.4, 0.2, 5.0, 2.0], dtype=torch.float64)
+    assert merge_attention_vectors(pa, pb).tolist() == reducer_module._merge_torch(pa, pb, 0, 3, False).tolist()
     assert merge_attention_vectors(pa, pb)[3] == 0.2  # the smaller minimum entropy, not the larger
+    # negative control: the two halves are not the whole until merged
+    assert got.tolist() != vb.tolist() and got[0] == 3500
 
 
 def test_merge_is_associative_to_rounding():
@@ -161,7 +159,7 @@ def test_attention_summary():
     for t in range(T):
         p[0, 0, t, : t + 1] = 1.0 / (t + 1)  # uniform causal attention
     p[0, 0, 4] = torch.tensor([0.0, 0.0, 0.0, 0.001, 0.999])  # one saturated row
-    a = AttnMoments.from_vector(summarize_attention(p).tolist())
+    a = AttnMoments.from_vector(reduce(p, causal=True, probs=True).panel.tolist())
     ent = [math.log(t + 1) for t in range(4)] + [-(0.001 * math.log(0.001) + 0.999 * math.log(0.999))]
     assert a.rows == T and a.rows_after_first == T - 1
     assert a.entropy_mean == pytest.approx(sum(ent) / T, rel=1e-6)
@@ -170,25 +168,41 @@ def test_attention_summary():
     assert a.saturated_frac == pytest.approx(1 / 4)  # row 0 (a single key) is not counted
 
 
-def test_cosine_from_given_mean_squares_equals_cosine_from_norms():
-    """summarize_cosine(x, ms) with ms = mean(x^2) per token (what the probe already has) agrees
-    with the norms taken afresh to float32 rounding (negative control: ms of another tensor does not)."""
+def test_cosine_equals_the_mean_over_pairs_of_different_tokens():
+    """reduce(x, cosine=True) gives, per sequence, the mean of cos(x_s, x_t) over its T (T - 1)
+    ordered pairs s != t (here computed pair by pair), whether or not the rows are asked for
+    too, for tokens of unequal norms (negative control: the cosines of one sequence whose rows
+    are negated in turn are not these)."""
     x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 7).unsqueeze(-1)
-    ms = x.square().mean(-1)
-    a = Moments.from_vector(summarize_cosine(x).tolist())
-    b = Moments.from_vector(summarize_cosine(x, ms).tolist())
-    assert b.mean == pytest.approx(a.mean, rel=1e-5, abs=1e-7) and b.var == pytest.approx(a.var, rel=1e-4, abs=1e-9)
-    wrong = Moments.from_vector(summarize_cosine(x, ms.flip(-1)).tolist())
-    assert abs(wrong.mean - a.mean) > 1e-2
+    x = x + torch.randn(3, 1, 16, generator=torch.Generator().manual_seed(3))  # cosines far from 0
+    xd = x.double()
+    c = torch.nn.functional.cosine_similarity(xd.unsqueeze(-2), xd.unsqueeze(-3), dim=-1)  # (3, 7, 7)
+    per_seq = (c.sum((-1, -2)) - 7) / (7 * 6)
+    want = Moments.from_vector(reference_moments(per_seq))
+    for rows in (False, True):
+        got = Moments.from_vector(reduce(x, rows=rows, cosine=True).cosine.tolist())
+        assert got.count == 3 and got.mean == pytest.approx(want.mean, rel=1e-6)
+        assert got.var == pytest.approx(want.var, rel=1e-5)
+    sign = torch.ones(7, 1)
+    sign[1::2] = -1.0
+    wrong = Moments.from_vector(reduce(x * sign, cosine=True).cosine.tolist())
+    assert abs(wrong.mean - want.mean) > 1e-2
+
+
+def reference_moments(v: torch.Tensor) -> list[float]:
+    v = v.double().reshape(-1)
+    return [v.numel(), v.numel(), v.mean().item(), ((v - v.mean()) ** 2).sum().item(), v.abs().max().item(),
+            0, 0, 0, 0, 0]
 
 
 def test_cosine_of_identical_and_orthogonal_tokens():
     same = torch.ones(2, 4, 8)
     ortho = torch.eye(8)[:4].unsqueeze(0)
-    assert Moments.from_vector(summarize_cosine(same).tolist()).mean == pytest.approx(1.0)
-    assert Moments.from_vector(summarize_cosine(ortho).tolist()).mean == pytest.approx(0.0, abs=1e-12)
-    assert Moments.from_vector(summarize_cosine(-same[:, :2].repeat(1, 1, 1) * torch.tensor([[1.0], [-1.0]])).tolist()).mean \
-        == pytest.approx(-1.0)
+    def cos(x):
+        return Moments.from_vector(reduce(x, cosine=True).cosine.tolist()).mean
+    assert cos(same) == pytest.approx(1.0)
+    assert cos(ortho) == pytest.approx(0.0, abs=1e-12)
+    assert cos(-same[:, :2].repeat(1, 1, 1) * torch.tensor([[1.0], [-1.0]])) == pytest.approx(-1.0)
 
 
 def test_probe_stats_round_trip_through_json():
@@ -199,16 +213,68 @@ def test_probe_stats_round_trip_through_json():
     assert back == st
 
 
-@pytest.mark.parametrize("fill", [-math.inf, 0.0])
-def test_known_fill_equals_masking(fill, path):
-    if path == "fused":
-        pytest.skip("the fused path never reads masked entries, so it takes no fill")
+@pytest.mark.parametrize("fill", [-math.inf, 0.0, math.nan])
+def test_entries_above_the_diagonal_never_count(fill, path):
+    """A causal reduction is the same whatever lies above the diagonal (masked scores hold
+    -inf, their probabilities 0), with NaN, zeros and subnormals below it that must count.
+    Negative control: without ``causal`` the entries above do count."""
     T = 6
     valid = torch.ones(T, T, dtype=torch.bool).tril()
     s = torch.randn(3, 2, T, T, generator=torch.Generator().manual_seed(8))
     s[0, 0, 3, 1], s[1, 1, 2, 0], s[2, 0, 5, 5] = math.nan, 0.0, 1e-6
-    s = s.masked_fill(~valid, fill)
-    assert summarize(s, valid, fill).tolist() == summarize(s, valid).tolist()
-    # negative control: claiming the wrong fill value miscounts
-    assert summarize(s, valid, 0.0 if fill else -math.inf).tolist() != summarize(s, valid).tolist()
+    clean = summarize(s, causal=True).tolist()
+    filled = s.masked_fill(~valid, fill)
+    assert summarize(filled, causal=True).tolist() == clean
+    assert summarize(filled).tolist() != clean
+    m = Moments.from_vector(clean)
+    assert m.n_total == 3 * 2 * 21 and m.count == m.n_total - 1 and m.n_zero == 1 and m.n_fp16_under == 1
 
+
+def test_bad_input_is_named_in_one_line(path):
+    """reduce refuses what its options cannot measure, naming the value and the fix."""
+    with pytest.raises(OptionsError, match=r"x.shape=\(3, 4\): causal needs square"):
+        reduce(torch.zeros(3, 4), causal=True)
+    with pytest.raises(OptionsError, match=r"x=torch.int64: .*floating-point"):
+        reduce(torch.zeros(3, dtype=torch.long))
+    with pytest.raises(OptionsError, match=r"x.shape=\(5,\): causal and probs need"):
+        reduce(torch.zeros(5), probs=True)
+
+
+def test_reducer_reads_a_tensor_once_and_never_serves_a_stale_one(path):
+    """A Reducer returns the very Reduction of the same tensor, unchanged, asked again (the same
+    or fewer parts); a tensor changed in place, another tensor at the same values, a causal
+    request of a flat one, or a part not read before is reduced afresh (and then remembered)."""
+    red = Reducer()
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(2, 5, 5, generator=g)
+    first = red(t, rows=True)
+    assert red(t) is first and red(t, rows=True) is first
+    assert red(t.clone()) is not first
+    causal = red(t, causal=True)
+    assert causal is not first and causal.moments[0] == 2 * 15
+    with_cos = red(t, cosine=True)
+    assert with_cos is not first and with_cos.row_ms is not None and with_cos.cosine is not None
+    assert red(t, rows=True) is with_cos  # now remembered with both parts
+    ms = with_cos.row_ms.clone()
+    t.mul_(2.0)
+    again = red(t, rows=True)
+    assert again is not with_cos and torch.allclose(again.row_ms, 4 * ms)
+    # only the last `size` tensors are remembered
+    small = Reducer(size=2)
+    a, b, c = (torch.randn(8, generator=g) for _ in range(3))
+    ra = small(a)
+    small(b), small(c)
+    assert small(a) is not ra and small(a).moments.tolist() == ra.moments.tolist()
+
+
+def test_the_panel_ignores_what_lies_above_the_diagonal(path):
+    """Causal probabilities with NaN or 1 above the diagonal have the panel of the same rows with
+    zeros there (the compiled path never reads them; the reference takes them as 0). Negative
+    control: the panel of those rows read whole, without ``causal``, differs."""
+    T = 9
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    p = torch.softmax(torch.randn(2, T, T, generator=torch.Generator().manual_seed(12)).masked_fill(~mask, -math.inf), -1)
+    want = reduce(p, causal=True, probs=True).panel.tolist()
+    for junk in (math.nan, 1.0):
+        assert reduce(p.masked_fill(~mask, junk), causal=True, probs=True).panel.tolist() == want
+    assert reduce(p.masked_fill(~mask, 1.0), probs=True).panel.tolist() != want

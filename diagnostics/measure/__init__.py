@@ -2,16 +2,20 @@
 
 * :mod:`.probe` — hooks on any ``nn.Module`` that reduce each tensor at once (forward
   activations, backward gradients, attention panels, parameters) and leave no trace;
-* :mod:`.moments` — the mergeable moment vectors and the records built from them
-  (``Moments``, ``AttnMoments``, ``ParamStats``, ``ProbeStats``) and the reduction that
-  fills them;
-* :mod:`.accel` — the compiled single-pass reduction (numba) behind that reduction on the CPU;
+* :mod:`.reducer` — ``reduce``, the one reduction of a tensor to every statistic the probe
+  takes, ``Reducer`` (that reduction, remembering the tensors it just read), and the merge of
+  the vectors it gives;
+* :mod:`.reference` — what each of those statistics means, in plain torch (the reduction off the CPU);
+* :mod:`.accel` — the compiled single-pass kernels (numba) behind ``reduce`` on the CPU;
+* :mod:`.moments` — the records a probe fills (``Moments``, ``AttnMoments``, ``ParamStats``,
+  ``ProbeStats``);
 * :mod:`.distributed` — the all-reduce of a ``ProbeStats`` over ``torch.distributed``.
 """
 
 from .distributed import merge_distributed
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .probe import ProbeRun, block_index, instrument_points, probe
+from .reducer import Reducer, Reduction, reduce
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "Moments", "AttnMoments", "ParamStats",
-           "ProbeStats", "merge_distributed"]
+           "ProbeStats", "merge_distributed", "reduce", "Reduction", "Reducer"]

@@ -6,7 +6,7 @@ Every loop reads the float32 bits (one uint32 array; a value is a register bitca
 hot loops are explicit vectors written with llvmlite (see the section below), the rare ones
 numba loops that index a view from 0 (a loop from a variable start costs numba a
 negative-index wrap per entry, and LLVM then gathers instead of loading). A segment's raw row
-has :data:`NRAW` fields; the finished vectors are the FIELDS of :mod:`diagnostics.measure.moments` (10)
+has :data:`NRAW` fields; the finished vectors are the FIELDS of :mod:`diagnostics.measure.reference` (10)
 and, for attention probabilities, its ATTN_FIELDS (6).
 """
 
@@ -544,8 +544,8 @@ def cosines(units, S):
     """The summary (FIELDS) of each sequence's mean cosine similarity between its different rows,
     from ``units`` (threads, sequences, D): per thread, each sequence's sum of the unit vectors
     u_t = x_t / |x_t| of the rows it read. |sum_t u_t|^2 = S + the sum over the S (S - 1)
-    ordered pairs s != t of cos(x_s, x_t). The cosines are rounded to float32 and summarised
-    as the torch path (:func:`diagnostics.measure.moments.summarize_cosine`) summarises them."""
+    ordered pairs s != t of cos(x_s, x_t). The cosines are rounded to float32 (6e-8 relative)
+    and summarised (:func:`diagnostics.measure.reference.cosines` keeps them in float64)."""
     cos = np.empty(units.shape[1], np.float32)
     for b in range(cos.size):
         u = units[0, b].copy()

@@ -1,10 +1,10 @@
 """Single-pass reductions of CPU float32 tensors, compiled with numba.
 
-:func:`diagnostics.measure.moments.summarize` needs, per tensor, about ten numbers (finite count,
-mean, M2, max |x|, zeros, fp16/bf16 under- and overflow counts). Computed with one torch
-op each, that is ten passes over the tensor and, on the CPU, a freshly page-faulted
-temporary for most of them: a probe then cost as much as the forward and backward it
-watched. Here the whole vector comes from one read of the data.
+:func:`diagnostics.measure.reducer.reduce` needs, per tensor, about ten numbers (finite count,
+mean, M2, max |x|, zeros, fp16/bf16 under- and overflow counts), as
+:mod:`diagnostics.measure.reference` defines them. Computed with one torch op each, that is
+ten passes over the tensor and, on the CPU, a freshly page-faulted temporary for most of
+them. Here the whole vector comes from one read of the data.
 
 The tensor is cut into *segments*: blocks of ``SEG`` (4096) consecutive entries, or, for
 causal attention (``width`` = T), each T x T matrix, of which only the entries on and below
@@ -22,7 +22,7 @@ least 143 and finite, |x| >= 2^16; equal to 254, |x| >= 2^127; non-finite) follo
 extremes when they settle them: all in [2^-14, 2^16) (most activations) or all normal and
 below 2^-14 (most gradients). Otherwise a second vector loop over the segment, still in the
 cache, counts them. Segments merge in float64 by Chan's rule (as
-:func:`diagnostics.measure.moments.merge_vectors` merges runs), and the kernel returns the finished
+:func:`diagnostics.measure.reducer.merge_vectors` merges runs), and the kernel returns the finished
 FIELDS vector. Attention probabilities also get their panel (entropy -sum p ln p of each
 row, with a polynomial logarithm, and its largest entry), rows of a residual point their
 sums of squares and, per sequence, the sum of their unit vectors (the cosine between
@@ -31,9 +31,9 @@ prefetch): in a hook the tensor comes from memory. Tensors of at least
 :data:`PARALLEL_MIN` entries are split (whole segments) over as many numba threads as torch
 uses.
 
-:func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is not ``0``);
-when it is not, or for other devices and dtypes, ``summarize`` uses plain torch ops with
-the same definitions (the tests hold the two paths to each other).
+:func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is not ``0``), and
+:func:`takes` whether a tensor can be read here; when not, ``reduce`` computes the reference
+(the tests hold the kernels to it).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import os
 import numpy as np
 import torch as _torch
 
-__all__ = ["available", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
+__all__ = ["available", "takes", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
@@ -70,6 +70,12 @@ def available() -> bool:
     return _checked
 
 
+def takes(x: _torch.Tensor) -> bool:
+    """Whether the kernels reduce tensor ``x``: on the CPU, of :data:`DTYPES`, at least 1-D, and
+    :func:`available`. (Attribute reads only: ``x.device`` would build an object per call.)"""
+    return x.is_cpu and x.dtype in DTYPES and x.ndim > 0 and available()
+
+
 def _build():
     """Import (compiling, or loading from numba's on-disk cache) the kernels, once per process."""
     global _kernels
@@ -82,7 +88,7 @@ def _build():
 def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:
     """The summary of a C-contiguous float32 array or a CPU tensor of :data:`DTYPES` (any layout:
     see :func:`_readable`): float64, laid out as FIELDS of
-    :mod:`diagnostics.measure.moments`, followed, when ``probs``, by its ATTN_FIELDS.
+    :mod:`diagnostics.measure.reference`, followed, when ``probs``, by its ATTN_FIELDS.
 
     ``width`` None: every entry. ``width`` = T: ``x`` holds causal T x T matrices and only
     the entries on or below each diagonal are read; ``probs`` (causal only) adds the
@@ -100,7 +106,7 @@ def summary_rows(x: np.ndarray | _torch.Tensor, cosine: bool = False
     and, from the same read, sum x^2 over its last dimension (float64, shape ``x.shape[:-1]``).
     ``cosine`` (``x`` at least 2-D: sequences of ``x.shape[-2]`` rows): the summary (FIELDS)
     of each sequence's mean cosine similarity between its different rows, as
-    :func:`diagnostics.measure.moments.summarize_cosine` defines it, summed in float64 (no values,
+    :func:`diagnostics.measure.reference.cosines` defines it, summed in float64 (no values,
     all zeros, for sequences of one row); else None."""
     S = x.shape[-2] if cosine and x.ndim >= 2 else 0
     out, rowsq, cos = _run(x, 0, max(x.shape[-1], 1), False, S)

@@ -30,7 +30,6 @@ import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -38,31 +37,13 @@ import tinylm
 from tinylm.init import declare
 
 from ..options import OptionsError, ProbeOptions
-from .moments import (
-    AttnMoments,
-    Moments,
-    ParamStats,
-    ProbeStats,
-    merge_attention_vectors,
-    merge_vectors,
-    causal_mask,
-    reduce,
-    reduce_probs,
-    reduce_rows,
-    row_mean_square,
-    summarize,
-    summarize_attention,
-    summarize_cosine,
-)
+from .moments import AttnMoments, Moments, ParamStats, ProbeStats
+from .reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats"]
 
 _TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden"}
 _CAUSAL_KINDS = ("attn_scores", "attn_probs")
-# tinylm's causal attention: masked scores are -inf (F.attention_scores), so their probabilities
-# are exactly 0 and so are the scores' gradients there; the probabilities' gradients are not.
-_KNOWN_FILL = {("attn_scores", "forward"): -math.inf, ("attn_probs", "forward"): 0.0,
-               ("attn_scores", "backward"): 0.0}
 
 
 block_index = tinylm.plan.block_index  # i for a name ``layers.i`` or ``layers.i.*``, else None
@@ -113,10 +94,10 @@ def _first_tensor(output) -> Tensor | None:
     return None
 
 
-def _causal_valid(t: Tensor) -> Tensor | None:
-    if t.dim() >= 2 and t.shape[-1] == t.shape[-2]:
-        return causal_mask(t.shape[-1], t.device)
-    return None
+def _causal(kind: str, t: Tensor) -> bool:
+    """Whether ``t`` of this kind is measured over its causal entries: attention scores and
+    probabilities of square (..., T, T) shape."""
+    return kind in _CAUSAL_KINDS and t.dim() >= 2 and t.shape[-1] == t.shape[-2]
 
 
 @torch.no_grad()
@@ -164,7 +145,7 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
                 ) -> dict[str, ParamStats]:
     """Per-parameter statistics (tied parameters once), with declared std from ``model.config.init``.
 
-    std = sqrt(mean((w - mean w)^2)), accumulated in float64 by :func:`summarize` (NaN when
+    std = sqrt(mean((w - mean w)^2)), accumulated in float64 by :func:`reduce` (NaN when
     any entry is non-finite; the non-finite fraction says how many); grad_std likewise over
     the finite entries of ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank =
     sum sigma^2 / sigma_max^2 (:func:`spectral_stats`), for 2-D finite parameters when ``spectral``.
@@ -183,7 +164,7 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     # them at once (FIELDS: n_total, count, mean, m2, ...); a parameter with a non-finite entry
     # has no std (NaN), a gradient's std is over its finite entries
     have = [g is not None and g.numel() > 0 for g in glist]
-    vecs = [summarize(p.detach()) for p in plist] + [summarize(g.detach()) for g, h in zip(glist, have) if h]
+    vecs = [reduce(p).moments for p in plist] + [reduce(g).moments for g, h in zip(glist, have) if h]
     values = []
     if vecs:
         v = torch.stack(vecs)
@@ -211,10 +192,9 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
 
 
 def _as_lists(store: dict) -> dict:
-    """{key: vector as a list of floats} of a store of :func:`~diagnostics.measure.moments.reduce` vectors:
-    numpy arrays (the compiled path) directly, tensors (the torch path) stacked and moved in
-    one transfer, so one device sync for all of them."""
-    keys = [k for k, v in store.items() if not isinstance(v, np.ndarray)]
+    """{key: vector as a list of floats} of a store of vectors (float64 tensors): CPU tensors
+    directly, the others stacked and moved in one transfer, so one device sync for all of them."""
+    keys = [k for k, v in store.items() if not v.is_cpu]
     moved = dict(zip(keys, torch.stack([store[k] for k in keys]).tolist())) if keys else {}
     return {k: moved[k] if k in moved else v.tolist() for k, v in store.items()}
 
@@ -225,15 +205,15 @@ class ProbeRun:
     def __init__(self, model: nn.Module, options: ProbeOptions):
         self.model, self.options = model, options
         self.active = False
-        # the stores hold vectors as stats.reduce gives them: numpy (compiled path) or tensors
-        self._vec: dict[tuple[str, str], np.ndarray | Tensor] = {}
-        self._attn: dict[str, np.ndarray | Tensor] = {}
-        self._cos: dict[str, np.ndarray | Tensor] = {}
-        self._inv: dict[str, np.ndarray | Tensor] = {}
-        self._normb: dict[str, np.ndarray | Tensor] = {}
+        # the stores hold float64 vectors (tensors on the measured tensors' device), merged as they come
+        self._vec: dict[tuple[str, str], Tensor] = {}
+        self._attn: dict[str, Tensor] = {}
+        self._cos: dict[str, Tensor] = {}
+        self._inv: dict[str, Tensor] = {}
+        self._normb: dict[str, Tensor] = {}
         self._tinylm = _is_tinylm(model)
-        self._last: dict[str, tuple] = {}  # direction -> (weak ref, identity, summary) of the last tensor summarized
-        self._recent_ms: list[tuple] = []  # (weak ref, identity, per-row mean square, cosine or None) of the last few tensors
+        #: reduces the hooks' tensors; one that reaches two hooks back to back is read once
+        self.reducer = Reducer()
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
@@ -245,49 +225,11 @@ class ProbeRun:
         self._stats: ProbeStats | None = None
 
     # -- accumulation (called from hooks; no host sync) --
-    def _summary(self, t: Tensor, valid: Tensor | None, direction: str, kind: str, rows: bool = False,
-                 cosine: bool = False) -> np.ndarray | Tensor:
-        """reduce(t), or the summary of the hook that ran just before in this direction when
-        that was the very same tensor, unchanged: the attention branch is output_proj's output
-        and the FFN branch w2's, forward and backward, and backward the gradient that reaches a
-        block's output (or its mid-point) passes unchanged to the branch added there. The last
-        tensor is held by a weak reference, so a live match cannot be a reused address.
-        ``rows``: the per-token mean squares (and, with ``cosine``, the cosine between tokens)
-        are wanted next (:meth:`_rows`); they come from the same read."""
-        key = (t.data_ptr(), t._version, valid is None)  # the object itself is checked below
-        last = self._last.get(direction)
-        if last is not None and last[1] == key and last[0]() is t:
-            return last[2]
-        if rows:  # _wants_rows: a residual point or a norm's gradient, never masked
-            vec, ms, cos = reduce_rows(t, cosine)
-            self._recent_ms = [(weakref.ref(t), key[:2], ms, cos)] + self._recent_ms[:3]
-        else:
-            vec = reduce(t, valid, _KNOWN_FILL.get((kind, direction)) if self._tinylm else None)
-        self._last[direction] = (weakref.ref(t), key, vec)
-        return vec
-
-    def _rows(self, t: Tensor, cosine: bool = False) -> tuple[Tensor, np.ndarray | Tensor | None]:
-        """(row_mean_square(t), summarize_cosine(t) when ``cosine``), once per tensor: a block's
-        output is the residual point, the next block's (or the final) norm's input and the
-        cosine's rows; resid_mid is its tap and the second norm's input; backward, a norm
-        output's gradient is reduced and then weighs the norm's per-token factor. Usually the
-        summary already read them (``_summary(rows=True)``). The last few tensors are held by
-        weak references, so a live match is the same tensor, unchanged."""
-        key = (t.data_ptr(), t._version)  # the object itself is checked below
-        for i, (ref, k, ms, cos) in enumerate(self._recent_ms):
-            if k == key and ref() is t:
-                if cosine and cos is None:
-                    cos = summarize_cosine(t, ms)
-                    self._recent_ms[i] = (ref, k, ms, cos)
-                return ms, cos
-        ms = row_mean_square(t)
-        cos = summarize_cosine(t, ms) if cosine else None
-        self._recent_ms = [(weakref.ref(t), key, ms, cos)] + self._recent_ms[:3]
-        return ms, cos
-
     def _row_ms(self, t: Tensor) -> Tensor:
-        """row_mean_square(t), once per tensor (see :meth:`_rows`)."""
-        return self._rows(t)[0]
+        """mean(t^2) per row, from the reducer (usually the summary of ``t`` already read them:
+        a block's output is the residual point and the next norm's input; backward, a norm
+        output's gradient is reduced and then weighs the norm's per-token factor)."""
+        return self.reducer(t, rows=True).row_ms
 
     def _wants_rows(self, kind: str, direction: str, t: Tensor) -> bool:
         """Whether the per-token mean squares of ``t`` are used next: forward, a tinylm residual
@@ -297,7 +239,7 @@ class ProbeRun:
                 and kind in ("residual", "resid_mid", "embedding")
         return kind == "norm" and self.options.backward and t.dim() >= 1
 
-    def _add(self, store: dict, key, vec: np.ndarray | Tensor, merge) -> None:
+    def _add(self, store: dict, key, vec: Tensor, merge) -> None:
         store[key] = merge(store[key], vec) if key in store else vec
         self._stats = None
 
@@ -307,24 +249,21 @@ class ProbeRun:
             self.order.append(name)
         if name == self.order[0]:
             self.steps += 1
-        valid = _causal_valid(out) if kind in _CAUSAL_KINDS else None
+        causal = _causal(kind, out)
         rows = self._wants_rows(kind, "forward", out)
         cosine = rows and kind != "resid_mid" and out.dim() >= 3  # a block's input or output
-        if kind == "attn_probs" and self.options.attention and valid is not None:
-            vec, panel = reduce_probs(out, _KNOWN_FILL.get((kind, "forward")) if self._tinylm else None)
-            self._add(self._attn, name, panel, merge_attention_vectors)
-        else:
-            vec = self._summary(out, valid, "forward", kind, rows=rows, cosine=cosine)
-            if kind == "attn_probs" and self.options.attention and out.dim() >= 2:
-                self._add(self._attn, name, summarize_attention(out), merge_attention_vectors)
-        self._add(self._vec, (name, "forward"), vec, merge_vectors)
+        probs = kind == "attn_probs" and self.options.attention and out.dim() >= 2
+        r = self.reducer(out, causal=causal, probs=probs, rows=rows, cosine=cosine)
+        self._add(self._vec, (name, "forward"), r.moments, merge_vectors)
+        if probs:
+            self._add(self._attn, name, r.panel, merge_attention_vectors)
+        if cosine:
+            self._add(self._cos, name, r.cosine, merge_vectors)
         if rows:
             with torch.no_grad():
-                ms, cos = self._rows(out, cosine)
-                if cosine:
-                    self._add(self._cos, name, cos, merge_vectors)
                 # reciprocal_ on the fresh sum: `1.0 / t` goes through a Python wrapper and two ops
-                self._add(self._inv, name, reduce((ms + self.model.config.eps).reciprocal_()), merge_vectors)
+                self._add(self._inv, name, reduce((r.row_ms + self.model.config.eps).reciprocal_()).moments,
+                          merge_vectors)
         if self.options.backward and out.requires_grad:
             self._targets(out).append((name, kind, None))
 
@@ -360,11 +299,10 @@ class ProbeRun:
             with torch.no_grad():
                 for name, kind, inv in targets:
                     if inv is not None:  # the norm's factor: its per-token mean squares, weighed
-                        self._add(self._normb, name, reduce(self._row_ms(grad) * inv), merge_vectors)
+                        self._add(self._normb, name, reduce(self._row_ms(grad) * inv).moments, merge_vectors)
                         continue
-                    valid = _causal_valid(grad) if kind in _CAUSAL_KINDS else None
-                    vec = self._summary(grad, valid, "backward", kind, rows=self._wants_rows(kind, "backward", grad))
-                    self._add(self._vec, (name, "backward"), vec, merge_vectors)
+                    r = self.reducer(grad, causal=_causal(kind, grad), rows=self._wants_rows(kind, "backward", grad))
+                    self._add(self._vec, (name, "backward"), r.moments, merge_vectors)
             self.seconds += time.perf_counter() - t0
             return None
         return hook

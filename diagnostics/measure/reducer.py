@@ -1,0 +1,165 @@
+"""``reduce``: every statistic the probe takes of a tensor, from one read of it where it can.
+
+    r = reduce(x)                            # r.moments: FIELDS vector of every entry
+    r = reduce(scores, causal=True)          # over the entries on and below each diagonal
+    r = reduce(probs, causal=True, probs=True)   # r.panel: ATTN_FIELDS of the rows
+    r = reduce(h, rows=True, cosine=True)    # r.row_ms: mean(x^2) per row; r.cosine: per-sequence cosines
+
+What each number means is :mod:`.reference` (plain torch, float64). A CPU tensor of float32,
+bf16 or fp16 is reduced instead by the compiled kernels of :mod:`.accel` (one pass, numba),
+unless ``TINYLM_FUSED=0`` or numba is missing; the tests hold the kernels to the reference
+(counts and max |x| exactly, mean and M2 to float64 rounding). Either way the result is a
+:class:`Reduction` of float64 tensors on ``x``'s device (row mean squares: float32, float64
+for float64 ``x``), with no device sync.
+
+A :class:`Reducer` is ``reduce`` with a memory of the last few tensors it reduced: a tensor
+that reaches two hooks back to back (a branch is its last projection's output; backward, a
+gradient passes unchanged to the branch added at a residual point; a block's output is the
+next norm's input) is read once. A tensor is recognised by object (a weak reference, so a
+live match cannot be a reused address), data pointer and version (so one changed in place
+is read again).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..options import OptionsError
+from . import accel, reference
+from .reference import ATTN_FIELDS, FIELDS
+
+__all__ = ["Reduction", "reduce", "Reducer", "merge_vectors", "merge_attention_vectors", "FIELDS", "ATTN_FIELDS"]
+
+
+class Reduction(NamedTuple):
+    """What :func:`reduce` measured of one tensor (a part not asked for is None).
+
+    moments: (10,) float64, laid out as :data:`FIELDS`. panel: (6,) float64, :data:`ATTN_FIELDS`.
+    row_ms: mean(x^2) over the last dimension, shape ``x.shape[:-1]``. cosine: (10,) float64,
+    :data:`FIELDS` of each sequence's mean cosine between its different rows."""
+
+    moments: Tensor
+    panel: Tensor | None = None
+    row_ms: Tensor | None = None
+    cosine: Tensor | None = None
+
+
+def _check(x: Tensor, causal: bool, probs: bool, rows: bool) -> None:
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        what = x.dtype if isinstance(x, Tensor) else type(x).__name__
+        raise OptionsError(f"x={what}: reduce measures a floating-point tensor; pass one (e.g. x.float())")
+    if (causal or probs) and x.dim() < 2:
+        raise OptionsError(f"x.shape={tuple(x.shape)}: causal and probs need (..., T, S) rows; pass a tensor of at "
+                           "least 2 dimensions")
+    if causal and x.shape[-1] != x.shape[-2]:
+        raise OptionsError(f"x.shape={tuple(x.shape)}: causal needs square (..., T, T) matrices; pass causal=False")
+    if rows and x.dim() < 1:
+        raise OptionsError("x.shape=(): rows needs a last dimension; pass a tensor of at least 1 dimension")
+
+
+def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
+           cosine: bool = False) -> Reduction:
+    """The statistics of ``x`` that :mod:`.reference` defines, as a :class:`Reduction`.
+
+    ``causal``: ``x`` is (..., T, T) and only the entries on and below each diagonal are
+    measured (the others are never read). ``probs``: also the attention panel of the rows of
+    probabilities ``x`` (entries above the diagonal taken as 0 when ``causal``). ``rows``: also
+    mean(x^2) over the last dimension. ``cosine``: also the moments of each sequence's mean
+    cosine between its rows (sequences: ``x.shape[-2]`` rows of ``x.shape[-1]`` entries).
+    Raises OptionsError for a tensor these do not fit."""
+    _check(x, causal, probs, rows)
+    if accel.takes(x):
+        if not (rows or cosine) and (causal or not probs):
+            v = accel.summary(x, x.shape[-1] if causal else None, probs=probs)
+            if probs:  # numpy slices: slicing a tensor costs more than the small reductions
+                return Reduction(torch.from_numpy(v[:len(FIELDS)]), torch.from_numpy(v[len(FIELDS):]))
+            return Reduction(torch.from_numpy(v))
+        if not (causal or probs) and x.shape[-1] > 0:
+            vec, rowsq, cos = accel.summary_rows(x, cosine)
+            ms = torch.from_numpy(rowsq / x.shape[-1]).float() if rows else None
+            return Reduction(torch.from_numpy(vec), None, ms, torch.from_numpy(cos) if cosine else None)
+    mask = reference.causal_mask(x.shape[-1], x.device) if causal else None
+    return Reduction(reference.moments(x, mask), reference.panel(x, causal) if probs else None,
+                     reference.row_mean_squares(x) if rows else None, reference.cosines(x) if cosine else None)
+
+
+class Reducer:
+    """:func:`reduce` that knows the last ``size`` tensors it reduced (see the module docstring).
+
+    ``reducer(x, ...)`` returns the :class:`Reduction` of a remembered ``x`` (same object, data
+    pointer and version; same ``causal``) when it holds every part asked for, and otherwise
+    reduces ``x`` again, asking also for the parts it had, and remembers that."""
+
+    def __init__(self, size: int = 4):
+        if not isinstance(size, int) or size < 1:
+            raise OptionsError(f"size={size!r}: must be a positive int (the tensors remembered); pass e.g. 4")
+        self.size = size
+        self._recent: list[tuple[weakref.ref, tuple, Reduction]] = []  # most recent first
+
+    def __call__(self, x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
+                 cosine: bool = False) -> Reduction:
+        key = (x.data_ptr(), x._version, causal)  # the object itself is checked below
+        for i, (ref, k, r) in enumerate(self._recent):
+            if k == key and ref() is x:
+                if (not probs or r.panel is not None) and (not rows or r.row_ms is not None) \
+                        and (not cosine or r.cosine is not None):
+                    return r
+                probs, rows, cosine = probs or r.panel is not None, rows or r.row_ms is not None, \
+                    cosine or r.cosine is not None
+                del self._recent[i]
+                break
+        r = reduce(x, causal=causal, probs=probs, rows=rows, cosine=cosine)
+        self._recent = [(weakref.ref(x), key, r)] + self._recent[:self.size - 1]
+        return r
+
+
+def _merge_np(a: np.ndarray, b: np.ndarray, n: int, ext: int, largest: bool) -> np.ndarray:
+    out = a + b
+    na, nb = a[n], b[n]
+    total = na + nb
+    delta = b[n + 1] - a[n + 1]
+    out[n + 1] = a[n + 1] + delta * nb / total if total > 0 else 0.0
+    out[n + 2] = a[n + 2] + b[n + 2] + (delta * delta * na * nb / total if total > 0 else 0.0)
+    out[ext] = (np.maximum if largest else np.minimum)(a[ext], b[ext])
+    return out
+
+
+def _merge_torch(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
+    b = b.to(a.device)
+    na, nb = a[n], b[n]
+    total = na + nb
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    delta = b[n + 1] - a[n + 1]
+    out = a + b
+    out[n + 1] = torch.where(total > 0, a[n + 1] + delta * nb / safe, torch.zeros_like(total))
+    out[n + 2] = a[n + 2] + b[n + 2] + delta * delta * na * nb / safe
+    out[ext] = (torch.maximum if largest else torch.minimum)(a[ext], b[ext])
+    return out
+
+
+def _merge(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
+    """Merge two vectors: (count, mean, M2) at n, n+1, n+2 by Chan's rule, the larger
+    (``largest``) or smaller at ``ext``, and a sum everywhere else; on the CPU in numpy (a few
+    microseconds), elsewhere with torch ops on the tensors' device (no sync). Both give the
+    same bits."""
+    if a.is_cpu and b.is_cpu:
+        return torch.from_numpy(_merge_np(a.numpy(), b.numpy(), n, ext, largest))
+    return _merge_torch(a, b, n, ext, largest)
+
+
+def merge_vectors(a: Tensor, b: Tensor) -> Tensor:
+    """Two :data:`FIELDS` vectors merged into the vector of both tensors' entries: n = n_a + n_b,
+    delta = mean_b - mean_a, mean = mean_a + delta n_b / n, M2 = M2_a + M2_b + delta^2 n_a n_b / n
+    (Chan), max for max|x|, sums for the counts. (Vectors of :func:`reduce` carry no autograd
+    history; a new tensor is returned and neither input changes.)"""
+    return _merge(a, b, 1, 4, True)
+
+
+def merge_attention_vectors(a: Tensor, b: Tensor) -> Tensor:
+    """Two :data:`ATTN_FIELDS` vectors merged (Chan for the entropy over rows, min for its minimum)."""
+    return _merge(a, b, 0, 3, False)
