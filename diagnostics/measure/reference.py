@@ -1,6 +1,6 @@
 """What every statistic the probe takes means, in plain torch: the reference the accelerator is held to.
 
-:func:`diagnostics.measure.reduce.reduce` returns these numbers; on a CPU it computes them with
+:func:`diagnostics.measure.reducer.reduce` returns these numbers; on a CPU it computes them with
 the compiled kernels of :mod:`.accel`, elsewhere with the functions below. Everything is in
 float64 (fp16, bf16 and float32 convert to it exactly).
 
