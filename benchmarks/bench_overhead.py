@@ -8,7 +8,7 @@ machine whose speed drifts by tens of percent within a minute, the headline is t
 over pairs of probed/bare within a pair (target <= 1.10); the ratio of the medians and the
 ratio of the fastest runs are printed beside it. On a virtual machine the drift is mostly
 *steal*: time the hypervisor gives the CPUs to other guests (the steal column of
-/proc/stat; 660 ms of CPU time during one 1.9 s pass here, under load). Each pass records the steal over its
+/proc/stat). Each pass records the steal over its
 duration; the headline is taken over the *quiet* pairs, those whose two passes each lost at
 most ``--max-steal`` ms, when there are at least 5 of them (the median over all pairs is
 printed beside it, and how many were quiet). The process's CPU time (all threads; steal is

@@ -157,3 +157,36 @@ def test_a_damaged_sampler_state_is_a_checkpoint_error():
         _sampler_generator(TrainOptions(steps=1), torch.zeros(7, dtype=torch.uint8))
     good = torch.Generator().manual_seed(5).get_state()
     assert torch.equal(_sampler_generator(TrainOptions(steps=1), good).get_state(), good)
+
+
+@pytest.mark.parametrize("w", [torch.full((4, 3), float("nan")), torch.full((4, 3), float("inf")),
+                               torch.full((4, 3), 1e30), torch.full((4, 3), 1e-30)])
+def test_spectral_statistics_of_any_matrix_are_a_number_or_missing(w):
+    import math
+
+    from diagnostics.measure.probe import spectral_stats
+
+    top, rank = spectral_stats(w)
+    if torch.isfinite(w).all():  # scaled before the Gram product: no overflow, no underflow
+        assert math.isclose(top, float(torch.linalg.matrix_norm(w.double(), ord=2)), rel_tol=1e-6)
+        assert math.isclose(rank, 1.0, rel_tol=1e-6)
+    else:
+        assert math.isnan(top) and math.isnan(rank)
+
+
+def test_a_probe_of_a_model_with_huge_or_inf_weights_still_measures():
+    import math
+
+    from diagnostics import ProbeOptions, probe
+
+    model = tinylm.TransformerLM(SMALL, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.layers[0].ffn.w1.weight[0, 0] = float("inf")
+        model.layers[1].ffn.w1.weight.mul_(1e25)  # finite, but its float32 Gram matrix would overflow
+    x = torch.randint(0, 50, (2, 8))
+    with probe(model, ProbeOptions(spectral=True)) as run:
+        model(x).float().sum().backward()
+    params = run.stats.params
+    assert params["layers.0.ffn.w1.weight"].spectral_norm is None  # not finite: not computed
+    assert math.isfinite(params["layers.1.ffn.w1.weight"].spectral_norm) and params["layers.1.ffn.w1.weight"].spectral_norm > 1e24
+    assert math.isfinite(params["layers.0.ffn.w2.weight"].spectral_norm)

@@ -43,7 +43,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # spawning two interpreters that import torch takes ~40 s on the shared 2-core box
+@pytest.mark.slow  # spawns two interpreters that each import torch
 def test_gloo_two_ranks_equal_one_process(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     r0 = ProbeStats.from_dict(torch.load(tmp_path / "rank0.pt", weights_only=False))
