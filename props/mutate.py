@@ -49,7 +49,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "y = x - x.amax(dim=dim, keepdim=True)", "y = x.clone()",
            "softmax without the max shift (overflows at large logits)"),
     Mutant("log-of-softmax", "functional.py",
-           "return x - logsumexp(x, dim=dim, keepdim=True)", "return torch.log(softmax(x, dim=dim))",
+           "return (xc - logsumexp(xc, dim=dim, keepdim=True)).to(x.dtype)", "return torch.log(softmax(x, dim=dim))",
            "log_softmax computed as log(softmax(x))"),
     Mutant("logsumexp-no-shift", "functional.py",
            "m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))", "m = torch.zeros_like(m)",
