@@ -94,13 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TINYLM_PROPS_NO_SHRINK="1",
                PYTHONPATH=str(work / "mutants"))
     t0 = time.time()
-    run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.children)],
-                         cwd=work, env=env, capture_output=True, text=True)
+    for attempt in range(2):  # mutmut 3.8's first stats pass right after generating mutants can fail; a rerun resumes
+        run = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", str(args.children)],
+                             cwd=work, env=env, capture_output=True, text=True)
+        (work / f"mutmut-run-{attempt}.log").write_text(run.stdout + run.stderr)
+        rows = _results(work, env)
+        if any(status != "not checked" for _, status in rows):
+            break
     seconds = time.time() - t0
-    (work / "mutmut-run.log").write_text(run.stdout + run.stderr)
-    rows = _results(work, env)
     if not rows:
-        print(f"mutmut produced no results (exit {run.returncode}); log in {work / 'mutmut-run.log'}", file=sys.stderr)
+        print(f"mutmut produced no results (exit {run.returncode}); logs in {work}/mutmut-run-*.log", file=sys.stderr)
         print((run.stdout + run.stderr)[-3000:], file=sys.stderr)
         return 1
     print(f"mutmut over tinylm/{', tinylm/'.join(args.files)}: {len(rows)} mutants in {seconds / 60:.1f} min "

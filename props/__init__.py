@@ -20,7 +20,7 @@ from .stattests import ALPHA, TestResult, binomial_test, mean_test, variance_tes
 __all__ = [
     "impl",
     "record",
-    "stats",
+    "stattests",
     "strategies",
     "tolerances",
     "FUNCTIONS",
