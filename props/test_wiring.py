@@ -124,24 +124,27 @@ def _model_with_random_gains(impl, cfg, seed):
 
 
 def _positions(cfg, g, B, T, kind):
+    """None (the default 0..T-1), or increasing positions with gaps of 1 to 3 within the context, shared
+    (T,) or per batch row (B, T). Gaps matter: RoPE scores depend on i - j only, so a common offset is invisible."""
     if kind == "default":
         return None
-    off = torch.randint(0, cfg.context_length - T + 1, (B, 1) if kind == "batched" else (1,), generator=g)
-    return off + torch.arange(T)
+    rows = B if kind == "batched" else 1
+    pos = torch.stack([torch.randperm(cfg.context_length, generator=g)[:T].sort().values for _ in range(rows)])
+    return pos if kind == "batched" else pos[0]
 
 
 def _tol(cfg, logits):
     return 1e3 * (cfg.d_model + cfg.d_ff + cfg.context_length) * cfg.num_layers * U64 * (1 + float(logits.abs().max()))
 
 
-variants = model_configs(max_layers=2, max_vocab=32, max_context=8)
+variants = model_configs(max_layers=2, max_vocab=32, max_context=12)
 
 
-@prop("whole model = independent float64 reference: every variant, random norm gains, RoPE positions, eval mode", needs=("transformer_lm",))
+@prop("whole model = independent float64 reference: every variant, random norm gains and eps, RoPE at given positions, eval mode", needs=("transformer_lm",))
 @settings(max_examples=20)
 @given(cfg=variants, seed=seeds(), dropout=st.sampled_from([0.0, 0.3]), kind=st.sampled_from(["default", "shared", "batched"]), data=st.data())
 def test_model_matches_reference_eval(impl, cfg, seed, dropout, kind, data):
-    cfg = cfg.replace(dropout=dropout)
+    cfg = cfg.replace(dropout=dropout, eps=data.draw(st.sampled_from([1e-5, 0.05, 0.5]), label="eps"))
     model, g = _model_with_random_gains(impl, cfg, seed)
     model.eval()
     T = data.draw(st.integers(1, cfg.context_length), label="T")
@@ -199,3 +202,20 @@ def test_reference_rejects_unit_gains(impl, cfg, seed):
     err = float((out - reference_forward(unit, cfg, tok)).abs().max())
     check(_tol(cfg, out) / err, 1.0, "negative control", kind="tol/err")
     assert err > _tol(cfg, out)
+
+
+@prop("negative control: with RoPE, positions with gaps change the logits (a dropped token_positions is caught)", needs=("transformer_lm",))
+@settings(max_examples=6)
+@given(cfg=model_configs(max_layers=2, max_vocab=32, max_context=12, rope=(True,)), seed=seeds())
+def test_reference_positions_matter(impl, cfg, seed):
+    cfg = cfg.replace(context_length=max(cfg.context_length, 4))
+    model, g = _model_with_random_gains(impl, cfg, seed)
+    model.eval()
+    T = (cfg.context_length + 1) // 2
+    tok = torch.arange(T).remainder(cfg.vocab_size).expand(2, T)  # distinct neighbours: positions are visible
+    pos = torch.arange(T) * 2  # every gap 2: not a shift of 0..T-1
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    err = float((reference_forward(sd, cfg, tok, pos) - reference_forward(sd, cfg, tok)).abs().max())
+    tol = _tol(cfg, reference_forward(sd, cfg, tok))
+    check(tol / max(err, 1e-300), 1.0, "negative control", kind="tol/err")
+    assert err > tol, "positions with gaps gave the same logits as 0..T-1"
