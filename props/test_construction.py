@@ -82,11 +82,13 @@ def test_module_sizes_and_dtype(impl, a, b):
     lin, emb = L.Linear(a, b, dtype=torch.float64), L.Embedding(a, b, dtype=torch.float64)
     assert (lin.in_features, lin.out_features, emb.num_embeddings, emb.embedding_dim) == (a, b, a, b)
     assert lin.weight.shape == (b, a) and emb.weight.shape == (a, b)
-    mods = [lin, emb, L.SwiGLU(a, b, dtype=torch.float64), L.SiLUFFN(a, b, dtype=torch.float64), L.RMSNorm(a, dtype=torch.float64)]
+    mods = [lin, emb, L.SwiGLU(a, b, dtype=torch.float64), L.SiLUFFN(a, b, dtype=torch.float64), L.RMSNorm(a, dtype=torch.float64),
+            L.MultiHeadSelfAttention(2 * a, 2, dtype=torch.float64)]
     wrong = [type(m).__name__ for m in mods for p in m.parameters() if p.dtype != torch.float64]
     assert not wrong, f"dtype=float64 ignored by {wrong}"
-    meta = [L.SiLUFFN(a, b, device="meta"), L.SwiGLU(a, b, device="meta"), L.Embedding(a, b, device="meta")]
-    assert all(p.device.type == "meta" for m in meta for p in m.parameters()), "device='meta' ignored"
+    meta = [L.SiLUFFN(a, b, device="meta"), L.SwiGLU(a, b, device="meta"), L.Embedding(a, b, device="meta"),
+            L.RMSNorm(a, device="meta"), L.MultiHeadSelfAttention(4 * a, 2, 4, 100.0, device="meta")]
+    assert all(t.device.type == "meta" for m in meta for t in [*m.parameters(), *m.buffers()]), "device='meta' ignored"
     check(0.0, 0.0, "module sizes", kind="exact")
 
 
@@ -176,3 +178,45 @@ def test_register(impl):
         init.register("props-test-bad", 42)
     assert "props-test-bad" not in init.SCHEMES
     check(0.0, 0.0, "register", kind="exact")
+
+
+@prop("Linear(bias=True): y = x W^T + b, bias in the module's dtype and device", needs=("layers",))
+@given(seed=seeds(), a=st.integers(1, 8), b=st.integers(1, 8))
+def test_linear_bias(impl, seed, a, b):
+    g = generator(seed)
+    lin = impl.layers.Linear(a, b, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(b, a, generator=g, dtype=torch.float64))
+        lin.bias.copy_(torch.randn(b, generator=g, dtype=torch.float64))
+    x = torch.randn(3, a, generator=g, dtype=torch.float64)
+    W, bias = lin.weight.detach(), lin.bias.detach()
+    with torch.no_grad():
+        err = float((lin(x) - (x @ W.T + bias)).abs().max())
+    assert lin.bias.dtype == torch.float64 and lin.bias.shape == (b,)
+    assert impl.layers.Linear(a, b, bias=True, device="meta").bias.device.type == "meta"
+    check(err, 4 * (a + 2) * 2.0**-53 * (1 + float(x.abs().max() * W.abs().max() * a + bias.abs().max())), "Linear with bias")
+
+
+@prop("TransformerBlock defaults: pre-norm, SwiGLU, no dropout, eps 1e-5; eps, dtype, device and bad norm/ffn (named) honoured", needs=("transformer_block",))
+def test_block_arguments(impl):
+    from tinylm.model import TransformerBlock
+
+    blk = TransformerBlock(8, 2, 12, 6, 100.0)
+    assert (blk.norm, blk.dropout, blk.ln1.eps, blk.ln2.eps) == ("pre", 0.0, 1e-5, 1e-5) and hasattr(blk.ffn, "w3")
+    assert impl.layers.RMSNorm(4).eps == 1e-5
+    blk = TransformerBlock(8, 2, 12, 6, 100.0, eps=0.25, norm="post", ffn="silu", dtype=torch.float64)
+    assert (blk.ln1.eps, blk.ln2.eps) == (0.25, 0.25) and not hasattr(blk.ffn, "w3")
+    assert all(p.dtype == torch.float64 for p in blk.parameters()), "TransformerBlock ignored dtype"
+    none = TransformerBlock(8, 2, 12, 6, None, norm="none")
+    assert not hasattr(none, "ln1") and not hasattr(none, "ln2") and none.attn.rope is None
+    meta = TransformerBlock(8, 2, 12, 6, 100.0, device="meta")
+    assert all(t.device.type == "meta" for t in [*meta.parameters(), *meta.buffers()]), "device='meta' ignored"
+    with pytest.raises(ValueError, match=r"^norm='mid': must be 'pre', 'post' or 'none'$"):
+        TransformerBlock(8, 2, 12, 6, None, norm="mid")
+    with pytest.raises(ValueError, match=r"^ffn='relu': must be 'swiglu' or 'silu'$"):
+        TransformerBlock(8, 2, 12, 6, None, ffn="relu")
+    with pytest.raises(ValueError, match=r"^d_model=9, num_heads=2: d_model must be divisible by num_heads$"):
+        impl.layers.MultiHeadSelfAttention(9, 2)
+    with pytest.raises(ValueError, match=r"^theta given without max_seq_len: RoPE needs max_seq_len for its tables$"):
+        impl.layers.MultiHeadSelfAttention(8, 2, theta=100.0)
+    check(0.0, 0.0, "block arguments", kind="exact")
