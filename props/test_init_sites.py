@@ -178,3 +178,21 @@ def test_seeded_init_reproducible(impl, scheme):
     random_keys = [k for k, v in a.items() if v.numel() > 1 and v.unique().numel() > 1]
     assert random_keys and all(not torch.equal(a[k], c[k]) for k in random_keys), f"{scheme}: seeds 7 and 8 gave the same draws"
     check(len(differing), 0, f"{scheme}: seeded init", kind="tensors")
+
+
+@prop("Dist validates its fields, naming the bad value: family, uniform bounds (finite, low < high), std >= 0 (0 allowed)", needs=("init",))
+def test_dist_validation(impl):
+    from tinylm.errors import ConfigError
+
+    Dist = impl.init.Dist
+    with pytest.raises(ConfigError, match=r"^family='gamma': must be trunc_normal, normal, uniform or constant$"):
+        Dist("gamma")
+    for lo, hi in ((1.0, 1.0), (2.0, 1.0), (-math.inf, 1.0), (0.0, math.inf)):
+        with pytest.raises(ConfigError, match=rf"^uniform bounds low={lo}, high={hi}: need finite low < high$"):
+            Dist("uniform", low=lo, high=hi)
+    for fam in ("normal", "trunc_normal"):
+        with pytest.raises(ConfigError, match=r"^std=-0.5: must be >= 0$"):
+            Dist(fam, std=-0.5, low=-1.0, high=1.0)
+        assert Dist(fam, std=0.0, low=-1.0, high=1.0).variance == 0.0  # a zero std is a legal (degenerate) draw
+    assert Dist("uniform", low=-1.0, high=3.0).bounds == (-1.0, 3.0) and Dist("constant", value=2.0).bounds == (2.0, 2.0)
+    check(0.0, 0.0, "Dist validation", kind="raises")
