@@ -7,6 +7,12 @@ there in a subprocess (``OMP_NUM_THREADS=1``, that directory first on the path),
 several mutants at a time. A mutant is *killed* when at least one property fails;
 the report names every property that failed. An unpatched copy runs first as
 the baseline: it must pass, or no kill would mean anything.
+
+These patches are realistic semantic bugs (a missing max shift, a mean over the
+wrong axis, a gate on the wrong projection, pre-norm wired as post-norm) that an
+operator-level mutation tool does not generate: none of them is among the mutants
+mutmut makes of the same files. The operator-level score of the suite is measured
+by ``benchmarks/mutation.py`` (mutmut 3); see ``docs/mutation.md``.
 """
 
 from __future__ import annotations
