@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -219,3 +220,12 @@ def test_reference_positions_matter(impl, cfg, seed):
     tol = _tol(cfg, reference_forward(sd, cfg, tok))
     check(tol / max(err, 1e-300), 1.0, "negative control", kind="tol/err")
     assert err > tol, "positions with gaps gave the same logits as 0..T-1"
+
+
+@pytest.mark.slow
+@prop("slow: whole model = reference over 200 variants up to 4 layers and context 24, eval and train with dropout", needs=("transformer_lm",))
+@settings(max_examples=200)
+@given(cfg=model_configs(max_layers=4, max_vocab=64, max_context=24), seed=seeds(), kind=st.sampled_from(["default", "shared", "batched"]), data=st.data())
+def test_model_matches_reference_thorough(impl, cfg, seed, kind, data):
+    test_model_matches_reference_eval.hypothesis.inner_test(impl, cfg, seed, 0.3, kind, data)
+    test_model_train_mode.hypothesis.inner_test(impl, cfg, seed)
