@@ -220,3 +220,39 @@ def test_block_arguments(impl):
     with pytest.raises(ValueError, match=r"^theta given without max_seq_len: RoPE needs max_seq_len for its tables$"):
         impl.layers.MultiHeadSelfAttention(8, 2, theta=100.0)
     check(0.0, 0.0, "block arguments", kind="exact")
+
+
+@prop("init.sites on any module: parameter names, kinds, fans (bare parameters: shape[-1], shape[0]; scalars 1), layer count", needs=("init", "layers"))
+def test_sites_of_any_module(impl):
+    from torch import nn
+
+    from tinylm.errors import ConfigError
+
+    L = impl.layers
+
+    class Custom(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+            self.table = nn.Parameter(torch.ones(5, 3))
+            self.proj = L.Linear(3, 4, bias=True)
+            self.emb = L.Embedding(7, 3)
+            self.layers = nn.ModuleList(L.RMSNorm(3) for _ in range(3))
+
+    got = {n: (s.name, s.kind, s.fan_in, s.fan_out, s.num_layers, s.d_model) for n, (s, _) in impl.init.sites(Custom()).items()}
+    want = {
+        "scale": ("scale", "other", 1, 1, 3, 1),
+        "table": ("table", "other", 3, 5, 3, 5),
+        "proj.weight": ("proj.weight", "linear_weight", 3, 4, 3, 4),
+        "proj.bias": ("proj.bias", "linear_bias", 3, 4, 3, 4),
+        "emb.weight": ("emb.weight", "embedding", 1, 3, 3, 3),
+        **{f"layers.{i}.weight": (f"layers.{i}.weight", "norm_gain", 3, 3, 3, 3) for i in range(3)},
+    }
+    assert got == want, f"sites differ: {set(got.items()) ^ set(want.items())}"
+    bare = impl.init.sites(L.Linear(2, 5))
+    assert {n: (s.kind, s.num_layers) for n, (s, _) in bare.items()} == {"weight": ("linear_weight", 1)}
+    with pytest.raises(ConfigError, match=r"^unknown init scheme 'nope'; choose one of cs336, kaiming, torch-default"):
+        impl.init.get("nope")
+    with pytest.raises(ValueError, match=r"^d_k=3: RoPE rotates pairs of dimensions, so d_k must be even$"):
+        L.RotaryPositionalEmbedding(100.0, 3, 4)
+    check(0.0, 0.0, "sites", kind="exact")

@@ -229,3 +229,21 @@ def test_reference_positions_matter(impl, cfg, seed):
 def test_model_matches_reference_thorough(impl, cfg, seed, kind, data):
     test_model_matches_reference_eval.hypothesis.inner_test(impl, cfg, seed, 0.3, kind, data)
     test_model_train_mode.hypothesis.inner_test(impl, cfg, seed)
+
+
+@prop("every norm placement passes token_positions to attention: model(tok, pos) = reference at positions with gaps", needs=("transformer_lm",))
+@pytest.mark.parametrize("norm", ["pre", "post", "none"])
+def test_positions_reach_attention_in_every_placement(impl, norm):
+    from tinylm.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=16, context_length=12, d_model=8, num_layers=2, num_heads=2, d_ff=12, norm=norm)
+    model, g = _model_with_random_gains(impl, cfg, 3)
+    model.eval()
+    tok = torch.randint(0, cfg.vocab_size, (2, 6), generator=g)
+    pos = torch.arange(6) * 2  # gaps of 2: RoPE sees other relative distances than 0..5
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        out = model(tok, pos)
+    ref = reference_forward(sd, cfg, tok, pos)
+    assert float((ref - reference_forward(sd, cfg, tok)).abs().max()) > 1e3 * _tol(cfg, ref)  # the positions are visible
+    check(float((out - ref).abs().max()), _tol(cfg, ref), f"{norm}: token_positions did not reach attention")
