@@ -235,6 +235,7 @@ def test_sites_of_any_module(impl):
             super().__init__()
             self.scale = nn.Parameter(torch.ones(()))
             self.table = nn.Parameter(torch.ones(5, 3))
+            self.cube = nn.Parameter(torch.ones(2, 3, 4))
             self.proj = L.Linear(3, 4, bias=True)
             self.emb = L.Embedding(7, 3)
             self.layers = nn.ModuleList(L.RMSNorm(3) for _ in range(3))
@@ -243,6 +244,7 @@ def test_sites_of_any_module(impl):
     want = {
         "scale": ("scale", "other", 1, 1, 3, 1),
         "table": ("table", "other", 3, 5, 3, 5),
+        "cube": ("cube", "other", 4, 2, 3, 2),
         "proj.weight": ("proj.weight", "linear_weight", 3, 4, 3, 4),
         "proj.bias": ("proj.bias", "linear_bias", 3, 4, 3, 4),
         "emb.weight": ("emb.weight", "embedding", 1, 3, 3, 3),
