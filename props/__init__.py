@@ -3,7 +3,8 @@
 Run it with ``tinylm props`` (a table of every property), ``pytest --pyargs props``
 or ``python -m pytest props``; against your own code with ``tinylm props --impl
 package.module:object`` (protocol in :mod:`props.impl`). ``python -m props.mutate``
-shows that the suite catches deliberate bugs.
+shows that the suite catches deliberate bugs; ``benchmarks/mutation.py`` measures its
+mutation score with mutmut (``docs/mutation.md``).
 
 Public pieces: :mod:`props.strategies` (hypothesis strategies), :mod:`props.stattests`
 (statistical checks with stated false-alarm rates), :mod:`props.record`
@@ -20,7 +21,7 @@ from .stattests import ALPHA, TestResult, binomial_test, mean_test, variance_tes
 __all__ = [
     "impl",
     "record",
-    "stats",
+    "stattests",
     "strategies",
     "tolerances",
     "FUNCTIONS",

@@ -6,15 +6,17 @@ The properties never call tinylm directly; they call the functions of an
 =================================  ====================================================================
 name                               signature (tensors are torch tensors; ``...`` = any leading dims)
 =================================  ====================================================================
-``softmax``                        ``(x, dim) -> Tensor``
-``log_softmax``                    ``(x, dim) -> Tensor``
-``logsumexp``                      ``(x, dim) -> Tensor`` (dim reduced)
-``cross_entropy``                  ``(logits (..., C), targets (...), label_smoothing=0.0) -> scalar`` (mean)
+``softmax``                        ``(x, dim=-1) -> Tensor``
+``log_softmax``                    ``(x, dim=-1) -> Tensor``
+``logsumexp``                      ``(x, dim=-1, keepdim=False) -> Tensor`` (dim reduced unless keepdim)
+``cross_entropy``                  ``(logits (..., C), targets (...), label_smoothing=0.0) -> scalar`` (mean);
+                                   ValueError naming ``label_smoothing=`` outside [0, 1] or on a shape mismatch
 ``silu``                           ``(x) -> Tensor``
 ``rmsnorm``                        ``(x (..., d), weight (d,), eps) -> Tensor`` (same dtype as x)
 ``linear``                         ``(x (..., d_in), weight (d_out, d_in)) -> (..., d_out)``
 ``swiglu``                         ``(x (..., d), w1 (d_ff, d), w2 (d, d_ff), w3 (d_ff, d)) -> (..., d)``
-``dropout``                        ``(x, p, training, generator) -> Tensor`` (inverted dropout)
+``dropout``                        ``(x, p, training=True, generator=None) -> Tensor`` (inverted dropout);
+                                   ValueError naming ``p=`` outside [0, 1)
 ``scaled_dot_product_attention``   ``(Q (..., Tq, dk), K (..., Tk, dk), V (..., Tk, dv), mask=None) -> (..., Tq, dv)``
                                    mask True = may attend
 ``multihead_self_attention``       ``(x (..., T, d), q_w, k_w, v_w, o_w (each (d, d)), num_heads) -> (..., T, d)`` causal, no RoPE
@@ -24,6 +26,10 @@ name                               signature (tensors are torch tensors; ``...``
 ``transformer_lm``                 ``(config: tinylm.ModelConfig, generator) -> nn.Module``, token ids -> logits,
                                    submodules ``token_embeddings`` and ``lm_head`` (CS336 names)
 ``init``                           a module like :mod:`tinylm.init` (``declare``, ``apply``, ``truncnorm_variance``)
+``functional``                     a module like :mod:`tinylm.functional` (its helpers ``causal_mask``,
+                                   ``attention_scores``, ``rope_angles``, ``apply_rope``, ``rms_norm``)
+``layers``                         a module like :mod:`tinylm.layers` (``Linear``, ``Embedding``, ``RMSNorm``
+                                   with ``reset_parameters``)
 =================================  ====================================================================
 
 ``load("package.module:object")`` imports a user's object (``package.module``
@@ -78,6 +84,8 @@ FUNCTIONS: tuple[str, ...] = (
     "transformer_block",
     "transformer_lm",
     "init",
+    "functional",
+    "layers",
 )
 
 
@@ -95,29 +103,31 @@ class TinyLMImpl:
 
         self._tl = tinylm
         self.init = tinylm.init
+        self.functional = tinylm.functional
+        self.layers = tinylm.layers
         self.source = os.path.dirname(tinylm.__file__)
 
-    # -- functional ---------------------------------------------------------
-    def softmax(self, x: Tensor, dim: int) -> Tensor:
-        return self._tl.functional.softmax(x, dim)
+    # -- functional (arguments passed through as given, so tinylm's own defaults are what runs) --
+    def softmax(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._tl.functional.softmax(x, *args, **kwargs)
 
-    def log_softmax(self, x: Tensor, dim: int) -> Tensor:
-        return self._tl.functional.log_softmax(x, dim)
+    def log_softmax(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._tl.functional.log_softmax(x, *args, **kwargs)
 
-    def logsumexp(self, x: Tensor, dim: int) -> Tensor:
-        return self._tl.functional.logsumexp(x, dim)
+    def logsumexp(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._tl.functional.logsumexp(x, *args, **kwargs)
 
-    def cross_entropy(self, logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
-        return self._tl.functional.cross_entropy(logits, targets, label_smoothing=label_smoothing)
+    def cross_entropy(self, logits: Tensor, targets: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._tl.functional.cross_entropy(logits, targets, *args, **kwargs)
 
     def silu(self, x: Tensor) -> Tensor:
         return self._tl.functional.silu(x)
 
-    def dropout(self, x: Tensor, p: float, training: bool, generator: torch.Generator | None) -> Tensor:
-        return self._tl.functional.dropout(x, p, training=training, generator=generator)
+    def dropout(self, x: Tensor, p: float, *args: Any, **kwargs: Any) -> Tensor:
+        return self._tl.functional.dropout(x, p, *args, **kwargs)
 
-    def scaled_dot_product_attention(self, Q: Tensor, K: Tensor, V: Tensor, mask: Tensor | None = None) -> Tensor:
-        return self._tl.functional.scaled_dot_product_attention(Q, K, V, mask)
+    def scaled_dot_product_attention(self, Q: Tensor, K: Tensor, V: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._tl.functional.scaled_dot_product_attention(Q, K, V, *args, **kwargs)
 
     # -- modules ------------------------------------------------------------
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -60,12 +60,18 @@ class _LogSumExp(torch.autograd.Function):
         return g * _exp_shifted_(x - out), None
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the reductions below compute in: at least float32 (bf16/fp16 inputs are upcast)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def logsumexp(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
     """log sum_i exp(x_i) computed as m + log sum_i exp(x_i - m), m = max_i x_i.
 
     Rows that are entirely -inf give -inf (not NaN). The gradient is softmax(x).
+    bf16/fp16 inputs are computed in float32 and the result rounded once to the input dtype.
     """
-    out = _LogSumExp.apply(x, dim)
+    out = _LogSumExp.apply(x.to(_compute_dtype(x)), dim).to(x.dtype)
     return out if keepdim else out.squeeze(dim)
 
 
@@ -97,14 +103,19 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
 
     Subtracting the max changes nothing mathematically (softmax is invariant to a
     shift) and keeps every exponent <= 0, so nothing overflows. The gradient is
-    p * (g - <g, p>) (see ``_Softmax``).
+    p * (g - <g, p>) (see ``_Softmax``). bf16/fp16 inputs are computed in float32 and
+    the result rounded once to the input dtype.
     """
-    return _Softmax.apply(x, dim)
+    return _Softmax.apply(x.to(_compute_dtype(x)), dim).to(x.dtype)
 
 
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """log_softmax(x)_i = x_i - logsumexp(x); finite where log(softmax(x)) underflows to -inf."""
-    return x - logsumexp(x, dim=dim, keepdim=True)
+    """log_softmax(x)_i = x_i - logsumexp(x); finite where log(softmax(x)) underflows to -inf.
+
+    bf16/fp16 inputs are computed in float32 and the result rounded once to the input dtype.
+    """
+    xc = x.to(_compute_dtype(x))
+    return (xc - logsumexp(xc, dim=dim, keepdim=True)).to(x.dtype)
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -152,7 +163,8 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
     With smoothing eps, q = (1 - eps) onehot + eps / C (the uniform part covers all
     C classes, the target included, as in ``torch.nn.functional.cross_entropy``).
     The gradient with respect to the logits is (p - q) / N for N positions
-    (written out in ``_CrossEntropy``).
+    (written out in ``_CrossEntropy``). bf16/fp16 logits are computed in float32; the
+    loss is returned in the logits' dtype.
     """
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing={label_smoothing}: must be in [0, 1]")
@@ -161,7 +173,7 @@ def cross_entropy(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0)
             f"logits shape {tuple(logits.shape)} and targets shape {tuple(targets.shape)}: "
             "targets must have the logits' shape without the last (class) dimension"
         )
-    return _CrossEntropy.apply(logits, targets, float(label_smoothing))
+    return _CrossEntropy.apply(logits.to(_compute_dtype(logits)), targets, float(label_smoothing)).to(logits.dtype)
 
 
 def silu(x: Tensor) -> Tensor:

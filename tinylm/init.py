@@ -235,7 +235,9 @@ def cs336(site: ParamSite) -> Dist:
 def kaiming(site: ParamSite) -> Dist:
     if site.kind == "linear_weight":
         return _trunc3(math.sqrt(2.0 / site.fan_in), "He/Kaiming: 2/d_in keeps the second moment through a ReLU")
-    return cs336(site)
+    if site.kind == "embedding":
+        return cs336(site)
+    return _common("kaiming", site)
 
 
 def torch_default(site: ParamSite) -> Dist:
@@ -269,7 +271,9 @@ def small_init(site: ParamSite) -> Dist:
 def zero_residual(site: ParamSite) -> Dist:
     if site.kind == "linear_weight" and site.residual_output:
         return Dist("constant", value=0.0, why="residual outputs zero: every block starts as the identity")
-    return cs336(site)
+    if site.kind in ("linear_weight", "embedding"):
+        return cs336(site)
+    return _common("zero-residual", site)
 
 
 SCHEMES: dict[str, Scheme] = {
