@@ -108,21 +108,25 @@ def spectral_stats(w: Tensor) -> tuple[float, float]:
     squared singular values, so sigma_max^2 = lambda_max(G) and ||W||_F^2 = trace(G). One
     GEMM (in float32, at least) and a k x k ``eigvalsh`` in float64 replace a full SVD (a k x k
     eigenproblem instead of an m x n decomposition), agreeing with float64 ``svdvals`` to about
-    7 digits. W is scaled by its largest |entry| first, so the Gram product neither overflows nor
-    underflows whatever the weights' scale. The Gram product's rounding (about sqrt(max(m, n))
-    ulp) stays far below what a diagnosis reads.
+    7 digits. The Gram product's rounding (about sqrt(max(m, n)) ulp) stays far below what a
+    diagnosis reads. A Gram product that overflowed or underflowed in float32 is formed again
+    from W scaled by its largest |entry|, so weights of any finite scale get their figures.
 
     A figure that cannot be computed (non-finite weights, an eigensolver that does not converge)
     is NaN, never an error: the rest of the measurement stands.
     """
     x = w.detach().to(torch.promote_types(w.dtype, torch.float32))
-    scale = float(x.abs().amax()) if x.numel() else 0.0
-    if not math.isfinite(scale):
-        return math.nan, math.nan
-    if scale == 0.0:
-        return 0.0, 0.0
-    x = x / scale
     gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T  # (k, k)
+    scale = 1.0
+    largest = float(gram.diagonal().amax()) if gram.numel() else 0.0  # the largest squared row/column norm
+    if not (1e-30 < largest < 1e30):  # overflowed, underflowed, zero or not finite: scale by max |w|, once more
+        scale = float(torch.linalg.vector_norm(x, ord=math.inf)) if x.numel() else 0.0
+        if not math.isfinite(scale):
+            return math.nan, math.nan
+        if scale == 0.0:
+            return 0.0, 0.0
+        x = x / scale
+        gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T
     try:
         ev = torch.linalg.eigvalsh(gram.double())  # ascending
     except RuntimeError:  # torch.linalg.LinAlgError: no convergence
