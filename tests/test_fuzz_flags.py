@@ -91,7 +91,18 @@ def _check(argv, inputs, capsys, monkeypatch):
     d, ckpt, data = inputs
     monkeypatch.chdir(d)
     before = _snapshot([ckpt, data])
-    code = main(argv)
+    import signal
+
+    def hang(signum, frame):
+        raise AssertionError(f"{argv}: no answer within 120 s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(120)
+    try:
+        code = main(argv)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
     out, err = capsys.readouterr()
     assert code in (0, 1, 2), (argv, code, err[-500:])
     assert "Traceback" not in err + out, argv

@@ -3,8 +3,10 @@
 Each example writes one file, hands it to the loader and requires one of two outcomes:
 a model (or token array), or a :class:`tinylm.errors.TinyLMError` with a one-line
 message. Any other exception is the "internal error" a user must never see. The file
-is byte- and mtime-identical afterwards. The default run draws 160 checkpoints and 160
-token files (320 cases); ``-m slow`` draws ten times as many.
+is byte- and mtime-identical afterwards, no case takes longer than CASE_SECONDS, and the
+whole corpus adds at most PEAK_GROWTH_MIB to the process's peak resident memory. The
+default run draws 160 checkpoints and 160 token files (320 cases); ``-m slow`` draws ten
+times as many.
 """
 
 from __future__ import annotations
@@ -154,6 +156,23 @@ def token_files(draw):
 # --------------------------------------------------------------------------- the contract
 
 
+#: the bound on the memory the whole corpus may add to the process (peak resident set): a few
+#: kilobytes of file must never cost gigabytes
+PEAK_GROWTH_MIB = 512
+#: the bound on one case's time: a hang fails the case instead of the run
+CASE_SECONDS = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bounded_memory():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    yield
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown < PEAK_GROWTH_MIB, f"the corpus grew the peak resident set by {grown:.0f} MiB"
+
+
 def _one_line(e: BaseException) -> None:
     msg = str(e)
     assert msg and "\n" not in msg.strip() and "Traceback" not in msg, msg
@@ -163,10 +182,20 @@ def _run(tmp_path: Path, name: str, data: bytes, fn) -> None:
     path = tmp_path / name
     path.write_bytes(data)
     os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    import signal
+
+    def hang(signum, frame):
+        raise AssertionError(f"{name}: no answer within {CASE_SECONDS} s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(CASE_SECONDS)
     try:
         fn(path)
     except TinyLMError as e:
         _one_line(e)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
     # anything else propagates and fails the example: an internal error
     assert path.read_bytes() == data and path.stat().st_mtime_ns == 1_000_000_000
 
