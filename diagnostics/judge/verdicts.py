@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from tinylm.plan import block_index as block_of
 from tinylm.plan import block_name, branch_stream
+from tinylm.validate import number
 
 from ..options import OptionsError
 from ..result import AttentionRow, DepthRow, Finding, ParamRow, TensorRow
@@ -103,8 +104,7 @@ class Thresholds:
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise OptionsError(f"{f.name}={v!r}: a threshold must be a finite number >= 0")
+            number(f.name, v, low=0.0, error=OptionsError)
         if self.exploding_gain <= 1 or self.vanishing_gain >= 1:
             raise OptionsError(f"exploding_gain={self.exploding_gain}, vanishing_gain={self.vanishing_gain}: "
                                "need exploding_gain > 1 > vanishing_gain")

@@ -79,6 +79,7 @@ import torch
 
 import tinylm
 from tinylm.init import Dist, declare
+from tinylm.validate import integer
 
 from ..options import OptionsError
 from .prediction import Prediction
@@ -562,15 +563,12 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
     """
     if not isinstance(config, tinylm.ModelConfig):
         raise OptionsError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= config.context_length:
-        raise OptionsError(f"seq_len={seq_len!r}: must be an integer in [1, context_length={config.context_length}]")
+    integer("seq_len", seq_len, low=1, high=config.context_length, fix="a length within the context", error=OptionsError)
     coincidence = _check_coincidence(coincidence, seq_len)
     if draws is None:
         draws = max(_MIN_DRAWS, _ROWS_PER_BLOCK // seq_len)
-    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
-        raise OptionsError(f"draws={draws!r}: must be a positive integer")
-    if isinstance(quad_nodes, bool) or not isinstance(quad_nodes, int) or quad_nodes < 4:
-        raise OptionsError(f"quad_nodes={quad_nodes!r}: must be an integer >= 4")
+    integer("draws", draws, low=1, error=OptionsError)
+    integer("quad_nodes", quad_nodes, low=4, error=OptionsError)
     scheme = scheme or config.init
     tinylm.init.get(scheme)  # raises naming the scheme if unknown
     # One torch thread: the walk is many medium-sized ops, where waking a pool of threads costs more
@@ -604,8 +602,7 @@ def cached_kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: st
     """
     if not isinstance(config, tinylm.ModelConfig):
         raise OptionsError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int):
-        raise OptionsError(f"seq_len={seq_len!r}: must be an integer in [1, context_length={config.context_length}]")
+    integer("seq_len", seq_len, low=1, high=config.context_length, fix="a length within the context", error=OptionsError)
     name = scheme or config.init
     fn = tinylm.init.get(name)  # raises naming the scheme if unknown
     P = _check_coincidence(coincidence, seq_len)
