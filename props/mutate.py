@@ -216,7 +216,7 @@ class MutationReport:
 
 
     def to_markdown(self) -> str:
-        """The same table as GitHub markdown (for the README), every failing property listed."""
+        """The same table as GitHub markdown (as in docs/props.md), every failing property listed."""
         killed = sum(r.killed and not r.error for r in self.results)
         lines = [
             f"{killed}/{len(self.results)} mutants killed in {self.seconds:.0f} s "

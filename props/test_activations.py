@@ -1,4 +1,4 @@
-"""Activation derivatives and the SwiGLU contract (properties 9-10 of issue 3)."""
+"""Activation derivatives and the SwiGLU contract."""
 
 from __future__ import annotations
 

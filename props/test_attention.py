@@ -1,4 +1,4 @@
-"""Scaled dot-product attention, multi-head attention and RoPE (properties 16-17 of issue 3)."""
+"""Scaled dot-product attention, multi-head attention and RoPE."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Variance through Linear layers and the init schemes (properties 1-5 of issue 3).
+"""Variance through Linear layers and the init schemes.
 
 Statistical checks: false-alarm probability ALPHA = 1e-6 each (Bonferroni-split where
 one property makes several), thresholds from the claim's own second and fourth
@@ -301,7 +301,7 @@ _CFG = ModelConfig(vocab_size=512, context_length=8, d_model=64, num_layers=2, n
 
 
 def _documented(scheme: str, name: str, kind: str, fan_in: int, fan_out: int, L: int, d: int):
-    """The rule of README's init table for one parameter: (family, std, low, high) or ('constant', value)."""
+    """The rule of the init table in docs/model.md for one parameter: (family, std, low, high) or ('constant', value)."""
     resid = name.endswith(("attn.output_proj.weight", "ffn.w2.weight"))
     if kind == "norm_gain":
         return ("constant", 1.0)

@@ -1,4 +1,4 @@
-"""Residuals, causality, Linear as a contraction, tied embeddings (properties 14, 15, 17-19 of issue 3)."""
+"""Residuals, causality, Linear as a contraction, tied embeddings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Inverted dropout, RMSNorm, LayerNorm and BatchNorm (properties 11-13 of issue 3)."""
+"""Inverted dropout, RMSNorm, LayerNorm and BatchNorm."""
 
 from __future__ import annotations
 

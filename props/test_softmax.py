@@ -1,4 +1,4 @@
-"""Softmax, log-softmax, logsumexp and cross-entropy (properties 6-8 of issue 3)."""
+"""Softmax, log-softmax, logsumexp and cross-entropy."""
 
 from __future__ import annotations
 

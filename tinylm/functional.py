@@ -34,8 +34,7 @@ def _exp_shifted_(y: Tensor) -> Tensor:
     entries below it (masked -inf scores, logits far below the max) are worth less
     than 8 * finfo.tiny (1e-37 in float32), far below the ulp of the sum they join
     (>= 1). It matters for speed: CPU ``exp`` takes a slow path at and below
-    log(smallest normal), measured 27-36x slower than on normal inputs (about 5x on
-    -inf). In place, so only
+    log(smallest normal) and on -inf. In place, so only
     for tensors that autograd does not track (inside the Functions below).
     """
     floor = math.log(torch.finfo(torch.promote_types(y.dtype, torch.float32)).tiny) + 2.0

@@ -163,7 +163,7 @@ def _trunc_normal_(t: torch.Tensor, std: float, low: float, high: float, gen: to
     """Exact draws from N(0, std^2) restricted to [low, high].
 
     Rejection sampling (redraw the entries that fall outside) is exact and, when most
-    of the mass lies inside, ten times faster than inverse-CDF sampling; otherwise
+    of the mass lies inside, cheaper than inverse-CDF sampling; otherwise
     torch's inverse-CDF ``trunc_normal_`` is used.
     """
     accept = _Phi(high / std) - _Phi(low / std)

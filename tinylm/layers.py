@@ -60,7 +60,7 @@ class Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         # The contraction einsum("... d_in, d_out d_in -> ... d_out") as a matmul: torch folds the
         # leading dims into one GEMM and writes the weight gradient in place, without the
-        # permuted copies that einsum's backward makes (25% slower on CPU).
+        # permuted copies that einsum's backward makes.
         y = x @ self.weight.T
         return y + self.bias if self.bias is not None else y
 
