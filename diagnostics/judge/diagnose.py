@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import math
 from datetime import datetime, timezone
+import warnings
 from functools import lru_cache
 
 import numpy as np
@@ -201,6 +202,23 @@ def _fresh_init(stats: ProbeStats) -> bool:
     return bool(drifts) and all(abs(d - 1) < 0.05 for d in drifts) and all(p.std == 0 for p in consts)
 
 
+def _predictions(mode, replicates, softmaxes, pooled, models, batches, source, seq_len, pooled_softmax):
+    """(per-replicate predictions, pooled predictions) of ``mode`` (see :func:`diagnose`)."""
+    per_rep: list[dict[tuple[str, str], Prediction]] = []
+    # which positions of a sequence hold the same token: all the kernel theory needs of given tokens
+    coincidence = None if source == "random" or mode != "global" else \
+        token_coincidence(torch.cat([b[:, :-1] for b in batches]))
+    for (st, m, n_tok), sm in zip(replicates, softmaxes):
+        if mode == "global" and per_rep:
+            per_rep.append(per_rep[0])
+            continue
+        per_rep.append(predict(m, mode, st, seq_len=seq_len, tokens=n_tok,
+                               softmax=pooled_softmax if mode == "global" else sm, coincidence=coincidence))
+    pooled_pred = per_rep[0] if mode == "global" else predict(models[0], mode, pooled, seq_len=seq_len,
+                                                                  tokens=replicates[0][2], softmax=pooled_softmax)
+    return per_rep, pooled_pred
+
+
 def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = None) -> DiagnoseResult:
     """Measure every instrumented tensor forward and backward, predict it, judge it.
 
@@ -267,17 +285,14 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     pooled_pred: dict[tuple[str, str], Prediction] = {}
     pooled_softmax = (float(np.mean([s for s, _ in softmaxes])), float(np.mean([p for _, p in softmaxes])))
     if mode != "none":
-        # which positions of a sequence hold the same token: all the kernel theory needs of given tokens
-        coincidence = None if source == "random" or mode != "global" else \
-            token_coincidence(torch.cat([b[:, :-1] for b in batches]))
-        for (st, m, n_tok), sm in zip(replicates, softmaxes):
-            if mode == "global" and per_rep:
-                per_rep.append(per_rep[0])
-                continue
-            per_rep.append(predict(m, mode, st, seq_len=seq_len, tokens=n_tok,
-                                   softmax=pooled_softmax if mode == "global" else sm, coincidence=coincidence))
-        pooled_pred = per_rep[0] if mode == "global" else predict(models[0], mode, pooled, seq_len=seq_len,
-                                                                      tokens=replicates[0][2], softmax=pooled_softmax)
+        try:
+            per_rep, pooled_pred = _predictions(mode, replicates, softmaxes, pooled, models, batches, source,
+                                                seq_len, pooled_softmax)
+        except (ArithmeticError, np.linalg.LinAlgError, torch.linalg.LinAlgError) as e:
+            # theory never takes the measurement down: report without predictions and say why
+            warnings.warn(f"theory ({mode}) could not be computed for this model ({type(e).__name__}: {e}); "
+                          "the measurements and verdicts stand without predictions", RuntimeWarning, stacklevel=2)
+            mode, per_rep, pooled_pred = "none", [], {}
     done += 1
     if progress:
         progress(done, total, f"theory ({mode})")
