@@ -258,3 +258,129 @@ def test_sites_of_any_module(impl):
     with pytest.raises(ValueError, match=r"^d_k=3: RoPE rotates pairs of dimensions, so d_k must be even$"):
         L.RotaryPositionalEmbedding(100.0, 3, 4)
     check(0.0, 0.0, "sites", kind="exact")
+
+
+# The text a report shows for each declaration (the "declared" column and its reason), as
+# docs/model.md documents the schemes: a rule whose numbers hold but whose stated reason or
+# formula text changed would tell a user something else.
+DECLARED = {  # (scheme, kind, residual) -> (describe(), why) at fan_in 8, fan_out 4, L 2, d_model 4
+    ('cs336', 'linear_weight', False): ('TN(0, 0.4082^2, [-1.225, 1.225])',
+        'Xavier/Glorot: 2/(d_in+d_out) is the harmonic compromise of the forward 1/d_in and backward 1/d_out conditions; truncated at 3 sigma'),
+    ('cs336', 'linear_weight', True): ('TN(0, 0.4082^2, [-1.225, 1.225])',
+        'Xavier/Glorot: 2/(d_in+d_out) is the harmonic compromise of the forward 1/d_in and backward 1/d_out conditions; truncated at 3 sigma'),
+    ('cs336', 'linear_bias', False): ('const 0',
+        'biases start at 0'),
+    ('cs336', 'linear_bias', True): ('const 0',
+        'biases start at 0'),
+    ('cs336', 'embedding', False): ('TN(0, 1^2, [-3, 3])',
+        'unit-variance token vectors, truncated at 3'),
+    ('cs336', 'embedding', True): ('TN(0, 1^2, [-3, 3])',
+        'unit-variance token vectors, truncated at 3'),
+    ('cs336', 'norm_gain', False): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('cs336', 'norm_gain', True): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('kaiming', 'linear_weight', False): ('TN(0, 0.5^2, [-1.5, 1.5])',
+        'He/Kaiming: 2/d_in keeps the second moment through a ReLU'),
+    ('kaiming', 'linear_weight', True): ('TN(0, 0.5^2, [-1.5, 1.5])',
+        'He/Kaiming: 2/d_in keeps the second moment through a ReLU'),
+    ('kaiming', 'linear_bias', False): ('const 0',
+        'biases start at 0'),
+    ('kaiming', 'linear_bias', True): ('const 0',
+        'biases start at 0'),
+    ('kaiming', 'embedding', False): ('TN(0, 1^2, [-3, 3])',
+        'unit-variance token vectors, truncated at 3'),
+    ('kaiming', 'embedding', True): ('TN(0, 1^2, [-3, 3])',
+        'unit-variance token vectors, truncated at 3'),
+    ('kaiming', 'norm_gain', False): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('kaiming', 'norm_gain', True): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('torch-default', 'linear_weight', False): ('U(-0.3536, 0.3536)',
+        "nn.Linear's default: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(d_in))"),
+    ('torch-default', 'linear_weight', True): ('U(-0.3536, 0.3536)',
+        "nn.Linear's default: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(d_in))"),
+    ('torch-default', 'linear_bias', False): ('U(-0.3536, 0.3536)',
+        "nn.Linear's default: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(d_in))"),
+    ('torch-default', 'linear_bias', True): ('U(-0.3536, 0.3536)',
+        "nn.Linear's default: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(d_in))"),
+    ('torch-default', 'embedding', False): ('N(0, 1^2)',
+        "nn.Embedding's default N(0, 1)"),
+    ('torch-default', 'embedding', True): ('N(0, 1^2)',
+        "nn.Embedding's default N(0, 1)"),
+    ('torch-default', 'norm_gain', False): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('torch-default', 'norm_gain', True): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('gpt2', 'linear_weight', False): ('N(0, 0.02^2)',
+        'GPT-2: N(0, 0.02^2)'),
+    ('gpt2', 'linear_weight', True): ('N(0, 0.01^2)',
+        'GPT-2: residual outputs scaled by 1/sqrt(2L) so the 2L branch sums stay O(1)'),
+    ('gpt2', 'linear_bias', False): ('const 0',
+        'biases start at 0'),
+    ('gpt2', 'linear_bias', True): ('const 0',
+        'biases start at 0'),
+    ('gpt2', 'embedding', False): ('N(0, 0.02^2)',
+        'GPT-2: N(0, 0.02^2)'),
+    ('gpt2', 'embedding', True): ('N(0, 0.01^2)',
+        'GPT-2: residual outputs scaled by 1/sqrt(2L) so the 2L branch sums stay O(1)'),
+    ('gpt2', 'norm_gain', False): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('gpt2', 'norm_gain', True): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('small-init', 'linear_weight', False): ('N(0, 0.3162^2)',
+        'Nguyen & Salazar small init: N(0, 2/(5d))'),
+    ('small-init', 'linear_weight', True): ('N(0, 0.5^2)',
+        'Wang: residual outputs std 2/(L sqrt(d))'),
+    ('small-init', 'linear_bias', False): ('const 0',
+        'biases start at 0'),
+    ('small-init', 'linear_bias', True): ('const 0',
+        'biases start at 0'),
+    ('small-init', 'embedding', False): ('N(0, 0.3162^2)',
+        'Nguyen & Salazar small init: N(0, 2/(5d))'),
+    ('small-init', 'embedding', True): ('N(0, 0.5^2)',
+        'Wang: residual outputs std 2/(L sqrt(d))'),
+    ('small-init', 'norm_gain', False): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('small-init', 'norm_gain', True): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('zero-residual', 'linear_weight', False): ('TN(0, 0.4082^2, [-1.225, 1.225])',
+        'Xavier/Glorot: 2/(d_in+d_out) is the harmonic compromise of the forward 1/d_in and backward 1/d_out conditions; truncated at 3 sigma'),
+    ('zero-residual', 'linear_weight', True): ('const 0',
+        'residual outputs zero: every block starts as the identity'),
+    ('zero-residual', 'linear_bias', False): ('const 0',
+        'biases start at 0'),
+    ('zero-residual', 'linear_bias', True): ('const 0',
+        'biases start at 0'),
+    ('zero-residual', 'embedding', False): ('TN(0, 1^2, [-3, 3])',
+        'unit-variance token vectors, truncated at 3'),
+    ('zero-residual', 'embedding', True): ('TN(0, 1^2, [-3, 3])',
+        'unit-variance token vectors, truncated at 3'),
+    ('zero-residual', 'norm_gain', False): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+    ('zero-residual', 'norm_gain', True): ('const 1',
+        "norm gains start at 1: the norm's output has unit RMS"),
+}
+
+
+@prop("every scheme's declarations read as documented: describe() and why, for every kind of parameter", needs=("init",))
+@pytest.mark.parametrize("scheme", BUILTIN_SCHEMES)
+def test_scheme_declarations_read_as_documented(impl, scheme):
+    fn = impl.init.get(scheme)
+    for (name, kind, residual), want in DECLARED.items():
+        if name != scheme:
+            continue
+        d = fn(_site(impl, kind, residual=residual))
+        got = (d.describe(), d.why)
+        assert got == want, f"{scheme} {kind} residual={residual}: declared {got}, documented {want}"
+    check(0.0, 0.0, f"{scheme}: declarations as documented", kind="exact")
+
+
+@prop("negative control: a declaration whose reason changed by one word is not as documented", needs=("init",))
+def test_scheme_declarations_negative_control(impl):
+    import dataclasses
+
+    d = impl.init.get("cs336")(_site(impl, "embedding"))
+    changed = dataclasses.replace(d, why=d.why.replace("unit", "half"))
+    assert (changed.describe(), changed.why) != DECLARED[("cs336", "embedding", False)]
+    check(0.0, 0.0, "the comparison tells a changed reason", kind="exact")
