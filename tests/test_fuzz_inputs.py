@@ -178,7 +178,7 @@ def _one_line(e: BaseException) -> None:
     assert msg and "\n" not in msg.strip() and "Traceback" not in msg, msg
 
 
-def _run(tmp_path: Path, name: str, data: bytes, fn) -> None:
+def assert_contract(tmp_path: Path, name: str, data: bytes, fn) -> None:
     path = tmp_path / name
     path.write_bytes(data)
     os.utime(path, ns=(1_000_000_000, 1_000_000_000))
@@ -206,6 +206,12 @@ def _load(path: Path) -> None:
     assert info.iteration is None or (isinstance(info.iteration, int) and info.iteration >= 0)
 
 
+def _read_tokens(path: Path) -> None:
+    tokens = load_tokens(path, vocab_size=256)
+    assert tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer)
+    assert len(tokens) == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < 256)
+
+
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                                       HealthCheck.data_too_large], derandomize=True)
 
@@ -213,40 +219,35 @@ SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scope
 @settings(max_examples=160, **SETTINGS)
 @given(case=checkpoints())
 def test_any_checkpoint_loads_or_is_a_one_line_error(tmp_path, case):
-    _run(tmp_path, *case, _load)
+    assert_contract(tmp_path, *case, _load)
 
 
 @settings(max_examples=160, **SETTINGS)
 @given(case=token_files())
 def test_any_token_file_reads_or_is_a_one_line_error(tmp_path, case):
-    def read(path: Path) -> None:
-        tokens = load_tokens(path, vocab_size=256)
-        assert tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer)
-        assert len(tokens) == 0 or (int(tokens.min()) >= 0 and int(tokens.max()) < 256)
-
-    _run(tmp_path, *case, read)
+    assert_contract(tmp_path, *case, _read_tokens)
 
 
 @pytest.mark.slow
 @settings(max_examples=1600, **SETTINGS)
 @given(case=checkpoints())
 def test_any_checkpoint_thorough(tmp_path, case):
-    _run(tmp_path, *case, _load)
+    assert_contract(tmp_path, *case, _load)
 
 
 @pytest.mark.slow
 @settings(max_examples=1600, **SETTINGS)
 @given(case=token_files())
 def test_any_token_file_thorough(tmp_path, case):
-    test_any_token_file_reads_or_is_a_one_line_error.hypothesis.inner_test(tmp_path, case)
+    assert_contract(tmp_path, *case, _read_tokens)
 
 
 def test_the_contract_rejects_an_internal_error(tmp_path):
-    # negative control: an exception that is not a TinyLMError escapes _run and fails the case
+    # negative control: an exception that is not a TinyLMError escapes assert_contract and fails the case
     def broken(path: Path) -> None:
         raise TypeError("'list' object is not a mapping")
 
     with pytest.raises(TypeError):
-        _run(tmp_path, "m.pt", b"x", broken)
+        assert_contract(tmp_path, "m.pt", b"x", broken)
     with pytest.raises(AssertionError):  # and a multi-line message is not one line
         _one_line(TinyLMError("first\nsecond"))

@@ -31,7 +31,7 @@ def _snapshot(*paths):
     return [(p.read_bytes(), p.stat().st_mtime_ns) for p in paths]
 
 
-def _refused(capsys, argv, phrase, *untouched):
+def assert_refused(capsys, argv, phrase, *untouched):
     before = _snapshot(*untouched)
     code = main([str(a) for a in argv])
     err = capsys.readouterr().err.strip()
@@ -41,15 +41,15 @@ def _refused(capsys, argv, phrase, *untouched):
 
 def test_train_never_writes_over_its_data_even_with_force(files, capsys):
     ckpt, data = files
-    _refused(capsys, ["train", "--preset", "tiny", "--data", data, "-o", data, "--force", "--steps", "1"],
+    assert_refused(capsys, ["train", "--preset", "tiny", "--data", data, "-o", data, "--force", "--steps", "1"],
              "is the --data file itself", data)
-    _refused(capsys, ["train", "--preset", "tiny", "--data", data, "-o", ckpt.parent / "new.pt",
+    assert_refused(capsys, ["train", "--preset", "tiny", "--data", data, "-o", ckpt.parent / "new.pt",
                       "--watch-json", data, "--steps", "1"], "is the --data file itself", data)
 
 
 def test_train_never_writes_the_watch_over_the_resumed_checkpoint(files, capsys):
     ckpt, data = files
-    _refused(capsys, ["train", "--resume", ckpt, "--data", data, "-o", ckpt, "--watch-csv", ckpt, "--steps", "3"],
+    assert_refused(capsys, ["train", "--resume", ckpt, "--data", data, "-o", ckpt, "--watch-csv", ckpt, "--steps", "3"],
              "is the --resume checkpoint itself", ckpt, data)
 
 
@@ -57,17 +57,17 @@ def test_diagnose_refuses_a_derived_output_over_an_input(files, capsys, tmp_path
     ckpt, data = files
     renamed = tmp_path / "p.training.png"
     os.link(ckpt, renamed)  # the derived training plot of --plot p.png would land on the checkpoint
-    _refused(capsys, ["diagnose", renamed, "--plot", tmp_path / "p.png", *FAST], "is the checkpoint itself", ckpt)
+    assert_refused(capsys, ["diagnose", renamed, "--plot", tmp_path / "p.png", *FAST], "is the checkpoint itself", ckpt)
 
 
 def test_a_symlink_or_dotdot_path_to_an_input_is_the_input(files, capsys, tmp_path):
     ckpt, data = files
     link = tmp_path / "out.json"
     link.symlink_to(ckpt)
-    _refused(capsys, ["diagnose", ckpt, "--json", link, *FAST], "is the checkpoint itself", ckpt)
+    assert_refused(capsys, ["diagnose", ckpt, "--json", link, *FAST], "is the checkpoint itself", ckpt)
     sub = tmp_path / "sub"
     sub.mkdir()
-    _refused(capsys, ["diagnose", ckpt, "--csv", sub / ".." / "d.npy", "--data", data, *FAST],
+    assert_refused(capsys, ["diagnose", ckpt, "--csv", sub / ".." / "d.npy", "--data", data, *FAST],
              "is the --data file itself", data)
 
 
@@ -75,7 +75,7 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(files, capsys, tmp_path)
     ckpt, _ = files
     other = tmp_path / "notes.txt"
     other.write_text("mine")
-    _refused(capsys, ["diagnose", ckpt, "--json", other, *FAST], "is not a json file", other)
+    assert_refused(capsys, ["diagnose", ckpt, "--json", other, *FAST], "is not a json file", other)
     old = tmp_path / "old.json"
     old.write_text("{}")
     assert main(["diagnose", str(ckpt), "--json", str(old), *FAST]) == 0  # a previous report is replaced
@@ -84,7 +84,7 @@ def test_an_output_replaces_only_a_file_of_its_own_kind(files, capsys, tmp_path)
 
 def test_an_output_under_a_regular_file_is_a_usage_error(files, capsys, tmp_path):
     ckpt, _ = files
-    _refused(capsys, ["diagnose", ckpt, "--json", ckpt / "out.json", *FAST], "is a file, not a directory", ckpt)
+    assert_refused(capsys, ["diagnose", ckpt, "--json", ckpt / "out.json", *FAST], "is a file, not a directory", ckpt)
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes in any directory")
@@ -94,7 +94,7 @@ def test_an_output_in_a_read_only_directory_is_a_usage_error(files, capsys, tmp_
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        _refused(capsys, ["diagnose", ckpt, "--json", ro / "r.json", *FAST], "permission denied", ckpt)
+        assert_refused(capsys, ["diagnose", ckpt, "--json", ro / "r.json", *FAST], "permission denied", ckpt)
     finally:
         ro.chmod(0o700)
 
