@@ -138,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if resume is not None:
         console.print(f"resuming from {args.resume} at iteration {resume['iteration']}")
+        _, problem = watchmod.check_history(resume.get("history"))
+        if problem:  # the watch starts a new history rather than build on a damaged one
+            console.print(f"note: the checkpoint's training history is skipped ({problem}); the watch starts a new one")
     display = _Display(console, options.steps, quiet=args.quiet)
     with display:
         result = watchmod.train_watched(model, tokens, options, output=out, resume=resume, on_step=display.step,

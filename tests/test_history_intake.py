@@ -96,3 +96,14 @@ def test_resume_from_a_damaged_history_starts_a_new_one(tmp_path):
     model = tinylm.TransformerLM(SMALL, generator=torch.Generator().manual_seed(0))
     watch = W.Watch(model, every=1, history={"format": W.FORMAT, "version": 1, "series": "x"})
     assert watch.history_problem and watch.history["records"] == []
+
+
+def test_train_resume_says_a_damaged_history_is_skipped(tmp_path, capsys):
+    model = tinylm.TransformerLM(tinylm.preset("tiny"), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "run.pt"
+    checkpoint.save(path, model, iteration=1, history={"format": W.FORMAT, "version": 1, "records": "x"})
+    data = tmp_path / "d.npy"
+    np.save(data, np.arange(400, dtype=np.int64) % 256)
+    code = main(["train", "--resume", str(path), "--data", str(data), "-o", str(path), "--steps", "2", "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0 and "training history is skipped" in out
