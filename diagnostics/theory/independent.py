@@ -113,6 +113,11 @@ def _silu(a: float) -> float:
     return a / (1.0 + math.exp(-a)) if a > -700 else 0.0
 
 
+def _square(x: float) -> float:
+    """x^2, inf where it leaves the float64 range (``x ** 2`` raises OverflowError there)."""
+    return x * x
+
+
 def _dsilu(a: float) -> float:
     s = 1.0 / (1.0 + math.exp(-a)) if a > -700 else 0.0
     return s * (1.0 + a * (1.0 - s))
@@ -121,13 +126,24 @@ def _dsilu(a: float) -> float:
 @lru_cache(maxsize=4096)
 def silu_moments(mu: float, sigma: float) -> tuple[float, float, float]:
     """(E[silu(a)], E[silu(a)^2], E[silu'(a)^2]) for a ~ N(mu, sigma^2), by scipy.integrate.quad."""
-    return (_gauss_expect(_silu, mu, sigma), _gauss_expect(lambda a: _silu(a) ** 2, mu, sigma),
-            _gauss_expect(lambda a: _dsilu(a) ** 2, mu, sigma))
+    return (_gauss_expect(_silu, mu, sigma), _gauss_expect(lambda a: _square(_silu(a)), mu, sigma),
+            _gauss_expect(lambda a: _square(_dsilu(a)), mu, sigma))
 
 
 @lru_cache(maxsize=8)
 def _normal_draws(rows: int, cols: int) -> np.ndarray:
     return np.random.default_rng(_MC_SEED).standard_normal((rows, cols))
+
+
+#: Beyond this score (logit) std the softmax of every Monte Carlo draw is one-hot to within
+#: about 1e-4 of the mean (the gap between a row's two largest draws times the std exceeds ~40
+#: but in a fraction ~1e-4 of the rows), so the moments are taken at this std; it keeps every
+#: draw and every log-space sum below, including the entropy's difference of two logs, finite.
+SIGMA_CAP = 1e6
+
+
+def _finite_sigma(sigma: float) -> float:
+    return min(float(sigma), SIGMA_CAP)
 
 
 @lru_cache(maxsize=4096)
@@ -138,6 +154,11 @@ def softmax_moments(sigma: float, n_max: int) -> dict[str, np.ndarray]:
     "entropy" = E[-sum_j a_j ln a_j]. Monte Carlo over a fixed-seed set of draws shared by
     every n (cumulative sums over the columns), so the result is deterministic; the
     relative error of s2 is about 1/sqrt(draws) times its coefficient of variation.
+
+    Any finite sigma works: the sums are taken directly while no term can underflow (every
+    draw of a row within 230 nats of the row's largest, so that e^{3(z - max)} stays normal),
+    otherwise in log space (``torch.logcumsumexp``, per prefix); sigma beyond
+    :data:`SIGMA_CAP` is taken at the cap. A non-finite sigma gives NaN arrays.
     """
     if n_max < 1:
         raise OptionsError(f"n_max={n_max}: needs at least one position")
@@ -145,29 +166,40 @@ def softmax_moments(sigma: float, n_max: int) -> dict[str, np.ndarray]:
         nan = np.full(n_max, math.nan)
         return {"s2": nan, "s3": nan, "s2sq": nan, "entropy": nan}
     rows = max(256, min(_MC_DRAWS, int(4_000_000 // n_max)))
-    z = sigma * _normal_draws(rows, n_max)
-    with np.errstate(all="ignore"):  # 0 * -inf for huge sigma: those draws carry no weight
-        z = z - z.max(axis=1, keepdims=True)  # shift-invariant; keeps exp finite
+    z = _finite_sigma(sigma) * _normal_draws(rows, n_max)
+    z = z - z.max(axis=1, keepdims=True)  # shift-invariant; every z <= 0
+    if 3.0 * float(-z.min()) < 690.0:  # no e^{kz}, k <= 3, underflows: direct cumulative sums
         e1 = np.exp(z)
         c1, c2, c3 = np.cumsum(e1, 1), np.cumsum(e1**2, 1), np.cumsum(e1**3, 1)
-        s2 = c2 / c1**2
-        s3 = c3 / c1**3
-        # entropy: H = ln(c1) - sum e z / c1 (with z the shifted logits; e z -> 0 where e underflows)
-        cz = np.cumsum(np.where(e1 > 0, e1 * z, 0.0), 1)
-        ent = np.log(c1) - cz / c1
+        s2, s3 = c2 / c1**2, c3 / c1**3
+        # entropy: H = ln(c1) - sum e z / c1
+        ent = np.log(c1) - np.cumsum(e1 * z, 1) / c1
+    else:  # a prefix's terms may all underflow against the row's largest: the same sums in log space
+        t = torch.from_numpy(z)
+        l1 = torch.logcumsumexp(t, 1)
+        s2 = torch.exp(torch.logcumsumexp(2 * t, 1) - 2 * l1).numpy()
+        s3 = torch.exp(torch.logcumsumexp(3 * t, 1) - 3 * l1).numpy()
+        # H = ln sum e^z - sum e^z z / sum e^z, with -z >= 0 summed in log space (ln 0 = -inf: no weight)
+        with np.errstate(divide="ignore"):
+            log_neg = torch.from_numpy(np.log(-z))
+        ent = (l1 + torch.exp(torch.logcumsumexp(t + log_neg, 1) - l1)).numpy()
+        ent = np.maximum(ent, 0.0)  # a difference of two large logs: rounding may leave -1e-6 where H is 0
     return {"s2": s2.mean(0), "s3": s3.mean(0), "s2sq": (s2**2).mean(0), "entropy": ent.mean(0)}
 
 
 @lru_cache(maxsize=1024)
 def _s2_at(sigma: float, n: int) -> float:
-    """E[sum a^2] for n iid N(0, sigma^2) logits (Monte Carlo, fixed seed); beyond 4096 positions
-    e^{sigma^2}/n, capped at 1 (a sum of squared probabilities never exceeds 1) and taken in log
-    space, so that no logit scale overflows it."""
+    """E[sum a^2] for n iid N(0, sigma^2) logits (Monte Carlo, fixed seed; sigma beyond
+    :data:`SIGMA_CAP` taken at the cap); beyond 4096 positions e^{sigma^2}/n, capped at 1 (a sum
+    of squared probabilities never exceeds 1) and taken in log space, so that no logit scale
+    overflows it."""
+    if not math.isfinite(sigma):
+        return math.nan
     if n > 4096:
         return math.exp(min(sigma * sigma - math.log(n), 0.0))
     rows = max(256, min(_MC_DRAWS, int(4_000_000 // n)))
-    z = sigma * _normal_draws(rows, n)
-    e = np.exp(z - z.max(axis=1, keepdims=True))
+    z = _finite_sigma(sigma) * _normal_draws(rows, n)
+    e = np.exp(z - z.max(axis=1, keepdims=True))  # the row's largest term is 1: the sums never vanish
     return float(((e * e).sum(1) / e.sum(1) ** 2).mean())
 
 
@@ -214,7 +246,8 @@ class _Source:
         return p.mean if p is not None else 0.0
 
     def var(self, name: str, direction: str = "forward") -> float:
-        return self.ms(name, direction) - self.mean(name, direction) ** 2
+        m = self.mean(name, direction)
+        return self.ms(name, direction) - m * m
 
     def fwd_ms(self, name: str) -> float:
         """E[x^2] of a tensor: ``ms`` for a named one; for a residual sum no module outputs, the sum of
@@ -229,7 +262,7 @@ class _Source:
         if self.mode == "local":
             return float(self.params[pname].detach().double().square().mean())
         d = self.decl[pname]
-        return d.variance + d.mean**2
+        return d.variance + d.mean * d.mean
 
     # outputs
     def put(self, name: str, direction: str, ms: float, rule: str, *, mean: float | None = None,

@@ -32,11 +32,17 @@ class Prediction:
 
     @property
     def var(self) -> float:
-        return self.mean_square - self.mean**2
+        return self.mean_square - self.mean * self.mean  # inf, never OverflowError, past the float64 range
 
 
 def no_variance_left(p: Prediction) -> Prediction:
-    """A valid prediction whose variance (mean square - mean^2) is not positive is outside validity."""
+    """A valid prediction that cannot be compared with a measured variance is outside validity:
+    one whose numbers left the float64 range (inf or NaN: the recursion overflowed on an absurdly
+    scaled model), and one whose variance (mean square - mean^2) is not positive."""
+    if p.valid and not (math.isfinite(p.mean_square) and math.isfinite(p.mean) and math.isfinite(p.var)):
+        return dataclasses.replace(
+            p, valid=False, validity=f"cannot be computed in double precision (mean square {p.mean_square:.3g}, "
+                                     f"mean {p.mean:.3g}): the model's scale overflows the rule")
     if p.valid and not p.var > 0 and p.mean_square > 0:
         return dataclasses.replace(
             p, valid=False, validity=f"the mean ({p.mean:.3g}) exceeds the predicted root mean square "
