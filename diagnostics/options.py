@@ -13,7 +13,8 @@ __all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "Progress", "THEOR
 #: progress(done, total, description): called as work advances (the CLI draws a bar).
 Progress = Callable[[int, int, str], None]
 
-THEORY_MODES = ("auto", "local", "global", "none")
+#: theory modes a user may ask for; "none" is an alias of "off" (measurement only).
+THEORY_MODES = ("auto", "local", "global", "off", "none")
 
 
 class OptionsError(TinyLMError):
@@ -70,7 +71,9 @@ class DiagnoseOptions:
     seed: seeds the random tokens (when none are given) and the re-initialisations.
     theory: "local" (each layer from its measured input and actual weights), "global"
         (analytic at init), "auto" (global if every parameter's std matches its declared
-        init within 5%, else local) or "none".
+        init within 5%, else local) or "off" (measurement only: no predictions, ratios or
+        intervals; the verdicts do not depend on theory). "none" is accepted as an alias of
+        "off" and stored as "off".
     thresholds: a diagnostics.judge.verdicts.Thresholds (None = the documented defaults).
     progress: progress(done, total, description) callback, or None.
     """
@@ -91,5 +94,7 @@ class DiagnoseOptions:
             integer("seq_len", self.seq_len, low=2, fix="--seq-len N (or None for the default)", error=OptionsError)
         integer("seed", self.seed, low=0, high=2**63 - 1, fix="--seed N", error=OptionsError)
         choice("theory", self.theory, THEORY_MODES, fix="--theory MODE", error=OptionsError)
+        if self.theory == "none":
+            object.__setattr__(self, "theory", "off")
         if self.progress is not None and not callable(self.progress):
             fail("progress", self.progress, "be a callable (done, total, description)", error=OptionsError)

@@ -40,15 +40,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the context length)")
     g.add_argument("--batches", type=positive_int, default=DEFAULT_BATCHES, help=f"batches per seed (default {DEFAULT_BATCHES})")
     g.add_argument("--seeds", type=positive_int,
-                   help="fresh model only: re-initialise N copies (seeds --seed..--seed+N-1) as replicates "
-                        f"(default {DEFAULT_SEEDS}: replicates come from --batches)")
+                   help="fresh model only: re-initialise N copies (seeds --seed..--seed+N-1) as replicates, so "
+                        "that the 99%% intervals cover the weight draw, not only batch noise "
+                        f"(default {DEFAULT_SEEDS}: replicates are --batches of one draw)")
     g.add_argument("--seed", type=int, default=0, help="base seed of the tokens (and of the fresh model) (default 0)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available, else cpu)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="model dtype; statistics always accumulate in float64 (default float32)")
-    g.add_argument("--theory", default="auto", choices=["auto", "local", "global"],
+    g.add_argument("--theory", default="auto", choices=["auto", "local", "global", "off", "none"],
+                   metavar="{auto,local,global,off}",
                    help="prediction mode: global (from the init scheme; fresh models), local (from the measured "
-                        "inputs of each layer), auto chooses (default auto)")
+                        "inputs of each layer), auto chooses, off measures only (no predictions; 'none' is an "
+                        "alias) (default auto)")
     g = p.add_argument_group("output")
     g.add_argument("--check", action="store_true", help="exit 1 when any finding is not ok (for CI)")
     g.add_argument("--json", metavar="PATH", help="write the result (versioned schema) as JSON")

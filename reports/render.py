@@ -92,12 +92,24 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     seeds = f"seed {h.seed}" if h.seeds == 1 else f"seeds {h.seed}..{h.seed + h.seeds - 1}"
     init = f", init {h.init}" if h.init else ""
     rules = " (forward: token-kernel theory; backward: independent-token rules)" if _uses_kernel(result) else ""
-    _kv(t, "theory", f"{h.theory}{rules}{init}; {seeds}")
+    if h.theory == "off":
+        _kv(t, "theory", f"off: measurement only, no predictions{init}; {seeds}")
+    else:
+        scope = _interval_scope(h)
+        _kv(t, "theory", f"{h.theory}{rules}{init}; {seeds}" + (f"; 99% intervals over {scope}" if scope else ""))
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
     _kv(t, "loss", loss)
     return t
+
+
+def _interval_scope(header: Any) -> str:
+    """What the 99% intervals cover (:func:`diagnostics.judge.diagnose.interval_scope`; imported here, when
+    a report is drawn, so that importing this module does not import torch)."""
+    from diagnostics.judge.diagnose import interval_scope as scope
+
+    return scope(header)
 
 
 def _uses_kernel(result: Any) -> bool:
@@ -168,10 +180,13 @@ def depth_chart(result: Any) -> DepthChart:
     """The residual stream over depth: forward variance and its gradient's, each beside its prediction."""
     rows = result.depth
     labels = [_depth_label(r) for r in rows]
+    valid = {(r.name, r.direction): r.valid for r in result.tensors if r.predicted is not None}
     fwd = DepthSeries("forward: residual variance", [r.forward_var for r in rows],
-                      [r.forward_predicted for r in rows], style="cyan")
+                      [r.forward_predicted for r in rows], style="cyan",
+                      valid=[valid.get((r.name, "forward"), True) for r in rows])
     bwd = DepthSeries("backward: gradient variance", [r.backward_var for r in rows],
-                      [r.backward_predicted for r in rows], style="magenta")
+                      [r.backward_predicted for r in rows], style="magenta",
+                      valid=[valid.get((r.name, "backward"), True) for r in rows])
     return DepthChart(labels, [fwd, bwd], title="Variance over depth (residual stream)")
 
 
@@ -243,20 +258,27 @@ class LayerTable:
         result = self.result
         rows = {(r.name, r.direction): r for r in result.tensors}
         params = _param_index(result)
-        caption = ("ratio = measured/predicted, geometric mean over replicates [99% interval: Student-t on "
-                   "ln(ratio), so asymmetric and > 0]; ")
+        predicted = any(r.predicted is not None for r in result.tensors)
+        scope = _interval_scope(result.header)
+        caption = ("ratio = measured/predicted, geometric mean over replicates [99% interval"
+                   + (f" over {scope}" if scope else "") + ": Student-t on ln(ratio), so asymmetric and > 0]; ")
+        if not predicted:
+            caption = ("theory off: measurement only; " if result.header.theory == "off"
+                       else "no predictions for this model; ")
         if _uses_kernel(result):
             caption += "pred: forward by the token-kernel theory, backward by the independent-token rules; "
-        caption += "w/init = weight std / declared init std; * = prediction outside its validity"
+        caption += "w/init = weight std / declared init std" + ("; * = prediction outside its validity" if predicted else "")
         t = Table(box=box.SIMPLE_HEAD, padding=(0, 1 if not compact else 0), pad_edge=False, show_edge=False, title="Per layer",
                   title_justify="left", title_style="bold", caption=caption,
                   caption_justify="left", caption_style="dim")
         t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=14 if compact else 28)
         t.add_column("fwd" if compact else "fwd var", justify="right", no_wrap=True)
-        t.add_column("pred", justify="right", no_wrap=True)
-        t.add_column("ratio [99%]", justify="right", no_wrap=True)
+        if predicted:
+            t.add_column("pred", justify="right", no_wrap=True)
+            t.add_column("ratio [99%]", justify="right", no_wrap=True)
         t.add_column("grad" if compact else "grad var", justify="right", no_wrap=True)
-        t.add_column("pred", justify="right", no_wrap=True)
+        if predicted:
+            t.add_column("pred", justify="right", no_wrap=True)
         t.add_column("w/init", justify="right", no_wrap=True)
         t.add_column("flags", min_width=12, no_wrap=True)
         for name in _selected(result, self.all_tensors):
@@ -270,16 +292,10 @@ class LayerTable:
                     return "-"
                 return n(r.predicted) + ("*" if r.predicted is not None and not r.valid else "")
 
-            t.add_row(
-                name,
-                n(f.var) if f else "-",
-                pred(f),
-                interval(f) if f else "-",
-                n(b.var) if b else "-",
-                pred(b),
-                "-" if w is None or w.drift is None else f"{w.drift:.2f}",
-                _verdict_cell(kinds, "*" if invalid else ""),
-            )
+            cells = [name, n(f.var) if f else "-"] + ([pred(f), interval(f) if f else "-"] if predicted else []) \
+                + [n(b.var) if b else "-"] + ([pred(b)] if predicted else []) \
+                + ["-" if w is None or w.drift is None else f"{w.drift:.2f}", _verdict_cell(kinds, "*" if invalid else "")]
+            t.add_row(*cells)
         return t
 
     def __rich_console__(self, console: Any, options: Any):

@@ -48,7 +48,7 @@ from ..measure.moments import ProbeStats
 from ..theory import Prediction, predict
 from .verdicts import Thresholds, judge
 
-__all__ = ["diagnose", "log_t_interval", "t_interval"]
+__all__ = ["diagnose", "interval_scope", "log_t_interval", "t_interval"]
 
 CONFIDENCE = 0.99
 
@@ -109,6 +109,26 @@ def log_t_interval(values: list[float], confidence: float = CONFIDENCE
         return _exp(m), None, None
     half = _t_quantile(0.5 + confidence / 2, int(v.size - 1)) * float(logs.std(ddof=1)) / math.sqrt(v.size)
     return _exp(m), _exp(m - half), _exp(m + half)
+
+
+def interval_scope(header) -> str:
+    """What the 99% intervals of a result's ratios cover, in words, from its :class:`Header`
+    (seeds, batches, theory); "" when there are no ratios (theory off or none).
+
+    The replicates are the (seed, batch) pairs. With several seeds each replicate is its own
+    weight draw, so the interval covers the draw and the batches. With one seed the replicates
+    are batches of one draw: the interval covers batch noise only. Global theory predicts the
+    expectation over draws, so there it says so (a draw's own deviation, a few percent at small
+    width, is not covered: pass seeds > 1); local theory predicts from the actual weights, so
+    batch noise is all there is to cover.
+    """
+    if header.theory not in ("local", "global"):
+        return ""
+    if header.seeds > 1:
+        return f"{header.seeds} weight draws x {header.batches} batch(es)"
+    if header.theory == "global":
+        return f"{header.batches} batches of one weight draw (batch noise, not the draw)"
+    return f"{header.batches} batches of these weights"
 
 
 def _exp(x: float) -> float:
@@ -202,6 +222,29 @@ def _fresh_init(stats: ProbeStats) -> bool:
     return bool(drifts) and all(abs(d - 1) < 0.05 for d in drifts) and all(p.std == 0 for p in consts)
 
 
+def _comparable(p: Prediction) -> bool:
+    """Whether a predicted variance can divide a measured one: finite and positive."""
+    return math.isfinite(p.var) and p.var > 0
+
+
+def _init_mismatch(stats: ProbeStats) -> str:
+    """Why global theory's premise fails: the parameter whose std is furthest from its declared init."""
+    worst = max(((n, p.drift) for n, p in stats.params.items() if p.drift is not None and math.isfinite(p.drift)),
+                key=lambda t: abs(math.log(t[1])) if t[1] > 0 else math.inf, default=None)
+    where = f" ({worst[0]} has {worst[1]:.3g}x its declared std)" if worst is not None else ""
+    return ("global theory predicts from the declared init, but the weights do not follow it" + where
+            + "; use theory 'local'")
+
+
+def _outside_all(per_rep: list[dict], pooled: dict, why: str) -> tuple[list[dict], dict]:
+    """Every prediction marked outside validity with reason ``why`` (a premise the measurement contradicts)."""
+    def mark(preds: dict) -> dict:
+        return {k: dataclasses.replace(p, valid=False, validity=why if p.valid else f"{why}; {p.validity}")
+                for k, p in preds.items()}
+    marked = [mark(pr) for pr in per_rep]
+    return marked, (marked[0] if per_rep and pooled is per_rep[0] else mark(pooled))
+
+
 def _predictions(mode, replicates, softmaxes, pooled, models, batches, source, seq_len, pooled_softmax):
     """(per-replicate predictions, pooled predictions) of ``mode`` (see :func:`diagnose`)."""
     per_rep: list[dict[tuple[str, str], Prediction]] = []
@@ -274,7 +317,9 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
 
     # theory
     mode = options.theory
-    if not tiny:
+    if mode == "off":
+        pass  # measurement only, as asked
+    elif not tiny:
         mode = "none"
     elif mode == "auto":
         mode = "global" if _fresh_init(replicates[0][0]) else "local"
@@ -284,12 +329,13 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     per_rep: list[dict[tuple[str, str], Prediction]] = []
     pooled_pred: dict[tuple[str, str], Prediction] = {}
     pooled_softmax = (float(np.mean([s for s, _ in softmaxes])), float(np.mean([p for _, p in softmaxes])))
-    if mode != "none":
+    if mode in ("local", "global"):
         try:
             per_rep, pooled_pred = _predictions(mode, replicates, softmaxes, pooled, models, batches, source,
                                                 seq_len, pooled_softmax)
-        except (ArithmeticError, np.linalg.LinAlgError, torch.linalg.LinAlgError) as e:
-            # theory never takes the measurement down: report without predictions and say why
+            if mode == "global" and not _fresh_init(replicates[0][0]):
+                per_rep, pooled_pred = _outside_all(per_rep, pooled_pred, _init_mismatch(replicates[0][0]))
+        except Exception as e:  # noqa: BLE001 - theory never takes the measurement, the verdict or the exit code down
             warnings.warn(f"theory ({mode}) could not be computed for this model ({type(e).__name__}: {e}); "
                           "the measurements and verdicts stand without predictions", RuntimeWarning, stacklevel=2)
             mode, per_rep, pooled_pred = "none", [], {}
@@ -308,11 +354,11 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
                 continue
             pred = pooled_pred.get((name, direction))
             ratio = low = high = None
-            if pred is not None and pred.var > 0:
+            if pred is not None and _comparable(pred):
                 rs = []
                 for (st, _, _), pr in zip(replicates, per_rep):
                     mm, pp = st.tensors.get((name, direction)), pr.get((name, direction))
-                    if mm is not None and pp is not None and pp.var > 0 and mm.count:
+                    if mm is not None and pp is not None and _comparable(pp) and mm.count:
                         rs.append(mm.var / pp.var)
                 ratio, low, high = log_t_interval(rs)
             rows.append(TensorRow(
