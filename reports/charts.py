@@ -4,8 +4,10 @@ One row per depth (the residual stream after the embedding, after each block,
 ...), two panels side by side: forward (activation variance) and backward
 (gradient variance). In each panel the horizontal axis is log10 variance on its
 own scale; ``●`` marks the measurement, ``○`` the prediction (``◉`` where they
-coincide at the chart's resolution), ``✗`` a non-finite measurement. Colour is
-an aid, never the only carrier: the markers say the same thing without it.
+coincide at the chart's resolution), ``*`` a prediction outside its validity (as
+the per-layer table marks it; beside the ``●`` where they coincide), ``✗`` a
+non-finite measurement. Colour is an aid, never the only carrier: the markers say
+the same thing without it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from rich.text import Text
 
 __all__ = ["DepthSeries", "DepthChart", "log10_or_none"]
 
-MEASURED, PREDICTED, BOTH, NONFINITE = "●", "○", "◉", "✗"
+MEASURED, PREDICTED, BOTH, NONFINITE, OUTSIDE = "●", "○", "◉", "✗", "*"
 
 
 def log10_or_none(value: float | None) -> float | None:
@@ -37,12 +39,17 @@ def log10_or_none(value: float | None) -> float | None:
 
 @dataclass
 class DepthSeries:
-    """One panel's data: per depth label, the measured and the predicted variance (None: not available)."""
+    """One panel's data: per depth label, the measured and the predicted variance (None: not available),
+    and whether each prediction is inside its validity (None: all are)."""
 
     title: str
     measured: Sequence[float | None]
     predicted: Sequence[float | None]
     style: str = "cyan"
+    valid: Sequence[bool] | None = None
+
+    def validity(self) -> list[bool]:
+        return [True] * len(self.predicted) if self.valid is None else [bool(v) for v in self.valid]
 
 
 def _is_nonfinite(v: float | None) -> bool:
@@ -66,9 +73,9 @@ class DepthChart:
 
     def __init__(self, labels: Sequence[str], panels: Sequence[DepthSeries], title: str | None = None) -> None:
         for s in panels:
-            if len(s.measured) != len(labels) or len(s.predicted) != len(labels):
-                raise ValueError(f"panel {s.title!r}: {len(s.measured)} measured / {len(s.predicted)} predicted "
-                                 f"values for {len(labels)} labels; give one per label")
+            if len(s.measured) != len(labels) or len(s.predicted) != len(labels) or len(s.validity()) != len(labels):
+                raise ValueError(f"panel {s.title!r}: {len(s.measured)} measured / {len(s.predicted)} predicted / "
+                                 f"{len(s.validity())} validity values for {len(labels)} labels; give one per label")
         self.labels = list(labels)
         self.panels = list(panels)
         self.title = title
@@ -80,19 +87,22 @@ class DepthChart:
     def _row_cells(self, s: DepthSeries, width: int, lo: float, hi: float) -> list[Text]:
         span = hi - lo
         rows = []
-        for m, p in zip(s.measured, s.predicted):
+        for m, p, ok in zip(s.measured, s.predicted, s.validity()):
             cells = [" "] * width
             styles: list[str | None] = [None] * width
             col = lambda v: min(width - 1, max(0, round((v - lo) / span * (width - 1))))  # noqa: E731
             lp, lm = log10_or_none(p), log10_or_none(m)
             if lp is not None:
                 c = col(lp)
-                cells[c], styles[c] = PREDICTED, "dim"
+                cells[c], styles[c] = (PREDICTED, "dim") if ok else (OUTSIDE, "bold yellow")
             if lm is not None:
                 c = col(lm)
                 for i in range(c):  # a faint trail from the axis makes the shape over depth readable
                     if cells[i] == " ":
                         cells[i], styles[i] = "·", "dim " + s.style
+                if cells[c] == OUTSIDE:  # keep the mark beside the measurement it would hide under
+                    beside = c + 1 if c + 1 < width else c - 1
+                    cells[beside], styles[beside] = OUTSIDE, "bold yellow"
                 both = cells[c] == PREDICTED
                 cells[c], styles[c] = (BOTH if both else MEASURED), "bold " + s.style
             elif _is_nonfinite(m) or (m is not None and not isinstance(m, (int, float))):
@@ -149,5 +159,7 @@ class DepthChart:
             axis.append(" └ ", style="dim")
             axis.append_text(self._axis(width, lo, hi))
         yield axis
-        yield Text(f"{' ' * label_w}   log10 variance; {MEASURED} measured  {PREDICTED} predicted  "
-                   f"{BOTH} both  {NONFINITE} non-finite", style="dim")
+        shown = [(ok, p) for s in self.panels for ok, p in zip(s.validity(), s.predicted) if p is not None]
+        keys = [f"{MEASURED} measured"] + ([f"{PREDICTED} predicted", f"{BOTH} both"] if shown else []) \
+            + [f"{NONFINITE} non-finite"] + ([f"{OUTSIDE} outside validity"] if any(not ok for ok, _ in shown) else [])
+        yield Text(f"{' ' * label_w}   log10 variance; " + "  ".join(keys), style="dim")
