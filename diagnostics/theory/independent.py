@@ -135,11 +135,11 @@ def _normal_draws(rows: int, cols: int) -> np.ndarray:
     return np.random.default_rng(_MC_SEED).standard_normal((rows, cols))
 
 
-#: Beyond this score (logit) std the softmax of every Monte Carlo draw is one-hot to within
-#: about 1e-4 of the mean (the gap between a row's two largest draws times the std exceeds ~40
-#: but in a fraction ~1e-4 of the rows), so the moments are taken at this std; it keeps every
-#: draw and every log-space sum below, including the entropy's difference of two logs, finite.
-SIGMA_CAP = 1e6
+#: Beyond this score (logit) std the softmax is one-hot but for a few draws: E[sum a^2] is within
+#: a few 1e-4 of 1 (a row is not one-hot only where its two largest draws lie within ~40/std of
+#: each other), so the moments are taken at this std. It keeps every draw and every log-space sum
+#: below finite, and the entropy's difference of two logs of the scores' size within 1e-8 or so.
+SIGMA_CAP = 1e4
 
 
 def _finite_sigma(sigma: float) -> float:
@@ -183,7 +183,7 @@ def softmax_moments(sigma: float, n_max: int) -> dict[str, np.ndarray]:
         with np.errstate(divide="ignore"):
             log_neg = torch.from_numpy(np.log(-z))
         ent = (l1 + torch.exp(torch.logcumsumexp(t + log_neg, 1) - l1)).numpy()
-        ent = np.maximum(ent, 0.0)  # a difference of two large logs: rounding may leave -1e-6 where H is 0
+    ent = np.maximum(ent, 0.0)  # a difference of two logs: rounding may leave -1e-6 (log space) where H is 0
     return {"s2": s2.mean(0), "s3": s3.mean(0), "s2sq": (s2**2).mean(0), "entropy": ent.mean(0)}
 
 
