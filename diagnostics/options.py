@@ -64,10 +64,12 @@ class DiagnoseOptions:
 
     batch_size, seq_len: shape of each measured batch (seq_len None = min(model
         context, 128)); the model sees ``seq_len`` tokens and predicts the next.
-    batches: independent batches per seed (replicates for the 99% intervals).
+    batches: independent batches per seed (with one seed, the replicates of the 99% intervals,
+        which then cover batch noise of that one weight draw, not the draw).
     seeds: 1 measures the model as given; n > 1 re-initialises n copies of a tinylm
         model from its own scheme (config.init) with seeds seed..seed+n-1 (a fresh-init
-        study; never for a trained checkpoint).
+        study; never for a trained checkpoint). The draws are then the replicates of the
+        99% intervals (each the geometric mean over its batches), which cover the draw.
     seed: seeds the random tokens (when none are given) and the re-initialisations.
     theory: "local" (each layer from its measured input and actual weights), "global"
         (analytic at init), "auto" (global if every parameter's std matches its declared

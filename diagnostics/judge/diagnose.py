@@ -1,10 +1,13 @@
 """``diagnose``: probe + theory + verdicts in one call, returning a :class:`DiagnoseResult`.
 
-Replicates are the (seed, batch) pairs: each is measured by its own probe and
-predicted by its own theory, giving one ratio r = measured/predicted variance per
-replicate. A ratio of variances is positive and multiplicative (2x over and 2x under
-are equally far from 1), so its 99% interval is a Student-t interval on ln r over the
-replicates, exponentiated (:func:`log_t_interval`):
+Each (seed, batch) pair is measured by its own probe and predicted by its own theory,
+giving one ratio r = measured/predicted variance per pair. The independent replicates
+are the weight draws when there are several seeds (a draw's batches share its deviation
+from the expectation, so each draw's ratio is the geometric mean over its batches), else
+the batches of the one draw, which cover batch noise but not the draw
+(:func:`interval_scope` says which in words). A ratio of variances is positive and
+multiplicative (2x over and 2x under are equally far from 1), so its 99% interval is a
+Student-t interval on ln r over the replicates, exponentiated (:func:`log_t_interval`):
 
     ratio = exp(m),  [exp(m - h), exp(m + h)],  m = mean_r ln r,  h = t_{0.995, R-1} sd_r(ln r) / sqrt(R)
 
@@ -146,16 +149,19 @@ def _vocab(model: nn.Module) -> int | None:
     return None
 
 
-def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -> tuple[list[Tensor], str]:
-    """The measured batches, each (B, seq_len + 1) int64."""
+def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -> tuple[list[list[Tensor]], str]:
+    """The measured batches of each seed, each (B, seq_len + 1) int64. Random tokens and windows of a
+    1-D stream are drawn afresh for every seed (the first seed's are those of a one-seed run), so
+    that the seeds are independent replicates; given (N, T+1) windows are the same for every seed."""
+    draws = options.seeds
     if tokens is None:
         vocab = _vocab(model)
         if vocab is None:
             raise OptionsError("tokens=None: cannot draw random tokens for a model without a vocabulary "
                                "(no config.vocab_size, no Embedding); pass tokens=")
         gen = torch.Generator().manual_seed(options.seed)
-        return [torch.randint(0, vocab, (options.batch_size, seq_len + 1), generator=gen)
-                for _ in range(options.batches)], "random"
+        return [[torch.randint(0, vocab, (options.batch_size, seq_len + 1), generator=gen)
+                 for _ in range(options.batches)] for _ in range(draws)], "random"
     t = torch.as_tensor(np.asarray(tokens)) if not isinstance(tokens, Tensor) else tokens
     if t.is_floating_point() or t.dtype == torch.bool:
         raise OptionsError(f"tokens dtype {t.dtype}: token ids must be integers")
@@ -165,9 +171,11 @@ def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -
 
         gen = torch.Generator().manual_seed(options.seed)
         out = []
-        for _ in range(options.batches):
-            x, y = get_batch(t.numpy(), options.batch_size, seq_len, gen)
-            out.append(torch.cat([x, y[:, -1:]], dim=1))
+        for _ in range(draws):
+            out.append([])
+            for _ in range(options.batches):
+                x, y = get_batch(t.numpy(), options.batch_size, seq_len, gen)
+                out[-1].append(torch.cat([x, y[:, -1:]], dim=1))
         return out, "given"
     if t.dim() != 2 or t.shape[1] < 3:
         raise OptionsError(f"tokens shape {tuple(t.shape)}: pass (N, T+1) windows with T >= 2, or a 1-D token stream")
@@ -175,7 +183,7 @@ def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -
     chunks = [t[i:i + b] for i in range(0, t.shape[0], b)]
     if len(chunks) > 1 and chunks[-1].shape[0] < b:
         chunks = chunks[:-1]
-    return chunks, "given"
+    return [chunks] * draws, "given"
 
 
 def _loss(model: nn.Module, batch: Tensor) -> tuple[Tensor, tuple[float, float]]:
@@ -222,18 +230,42 @@ def _fresh_init(stats: ProbeStats) -> bool:
     return bool(drifts) and all(abs(d - 1) < 0.05 for d in drifts) and all(p.std == 0 for p in consts)
 
 
+def _per_draw(ratios: list[tuple[int, float]]) -> list[float]:
+    """One ratio per independent replicate from (group, ratio) pairs: the geometric mean of each group's
+    ratios (a group holding a ratio that is not finite and positive passes that one on, for
+    :func:`log_t_interval` to report). The group is the weight draw when there are several (the
+    batches of one draw share its deviation, so they are not independent of each other), else the
+    batch."""
+    groups: dict[int, list[float]] = {}
+    for g, r in ratios:
+        groups.setdefault(g, []).append(r)
+    out = []
+    for values in groups.values():
+        bad = [r for r in values if not (math.isfinite(r) and r > 0)]
+        out.append(bad[0] if bad else _exp(float(np.mean(np.log(values)))))
+    return out
+
+
 def _comparable(p: Prediction) -> bool:
     """Whether a predicted variance can divide a measured one: finite and positive."""
     return math.isfinite(p.var) and p.var > 0
 
 
+#: A parameter whose std is outside [1/x, x] times its declared init std breaks global theory's
+#: premise (a fresh draw is within a few percent; a trained or rescaled model need not be).
+INIT_MISMATCH = 2.0
+
+
 def _init_mismatch(stats: ProbeStats) -> str:
-    """Why global theory's premise fails: the parameter whose std is furthest from its declared init."""
-    worst = max(((n, p.drift) for n, p in stats.params.items() if p.drift is not None and math.isfinite(p.drift)),
-                key=lambda t: abs(math.log(t[1])) if t[1] > 0 else math.inf, default=None)
-    where = f" ({worst[0]} has {worst[1]:.3g}x its declared std)" if worst is not None else ""
-    return ("global theory predicts from the declared init, but the weights do not follow it" + where
-            + "; use theory 'local'")
+    """Why global theory's premise fails, or "" when it holds: the parameter whose std is furthest
+    from its declared init, when that is beyond :data:`INIT_MISMATCH`."""
+    drifts = [(n, p.drift) for n, p in stats.params.items() if p.drift is not None]
+    off = [(n, d) for n, d in drifts if not (math.isfinite(d) and 1 / INIT_MISMATCH <= d <= INIT_MISMATCH)]
+    if not off:
+        return ""
+    name, drift = max(off, key=lambda t: abs(math.log(t[1])) if math.isfinite(t[1]) and t[1] > 0 else math.inf)
+    return (f"global theory predicts from the declared init, but the weights do not follow it ({name} has "
+            f"{drift:.3g}x its declared std); use theory 'local'")
 
 
 def _outside_all(per_rep: list[dict], pooled: dict, why: str) -> tuple[list[dict], dict]:
@@ -250,7 +282,7 @@ def _predictions(mode, replicates, softmaxes, pooled, models, batches, source, s
     per_rep: list[dict[tuple[str, str], Prediction]] = []
     # which positions of a sequence hold the same token: all the kernel theory needs of given tokens
     coincidence = None if source == "random" or mode != "global" else \
-        token_coincidence(torch.cat([b[:, :-1] for b in batches]))
+        token_coincidence(torch.cat([b[:, :-1] for b in batches]))  # the first seed's: all are alike in law
     for (st, m, n_tok), sm in zip(replicates, softmaxes):
         if mode == "global" and per_rep:
             per_rep.append(per_rep[0])
@@ -285,7 +317,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     seq_len = options.seq_len or (min(context, 128) if context else 128)
     if context and seq_len > context:
         raise OptionsError(f"seq_len={seq_len} > the model's context_length={context}: pass seq_len <= {context}")
-    batches, source = _batches(model, tokens, options, seq_len)
+    seed_batches, source = _batches(model, tokens, options, seq_len)
+    batches = seed_batches[0]
     seq_len = batches[0].shape[1] - 1
     if context and seq_len > context:
         raise OptionsError(f"tokens of length {seq_len} + 1 > the model's context_length={context} + 1: "
@@ -299,7 +332,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     losses: list[float] = []
     softmaxes: list[tuple[float, float]] = []  # (E[sum p^2], E[p_y]) per replicate
     for mi, m in enumerate(models):
-        for bi, batch in enumerate(batches):
+        for bi, batch in enumerate(seed_batches[mi]):
             popts = ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))
             with probe(m, popts) as run:
                 loss, moments = _loss(m, batch)
@@ -333,8 +366,9 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         try:
             per_rep, pooled_pred = _predictions(mode, replicates, softmaxes, pooled, models, batches, source,
                                                 seq_len, pooled_softmax)
-            if mode == "global" and not _fresh_init(replicates[0][0]):
-                per_rep, pooled_pred = _outside_all(per_rep, pooled_pred, _init_mismatch(replicates[0][0]))
+            mismatch = _init_mismatch(replicates[0][0]) if mode == "global" and len(models) == 1 else ""
+            if mismatch:
+                per_rep, pooled_pred = _outside_all(per_rep, pooled_pred, mismatch)
         except Exception as e:  # noqa: BLE001 - theory never takes the measurement, the verdict or the exit code down
             warnings.warn(f"theory ({mode}) could not be computed for this model ({type(e).__name__}: {e}); "
                           "the measurements and verdicts stand without predictions", RuntimeWarning, stacklevel=2)
@@ -356,11 +390,11 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
             ratio = low = high = None
             if pred is not None and _comparable(pred):
                 rs = []
-                for (st, _, _), pr in zip(replicates, per_rep):
+                for k, ((st, _, _), pr) in enumerate(zip(replicates, per_rep)):
                     mm, pp = st.tensors.get((name, direction)), pr.get((name, direction))
                     if mm is not None and pp is not None and _comparable(pp) and mm.count:
-                        rs.append(mm.var / pp.var)
-                ratio, low, high = log_t_interval(rs)
+                        rs.append((k // len(batches) if len(models) > 1 else k, mm.var / pp.var))
+                ratio, low, high = log_t_interval(_per_draw(rs))
             rows.append(TensorRow(
                 name=name, block=block_index(name), kind=pooled.kinds.get(name, "module"), direction=direction,
                 count=int(mom.count), mean=mom.mean, var=mom.var, mean_square=mom.mean_square, max_abs=mom.max_abs,
@@ -433,7 +467,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     header = Header(
         model_class=type(model).__name__, config=config,
         parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        init=model.config.init if tiny else "", tokens_measured=sum(b.shape[0] for b in batches) * seq_len * len(models),
+        init=model.config.init if tiny else "", tokens_measured=sum(b.shape[0] for bs in seed_batches for b in bs) * seq_len,
         batch_size=options.batch_size, seq_len=seq_len, batches=len(batches), seeds=len(models), seed=options.seed,
         theory=mode, loss=float(np.mean(losses)), loss_uniform=math.log(vocab) if vocab else None,
         token_source=source)
