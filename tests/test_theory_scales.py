@@ -215,3 +215,26 @@ def test_a_prediction_past_the_float_range_is_outside_validity_with_its_reason()
         assert not q.valid and "double precision" in q.validity
     ok = no_variance_left(Prediction(2.0, 0.5, True, "", "rule"))
     assert ok.valid and ok.var == pytest.approx(1.75)  # negative control: a finite prediction stays valid
+
+
+@pytest.mark.parametrize("norm", ["pre", "none"])
+@pytest.mark.parametrize("std", [10.0, 1e4])
+def test_global_theory_of_an_absurd_declared_init_runs_quietly(monkeypatch, norm, std):
+    """A registered scheme that declares N(0, std^2) weights: global theory follows the declared scale
+    through the blocks (past float64 for 1e4 without a norm) without an exception or a numpy warning;
+    whatever overflowed is outside validity with its reason."""
+    import warnings
+
+    from tinylm.init import Dist
+
+    def absurd(site):
+        return Dist("normal", std=std) if site.kind in ("linear_weight", "embedding") else tinylm.init.cs336(site)
+
+    monkeypatch.setitem(tinylm.init.SCHEMES, "absurd", absurd)
+    config = tinylm.ModelConfig(**{**SMALL, "vocab_size": 5000, "num_layers": 3}, norm=norm, init="absurd")
+    model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = diagnose(model, options=DiagnoseOptions(**OPTS, theory="global"))
+    assert result.header.theory == "global"
+    check_report(result, "global")

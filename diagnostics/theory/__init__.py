@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 from torch import nn
 
 import tinylm
@@ -74,10 +75,14 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
         raise OptionsError("mode='local' needs stats= (the ProbeStats of a run) to read the layers' inputs from")
     if mode == "global" and tokens is None:
         raise OptionsError("mode='global' needs tokens= (batch x seq_len positions per loss)")
-    out = independent_predictions(model, mode, stats, seq_len=seq_len, tokens=tokens, scheme=scheme, softmax=softmax)
-    if mode == "global" and forward == "kernel":
-        kt = cached_kernel_theory(model.config, int(seq_len), scheme=scheme, coincidence=coincidence)
-        out = _with_kernel(out, kt.predictions(dropout_active=False))
+    # an absurdly scaled model overflows float64 on the way: the numbers become inf or NaN (never an
+    # exception) and each such prediction is marked outside validity, so numpy's warnings are noise here
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        out = independent_predictions(model, mode, stats, seq_len=seq_len, tokens=tokens, scheme=scheme,
+                                      softmax=softmax)
+        if mode == "global" and forward == "kernel":
+            kt = cached_kernel_theory(model.config, int(seq_len), scheme=scheme, coincidence=coincidence)
+            out = _with_kernel(out, kt.predictions(dropout_active=False))
     return out
 
 
