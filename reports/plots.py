@@ -125,6 +125,7 @@ def depth_figure(result: Any) -> Any:
             _shade_thresholds(ax, result, direction)
         else:
             ax.text(0.5, 0.5, "nothing finite to draw", ha="center", va="center", transform=ax.transAxes)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("depth (0 = embedding output, k = after block k-1)")
         ax.set_ylabel("variance of activations" if direction == "forward" else "variance of gradients")
         ax.set_title(f"{direction}: measured (solid) vs predicted (dashed; x outside validity)", fontsize=10)
