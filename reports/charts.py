@@ -162,4 +162,12 @@ class DepthChart:
         shown = [(ok, p) for s in self.panels for ok, p in zip(s.validity(), s.predicted) if p is not None]
         keys = [f"{MEASURED} measured"] + ([f"{PREDICTED} predicted", f"{BOTH} both"] if shown else []) \
             + [f"{NONFINITE} non-finite"] + ([f"{OUTSIDE} outside validity"] if any(not ok for ok, _ in shown) else [])
-        yield Text(f"{' ' * label_w}   log10 variance; " + "  ".join(keys), style="dim")
+        lines, pad = [f"{' ' * label_w}   log10 variance;"], " " * (label_w + 3)
+        for i, key in enumerate(keys):  # the keys packed into lines of the console's width, each line indented
+            gap = " " if i == 0 else "  "
+            if len(lines[-1]) + len(gap) + len(key) > options.max_width:
+                lines.append(pad + key)
+            else:
+                lines[-1] += gap + key
+        for line in lines:
+            yield Text(line, style="dim")
