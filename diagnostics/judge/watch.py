@@ -464,7 +464,8 @@ class Watch:
     :class:`WatchWriter` objects (``reports.watch_view.LivePanel`` draws the live panel).
     ``stop``: None goes on whatever happens; "raise" raises :class:`WatchStop` from
     :meth:`record` at the first fail (:data:`FAIL_VERDICTS`, or a non-finite loss).
-    :meth:`record` returns that :class:`WatchFailure` (None while all is well) in either case.
+    :meth:`record` returns the fail found at its step as a :class:`WatchFailure` (None while
+    all is well); ``failure`` keeps the run's first.
 
     The lower-level protocol (``tinylm.train.train`` and the Hugging Face callback use it):
     ``due(t)`` says whether step t is recorded; run that step's forward and backward inside
@@ -621,8 +622,9 @@ class Watch:
         rate and gradient norm (None: not known, kept as NaN). Stores the record when the step
         was recorded, raises the spike and non-finite alarms and writes to the writers.
 
-        Returns the :class:`WatchFailure` first seen at this step (None otherwise); with
-        ``stop="raise"`` raises :class:`WatchStop` instead.
+        Returns the first :class:`WatchFailure` found at this step (None when there is none; a
+        fail that persists is returned at each step it is found); with ``stop="raise"`` raises
+        :class:`WatchStop` instead. ``failure`` keeps the first of the run.
         """
         if self._open_step is None:
             from ..options import OptionsError
@@ -679,7 +681,7 @@ class Watch:
             self.failure = failure
 
     def _check_stop(self) -> WatchFailure | None:
-        """The failure first seen since the last call (None if none); raises WatchStop under stop="raise"."""
+        """The first failure found since the last call (None if none); raises WatchStop under stop="raise"."""
         found, self._new_failure = self._new_failure, None
         if found is not None and self.stop == "raise":
             raise WatchStop(found)
