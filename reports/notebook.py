@@ -152,7 +152,7 @@ def comparison_html(comparison: Any) -> str:
     verdict = f"all {len(summary)} cells ok" if len(bad) == 0 else f"{len(bad)} of {len(summary)} cells not ok"
     columns = [c for c in ("scheme", "depth", "width", "verdict", "slope_forward", "slope_backward",
                            "max_min_ratio", "initial_loss", "ln_vocab", "early_loss") if c in summary.columns]
-    rows = [[None if _missing(v) else (int(v) if c in ("depth", "width") else v) for c, v in zip(columns, r)]
+    rows = [[int(v) if c in ("depth", "width") and not _missing(v) else v for c, v in zip(columns, r)]
             for r in summary[columns].itertuples(index=False)]
     parts = [_heading("compare", verdict, len(bad) == 0),
              f"<p>{summary['scheme'].nunique() if len(summary) else 0} scheme(s); "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["render_history", "plot_history", "plot_histories", "histories_figure", "chart_sites", "LivePanel"]
+__all__ = ["render_history", "plot_history", "plot_histories", "histories_figure", "chart_sites"]
 
 BARS = "▁▂▃▄▅▆▇█"
 MAX_COLUMNS = 32
@@ -235,3 +235,4 @@ def plot_histories(histories: dict[str, dict[str, Any]], path: str) -> None:
 def plot_history(history: dict[str, Any], path: str) -> None:
     """The "during training" plot of one run: loss, residual variance per block, gradient variance per block."""
     plot_histories({"": history}, path)
+

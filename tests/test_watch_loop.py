@@ -218,3 +218,22 @@ def test_tensorboard_event_file_reads_back_with_tensorboards_reader(tmp_path):
                                                     rel=1e-6)
     tags = acc.Tags()["scalars"]
     assert "watch/activation_var/layers.7" not in tags and "train/lr" in tags  # only what was watched
+
+
+def test_the_live_panel_draws_the_history_as_it_grows():
+    import io
+
+    from rich.console import Console
+
+    from reports.watch_live import LivePanel
+
+    out = io.StringIO()
+    model = small_model()
+    watch = Watch(model, every=2, writers=[LivePanel(Console(file=out, width=120, color_system=None))])
+    assert "LivePanel" in watch.describe()
+    run_loop(watch, model, 3)
+    watch.close()
+    text = out.getvalue()
+    assert "during training" in text and "layers.1" in text
+    assert "2 watch records" in text  # redrawn at the second record
+    assert f"step 2  loss {watch.history['series']['loss'][2]:.4g}" in text

@@ -461,7 +461,7 @@ class Watch:
     ``log_dir``: write ``watch.csv`` (tidy rows of the result schema), ``watch.jsonl`` (one
     object a line: steps, records, events) and TensorBoard event files there (the TensorBoard
     ones when the ``tensorboard`` package is installed); ``writers``: more
-    :class:`WatchWriter` objects (``reports.watch_view.LivePanel`` draws the live panel).
+    :class:`WatchWriter` objects (``reports.watch_live.LivePanel`` draws the live panel).
     ``stop``: None goes on whatever happens; "raise" raises :class:`WatchStop` from
     :meth:`record` at the first fail (:data:`FAIL_VERDICTS`, or a non-finite loss).
     :meth:`record` returns the fail found at its step as a :class:`WatchFailure` (None while
