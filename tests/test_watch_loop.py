@@ -237,3 +237,19 @@ def test_the_live_panel_draws_the_history_as_it_grows():
     assert "during training" in text and "layers.1" in text
     assert "2 watch records" in text  # redrawn at the second record
     assert f"step 2  loss {watch.history['series']['loss'][2]:.4g}" in text
+
+
+def test_a_spike_on_a_step_not_recorded_makes_the_next_step_recorded():
+    from diagnostics import Thresholds
+
+    model = small_model()
+    watch = Watch(model, every=100)
+    x = torch.zeros(1, 8, dtype=torch.long)
+    n = Thresholds().spike_warmup + 2
+    losses = [3.0] * n + [30.0, 3.0, 3.0]
+    for t, loss in enumerate(losses):
+        with watch.step(t):
+            model(x).sum().backward()
+        watch.record(loss)
+    assert [r["step"] for r in watch.history["records"]] == [0, n + 1]  # step 0 (due) and the step after the spike
+    assert [(e["step"], e["kind"]) for e in watch.history["events"]] == [(n, "spike")]
