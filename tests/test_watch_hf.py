@@ -79,3 +79,13 @@ def test_stop_signal_ends_the_run_at_a_nonfinite_loss(tmp_path):
     assert trainer.state.global_step == 1  # stopped after the first step, not at max_steps
     assert cb.failure is not None and cb.failure.step == 0 and cb.failure.verdict == "non_finite"
     assert cb.watch.history["events"][0]["kind"] == "nonfinite"
+
+
+def test_the_sites_of_a_llama_are_its_embedding_blocks_and_head():
+    from diagnostics.judge.watch import default_sites
+
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=T)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert default_sites(model) == ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2",
+                                    "lm_head"]
