@@ -586,11 +586,14 @@ class Watch:
         self.close()
 
     def close(self) -> None:
-        """Commit a step left without :meth:`record` and close the writers (files flushed)."""
-        self._finish_open()
-        writers, self.writers = self.writers, []
-        for w in writers:
-            w.close()
+        """Commit a step left without :meth:`record` and close the writers (files flushed), even
+        when that step's record raises :class:`WatchStop`."""
+        try:
+            self._finish_open()
+        finally:
+            writers, self.writers = self.writers, []
+            for w in writers:
+                w.close()
 
     # ------------------------------------------------------------------- your own loop
 
