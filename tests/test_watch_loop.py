@@ -85,6 +85,16 @@ def test_a_step_left_without_record_keeps_a_nan_loss_and_bad_calls_are_refused()
         Watch(model, every=-1)
     with pytest.raises(OptionsError, match="stop"):
         Watch(model, stop="yes")
+    with pytest.raises(OptionsError, match="writers"):
+        Watch(model, writers=[print])
+
+
+def test_a_log_dir_that_is_a_file_is_refused_in_one_line(tmp_path):
+    f = tmp_path / "run"
+    f.write_text("mine")
+    with pytest.raises(OptionsError, match="log_dir=.*is a file"):
+        Watch(small_model(), log_dir=f)
+    assert f.read_text() == "mine"  # left as it was
 
 
 def test_incremental_verdicts_equal_the_verdicts_of_the_whole_history(tmp_path):

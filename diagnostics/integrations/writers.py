@@ -72,7 +72,12 @@ def tensorboard_available() -> bool:
 def default_writers(log_dir: str | os.PathLike, append: bool = False) -> list[WatchWriter]:
     """The writers of ``Watch(log_dir=...)``: CSV and JSONL in ``log_dir``, and TensorBoard there
     when its package is installed (``append``: continue existing files, as a resumed run does)."""
+    from ..options import OptionsError
+
     d = Path(log_dir)
+    if d.exists() and not d.is_dir():
+        raise OptionsError(f"log_dir={str(log_dir)!r}: is a file, not a directory; pass a directory for the "
+                           "watch's files (it is created if missing)")
     writers: list[WatchWriter] = [CSVWriter(d / "watch.csv", append), JSONLWriter(d / "watch.jsonl", append)]
     if tensorboard_available():
         writers.append(TensorBoardWriter(d))
