@@ -574,7 +574,8 @@ class Watch:
         return f"watching {describe_sites(self.sites)}; recorded {every}; writing to {where}"
 
     def __repr__(self) -> str:
-        return f"Watch({self.describe()}; {len(self.history['records'])} records)"
+        n = len(self.history["records"])
+        return f"Watch({self.describe()}; {n} record{'' if n == 1 else 's'})"
 
     def _repr_html_(self) -> str:
         return History(self.history)._repr_html_()
