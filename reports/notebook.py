@@ -12,10 +12,11 @@ Text is dark on light (contrast above WCAG AA's 4.5:1) and every value is HTML-e
 from __future__ import annotations
 
 import base64
+import contextlib
 import html as _html
 import io
 import math
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = ["html", "diagnosis_html", "history_html", "comparison_html", "figure_img"]
 
@@ -170,8 +171,29 @@ def _missing(v: Any) -> bool:
 # --------------------------------------------------------------------------- dispatch
 
 
+@contextlib.contextmanager
+def _keeps_backend() -> Iterator[None]:
+    """The figures are drawn with Agg (reports.plots selects it); the notebook's own matplotlib
+    backend (inline, widget, ...) is put back afterwards, so the user's plots still show."""
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    try:
+        yield
+    finally:
+        if matplotlib.get_backend() != before:
+            import matplotlib.pyplot as plt
+
+            plt.switch_backend(before)
+
+
 def html(obj: Any) -> str:
     """The HTML of a DiagnoseResult, a watch (History, Watch or history dict) or a Comparison."""
+    with _keeps_backend():
+        return _html_of(obj)
+
+
+def _html_of(obj: Any) -> str:
     from diagnostics.judge.comparison import Comparison
     from diagnostics.judge.watch import History, Watch
     from diagnostics.result import DiagnoseResult

@@ -169,3 +169,17 @@ def test_a_comparison_is_still_a_tuple_and_shows_its_cells_and_plot():
     assert [r[3] for r in rows] == list(summary["verdict"])
     assert [r[4] for r in rows] == [f"{v:.4g}" if math.isfinite(v) else str(v) for v in summary["slope_forward"]]
     png_of(p.images[0])
+
+
+def test_drawing_leaves_the_notebooks_matplotlib_backend_as_it_was():
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    plt.switch_backend("svg")  # stands in for a notebook's inline backend
+    try:
+        html = History(_watched(blow_up_at=None).history)._repr_html_()
+        assert matplotlib.get_backend() == "svg"
+        assert "data:image/png;base64," in html
+    finally:
+        plt.switch_backend(before)
