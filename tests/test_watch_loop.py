@@ -263,3 +263,19 @@ def test_a_spike_on_a_step_not_recorded_makes_the_next_step_recorded():
         watch.record(loss)
     assert [r["step"] for r in watch.history["records"]] == [0, n + 1]  # step 0 (due) and the step after the spike
     assert [(e["step"], e["kind"]) for e in watch.history["events"]] == [(n, "spike")]
+
+
+def test_a_missing_optional_package_names_its_extra(monkeypatch):
+    import importlib
+    import sys
+
+    from diagnostics.integrations import writers
+
+    monkeypatch.setattr(writers, "tensorboard_available", lambda: False)
+    with pytest.raises(ImportError, match=r'pip install "tinylm\[tensorboard\]"'):
+        writers.TensorBoardWriter("runs/x")
+    assert not any(isinstance(w, writers.TensorBoardWriter) for w in writers.default_writers("unused-dir"))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "diagnostics.integrations.hf", raising=False)
+    with pytest.raises(ImportError, match=r'pip install "tinylm\[hf\]"'):
+        importlib.import_module("diagnostics.integrations.hf")
