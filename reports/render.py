@@ -60,6 +60,7 @@ class ReportContext:
     device: str = "cpu"
     nonfinite_params: list[str] = field(default_factory=list)  # from the checkpoint loader
     all_tensors: bool = False
+    random_trained: bool = False  # a checkpoint measured on uniform random tokens (its loss is read differently)
 
 
 def _kv(table: Table, key: str, value: str | Text) -> None:
@@ -96,6 +97,12 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
+        if ctx.random_trained and h.loss is not None and h.loss > h.loss_uniform:
+            # on uniform targets the loss is ln V + KL(uniform || p): above ln V for any model whose predictions
+            # are not uniform, so it measures how confident the model is, not how well it predicts text
+            loss.append("; above ln V because the tokens are random, not because the model is broken: "
+                        "cross-entropy on uniform targets is ln V plus how far the model's predictions are "
+                        "from uniform", style="dim")
     _kv(t, "loss", loss)
     return t
 
