@@ -63,10 +63,11 @@ def did_you_mean(word: str, choices, n: int = 1) -> str:
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
-def choose(flag: str, value: str, choices) -> str:
+def choose(flag: str, value: str, choices, what: str) -> str:
     """``value`` if it is one of ``choices``, else a UsageError listing them (with "did you mean")."""
     if value not in choices:
-        raise UsageError(f"{flag} {value!r}: not one of {', '.join(choices)}{did_you_mean(value, choices)}")
+        raise UsageError(f"{flag}: unknown {what} {value!r}; choose one of {', '.join(choices)}"
+                         f"{did_you_mean(value, choices)}")
     return value
 
 

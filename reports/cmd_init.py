@@ -34,8 +34,8 @@ def check_checkpoint_suffix(flag: str, value: str) -> None:
 
 def check(args: argparse.Namespace) -> None:
     """The flags, before torch is imported: preset, scheme, output path."""
-    choose("--preset", args.preset, PRESET_NAMES)
-    choose("--init", args.init, SCHEME_NAMES)
+    choose("--preset", args.preset, PRESET_NAMES, "preset")
+    choose("--init", args.init, SCHEME_NAMES, "init scheme")
     check_outputs({"-o": args.output}, {}, force=args.force)
     check_checkpoint_suffix("-o", args.output)
 

@@ -106,9 +106,9 @@ def check(args: argparse.Namespace) -> None:
     from .cmd_init import check_checkpoint_suffix
 
     if args.preset is not None:
-        choose("--preset", args.preset, PRESET_NAMES)
+        choose("--preset", args.preset, PRESET_NAMES, "preset")
     if args.init is not None:
-        choose("--init", args.init, SCHEME_NAMES)
+        choose("--init", args.init, SCHEME_NAMES, "init scheme")
     check_input_file("--data", args.data)
     check_input_file("--resume", args.resume)
     check_outputs(_output_paths(args), {"--data file": args.data, "--resume checkpoint": args.resume},

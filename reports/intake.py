@@ -225,8 +225,7 @@ def measured_tokens(data: str | None, source: ModelSource, seq_len: int) -> tupl
             note = f"; the recorded training data {recorded} is gone"
     text = f"uniform random tokens over [0, {vocab:,})" + note
     if not source.fresh:
-        text += ("; a trained model's loss on them is above ln V (it is confident about text, and random tokens "
-                 "are not text): pass --data PATH (.npy, .bin or .txt) to measure on its own kind of tokens")
+        text += "; pass --data PATH (.npy, .bin or .txt) to measure on the kind of tokens it was trained on"
     return None, text
 
 
