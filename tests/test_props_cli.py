@@ -107,7 +107,7 @@ def test_cli_bad_input_exits_2(capsys):
 
 
 def test_cli_runs_selected_properties(capsys):
-    code = cli.main(["props", "-k", "softmax_rows_sum_to_one or xavier"])
+    code = cli.main(["props", "-k", "softmax_rows_sum_to_one or xavier", "--verbose"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "ALL HOLD: 2 properties (2 passed)" in " ".join(out.split())
