@@ -5,6 +5,7 @@ Nothing here computes: the numbers come from :mod:`props.runner` and :mod:`props
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -12,7 +13,7 @@ from rich.text import Text
 from props.mutate import MutationReport
 from props.runner import PropertyResult, SuiteRun
 
-__all__ = ["suite_table", "render_suite", "render_mutation", "RESULT_STYLE"]
+__all__ = ["suite_table", "SuiteTable", "render_suite", "render_mutation", "RESULT_STYLE"]
 
 RESULT_STYLE = {
     "passed": "green",
@@ -37,28 +38,59 @@ def _result_cell(r: PropertyResult) -> Text:
     return Text(label, style=RESULT_STYLE.get(r.outcome, ""))
 
 
-def suite_table(run: SuiteRun) -> Table:
-    """One row per property: name, claim, examples, worst observed, tolerance, false-alarm rate, result."""
-    t = Table(title=f"Property suite: implementation {run.impl}", title_justify="left", expand=True)
-    t.add_column("property", overflow="fold", ratio=2, min_width=14)
-    t.add_column("claim", overflow="fold", ratio=3, min_width=14)
-    t.add_column("ex.", justify="right")
+def suite_table(run: SuiteRun, width: int = 120) -> Table:
+    """One row per property: name, claim, examples, worst observed, tolerance, false-alarm rate, result.
+
+    Laid out for ``width`` columns without cutting a number: from 120 columns a boxed table with
+    a claim column; below, the claim goes under the name (dim), and under 100 columns the
+    false-alarm rate, under 70 the example count, are left out (the caption says so).
+    """
+    wide = width >= 120
+    show_alpha, show_examples = width >= 100, width >= 70
+    left_out = [c for c, shown in (("alpha", show_alpha), ("ex.", show_examples)) if not shown]
+    caption = f"left out at this width: {', '.join(left_out)} (see --width)" if left_out and not wide else None
+    if wide:
+        t = Table(title=f"Property suite: implementation {run.impl}", title_justify="left", expand=True)
+        t.add_column("property", overflow="fold", ratio=2, min_width=14)
+        t.add_column("claim", overflow="fold", ratio=3, min_width=14)
+    else:
+        t = Table(title=f"Property suite: implementation {run.impl}", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, show_edge=False, caption=caption, caption_justify="left", caption_style="dim")
+        t.add_column("property (claim)", overflow="fold", ratio=1)
+    if wide or show_examples:
+        t.add_column("ex.", justify="right", no_wrap=True)
     t.add_column("worst", justify="right", no_wrap=True)
     t.add_column("tol.", justify="right", no_wrap=True)
-    t.add_column("alpha", justify="right", no_wrap=True)
+    if wide or show_alpha:
+        t.add_column("alpha", justify="right", no_wrap=True)
     t.add_column("result", no_wrap=True)
     for r in run.results:
         worst = _num(r.observed) + (f" {r.kind}" if r.kind and r.observed is not None else "")
-        t.add_row(
-            Text(r.name),
-            Text(r.claim or "-"),  # claims hold brackets such as 1[x > 0]: plain text, never markup
-            str(r.examples) if r.examples else "-",
-            worst,
-            _num(r.tolerance),
-            f"{r.alpha:g}" if r.alpha else "-",
-            _result_cell(r),
-        )
+        if wide:
+            cells: list = [Text(r.name), Text(r.claim or "-")]  # claims hold brackets such as 1[x > 0]: never markup
+        else:
+            name = Text(r.name)
+            if r.claim:
+                name.append(f"\n  {r.claim}", style="dim")
+            cells = [name]
+        if wide or show_examples:
+            cells.append(str(r.examples) if r.examples else "-")
+        cells += [worst, _num(r.tolerance)]
+        if wide or show_alpha:
+            cells.append(f"{r.alpha:g}" if r.alpha else "-")
+        cells.append(_result_cell(r))
+        t.add_row(*cells)
     return t
+
+
+class SuiteTable:
+    """:func:`suite_table` laid out for the console's width."""
+
+    def __init__(self, run: SuiteRun) -> None:
+        self.run = run
+
+    def __rich_console__(self, console, options):
+        yield suite_table(self.run, options.max_width)
 
 
 def _summary(run: SuiteRun) -> Text:
@@ -116,7 +148,7 @@ def render_suite(run: SuiteRun, verbose: bool = False) -> Group:
     """The run as a reader needs it: each failure with the claim it breaks and hypothesis's minimal
     example, the skips grouped by the function the implementation lacks, and a summary line;
     ``verbose`` puts the full one-row-per-property table first."""
-    parts: list = [suite_table(run)] if verbose else []
+    parts: list = [SuiteTable(run)] if verbose else []
     failures = [r for r in run.results if r.outcome in ("failed", "error", "xpassed")]
     for r in failures:
         parts += [_failure(r, run.impl), Text("")]
