@@ -100,6 +100,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def _headline(message: str) -> str:
     """The assertion's own words: before hypothesis's notes, without the ``AssertionError:`` prefix."""
-    head = _MARKER.split(message)[0]
-    head = _DRAW.split(head)[0].strip()
-    return head[len("AssertionError: "):] if head.startswith("AssertionError: ") else head
+    head = _DRAW.split(_MARKER.split(message)[0])[0].strip()
+    head = head[len("AssertionError: "):] if head.startswith("AssertionError: ") else head
+    kept = []
+    for line in head.splitlines():  # pytest's rewritten-assert introspection and hypothesis's notes add nothing
+        if line.startswith(("assert ", " +", "(note:")):
+            break
+        kept.append(line.strip())
+    return " ".join(kept)
