@@ -126,6 +126,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
         sub = getattr(args, "_parser", parser)
         known = [s for s in sub._option_string_actions if s.startswith("--")]
         bad = extras[0]
+        if bad.split("=", 1)[0] in known:  # a verb's flag given before the verb
+            raise UsageError(f"{bad} belongs after the command: tinylm {args.verb} {bad} ...")
         if bad.startswith("-"):
             hint = did_you_mean(bad.split("=", 1)[0], known)
             raise UsageError(f"unrecognized argument {bad}{hint} (see {sub.prog} --help)")
