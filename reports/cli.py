@@ -103,6 +103,11 @@ def _modules() -> dict[str, object]:
 def build_parser() -> argparse.ArgumentParser:
     """The whole parser; importing it imports no torch (the verbs import it in ``run``)."""
     parser = _Parser(prog="tinylm", description="Numerics verification and diagnostics for Transformer LMs.")
+    # --debug and --threads are accepted before the verb too (under their own names: a verb's
+    # parser would overwrite the same attribute with its default)
+    parser.add_argument("--debug", dest="debug_first", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("--threads", dest="threads_first", type=positive_int, metavar="N",
+                        help="CPU threads for torch (see the verbs' --help)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     for verb, mod in _modules().items():
         p = sub.add_parser(verb, help=VERBS[verb], description=(mod.__doc__ or VERBS[verb]).strip().splitlines()[0])
@@ -118,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; an unknown verb or flag is a UsageError that suggests the closest known one."""
     first = next((a for a in argv if not a.startswith("-")), None)
-    if first is not None and argv and argv[0] == first and first not in VERBS:
+    if first is not None and argv and argv[0] == first and first not in VERBS:  # flags first: argparse says it
         raise UsageError(f"unknown command {first!r}{did_you_mean(first, VERBS)} (commands: {', '.join(VERBS)}; "
                          "see tinylm --help)")
     args, extras = parser.parse_known_args(argv)
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("no command given (commands: " + ", ".join(VERBS) + "; see tinylm --help)")
         if args._check is not None:
             args._check(args)  # every flag that can be checked without torch, before any work
-        set_threads(args.threads)
+        set_threads(args.threads if args.threads is not None else args.threads_first)
         return int(args._run(args))
     except KeyboardInterrupt:
         _say("tinylm: interrupted")

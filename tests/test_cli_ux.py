@@ -86,6 +86,9 @@ def test_threads_flag_sets_torchs_threads(tmp_path, capsys):
         torch.set_num_threads(2)
         assert main(["init", "--threads", "1", "-o", str(tmp_path / "m.pt")]) == 0
         assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert main(["--threads", "1", "init", "-o", str(tmp_path / "m2.pt")]) == 0  # before the verb too
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
     assert_one_line_error(main(["init", "--threads", "0", "-o", str(tmp_path / "n.pt")]), capsys.readouterr().err,
