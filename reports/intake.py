@@ -8,14 +8,13 @@ that resolves to the checkpoint or the data file is refused before any work.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli import UsageError
+from .cli import UsageError, positive_int  # noqa: F401  (positive_int: the commands import it from here)
 
 if TYPE_CHECKING:  # torch is imported where a command starts its work, after the flags are checked
     import torch
@@ -73,9 +72,6 @@ def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     if not out:
         raise UsageError(f"{flag} {text!r}: empty; give a comma-separated list such as 2,8,32")
     return out
-
-
-from .cli import positive_int  # noqa: E402  (re-exported: the commands import it from here)
 
 
 def parse_dtype(name: str) -> torch.dtype:
