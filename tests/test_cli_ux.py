@@ -75,9 +75,22 @@ def test_did_you_mean_for_commands_flags_and_choices(capsys):
     assert "did you mean" not in capsys.readouterr().err
 
 
+def _dict_keys(path: Path, name: str) -> tuple[str, ...]:
+    """The keys of the module-level dict literal ``name`` in ``path`` (as written, whatever other
+    tests registered since)."""
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == name:
+            return tuple(k.value for k in node.value.keys)
+    raise AssertionError(f"no {name} in {path}")
+
+
 def test_the_offered_presets_and_schemes_are_tinylms():
-    assert cli.PRESET_NAMES == tuple(tinylm.PRESETS)
-    assert cli.SCHEME_NAMES == tuple(tinylm.init.SCHEMES)
+    assert cli.PRESET_NAMES == _dict_keys(ROOT / "tinylm" / "config.py", "PRESETS") == tuple(tinylm.PRESETS)
+    assert cli.SCHEME_NAMES == _dict_keys(ROOT / "tinylm" / "init.py", "SCHEMES")
+    assert set(cli.SCHEME_NAMES) <= set(tinylm.init.SCHEMES)
 
 
 def test_threads_flag_sets_torchs_threads(tmp_path, capsys):
