@@ -4,14 +4,17 @@ wrong one shown with its claim and minimal example, skips grouped, progress repo
 
 from __future__ import annotations
 
+import io
 import textwrap
 
 import pytest
+from rich.console import Console
 
 from props import impl as impl_mod
 from props.live import falsifying_example
 from props.runner import missing_of, run_suite
 from reports.cli import main
+from reports.props_view import render_suite
 
 # A CS336-style implementation: softmax right, cross_entropy right but without label_smoothing,
 # log_softmax wrong (an offset), nothing else.
@@ -57,15 +60,18 @@ def test_a_student_implementation_reads_like_pytest(student_dir, capsys):
     done = [a for a in seen if a[2]]
     assert [a[0] for a in done] == list(range(1, len(run.results) + 1)) and done[-1][1] == len(run.results)
 
-    # the command line: one screen, failure with claim and example, skips grouped by what is missing
-    code = main(["props", "--impl", "student_lm", "-k", SELECT, "--no-progress", "--width", "100"])
-    out, err = capsys.readouterr()
-    assert code == 1 and err == ""
+    # the report: one screen, failure with claim and example, skips grouped by what is missing
+    buf = io.StringIO()
+    Console(width=100, file=buf, color_system=None).print(render_suite(run))
+    out = buf.getvalue()
     flat = " ".join(out.split())
     assert "FAILED log_softmax_stable" in flat and "claim log_softmax(z) = z - logsumexp(z)" in flat
     assert "example z=tensor(" in flat
     assert "cross_entropy(label_smoothing) (" in flat and "rmsnorm (1) rmsnorm_formula" in flat
     assert "passed" not in out.split("FAILURES")[0]  # no table of passing rows without --verbose
+    # the command line refuses a module that is not there, before running anything
+    assert main(["props", "--impl", "student_lm_missing", "--no-progress"]) == 2
+    assert "student_lm_missing" in capsys.readouterr().err
 
 
 def test_impl_by_file_and_refusals(student_dir, tmp_path_factory):
