@@ -59,12 +59,9 @@ def run(args: argparse.Namespace) -> int:
 
     from .props_view import render_mutation, render_suite
 
+    check(args)
     console = Console(width=args.width)
     if args.mutate:
-        if args.impl:
-            raise UsageError("--mutate mutates tinylm itself; drop --impl (or drop --mutate to test your implementation)")
-        if args.workers is not None and args.workers < 1:
-            raise UsageError(f"--workers {args.workers}: need at least 1")
         mutants = mutate.select_mutants(args.only) if args.only else list(mutate.MUTANTS)
         report = mutate.run_all(
             mutants,
@@ -74,11 +71,6 @@ def run(args: argparse.Namespace) -> int:
         )
         console.print(render_mutation(report))
         return 0 if report.all_killed else 1
-    for flag in ("workers", "only"):
-        if getattr(args, flag):
-            raise UsageError(f"--{flag} applies to --mutate only")
-    if args.first_failure:
-        raise UsageError("--first-failure applies to --mutate only")
     from .progress import progress_bar
 
     with progress_bar("props", enabled=False if args.no_progress else None) as update:
