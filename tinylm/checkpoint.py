@@ -385,7 +385,9 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     else:
         norm = "none"
     lm = state.get("lm_head.weight")
-    tied = lm is None or (lm.data_ptr() == emb.data_ptr() and lm.shape == emb.shape)
+    # one storage for both: tied (a sparse tensor has no storage to compare; the dense-weights check refuses it later)
+    dense = lm is not None and lm.layout == emb.layout == torch.strided
+    tied = lm is None or (dense and lm.data_ptr() == emb.data_ptr() and lm.shape == emb.shape)
     fields = dict(
         vocab_size=emb.shape[0],
         d_model=emb.shape[1],
