@@ -504,6 +504,12 @@ class DiagnoseResult:
             schema_version=version,
         )
 
+    def _repr_html_(self) -> str:
+        """The diagnosis drawn in a notebook (see :mod:`diagnostics.display`)."""
+        from .display import html
+
+        return html(self)
+
 
 def _tensors_from_rows(rows: list[dict[str, Any]], notes: list[dict[str, Any]]) -> list[TensorRow]:
     """The :class:`TensorRow` list that :meth:`DiagnoseResult.rows` and the "theory" notes came from

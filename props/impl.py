@@ -33,8 +33,12 @@ name                               signature (tensors are torch tensors; ``...``
 =================================  ====================================================================
 
 ``load("package.module:object")`` imports a user's object (``package.module``
-alone uses the module itself). A property that needs a function the object
-lacks is skipped and the report names the missing function.
+alone uses the module itself); a module that is not importable is looked for in
+the current directory, and ``path/to/file.py[:object]`` loads that file. Only
+what is named is imported. A property that needs a function the object lacks is
+skipped and the report names the missing function; so is one that passes an
+argument the user's function does not take (a CS336 ``cross_entropy(inputs,
+targets)`` has no ``label_smoothing``): the report names ``cross_entropy(label_smoothing)``.
 
 Example, wrapping one's own CS336 code::
 
@@ -51,7 +55,10 @@ Example, wrapping one's own CS336 code::
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import inspect
 import os
 import sys
 from types import ModuleType
@@ -169,12 +176,46 @@ class TinyLMImpl:
         return self._tl.TransformerLM(config, generator=generator)
 
 
-class Implementation:
-    """An implementation under test: ``has(name)`` and attribute access to its functions."""
+def _signature_checked(fn: Any, name: str, impl_name: str) -> Any:
+    """``fn`` wrapped so that a call its signature cannot take (an argument it does not have,
+    one too many, one it requires that the protocol does not pass) skips the property,
+    naming the argument, instead of failing it; errors raised inside ``fn`` pass through."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: call it as it is
+        return fn
 
-    def __init__(self, obj: Any, name: str) -> None:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            import pytest
+
+            extra = [k for k in kwargs if k not in sig.parameters]
+            has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+            what = f"takes no {extra[0]} argument" if extra and not has_var_kw else f"cannot take this call ({e})"
+            pytest.skip(f"implementation {impl_name!r}: {name}{_short(sig)} {what}")
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _short(sig: inspect.Signature) -> str:
+    return "(" + ", ".join(p.name for p in sig.parameters.values()) + ")"
+
+
+class Implementation:
+    """An implementation under test: ``has(name)`` and attribute access to its functions.
+
+    A user's functions (not tinylm's) are called through a signature check: a property that
+    passes an argument the function does not take is skipped, naming the argument.
+    """
+
+    def __init__(self, obj: Any, name: str, spec: str | None = None) -> None:
         self.obj = obj
         self.name = name
+        self.spec = spec if spec is not None else name  # what a subprocess passes to load() to get the same object
         self.source: str | None = (
             getattr(obj, "source", None)
             or getattr(obj, "__file__", None)
@@ -191,11 +232,13 @@ class Implementation:
         return [n for n in FUNCTIONS if self.has(n)]
 
     def __getattr__(self, fn: str) -> Any:
-        if fn.startswith("_") or fn in ("obj", "name", "source"):
+        if fn.startswith("_") or fn in ("obj", "name", "source", "spec"):
             raise AttributeError(fn)
         value = getattr(self.obj, fn, None)
         if value is None:
             raise AttributeError(f"implementation {self.name!r} provides no {fn!r}")
+        if fn in FUNCTIONS and self.name != "tinylm" and callable(value) and not isinstance(value, (type, ModuleType)):
+            return _signature_checked(value, fn, self.name)
         return value
 
     def __repr__(self) -> str:
@@ -206,19 +249,82 @@ class ImplError(TinyLMError):
     """The --impl / TINYLM_PROPS_IMPL value cannot be loaded; the message says why and what to pass."""
 
 
+def _is_file_spec(mod_name: str) -> bool:
+    return mod_name.endswith(".py") or "/" in mod_name or os.sep in mod_name
+
+
+def _import_file(spec: str, path_text: str) -> ModuleType:
+    """The module in file ``path_text`` (the user named it), imported under its stem's name."""
+    path = os.path.abspath(path_text)
+    if not os.path.isfile(path):
+        raise ImplError(f"impl={spec!r}: no such file {path_text!r}; give a .py file or an importable module")
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name in sys.modules and os.path.abspath(getattr(sys.modules[name], "__file__", "") or "") == path:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImplError(f"impl={spec!r}: {path_text!r} is not a Python module; give a .py file")
+    mod = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = mod
+    sys.path.insert(0, os.path.dirname(path))  # its own imports of modules beside it
+    try:
+        module_spec.loader.exec_module(mod)
+    except Exception as e:
+        sys.modules.pop(name, None)
+        raise ImplError(f"impl={spec!r}: importing {path_text} failed ({type(e).__name__}: {e})") from None
+    finally:
+        sys.path.remove(os.path.dirname(path))
+    return mod
+
+
+def _import_module(spec: str, mod_name: str) -> tuple[ModuleType, str]:
+    """``mod_name`` imported from sys.path, else from the current directory (as ``python -m``
+    would find it); returns the module and the spec a subprocess should use."""
+    try:
+        return importlib.import_module(mod_name), spec
+    except ModuleNotFoundError as e:
+        top = mod_name.split(".")[0]
+        if e.name != top and not (e.name or "").startswith(top + "."):
+            raise ImplError(f"impl={spec!r}: importing {mod_name!r} failed: {e}; install what it needs") from None
+    except ImportError as e:
+        raise ImplError(f"impl={spec!r}: cannot import module {mod_name!r} ({e})") from None
+    cwd = os.getcwd()
+    top = mod_name.split(".")[0]
+    if os.path.isfile(os.path.join(cwd, top + ".py")) or os.path.isfile(os.path.join(cwd, top, "__init__.py")):
+        sys.path.insert(0, cwd)
+        try:
+            return importlib.import_module(mod_name), spec
+        except ImportError as e:
+            raise ImplError(f"impl={spec!r}: cannot import module {mod_name!r} from {cwd} ({e})") from None
+        finally:
+            sys.path.remove(cwd)
+    raise ImplError(
+        f"impl={spec!r}: cannot import module {mod_name!r}: it is neither on the Python path nor in the current "
+        f"directory ({cwd}); "
+        "run from the directory that holds it, give a file (path/to/file.py:object), or pip install -e your package"
+    )
+
+
 def load(spec: str | None = None) -> Implementation:
-    """The implementation named by ``spec`` ("package.module:object" or "package.module"); tinylm when None/"tinylm"."""
+    """The implementation named by ``spec``; tinylm when None/"tinylm".
+
+    ``spec``: "package.module:object" or "package.module" (importable, or in the current
+    directory), or "path/to/file.py[:object]". Nothing but the named module is imported.
+    """
     if spec is None or spec in ("", "tinylm"):
         return Implementation(TinyLMImpl(), "tinylm")
     if not isinstance(spec, str) or spec.count(":") > 1:
-        raise ImplError(f"impl={spec!r}: give package.module or package.module:object")
+        raise ImplError(f"impl={spec!r}: give package.module, package.module:object or path/to/file.py:object")
     mod_name, _, attr = spec.partition(":")
-    try:
-        mod: ModuleType = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ImplError(
-            f"impl={spec!r}: cannot import module {mod_name!r} ({e}); make it importable (pip install -e, or PYTHONPATH)"
-        ) from None
+    resolved = spec
+    if _is_file_spec(mod_name):
+        mod = _import_file(spec, mod_name)
+        resolved = os.path.abspath(mod_name) + (f":{attr}" if attr else "")
+    else:
+        mod, resolved = _import_module(spec, mod_name)
+        if getattr(mod, "__file__", None) and os.path.dirname(os.path.abspath(mod.__file__)) == os.getcwd() \
+                and "." not in mod_name:
+            resolved = os.path.abspath(mod.__file__) + (f":{attr}" if attr else "")  # found here: a subprocess too
     obj: Any = mod
     for part in filter(None, attr.split(".")):
         if not hasattr(obj, part):
@@ -226,7 +332,7 @@ def load(spec: str | None = None) -> Implementation:
         obj = getattr(obj, part)
     if isinstance(obj, type):
         obj = obj()
-    impl = Implementation(obj, spec)
+    impl = Implementation(obj, os.path.basename(spec) if _is_file_spec(mod_name) else spec, resolved)
     if not impl.provided():
         raise ImplError(
             f"impl={spec!r} provides none of the protocol's functions ({', '.join(FUNCTIONS)}); see props.impl"

@@ -1,22 +1,41 @@
 """The ``tinylm`` and ``diagnose`` commands.
 
 Each verb lives in its own module ``reports.cmd_<verb>`` exposing
-``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches and
-turns a user's mistake into one line on stderr and exit code 2.
+``add_arguments(parser)``, ``run(args) -> int`` and optionally ``check(args)``;
+this file only dispatches and turns a user's mistake into one line on stderr and
+exit code 2.
 
-Exit codes: 0 success (healthy), 1 findings (``--check``), 2 bad input or usage,
-3 an internal error (a bug of ours: rerun with ``--debug`` and report it),
-130 interrupted.
+Order of work: the flags are parsed and every argument that can be checked
+without torch (paths, output suffixes, device names, presets, schemes, numbers)
+is checked by the verb's ``check(args)`` before anything heavy is imported, so a
+mistyped flag costs a fraction of a second; only then does ``run`` import
+tinylm (and torch) and start.
+
+Exit codes (also in docs/cli.md):
+
+== =====================================================================
+0  success (``diagnose``: healthy, or run without ``--check``)
+1  findings (``diagnose --check``) or a failing property (``props``)
+2  bad input or usage: one line on stderr, no traceback
+3  an internal error: a bug of ours, never expected (rerun with ``--debug``
+   and report it)
+4  ``train`` stopped early on a non-finite loss (the checkpoint is written)
+130 interrupted (Ctrl-C)
+== =====================================================================
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import os
+import re
 import sys
 import traceback
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_NONFINITE = 4  # tinylm train stopped on a non-finite loss
 
 # verb -> one-line help; the module reports.cmd_<verb> implements it.
 VERBS = {
@@ -27,14 +46,47 @@ VERBS = {
     "train": "train a small model while watching per-layer statistics",
 }
 
+#: The presets and init schemes the command line offers, named here so that flags are
+#: checked (with "did you mean") before torch is imported; a test holds them equal to
+#: ``tinylm.config.PRESETS`` and ``tinylm.init.SCHEMES``.
+PRESET_NAMES = ("tiny", "tinystories", "gpt2-small")
+SCHEME_NAMES = ("cs336", "kaiming", "torch-default", "gpt2", "small-init", "zero-residual")
+
 
 class UsageError(ValueError):
     """A bad flag or flag combination; the message says which and what to do."""
 
 
+def did_you_mean(word: str, choices, n: int = 1) -> str:
+    """``"; did you mean 'diagnose'?"`` for the closest of ``choices`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(word, list(choices), n=n, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def choose(flag: str, value: str, choices, what: str) -> str:
+    """``value`` if it is one of ``choices``, else a UsageError listing them (with "did you mean")."""
+    if value not in choices:
+        raise UsageError(f"{flag}: unknown {what} {value!r}; choose one of {', '.join(choices)}"
+                         f"{did_you_mean(value, choices)}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not argparse's usage block
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        m = re.search(r"invalid choice: '?([^'\s]*)'? \(choose from (.*)\)", message)
+        hint = did_you_mean(m.group(1), re.findall(r"'?([^',\s]+)'?", m.group(2))) if m else ""
+        raise UsageError(f"{message}{hint} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 def _modules() -> dict[str, object]:
@@ -49,14 +101,43 @@ def _modules() -> dict[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole parser; importing it imports no torch (the verbs import it in ``run``)."""
     parser = _Parser(prog="tinylm", description="Numerics verification and diagnostics for Transformer LMs.")
+    # --debug and --threads are accepted before the verb too (under their own names: a verb's
+    # parser would overwrite the same attribute with its default)
+    parser.add_argument("--debug", dest="debug_first", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("--threads", dest="threads_first", type=positive_int, metavar="N",
+                        help="CPU threads for torch (see the verbs' --help)")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     for verb, mod in _modules().items():
         p = sub.add_parser(verb, help=VERBS[verb], description=(mod.__doc__ or VERBS[verb]).strip().splitlines()[0])
         p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+        p.add_argument("--threads", type=positive_int, metavar="N",
+                       help="CPU threads for torch (torch.set_num_threads); on a busy machine 1 can be much "
+                            "faster than the default (all cores)")
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _check=getattr(mod, "check", None), _parser=p)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; an unknown verb or flag is a UsageError that suggests the closest known one."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first is not None and argv and argv[0] == first and first not in VERBS:  # flags first: argparse says it
+        raise UsageError(f"unknown command {first!r}{did_you_mean(first, VERBS)} (commands: {', '.join(VERBS)}; "
+                         "see tinylm --help)")
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = getattr(args, "_parser", parser)
+        known = [s for s in sub._option_string_actions if s.startswith("--")]
+        bad = extras[0]
+        if bad.split("=", 1)[0] in known:  # a verb's flag given before the verb
+            raise UsageError(f"{bad} belongs after the command: tinylm {args.verb} {bad} ...")
+        if bad.startswith("-"):
+            hint = did_you_mean(bad.split("=", 1)[0], known)
+            raise UsageError(f"unrecognized argument {bad}{hint} (see {sub.prog} --help)")
+        raise UsageError(f"unexpected argument {bad!r} (see {sub.prog} --help)")
+    return args
 
 
 def _is_user_error(e: BaseException) -> bool:
@@ -71,6 +152,16 @@ def _say(message: str) -> None:
     print(message.replace("\n", " "), file=sys.stderr)
 
 
+def set_threads(n: int | None) -> None:
+    """``--threads N``: torch's intra-op threads (and OpenMP's, for subprocesses) set to N."""
+    if n is None:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tinylm``; returns the exit code (console scripts pass it to sys.exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -80,9 +171,12 @@ def main(argv: list[str] | None = None) -> int:
         if not argv:
             parser.print_help(sys.stderr)
             return EXIT_USAGE
-        args = parser.parse_args(argv)
+        args = _parse(parser, argv)
         if args.verb is None:
-            raise UsageError("no verb given (see tinylm --help)")
+            raise UsageError("no command given (commands: " + ", ".join(VERBS) + "; see tinylm --help)")
+        if args._check is not None:
+            args._check(args)  # every flag that can be checked without torch, before any work
+        set_threads(args.threads if args.threads is not None else args.threads_first)
         return int(args._run(args))
     except KeyboardInterrupt:
         _say("tinylm: interrupted")

@@ -59,6 +59,27 @@ def _tokens(data: str | None, vocab_size: int | None) -> tuple[Any, int | None]:
     return tokens, vocab_size
 
 
+def _schemes(text: str | None) -> list[str] | None:
+    """``--schemes a,b`` as a list (None: every registered scheme)."""
+    return [s.strip() for s in text.split(",") if s.strip()] if text else None
+
+
+def check(args: argparse.Namespace) -> None:
+    """The flags, before torch is imported: schemes, depths, widths, steps, paths."""
+    from .cli import SCHEME_NAMES, UsageError, choose
+    from .intake import check_input_file, check_suffixes
+
+    for s in _schemes(args.schemes) or ():
+        choose("--schemes", s, SCHEME_NAMES, "init scheme")
+    parse_int_list(args.depths, "--depths")
+    parse_int_list(args.widths, "--widths")
+    if args.steps < 0:
+        raise UsageError(f"--steps {args.steps}: must be 0 or more")
+    check_input_file("--data", args.data)
+    check_outputs({"--plot": args.plot, "--csv": args.csv}, {"--data file": args.data})
+    check_suffixes({"--plot": args.plot, "--csv": args.csv})
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 

@@ -9,12 +9,14 @@ seed 0). Exit codes: 0 healthy (or no ``--check``), 1 findings with
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 from typing import Any
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError
-from .intake import check_outputs, load_model, load_token_stream, parse_dtype, positive_int, resolve_device
+from .intake import (check_device_name, check_input_file, check_outputs, check_suffixes, load_model, measured_tokens,
+                     parse_dtype, positive_int, resolve_device)
 from .progress import progress_bar
 
 # Defaults sized so that the no-argument run (the README Quickstart's main job)
@@ -22,6 +24,7 @@ from .progress import progress_bar
 # replicates of every 99% interval (3 degrees of freedom) at the cost of about
 # two bare forward+backward passes of a 2 x 256 batch.
 DEFAULT_BATCH_SIZE, DEFAULT_BATCHES, DEFAULT_SEEDS = 1, 4, 1
+EXPORT_WIDTH = 120  # columns of an --html or --svg report, at least
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--unsafe-load", action="store_true",
                    help="allow a whole pickled model (runs code from the file: only for files you trust)")
     g = p.add_argument_group("measurement")
-    g.add_argument("--data", metavar="PATH", help="token file: .npy, .bin (uint16, CS336) or .txt (bytes); default random tokens")
+    g.add_argument("--data", metavar="PATH", help="token file: .npy, .bin (uint16, CS336) or .txt (bytes); default: the "
+                   "data a tinylm train checkpoint recorded, else uniform random tokens")
     g.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, help=f"sequences per batch (default {DEFAULT_BATCH_SIZE})")
     g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the context length)")
     g.add_argument("--batches", type=positive_int, default=DEFAULT_BATCHES, help=f"batches per seed (default {DEFAULT_BATCHES})")
@@ -96,16 +100,32 @@ def _training_plot_path(plot: str) -> Path:
     return p.with_name(f"{p.stem}.training{p.suffix or '.png'}")
 
 
+def _all_outputs(args: argparse.Namespace) -> dict[str, str | None]:
+    outputs = _outputs(args)
+    if args.plot:
+        outputs["--plot (training history)"] = str(_training_plot_path(args.plot))
+    return outputs
+
+
+def check(args: argparse.Namespace) -> None:
+    """Every flag that can be checked without torch: inputs exist, outputs are writable and
+    of a known kind, the device is spelled right, --seeds suits the model."""
+    check_input_file("checkpoint", args.checkpoint)
+    check_input_file("--data", args.data)
+    check_outputs(_all_outputs(args), {"checkpoint": args.checkpoint, "--data file": args.data})
+    check_suffixes(_outputs(args))
+    check_device_name(args.device)
+    _seeds(args, fresh=args.checkpoint is None)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from . import export
     from .render import ReportContext, report
 
-    outputs = _outputs(args)
-    if args.plot:
-        outputs["--plot (training history)"] = str(_training_plot_path(args.plot))
-    check_outputs(outputs, {"checkpoint": args.checkpoint, "--data file": args.data})
+    check(args)  # also when run() is called without the command line's main()
+    outputs = _all_outputs(args)
     dtype = parse_dtype(args.dtype)
     device = resolve_device(args.device)
 
@@ -119,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if seq_len < 2:
         raise UsageError(f"--seq-len {seq_len}: need at least 2 tokens to score a next token")
     seeds = _seeds(args, source.fresh)
-    tokens = load_token_stream(args.data, config.vocab_size, seq_len)
+    tokens, data_text = measured_tokens(args.data, source, seq_len)
     from diagnostics import DiagnoseOptions, diagnose
     from tinylm.memory import check_fits
 
@@ -133,10 +153,9 @@ def run(args: argparse.Namespace) -> int:
                                   progress=lambda done, total, what: update(done, total, what))
         result = diagnose(model, tokens, options)
 
-    data_text = (f"{args.data} ({len(tokens):,} tokens)" if tokens is not None
-                 else f"uniform random tokens over [0, {config.vocab_size})")
     ctx = ReportContext(source=source.description, data=data_text, dtype=args.dtype, device=str(device),
-                        nonfinite_params=source.nonfinite, all_tensors=args.all)
+                        nonfinite_params=source.nonfinite, all_tensors=args.all,
+                        random_trained=tokens is None and not source.fresh)
     from diagnostics.judge.watch import check_history
 
     history, problem = check_history(source.history)
@@ -146,18 +165,21 @@ def run(args: argparse.Namespace) -> int:
     watch_view = _watch_view(source.history)
     doc = report(result, ctx, extra=[watch_view.render_history(source.history)] if watch_view else [])
 
-    record = bool(args.html or args.svg)
-    console = Console(width=args.width, record=record, highlight=False)
+    console = Console(width=args.width, highlight=False)
     console.print(doc)
+    if args.html or args.svg:  # exports are laid out for a wide page whatever the terminal's width
+        export_console = Console(width=max(args.width or 0, EXPORT_WIDTH), record=True, highlight=False,
+                                 file=io.StringIO(), color_system="truecolor")
+        export_console.print(doc)
 
     if args.json:
         export.write_json(args.json, result)
     if args.csv:
         export.write_csv(args.csv, result.to_frame(run=args.checkpoint))
     if args.html:
-        export.write_console(args.html, console, "html")
+        export.write_console(args.html, export_console, "html")
     if args.svg:
-        export.write_console(args.svg, console, "svg")
+        export.write_console(args.svg, export_console, "svg")
     if args.plot:
         from .plots import depth_figure
 

@@ -5,24 +5,39 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .cli import PRESET_NAMES, SCHEME_NAMES, UsageError, choose
+from .intake import check_outputs, positive_int
 
-from .intake import check_outputs
+#: what ``-o`` may end in: a torch.save'd file or safetensors
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tinylm.config import PRESETS
-    from tinylm.init import SCHEMES
-
-    p.add_argument("--preset", default="tiny", help=f"model sizes: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--init", default="cs336", help=f"init scheme: {', '.join(SCHEMES)} (default cs336)")
+    p.add_argument("--preset", default="tiny", help=f"model sizes: {', '.join(PRESET_NAMES)} (default tiny)")
+    p.add_argument("--init", default="cs336", help=f"init scheme: {', '.join(SCHEME_NAMES)} (default cs336)")
     p.add_argument("--norm", choices=["pre", "post", "none"], help="norm placement (default: the preset's, pre)")
     p.add_argument("--ffn", choices=["swiglu", "silu"], help="feed-forward kind (default swiglu)")
     p.add_argument("--no-rope", action="store_true", help="no rotary embeddings (NoPE)")
-    p.add_argument("--num-layers", type=int, help="override the preset's number of blocks")
-    p.add_argument("--d-model", type=int, help="override the preset's width")
+    p.add_argument("--num-layers", type=positive_int, help="override the preset's number of blocks")
+    p.add_argument("--d-model", type=positive_int, help="override the preset's width")
     p.add_argument("--seed", type=int, default=0, help="seed of the init draws (default 0)")
     p.add_argument("-o", "--output", required=True, help="where to write the checkpoint (.pt or .safetensors)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+
+
+def check_checkpoint_suffix(flag: str, value: str) -> None:
+    """An output checkpoint's suffix is one the loaders read back."""
+    if Path(value).suffix.lower() not in CHECKPOINT_SUFFIXES:
+        raise UsageError(f"{flag} {value}: a checkpoint is written as {' or '.join(CHECKPOINT_SUFFIXES)}; "
+                         f"give a path such as {Path(value).with_suffix('.pt')}")
+
+
+def check(args: argparse.Namespace) -> None:
+    """The flags, before torch is imported: preset, scheme, output path."""
+    choose("--preset", args.preset, PRESET_NAMES, "preset")
+    choose("--init", args.init, SCHEME_NAMES, "init scheme")
+    check_outputs({"-o": args.output}, {}, force=args.force)
+    check_checkpoint_suffix("-o", args.output)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from tinylm import TransformerLM, checkpoint, preset
     from tinylm.init import get
 
+    check(args)
     get(args.init)  # unknown scheme: a clear error before any work
     changes = {"init": args.init}
     for name in ("norm", "ffn", "num_layers", "d_model"):
@@ -40,7 +56,6 @@ def run(args: argparse.Namespace) -> int:
         changes["rope"] = False
     config = preset(args.preset, **changes)
     out = Path(args.output)
-    check_outputs({"-o": args.output}, {}, force=args.force)
     model = TransformerLM(config, generator=torch.Generator().manual_seed(args.seed))
     checkpoint.save(out, model, seed=args.seed)
     print(f"wrote {out} ({model.num_parameters():,} parameters, preset {args.preset}, init {args.init}, seed {args.seed})")

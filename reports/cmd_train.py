@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .cli import UsageError
-from .intake import check_outputs
+from .cli import EXIT_NONFINITE, EXIT_OK, PRESET_NAMES, SCHEME_NAMES, UsageError, choose
+from .intake import check_input_file, check_outputs, check_suffixes
 
 # Hyper-parameter flags: default None so that a resumed run keeps the stored value unless the flag is given.
 _TRAIN_FLAGS = {
@@ -33,11 +33,8 @@ DEFAULT_STEPS = 60
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tinylm.config import PRESETS
-    from tinylm.init import SCHEMES
-
-    p.add_argument("--preset", help=f"model sizes: {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--init", help=f"init scheme: {', '.join(SCHEMES)} (default cs336)")
+    p.add_argument("--preset", help=f"model sizes: {', '.join(PRESET_NAMES)} (default tiny)")
+    p.add_argument("--init", help=f"init scheme: {', '.join(SCHEME_NAMES)} (default cs336)")
     p.add_argument("--data", help="token file: .npy or .bin (uint16 ids) or .txt (bytes); default: the built-in corpus")
     p.add_argument("-o", "--output", required=True, help="where to write the checkpoint (.pt)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -100,7 +97,31 @@ def _options(args: argparse.Namespace, stored: dict | None):
     return TrainOptions(**given)
 
 
+def _output_paths(args: argparse.Namespace) -> dict[str, str | None]:
+    return {"-o": args.output, "--watch-json": args.watch_json, "--watch-csv": args.watch_csv}
+
+
+def check(args: argparse.Namespace) -> None:
+    """The flags, before torch is imported: preset, scheme, inputs, output paths."""
+    from .cmd_init import check_checkpoint_suffix
+
+    if args.preset is not None:
+        choose("--preset", args.preset, PRESET_NAMES, "preset")
+    if args.init is not None:
+        choose("--init", args.init, SCHEME_NAMES, "init scheme")
+    check_input_file("--data", args.data)
+    check_input_file("--resume", args.resume)
+    check_outputs(_output_paths(args), {"--data file": args.data, "--resume checkpoint": args.resume},
+                  force=args.force, may_replace={"-o": "--resume checkpoint"})
+    check_suffixes(_output_paths(args))
+    check_checkpoint_suffix("-o", args.output)
+    if args.output.endswith(".safetensors"):
+        raise UsageError(f"-o {args.output}: a training checkpoint holds the optimizer state, which safetensors "
+                         "cannot store; give a .pt path")
+
+
 def run(args: argparse.Namespace) -> int:
+    """Train; exit 0, or EXIT_NONFINITE (4) when the run stopped on a non-finite loss."""
     from rich.console import Console
 
     from diagnostics.judge import watch as watchmod
@@ -155,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         if target is not None:
             write(target)
             console.print(f"wrote the watch history to {target}")
-    return 0
+    return EXIT_NONFINITE if result.stopped else EXIT_OK
 
 
 class _Display:

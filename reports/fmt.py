@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import math
+import re
+from typing import Any, Callable, Iterable
 
-__all__ = ["num", "ratio_interval", "pct", "VERDICT_STYLE", "verdict_text"]
+__all__ = ["num", "ratio_interval", "pct", "VERDICT_STYLE", "verdict_text", "natural_width", "first_that_fits",
+           "short_name"]
 
 #: colour of each verdict kind (the word itself is always printed too).
 VERDICT_STYLE = {
@@ -71,3 +75,35 @@ def pct(fraction: float | None) -> str:
 def verdict_text(kind: str) -> str:
     """The verdict as words (non_finite -> "non-finite")."""
     return kind.replace("_", "-")
+
+
+def natural_width(renderable: Any) -> int:
+    """The columns ``renderable`` takes when nothing limits it (a table's widest row, unwrapped)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    console = Console(width=10_000, file=io.StringIO(), color_system=None)
+    return Measurement.get(console, console.options, renderable).maximum
+
+
+def first_that_fits(layouts: Iterable[Callable[[], Any]], width: int) -> Any:
+    """The first of ``layouts`` (each a function that builds a table, the fullest first) whose
+    natural width fits ``width`` columns, else the last one.
+
+    The one mechanism behind every table that adapts to the terminal: less important columns
+    are dropped or abbreviated, one layout at a time, so that no number is ever cut short
+    (rich would otherwise shrink a too-wide table's cells to ``5.7e…``).
+    """
+    table = None
+    for build in layouts:
+        table = build()
+        if natural_width(table) <= width:
+            return table
+    return table
+
+
+def short_name(name: str) -> str:
+    """A tensor name for a narrow column: ``layers.3.attn.scores`` -> ``L3.attn.scores``,
+    ``token_embeddings`` -> ``tok_emb`` (nothing else changes)."""
+    name = re.sub(r"^layers\.(\d+)", r"L\1", name)
+    return "tok_emb" + name[len("token_embeddings"):] if name.startswith("token_embeddings") else name

@@ -8,13 +8,13 @@ that resolves to the checkpoint or the data file is refused before any work.
 
 from __future__ import annotations
 
-import argparse
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli import UsageError
+from .cli import UsageError, positive_int  # noqa: F401  (positive_int: the commands import it from here)
 
 if TYPE_CHECKING:  # torch is imported where a command starts its work, after the flags are checked
     import torch
@@ -29,6 +29,10 @@ __all__ = [
     "load_model",
     "load_token_stream",
     "check_outputs",
+    "check_suffixes",
+    "check_device_name",
+    "check_input_file",
+    "measured_tokens",
 ]
 
 DEFAULT_PRESET, DEFAULT_INIT = "tinystories", "cs336"
@@ -48,6 +52,7 @@ class ModelSource:
     scheme: str | None = None  # the init scheme of a fresh model
     history: Any = None  # a training history stored in the checkpoint, if any
     nonfinite: list[str] = field(default_factory=list)  # parameters holding NaN or inf
+    train_data: str | None = None  # the training data the checkpoint recorded (BUILTIN_CORPUS: the built-in one)
 
 
 def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
@@ -69,23 +74,22 @@ def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     return out
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UsageError(f"--dtype {name}: choose one of {', '.join(DTYPES)}")
     import torch
 
     return getattr(torch, name)
+
+
+_DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+def check_device_name(name: str | None) -> None:
+    """``--device`` spelled as cpu, cuda or cuda:N (checked before torch is imported; whether
+    CUDA is there is :func:`resolve_device`'s question)."""
+    if name is not None and not _DEVICE.fullmatch(name):
+        raise UsageError(f"--device {name}: not a device name; use cpu or cuda (or cuda:N)")
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -106,7 +110,8 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_theta: float | None = None,
-               context_length: int | None = None, unsafe: bool = False, seed: int = 0) -> ModelSource:
+               context_length: int | None = None, unsafe: bool = False, seed: int = 0,
+               command: str = "diagnose") -> ModelSource:
     """The checkpoint's model (read-only, through tinylm.checkpoint.load), or a fresh default one.
 
     No checkpoint: ``tinystories`` preset, ``cs336`` init, drawn from a generator seeded with ``seed``.
@@ -128,15 +133,96 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
         model.eval()
         return ModelSource(model, f"fresh {DEFAULT_PRESET} preset, {DEFAULT_INIT} init, seed {seed}",
                            scheme=DEFAULT_INIT)
-    model, info = ckpt.load(checkpoint, unsafe=unsafe, num_heads=num_heads, rope_theta=rope_theta,
-                            context_length=context_length)
+    try:
+        model, info = ckpt.load(checkpoint, unsafe=unsafe, num_heads=num_heads, rope_theta=rope_theta,
+                                context_length=context_length)
+    except ckpt.MissingOptionsError as e:
+        raise UsageError(_missing_flags_message(checkpoint, e, command)) from None
     where = f"{info.format} checkpoint {checkpoint}"
     if info.iteration is not None:
         where += f", iteration {info.iteration:,}" if isinstance(info.iteration, int) else f", iteration {info.iteration}"
     if info.config_source == "inferred":
         where += ", config inferred from shapes"
     return ModelSource(model, where, path=str(checkpoint), format=info.format, iteration=info.iteration,
-                       fresh=False, history=info.history, nonfinite=list(info.nonfinite))
+                       fresh=False, history=info.history, nonfinite=list(info.nonfinite),
+                       train_data=_recorded_data(info))
+
+
+#: what a CS336 TinyStories run uses, offered as the example values of a missing flag
+_EXAMPLE = {"num_heads": 16, "context_length": 256, "rope_theta": 10000.0}
+
+
+def _missing_flags_message(checkpoint: str, e: Any, command: str) -> str:
+    """Every missing flag at once, with a complete command to copy (example values where the
+    weights cannot tell; the head count a divisor of d_model)."""
+    known = dict(e.known)
+    given = {k: v for k, v in e.given.items() if v is not None}
+    example = {**_EXAMPLE, **given}
+    d_model = known.get("d_model")
+    if isinstance(d_model, int) and "num_heads" not in given and d_model % example["num_heads"]:
+        example["num_heads"] = next(h for h in (8, 4, 2, 1) if d_model % h == 0)
+    flags = " ".join(f"{_FLAG_OF[k]} {_plain(v)}" for k, v in example.items() if k in e.missing or k in given)
+    sizes = ", ".join(f"{k}={known[k]}" for k in ("vocab_size", "d_model", "num_layers", "d_ff") if k in known)
+    what = ", ".join(_FLAG_OF[k] for k in e.missing)
+    return (f"{checkpoint}: the checkpoint stores no config; its weights give {sizes or 'the sizes'} but not "
+            f"{what}: pass {'them' if len(e.missing) > 1 else 'it'} as your run used them, e.g. "
+            f"{command} {checkpoint} {flags} (example values of a CS336 TinyStories run)")
+
+
+_FLAG_OF = {"num_heads": "--num-heads", "context_length": "--context-length", "rope_theta": "--rope-theta"}
+
+
+def _plain(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _recorded_data(info: Any) -> str | None:
+    """The training data a ``tinylm train`` checkpoint recorded: its path, ``BUILTIN_CORPUS``
+    for the built-in corpus, None when the checkpoint says nothing about its data."""
+    extra = getattr(info, "extra", None) or {}
+    if isinstance(extra.get("train_data"), str):
+        return extra["train_data"]
+    if "train_options" in extra:  # written by tinylm train without --data: the built-in corpus
+        return BUILTIN_CORPUS
+    return None
+
+
+BUILTIN_CORPUS = "<built-in corpus>"
+
+
+def measured_tokens(data: str | None, source: ModelSource, seq_len: int) -> tuple[Any, str]:
+    """The tokens ``diagnose`` measures and the header's words for them.
+
+    ``--data`` when given; else the data a checkpoint recorded when it trained (when that is
+    still there); else uniform random tokens, with a note on what a trained model's loss on
+    them means and how to pass real tokens.
+    """
+    vocab = source.model.config.vocab_size
+    if data is not None:
+        tokens = load_token_stream(data, vocab, seq_len)
+        return tokens, f"{data} ({len(tokens):,} tokens)"
+    recorded, note = source.train_data, ""
+    if recorded == BUILTIN_CORPUS and vocab >= 256:
+        from tinylm.data import stdlib_corpus
+
+        tokens = stdlib_corpus()
+        return tokens, (f"the built-in corpus ({len(tokens):,} tokens), which the checkpoint recorded as its "
+                        "training data (--data PATH measures other tokens)")
+    if recorded is not None and recorded != BUILTIN_CORPUS:
+        if Path(recorded).is_file():
+            try:
+                tokens = load_token_stream(recorded, vocab, seq_len)
+            except (UsageError, ValueError) as e:
+                note = f"; the recorded training data {recorded} cannot be used ({e})"
+            else:
+                return tokens, (f"{recorded} ({len(tokens):,} tokens), the training data the checkpoint recorded "
+                                "(--data PATH measures other tokens)")
+        else:
+            note = f"; the recorded training data {recorded} is gone"
+    text = f"uniform random tokens over [0, {vocab:,})" + note
+    if not source.fresh:
+        text += "; pass --data PATH (.npy, .bin or .txt) to measure on the kind of tokens it was trained on"
+    return None, text
 
 
 def load_token_stream(data: str | None, vocab_size: int, seq_len: int) -> Any:
@@ -225,3 +311,35 @@ _KINDS = {"json": (".json",), "csv": (".csv",), "html": (".html", ".htm"), "svg"
 _KIND_OF_FLAG = {"--json": "json", "--csv": "csv", "--html": "html", "--svg": "svg", "--plot": "png",
                  "--watch-json": "json", "--watch-csv": "csv", "-o": "checkpoint"}
 _SUFFIX = {"--json": ".json", "--csv": ".csv", "--html": ".html", "--svg": ".svg", "--plot": ".png"}
+
+#: the suffixes each report flag writes (a plot's format is chosen by its suffix)
+_SUFFIXES = {"--json": (".json",), "--csv": (".csv",), "--html": (".html", ".htm"), "--svg": (".svg",),
+             "--plot": (".png", ".svg", ".pdf"), "--watch-json": (".json",), "--watch-csv": (".csv",)}
+
+
+def check_suffixes(outputs: dict[str, str | None]) -> None:
+    """Each output path ends in a suffix its flag writes (``--plot r.txt`` is refused before any
+    work, with the path it probably meant)."""
+    for flag, value in outputs.items():
+        allowed = _SUFFIXES.get(flag.split()[0])
+        if value is None or allowed is None:
+            continue
+        path = Path(value)
+        if path.suffix.lower() not in allowed:
+            kinds = " or ".join(s[1:].upper() for s in allowed)
+            raise UsageError(f"{flag} {value}: {flag} writes {kinds}, chosen by the suffix; give a path ending in "
+                             f"{' or '.join(allowed)}, e.g. {path.with_suffix(allowed[0])}")
+
+
+def check_input_file(flag: str, value: str | None) -> None:
+    """An input path (a checkpoint, a token file) exists and is a readable file, checked
+    before torch is imported (the loaders check the contents)."""
+    if value is None:
+        return
+    path = Path(value)
+    if not path.exists():
+        raise UsageError(f"{value}: no such file; check the {flag} path")
+    if path.is_dir():
+        raise UsageError(f"{flag} {value}: is a directory; pass the file inside it")
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"{flag} {value}: not readable (permission denied); fix its permissions (chmod u+r)")

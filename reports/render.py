@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .charts import DepthChart, DepthSeries
-from .fmt import VERDICT_STYLE, num, pct, ratio_interval, verdict_text
+from .fmt import VERDICT_STYLE, first_that_fits, num, pct, ratio_interval, short_name, verdict_text
 
 __all__ = [
     "ReportContext",
@@ -32,6 +32,7 @@ __all__ = [
     "LayerTable",
     "layer_table",
     "attention_table",
+    "AttentionTable",
     "report",
 ]
 
@@ -60,6 +61,7 @@ class ReportContext:
     device: str = "cpu"
     nonfinite_params: list[str] = field(default_factory=list)  # from the checkpoint loader
     all_tensors: bool = False
+    random_trained: bool = False  # a checkpoint measured on uniform random tokens (its loss is read differently)
 
 
 def _kv(table: Table, key: str, value: str | Text) -> None:
@@ -100,6 +102,12 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
+        if ctx.random_trained and h.loss is not None and h.loss > h.loss_uniform:
+            # on uniform targets the loss is ln V + KL(uniform || p): above ln V for any model whose predictions
+            # are not uniform, so it measures how confident the model is, not how well it predicts text
+            loss.append("; above ln V because the tokens are random, not because the model is broken: "
+                        "cross-entropy on uniform targets is ln V plus how far the model's predictions are "
+                        "from uniform", style="dim")
     _kv(t, "loss", loss)
     return t
 
@@ -236,15 +244,30 @@ class LayerTable:
     """One row per tensor: forward variance vs predicted, ratio with its 99% interval, gradient variance
     vs predicted, weight std / declared init std, and the verdict in words.
 
-    A renderable that fits itself to the width: below 110 columns numbers get two
-    significant digits and intervals lose their spaces, so the table fits 80 columns.
+    A renderable that fits itself to the width without cutting a number: from 110 columns
+    everything with three significant digits; below, two digits and compact intervals, then,
+    one step at a time while the table is still too wide, short names (``L3.attn``), and w/init,
+    the gradient's prediction, the forward prediction and the interval left out (the ratio
+    stays: it is measured over predicted).
     """
+
+    #: the columns left out, in order, while the table is too wide
+    DROP_ORDER = ("names", "w/init", "grad pred", "fwd pred", "interval")
 
     def __init__(self, result: Any, all_tensors: bool = False) -> None:
         self.result = result
         self.all_tensors = all_tensors
 
-    def table(self, width: int = 120) -> Table:
+    def layouts(self, width: int) -> list[Any]:
+        """The layouts tried for ``width``, fullest first (each a function that builds the table)."""
+        if width >= 110:
+            return [lambda: self.table(width)]
+        drops = [self.DROP_ORDER[:k] for k in range(len(self.DROP_ORDER) + 1)]
+        return [lambda d=d: self.table(width, drop=d) for d in drops]
+
+    def table(self, width: int = 120, drop: Sequence[str] = ()) -> Table:
+        """The table laid out for ``width`` columns, without the columns named in ``drop``
+        (any of :attr:`DROP_ORDER`)."""
         compact = width < 110
         d = 2 if compact else 3
 
@@ -253,34 +276,56 @@ class LayerTable:
             return num(v, 1) if compact and len(text) > 6 else text  # 9.0e-10 -> 9e-10
 
         def interval(r: Any) -> str:
+            if "interval" in drop:
+                return ratio_interval(r.ratio, None, None, d)
             return ratio_interval(r.ratio, r.ratio_low, r.ratio_high, d, "," if compact else ", ")
 
         result = self.result
         rows = {(r.name, r.direction): r for r in result.tensors}
         params = _param_index(result)
         predicted = any(r.predicted is not None for r in result.tensors)
+        show = {c: c not in drop for c in self.DROP_ORDER}
+        if not predicted:  # theory off, or none for this model: no prediction columns at all
+            show.update({"fwd pred": False, "grad pred": False, "interval": False})
         scope = _interval_scope(result.header)
-        caption = ("ratio = measured/predicted, geometric mean over replicates [99% interval"
-                   + (f" over {scope}" if scope else "") + ": Student-t on ln(ratio), so asymmetric and > 0]; ")
+        parts = []
         if not predicted:
-            caption = ("theory off: measurement only; " if result.header.theory == "off"
-                       else "no predictions for this model; ")
+            parts.append("theory off: measurement only" if result.header.theory == "off"
+                         else "no predictions for this model")
+        elif show["interval"]:
+            parts.append("ratio = measured/predicted, geometric mean over replicates [99% interval"
+                         + (f" over {scope}" if scope else "") + ": Student-t on ln(ratio), so asymmetric and > 0]")
+        else:
+            parts.append("ratio = measured/predicted, geometric mean over replicates"
+                         + (f" ({scope})" if scope else ""))
         if _uses_kernel(result):
-            caption += "pred: forward by the token-kernel theory, backward by the independent-token rules; "
-        caption += "w/init = weight std / declared init std" + ("; * = prediction outside its validity" if predicted else "")
-        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1 if not compact else 0), pad_edge=False, show_edge=False, title="Per layer",
-                  title_justify="left", title_style="bold", caption=caption,
+            parts.append("pred: forward by the token-kernel theory, backward by the independent-token rules")
+        if show["w/init"]:
+            parts.append("w/init = weight std / declared init std")
+        if predicted:
+            parts.append("* = prediction outside its validity")
+        if "names" in drop:
+            parts.append("Ln = layers.n, tok_emb = token_embeddings")
+        left_out = [c for c in drop if c != "names" and (predicted or c == "w/init")]
+        if left_out:
+            parts.append(f"left out at this width: {', '.join(left_out)} (see --width or --json)")
+        caption = "; ".join(parts)
+        t = Table(box=box.SIMPLE_HEAD, padding=(0, 1) if not compact else (0, 1, 0, 0), pad_edge=False,
+                  show_edge=False, title="Per layer", title_justify="left", title_style="bold", caption=caption,
                   caption_justify="left", caption_style="dim")
-        t.add_column("tensor", no_wrap=True, overflow="ellipsis", max_width=14 if compact else 28)
+        # text columns fold when nothing else helps; number columns never shrink below their digits
+        t.add_column("tensor", overflow="fold")
         t.add_column("fwd" if compact else "fwd var", justify="right", no_wrap=True)
-        if predicted:
+        if show["fwd pred"]:
             t.add_column("pred", justify="right", no_wrap=True)
-            t.add_column("ratio [99%]", justify="right", no_wrap=True)
+        if predicted:
+            t.add_column("ratio [99%]" if show["interval"] else "ratio", justify="right", no_wrap=True)
         t.add_column("grad" if compact else "grad var", justify="right", no_wrap=True)
-        if predicted:
+        if show["grad pred"]:
             t.add_column("pred", justify="right", no_wrap=True)
-        t.add_column("w/init", justify="right", no_wrap=True)
-        t.add_column("flags", min_width=12, no_wrap=True)
+        if show["w/init"]:
+            t.add_column("w/init", justify="right", no_wrap=True)
+        t.add_column("flags", overflow="fold")
         for name in _selected(result, self.all_tensors):
             f, b = rows.get((name, "forward")), rows.get((name, "backward"))
             w = _weight_for(name, (f or b).kind, params)
@@ -292,25 +337,38 @@ class LayerTable:
                     return "-"
                 return n(r.predicted) + ("*" if r.predicted is not None and not r.valid else "")
 
-            cells = [name, n(f.var) if f else "-"] + ([pred(f), interval(f) if f else "-"] if predicted else []) \
-                + [n(b.var) if b else "-"] + ([pred(b)] if predicted else []) \
-                + ["-" if w is None or w.drift is None else f"{w.drift:.2f}", _verdict_cell(kinds, "*" if invalid else "")]
+            cells: list[Any] = [short_name(name) if "names" in drop else name, n(f.var) if f else "-"]
+            if show["fwd pred"]:
+                cells.append(pred(f))
+            if predicted:
+                cells.append(interval(f) if f else "-")
+            cells.append(n(b.var) if b else "-")
+            if show["grad pred"]:
+                cells.append(pred(b))
+            if show["w/init"]:
+                cells.append("-" if w is None or w.drift is None else f"{w.drift:.2f}")
+            cells.append(_verdict_cell(kinds, "*" if invalid else ""))
             t.add_row(*cells)
         return t
 
     def __rich_console__(self, console: Any, options: Any):
-        yield self.table(options.max_width)
+        yield first_that_fits(self.layouts(options.max_width), options.max_width)
 
 
 def layer_table(result: Any, all_tensors: bool = False, width: int = 120) -> Table:
     """The per-layer table as a rich Table laid out for ``width`` columns (see :class:`LayerTable`)."""
-    return LayerTable(result, all_tensors).table(width)
+    return first_that_fits(LayerTable(result, all_tensors).layouts(width), width)
 
 
-def attention_table(result: Any) -> Table:
+def attention_table(result: Any, drop: Sequence[str] = ()) -> Table:
     """Per attention layer: score std, entropy (mean, min, uniform), saturated rows, and the
     rank-collapse signal: mean cosine similarity between tokens after that block, measured and,
-    where theory predicts it (the token-kernel theory, global mode), predicted beside it."""
+    where theory predicts it (the token-kernel theory, global mode), predicted beside it.
+
+    ``drop`` (any of :attr:`AttentionTable.DROP_ORDER`) narrows it: "uniform" moves the uniform
+    entropy to the caption when every block shares it, "short" abbreviates the headings, "min"
+    and "pred" leave those columns out.
+    """
     cos_after = {r.index - 1: r.cosine for r in result.depth if r.index >= 1}
     # a predicted cosine is outside validity where its tensor's forward prediction is (the table's "*")
     invalid = {r.name for r in result.tensors if r.direction == "forward" and r.predicted is not None and not r.valid}
@@ -322,32 +380,68 @@ def attention_table(result: Any) -> Table:
     pred_after = {r.index - 1: predicted_text(r) for r in result.depth if r.index >= 1}
     embed = next((r for r in result.depth if r.index == 0), None)
     predicted = any(getattr(r, "cosine_predicted", None) is not None for r in result.depth)
-    caption = "entropy in nats (uniform: causal attention spread evenly); saturated: rows with max prob > 0.99; " \
-              "cosine: between tokens after the block (towards 1 = rank collapse)"
-    if predicted:
+    uniforms = {num(a.entropy_uniform) for a in result.attention}
+    show_uniform = "uniform" not in drop or len(uniforms) > 1
+    show_min, show_pred = "min" not in drop, predicted and "pred" not in drop
+    short = "short" in drop
+    caption = "entropy in nats (uniform: causal attention spread evenly"
+    if not show_uniform and uniforms:
+        caption += f", {uniforms.pop()} here"
+    caption += "); saturated: rows with max prob > 0.99; cosine: between tokens after the block (towards 1 = rank collapse)"
+    if show_pred:
         caption += ", pred: as the token-kernel theory predicts it (* = outside its validity)"
     if embed is not None:
         caption += f"; after the embedding {num(embed.cosine)}"
         if getattr(embed, "cosine_predicted", None) is not None:
             caption += f" (pred {predicted_text(embed)})"
+    if short:
+        caption += "; std: score std, H: entropy, sat: saturated, cos: cosine"
+    left_out = [c for c in ("min", "pred") if c in drop and (c != "pred" or predicted)]
+    if left_out:
+        caption += f"; left out at this width: {', '.join(left_out)}"
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False, show_edge=False, title="Attention and rank collapse",
               title_justify="left", title_style="bold", caption=caption, caption_justify="left", caption_style="dim")
-    columns = ("block", "score std", "entropy", "min", "uniform", "saturated", "cosine") + (("pred",) if predicted else ())
+    labels = {"block": "blk", "score std": "std", "entropy": "H", "min": "H min", "uniform": "uniform",
+              "saturated": "sat", "cosine": "cos", "pred": "pred"}
+    columns = ["block", "score std", "entropy"] + (["min"] if show_min else []) + (["uniform"] if show_uniform else []) \
+        + ["saturated", "cosine"] + (["pred"] if show_pred else [])
     for col in columns:
-        t.add_column(col, justify="right", no_wrap=True)
-    t.add_column("flags", min_width=9, no_wrap=True)
+        t.add_column(labels[col] if short else col, justify="right", no_wrap=True)
+    t.add_column("flags", min_width=9 if not short else None, overflow="fold")
+
+    def cells(a: Any) -> list[str]:
+        values = {"score std": num(a.score_std), "entropy": num(a.entropy_mean), "min": num(a.entropy_min),
+                  "uniform": num(a.entropy_uniform), "saturated": pct(a.saturated_frac)}
+        return [values[c] for c in columns if c in values]
 
     def cosines(blk: int) -> tuple[str, ...]:
-        return (num(cos_after.get(blk)),) + ((pred_after.get(blk, "-"),) if predicted else ())
+        return (num(cos_after.get(blk)),) + ((pred_after.get(blk, "-"),) if show_pred else ())
 
     blocks_seen = set()
     for a in result.attention:
         blocks_seen.add(a.block)
-        t.add_row(str(a.block), num(a.score_std), num(a.entropy_mean), num(a.entropy_min), num(a.entropy_uniform),
-                  pct(a.saturated_frac), *cosines(a.block), _verdict_cell([a.verdict]))
+        t.add_row(str(a.block), *cells(a), *cosines(a.block), _verdict_cell([a.verdict]))
     for blk in sorted(set(cos_after) - blocks_seen):  # blocks without an attention row still show cosine
-        t.add_row(str(blk), "-", "-", "-", "-", "-", *cosines(blk), Text("-"))
+        t.add_row(str(blk), *["-"] * (len(columns) - 2 - show_pred), *cosines(blk), Text("-"))
     return t
+
+
+class AttentionTable:
+    """:func:`attention_table` as a renderable that fits itself to the width without cutting a
+    number: the uniform entropy moves to the caption, the headings shorten, then the min
+    entropy and the predicted cosine are left out, one at a time, while it is too wide."""
+
+    DROP_ORDER = ("uniform", "short", "min", "pred")
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    def layouts(self) -> list[Any]:
+        drops = [self.DROP_ORDER[:k] for k in range(len(self.DROP_ORDER) + 1)]
+        return [lambda d=d: attention_table(self.result, d) for d in drops]
+
+    def __rich_console__(self, console: Any, options: Any):
+        yield first_that_fits(self.layouts(), options.max_width)
 
 
 def report(result: Any, ctx: ReportContext | None = None, extra: Sequence[RenderableType] = ()) -> Group:
@@ -358,7 +452,7 @@ def report(result: Any, ctx: ReportContext | None = None, extra: Sequence[Render
         parts += [Text(""), depth_chart(result)]
     parts += [Text(""), LayerTable(result, ctx.all_tensors)]
     if result.attention or result.depth:
-        parts += [attention_table(result)]
+        parts += [AttentionTable(result)]
     for e in extra:
         parts += [Text(""), e]
     return Group(*parts)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["render_history", "plot_history", "plot_histories", "chart_sites"]
+__all__ = ["render_history", "plot_history", "plot_histories", "histories_figure", "chart_sites"]
 
 BARS = "▁▂▃▄▅▆▇█"
 MAX_COLUMNS = 32
@@ -24,10 +24,19 @@ MAX_EVENTS = 3
 
 
 def chart_sites(history: dict[str, Any]) -> list[str]:
-    """The sites charted: the embedding output, each block's output (residual stream), and the logits."""
+    """The sites charted: the embedding output, each block's output (residual stream), and the logits
+    (for another model: every site the watch found, its embeddings, blocks and head)."""
     sites = history.get("sites") or []
-    return [s for s in sites if s == "token_embeddings" or (s.startswith("layers.") and s.count(".") == 1)
+    tiny = [s for s in sites if s == "token_embeddings" or (s.startswith("layers.") and s.count(".") == 1)
             or s == "lm_head"]
+    return tiny if "token_embeddings" in tiny else list(sites)
+
+
+def block_sites(history: dict[str, Any]) -> list[str]:
+    """The charted sites that are block outputs (the residual stream), in forward order."""
+    kinds = history.get("kinds") or {}
+    return [s for s in chart_sites(history)
+            if s != "lm_head" and kinds.get(s, "residual") not in ("embedding", "logits", "linear")]
 
 
 def _is_watch(history: Any) -> bool:
@@ -169,17 +178,14 @@ def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
     ax_loss.set_yscale("log")
     ax_loss.set_ylabel("training loss (nats)")
     dep = first_departure(history)
-    n_blocks = max(1, sum(1 for s in sites if s.startswith("layers.")))
+    blocks = block_sites(history)
+    n_blocks = max(1, len(blocks))
     cmap = __import__("matplotlib").colormaps["viridis"]
     for direction, ax in (("forward", ax_fwd), ("backward", ax_grad)):
-        i = 0
-        for site in sites:
-            if not site.startswith("layers."):
-                continue
+        for i, site in enumerate(blocks):
             x, y = _series(frame, site, direction)
             y = [v if v is not None and math.isfinite(v) and v > 0 else float("nan") for v in y]
-            ax.plot(x, y, lw=1.2, color=cmap(i / max(1, n_blocks - 1)), label=f"block {site.split('.')[1]}")
-            i += 1
+            ax.plot(x, y, lw=1.2, color=cmap(i / max(1, n_blocks - 1)), label=f"block {i}")
         ax.set_yscale("log")
     ax_fwd.set_ylabel("residual stream variance")
     ax_grad.set_ylabel("its gradient variance")
@@ -195,24 +201,32 @@ def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
     ax_fwd.legend(fontsize=7, loc="upper left")
 
 
-def plot_histories(histories: dict[str, dict[str, Any]], path: str) -> None:
-    """One column per run (label -> history): loss, residual variance per block, gradient variance per block.
-
-    Rows share their y axis across runs so magnitudes compare directly. Written atomically (PNG/SVG/PDF by suffix).
-    """
+def histories_figure(histories: dict[str, dict[str, Any]], height: float = 8.5) -> Any:
+    """The Figure of :func:`plot_histories` (one column per run), not written anywhere."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from tinylm.checkpoint import atomic_write
-
     histories = {k: h for k, h in histories.items() if _is_watch(h)}
     n = max(1, len(histories))
-    fig, axes = plt.subplots(3, n, figsize=(4.2 * n, 8.5), sharex="col", sharey="row", squeeze=False)
+    fig, axes = plt.subplots(3, n, figsize=(4.2 * n, height), sharex="col", sharey="row", squeeze=False)
     for j, (label, history) in enumerate(histories.items()):
         _plot_run(list(axes[:, j]), history, label)
     fig.tight_layout()
+    return fig
+
+
+def plot_histories(histories: dict[str, dict[str, Any]], path: str) -> None:
+    """One column per run (label -> history): loss, residual variance per block, gradient variance per block.
+
+    Rows share their y axis across runs so magnitudes compare directly. Written atomically (PNG/SVG/PDF by suffix).
+    """
+    import matplotlib.pyplot as plt
+
+    from tinylm.checkpoint import atomic_write
+
+    fig = histories_figure(histories)
     suffix = str(path).rsplit(".", 1)[-1] if "." in str(path) else "png"
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=suffix))
     plt.close(fig)
@@ -221,3 +235,4 @@ def plot_histories(histories: dict[str, dict[str, Any]], path: str) -> None:
 def plot_history(history: dict[str, Any], path: str) -> None:
     """The "during training" plot of one run: loss, residual variance per block, gradient variance per block."""
     plot_histories({"": history}, path)
+

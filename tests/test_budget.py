@@ -128,6 +128,17 @@ def test_sparse_weights_are_refused(tmp_path):
         checkpoint.load(path)
 
 
+def test_a_sparse_head_in_a_bare_state_dict_is_refused_by_name(tmp_path):
+    # without a stored config the shapes are read first, and a sparse lm_head has no storage to compare
+    path = tmp_path / "bare.pt"
+    state = tinylm.TransformerLM(SMALL).state_dict()
+    state["lm_head.weight"] = state["lm_head.weight"].to_sparse()
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match="sparse or non-dense weights: lm_head.weight"):
+        checkpoint.load(path, num_heads=SMALL.num_heads, context_length=SMALL.context_length,
+                        rope_theta=SMALL.rope_theta)
+
+
 def test_seeds_beyond_64_bits_are_refused():
     from diagnostics.options import DiagnoseOptions, OptionsError
     from tinylm.train import TrainError, TrainOptions

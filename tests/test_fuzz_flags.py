@@ -104,7 +104,8 @@ def _check(argv, inputs, capsys, monkeypatch):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     out, err = capsys.readouterr()
-    assert code in (0, 1, 2), (argv, code, err[-500:])
+    # 4: train stopped on a non-finite loss (a huge --lr can do that), a documented outcome
+    assert code in (0, 1, 2) or (argv[0] == "train" and code == 4), (argv, code, err[-500:])
     assert "Traceback" not in err + out, argv
     if code == 2:
         assert len(err.strip().splitlines()) == 1, (argv, err)

@@ -40,7 +40,7 @@ def _fake_run(outcome: str = "passed") -> SuiteRun:
 
 
 def test_render_suite_rows_and_summary():
-    out = _render(render_suite(_fake_run()))
+    out = _render(render_suite(_fake_run(), verbose=True))
     for text in ("softmax_shift_exact", "truncnorm_samples", "1e-06", "4.89", "1.23 |z|", "skipped", "provides no rope", "1[x > 0]"):
         assert text in out, text
     assert "ALL HOLD: 4 properties" in out
@@ -107,7 +107,7 @@ def test_cli_bad_input_exits_2(capsys):
 
 
 def test_cli_runs_selected_properties(capsys):
-    code = cli.main(["props", "-k", "softmax_rows_sum_to_one or xavier"])
+    code = cli.main(["props", "-k", "softmax_rows_sum_to_one or xavier", "--verbose"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "ALL HOLD: 2 properties (2 passed)" in " ".join(out.split())

@@ -27,13 +27,30 @@ from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
 from .model import TransformerLM
 
-__all__ = ["save", "load", "read_state", "infer_config", "CheckpointInfo", "atomic_write"]
+__all__ = ["save", "load", "read_state", "infer_config", "CheckpointInfo", "MissingOptionsError", "atomic_write"]
 
 FORMAT, VERSION = "tinylm", 1
 PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel wrappers
 SAFE_GLOBAL_MODULES = ("torch", "collections", "builtins", "__builtin__", "numpy.core.multiarray", "_codecs")
 
 _FLAGS = {"num_heads": "--num-heads", "rope_theta": "--rope-theta", "context_length": "--context-length"}
+
+
+class MissingOptionsError(MissingOptionError):
+    """Settings the weights cannot show and the file does not store (every one at once).
+
+    ``missing`` lists the config fields, ``known`` what the shapes determined (vocab_size,
+    d_model, ...), ``given`` the overrides that were passed; the message names every flag.
+    """
+
+    def __init__(self, missing: list[str], known: dict[str, Any], given: dict[str, Any]) -> None:
+        self.missing, self.known, self.given = list(missing), dict(known), dict(given)
+        self.field, self.flag = missing[0], _FLAGS[missing[0]]
+        names = ", ".join(missing)
+        flags = " ".join(f"{_FLAGS[m]} N" for m in missing)
+        CheckpointError.__init__(self, f"the checkpoint stores no config, so {names} {'is' if len(missing) == 1 else 'are'} "
+                                       f"unknown; pass {flags} (or {', '.join(m + '=...' for m in missing)} to "
+                                       "tinylm.checkpoint.load)")
 
 
 @dataclass
@@ -127,18 +144,27 @@ def _check_file(path: Path) -> bytes:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e}); check the file and its disk") from None
 
 
-def _pickle_globals(data: bytes) -> list[str]:
-    """Names of the globals a pickle would import, read by opcode (nothing is executed)."""
+def _pickle_globals(data: bytes, pickles: int = 5) -> list[str]:
+    """Names of the globals a pickle would import, read by opcode (nothing is executed).
+
+    Reads up to ``pickles`` pickles one after another: torch's legacy (non-zip) format
+    writes a magic number, the protocol and system information before the object.
+    """
     names, strings = [], []
+    stream = io.BytesIO(data)
     try:
-        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
-            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING"):
-                strings.append(arg)
-            elif op.name == "GLOBAL":
-                names.append(str(arg).replace(" ", "."))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-    except Exception:  # a damaged stream: report what was found before the damage
+        for _ in range(pickles):
+            start = stream.tell()
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING"):
+                    strings.append(arg)
+                elif op.name == "GLOBAL":
+                    names.append(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    names.append(f"{strings[-2]}.{strings[-1]}")
+            if stream.tell() == start:
+                break
+    except Exception:  # a damaged stream or raw tensor bytes after the pickles: keep what was found
         pass
     return names
 
@@ -172,9 +198,10 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
             bad = _unsafe_globals(path)
             if bad:
                 raise UnsafeCheckpointError(
-                    f"{path}: holds pickled Python objects ({', '.join(bad[:3])}) that a safe load will "
-                    "not execute; if it is a whole pickled model you trust, rerun with --unsafe-load, or convert it once: "
-                    "torch.save(torch.load(p, weights_only=False).state_dict(), 'state.pt')"
+                    f"{path}: holds pickled Python objects ({', '.join(bad[:3])}), e.g. a whole torch.save(model), "
+                    "which a safe load will not execute; if you made the file or trust it, rerun with --unsafe-load "
+                    "(risk: it runs the code the file names, with your permissions), or convert it once to a state "
+                    "dict: torch.save(torch.load(p, weights_only=False).state_dict(), 'state.pt')"
                 ) from None
         msg = str(e).lower()
         if isinstance(e, EOFError) or _is_broken_zip(path) or "central directory" in msg or "truncat" in msg:
@@ -358,7 +385,9 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     else:
         norm = "none"
     lm = state.get("lm_head.weight")
-    tied = lm is None or (lm.data_ptr() == emb.data_ptr() and lm.shape == emb.shape)
+    # one storage for both: tied (a sparse tensor has no storage to compare; the dense-weights check refuses it later)
+    dense = lm is not None and lm.layout == emb.layout == torch.strided
+    tied = lm is None or (dense and lm.data_ptr() == emb.data_ptr() and lm.shape == emb.shape)
     fields = dict(
         vocab_size=emb.shape[0],
         d_model=emb.shape[1],
@@ -370,9 +399,9 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     )
     fields.update({k: v for k, v in overrides.items() if v is not None})
     needed = ["num_heads", "context_length"] + (["rope_theta"] if fields.get("rope", True) else [])
-    for name in needed:
-        if name not in fields:
-            raise MissingOptionError(name, _FLAGS[name], f"the checkpoint stores no config, so {name} is unknown")
+    missing = [name for name in needed if name not in fields]
+    if missing:
+        raise MissingOptionsError(missing, known=fields, given={k: overrides.get(k) for k in _FLAGS})
     return ModelConfig(**fields)
 
 

@@ -61,6 +61,7 @@ from .diagnose import t_interval
 from ..options import OptionsError, Progress, ProbeOptions
 from ..measure.probe import block_index, probe
 from ..result import DepthRow, Row, frame
+from .comparison import Comparison
 from .verdicts import Thresholds, judge
 
 __all__ = ["compare", "stream_slope", "data_vocab", "SUMMARY_COLUMNS"]
@@ -274,4 +275,4 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                     "verdict": min(verdicts, key=_WORST_FIRST.index),
                     "early_loss": float(np.mean(early)) if early else None, "steps": steps,
                 })
-    return frame(tidy), pd.DataFrame.from_records(summary, columns=SUMMARY_COLUMNS)
+    return Comparison(frame(tidy), pd.DataFrame.from_records(summary, columns=SUMMARY_COLUMNS))

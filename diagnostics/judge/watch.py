@@ -70,12 +70,19 @@ import tinylm
 from tinylm.errors import TinyLMError
 from torch import nn
 
+from ..integrations.writers import WatchWriter, _json_safe
 from ..result import Row, frame
 from .verdicts import Thresholds
 
 __all__ = [
     "Watch",
     "WatchEvent",
+    "WatchFailure",
+    "WatchStop",
+    "WatchWriter",
+    "History",
+    "FAIL_VERDICTS",
+    "find_sites",
     "default_sites",
     "verdicts",
     "first_departure",
@@ -207,12 +214,12 @@ def default_sites(model: nn.Module) -> list[str]:
     token_embeddings; per block i: attn.scores (pre-softmax logits, causal
     entries), attn.probs (also gives the attention entropy and saturation), attn
     (the attention branch), resid_mid, ffn (the FFN branch) and the block's output
-    ``layers.i`` (the residual stream); lm_head (the logits).
+    ``layers.i`` (the residual stream); lm_head (the logits). Any other module: :func:`find_sites`.
     """
     names = {name for name, _ in model.named_modules()}
     config = getattr(model, "config", None)
     if not isinstance(config, tinylm.ModelConfig):
-        return [s for s in (tinylm.plan.EMBEDDING, tinylm.plan.HEAD) if s in names]
+        return find_sites(model)
     p = tinylm.plan.build(config)
     sites = [p.embedding]
     for b in p.blocks:
@@ -220,6 +227,46 @@ def default_sites(model: nn.Module) -> list[str]:
         sites += [f"{attn.name}.scores", f"{attn.name}.probs", attn.name, b.mid, ffn.name, b.output]
     sites.append(p.head)
     return [s for s in sites if s in names]
+
+
+def find_sites(model: nn.Module) -> list[str]:
+    """The sites of a module that is not a tinylm model, found from its structure alone.
+
+    The embedding tables (every ``nn.Embedding``, in module order); each element of the
+    longest ``nn.ModuleList`` / ``nn.Sequential`` whose elements share one class and hold
+    parameters (the blocks: each one's output is the residual stream of a decoder such as
+    GPT-2 or Llama); the head: a module named ``lm_head``, else the last ``nn.Linear``
+    outside the blocks. A module with none of these yields an empty list (pass ``sites=``).
+    """
+    named = [(n, m) for n, m in model.named_modules() if m is not model]
+    embeddings = [n for n, m in named if isinstance(m, (nn.Embedding, tinylm.Embedding))]
+    best: tuple[str, int] | None = None
+    containers = [("", model)] + named
+    for n, m in containers:
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
+            kids = list(m.children())
+            if len({type(k) for k in kids}) == 1 and any(True for _ in kids[0].parameters()):
+                if best is None or len(kids) > best[1]:
+                    best = (n, len(kids))
+    blocks = [f"{best[0]}.{i}" if best[0] else str(i) for i in range(best[1])] if best else []
+    names = {n for n, _ in named}
+    inside = tuple(b + "." for b in blocks)
+    if tinylm.plan.HEAD in names:
+        head = [tinylm.plan.HEAD]
+    else:
+        linears = [n for n, m in named if isinstance(m, (nn.Linear, tinylm.Linear)) and n not in blocks
+                   and not n.startswith(inside)]
+        head = linears[-1:]
+    sites = [s for s in embeddings + blocks + head if s in names]
+    return list(dict.fromkeys(sites))
+
+
+def describe_sites(sites: list[str]) -> str:
+    """A short line saying what is watched: the first and last sites and how many."""
+    if not sites:
+        return "no sites (pass sites=[module names])"
+    shown = sites if len(sites) <= 4 else [sites[0], sites[1], "...", sites[-1]]
+    return f"{len(sites)} sites: {', '.join(shown)}"
 
 
 def _site_stats(stats: Any, site: str) -> dict[str, float]:
@@ -369,14 +416,63 @@ def _describe_move(m: dict[str, Any]) -> str:
     return f"{m['site']} moved first: its {what} {size} at step {m['step']}"
 
 
+# The watch's verdicts that stop a run (``Watch(stop="raise")``) or set ``Watch.failure``: a NaN or
+# inf (in a tensor, a gradient or the loss) and a forward variance grown past watch_growth. A
+# vanishing gradient is a warning: training often goes on and recovers. These are the watch's
+# own words; where a finding carries a severity, "fail" is this set.
+FAIL_VERDICTS = ("non_finite", "exploding")
+
+
+@dataclass
+class WatchFailure:
+    """The first ``fail`` the watch saw: at ``step``, ``site`` (None for the loss) gave
+    ``verdict`` with ``stat`` = ``value`` against ``threshold``; ``message`` says it in a line."""
+
+    step: int
+    verdict: str  # one of FAIL_VERDICTS
+    site: str | None
+    stat: str | None
+    value: float
+    threshold: float
+    message: str
+
+
+class WatchStop(RuntimeError):
+    """Raised by :meth:`Watch.record` at the first fail when the watch was built with
+    ``stop="raise"``; ``failure`` holds the :class:`WatchFailure`."""
+
+    def __init__(self, failure: WatchFailure):
+        self.failure = failure
+        super().__init__(failure.message)
+
+
 class Watch:
     """Records per-site moments and update ratios during training (see the module docstring).
 
-    Use: ``due(t)`` says whether step t is recorded; run that step's forward and
-    backward inside ``capture()``; ``alarm(loss)`` after it says "spike",
-    "nonfinite" or None; ``snapshot_params()`` before the optimizer step and
-    ``commit(...)`` after it store the record; ``log(...)`` every step.
-    ``every=0`` turns recording off (the loss series and the non-finite alarm remain).
+    In your own loop (any ``nn.Module``; :func:`default_sites` says which tensors)::
+
+        watch = Watch(model, every=50, log_dir="runs/x")
+        for t, (x, y) in enumerate(batches):
+            with watch.step(t):                      # forward, backward and optimizer step inside
+                loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+            watch.record(loss.item(), lr=opt.param_groups[0]["lr"])
+        watch.close()
+
+    ``log_dir``: write ``watch.csv`` (tidy rows of the result schema), ``watch.jsonl`` (one
+    object a line: steps, records, events) and TensorBoard event files there (the TensorBoard
+    ones when the ``tensorboard`` package is installed); ``writers``: more
+    :class:`WatchWriter` objects (``reports.watch_live.LivePanel`` draws the live panel).
+    ``stop``: None goes on whatever happens; "raise" raises :class:`WatchStop` from
+    :meth:`record` at the first fail (:data:`FAIL_VERDICTS`, or a non-finite loss).
+    :meth:`record` returns the fail found at its step as a :class:`WatchFailure` (None while
+    all is well); ``failure`` keeps the run's first.
+
+    The lower-level protocol (``tinylm.train.train`` and the Hugging Face callback use it):
+    ``due(t)`` says whether step t is recorded; run that step's forward and backward inside
+    ``capture()``; ``alarm(loss)`` after it says "spike", "nonfinite" or None;
+    ``snapshot_params()`` before the optimizer step and ``commit(...)`` after it store the
+    record; ``log(...)`` every step. ``every=0`` turns recording off (the loss series and the
+    non-finite alarm remain).
 
     ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object
     diagnose takes; the watch reads its watch_* and spike_* fields. ``spike_factor``, when
@@ -385,9 +481,17 @@ class Watch:
 
     def __init__(self, model: nn.Module, every: int = 25, spike_factor: float | None = None,
                  sites: list[str] | None = None, history: dict[str, Any] | None = None,
-                 on_event: Callable[[WatchEvent], None] | None = None, thresholds: Thresholds | None = None):
+                 on_event: Callable[[WatchEvent], None] | None = None, thresholds: Thresholds | None = None,
+                 *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None):
+        from tinylm import validate
+
         from ..options import OptionsError
 
+        if not isinstance(model, nn.Module):
+            raise OptionsError(f"model={type(model).__name__}: the watch needs a torch.nn.Module")
+        validate.integer("every", every, low=0, fix="every=N (0 turns recording off)", error=OptionsError)
+        if stop not in (None, "raise"):
+            raise OptionsError(f"stop={stop!r}: must be None (go on) or \"raise\" (raise WatchStop at the first fail)")
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
         thresholds = thresholds or Thresholds()
@@ -431,6 +535,193 @@ class Watch:
         self._armed = True
         for loss in self.history["series"]["loss"]:  # a resumed run continues the running loss
             self._update_ema(loss)
+        # running extremes of each site's variances over the records so far (the verdicts' reference)
+        self._low: dict[str, float] = {}
+        self._high: dict[str, float] = {}
+        for rec in self.history["records"]:
+            self._update_extremes(rec)
+        self.stop = stop
+        self.failure: WatchFailure | None = None
+        self._new_failure: WatchFailure | None = None
+        self._open_step: dict[str, Any] | None = None  # the step entered by step() and not yet recorded
+        self._force_next = False
+        self.writers: list[WatchWriter] = []
+        if log_dir is not None:
+            from ..integrations.writers import default_writers
+
+            self.writers += default_writers(log_dir, append=bool(self.history["series"]["step"]))
+        for w in writers:
+            if not isinstance(w, WatchWriter):
+                raise OptionsError(f"writers: {type(w).__name__} is not a diagnostics WatchWriter; subclass "
+                                   "diagnostics.judge.watch.WatchWriter")
+            self.writers.append(w)
+        self._writer_names = [type(w).__name__ for w in self.writers]
+        for w in self.writers:
+            w.open(self)
+
+    def record_rows(self, record: dict[str, Any], verdicts: list[dict[str, Any]], run: str | None = None) -> list[Row]:
+        """The tidy rows of one of this watch's records (:func:`record_rows`), given its non-ok verdicts."""
+        return record_rows(self.history, record, {(v["step"], v["site"]): v for v in verdicts}, run)
+
+    def step_rows(self, t: int, loss: float, lr: float, grad_norm: float, run: str | None = None) -> list[Row]:
+        """The tidy rows of one logged step (:func:`step_rows`)."""
+        return step_rows(self.history, t, loss, lr, grad_norm, run)
+
+    def describe(self) -> str:
+        """What the watch watches, in a line (the sites, how often, where it writes)."""
+        where = ", ".join(self._writer_names) or "the history only"
+        every = f"every {self.every} steps" if self.every else "never (every=0: the loss alone)"
+        return f"watching {describe_sites(self.sites)}; recorded {every}; writing to {where}"
+
+    def __repr__(self) -> str:
+        n = len(self.history["records"])
+        return f"Watch({self.describe()}; {n} record{'' if n == 1 else 's'})"
+
+    def _repr_html_(self) -> str:
+        return History(self.history)._repr_html_()
+
+    def __enter__(self) -> "Watch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Commit a step left without :meth:`record` and close the writers (files flushed), even
+        when that step's record raises :class:`WatchStop`."""
+        try:
+            self._finish_open()
+        finally:
+            writers, self.writers = self.writers, []
+            for w in writers:
+                w.close()
+
+    # ------------------------------------------------------------------- your own loop
+
+    @contextlib.contextmanager
+    def step(self, t: int) -> Iterator["Watch"]:
+        """Step t of your loop: when it is due (every ``every`` steps, and the step after a
+        spike) the forward and backward inside run under the probe, and the parameters are
+        copied first so that :meth:`record` gives each one's update ratio (put the optimizer
+        step inside the ``with`` or between it and :meth:`record`). Hooks are removed on exit,
+        whatever happens."""
+        from tinylm import validate
+
+        from ..options import OptionsError
+
+        validate.integer("t", t, low=0, fix="watch.step(t) with the step number t", error=OptionsError)
+        self._finish_open()
+        recording = self._starts(int(t))
+        self._open_step = {"t": int(t), "recording": recording,
+                           "before": self.snapshot_params() if recording else {}}
+        if recording:
+            with self.capture():
+                yield self
+        else:
+            yield self
+
+    def record(self, loss: float | torch.Tensor, lr: float | None = None, grad_norm: float | torch.Tensor | None = None
+               ) -> WatchFailure | None:
+        """The end of the step entered by :meth:`step`: its loss (a float or a 0-d tensor), learning
+        rate and gradient norm (None: not known, kept as NaN). Stores the record when the step
+        was recorded, raises the spike and non-finite alarms and writes to the writers.
+
+        Returns the first :class:`WatchFailure` found at this step (None when there is none; a
+        fail that persists is returned at each step it is found); with ``stop="raise"`` raises
+        :class:`WatchStop` instead. ``failure`` keeps the first of the run.
+        """
+        if self._open_step is None:
+            from ..options import OptionsError
+
+            raise OptionsError("watch.record(...) without a step: call it after `with watch.step(t):`")
+        if loss is None:
+            from ..options import OptionsError
+
+            raise OptionsError("watch.record(loss=None): pass the step's loss (a float or a 0-d tensor)")
+        lr, grad_norm = (math.nan if v is None else float(v) for v in (lr, grad_norm))
+        if isinstance(loss, torch.Tensor):
+            loss = loss.detach()
+        return self._finish_open(float(loss), lr, grad_norm)
+
+    def _finish_open(self, loss: float | None = None, lr: float = math.nan, grad_norm: float = math.nan
+                     ) -> WatchFailure | None:
+        """Record the open step (``loss`` None: left without :meth:`record`, kept as NaN and not alarmed on)."""
+        open_step, self._open_step = self._open_step, None
+        if open_step is None:
+            return None
+        t = open_step["t"]
+        self._end_step(t, loss, lr, grad_norm, open_step["recording"], open_step["before"])
+        self.log(t, math.nan if loss is None else loss, lr, grad_norm)
+        return self._check_stop()
+
+    def _starts(self, t: int) -> bool:
+        """Whether step t is recorded: it is due, or the step before it raised an alarm."""
+        recording = self.enabled and (self.due(t) or self._force_next)
+        self._force_next = False
+        return recording
+
+    def _end_step(self, t: int, loss: float | None, lr: float, grad_norm: float, recording: bool,
+                  before: dict[str, torch.Tensor]) -> str | None:
+        """After step t's optimizer step: the alarm on its loss (None: no loss known, no alarm),
+        its record when ``recording``, an alarm's event (a step not recorded makes the next one
+        recorded) and a non-finite loss's failure. Returns the alarm. The series entry is the
+        caller's (:meth:`log`)."""
+        alarm = None if loss is None else self.alarm(loss)
+        loss = math.nan if loss is None else loss
+        if recording:
+            self.commit(t, loss, lr, grad_norm, reason=alarm or "interval", before=before)
+        elif alarm:
+            self._raise_event(t, alarm, loss)
+            self._force_next = True  # record the next step: what moved is there to be seen
+        if alarm == "nonfinite":
+            self._fail(WatchFailure(t, "non_finite", None, "loss", loss, math.nan,
+                                    f"step {t}: the loss is {loss} (not finite)"))
+        return alarm
+
+    def _fail(self, failure: WatchFailure) -> None:
+        if self._new_failure is None:
+            self._new_failure = failure
+        if self.failure is None:
+            self.failure = failure
+
+    def _check_stop(self) -> WatchFailure | None:
+        """The first failure found since the last call (None if none); raises WatchStop under stop="raise"."""
+        found, self._new_failure = self._new_failure, None
+        if found is not None and self.stop == "raise":
+            raise WatchStop(found)
+        return found
+
+    def _update_extremes(self, rec: dict[str, Any]) -> None:
+        for site, st in rec["stats"].items():
+            for key, best, fn in (("fwd_var", self._low, min), ("grad_var", self._high, max)):
+                v = st.get(key)
+                if _finite(v) and v > 0:
+                    best[site] = fn(best[site], v) if site in best else v
+
+    def _judge(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
+        """The non-ok verdict rows of a new record (as :func:`verdicts` gives them for it), from the
+        running extremes of the records before it; updates those extremes."""
+        rows = []
+        norm = self.history.get("norm")
+        for site, st in rec["stats"].items():
+            if st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")):
+                continue
+            j = judged(site, norm)
+            verdict, key, value, threshold = _site_verdict(st, self._low.get(site) if j else None,
+                                                           self._high.get(site) if j else None, self.thresholds)
+            if verdict != "ok":
+                rows.append({"step": rec["step"], "site": site, "verdict": verdict, "stat": key,
+                             "value": value, "threshold": threshold})
+        self._update_extremes(rec)
+        for row in rows:
+            if row["verdict"] in FAIL_VERDICTS:
+                what = {"non_finite": "is not finite", "exploding": "grew past its threshold"}[row["verdict"]]
+                self._fail(WatchFailure(row["step"], row["verdict"], row["site"], row["stat"], row["value"],
+                                        row["threshold"],
+                                        f"step {row['step']}: {row['site']} {row['verdict']}: {row['stat']} = "
+                                        f"{row['value']:.3g} {what} (threshold {row['threshold']:.3g})"))
+                break
+        return rows
 
     @property
     def enabled(self) -> bool:
@@ -507,6 +798,9 @@ class Watch:
                   "update_ratio": self._update_ratios(before or {})}
         self._pending = None
         self.history["records"].append(record)
+        rows = self._judge(record)
+        for w in self.writers:
+            w.record(record, rows)
         if reason in ("spike", "nonfinite"):
             self._raise_event(t, reason, loss)
 
@@ -523,6 +817,8 @@ class Watch:
         event = WatchEvent(t, kind, m and m["site"], m and m["stat"], m and m["step"], f"{head}; {tail}")
         self.events.append(event)
         self.history["events"].append(event.to_dict())
+        for w in self.writers:
+            w.event(event)
         if self.on_event is not None:
             self.on_event(event)
 
@@ -532,6 +828,8 @@ class Watch:
         s["loss"].append(float(loss))
         s["lr"].append(float(lr))
         s["grad_norm"].append(float(grad_norm))
+        for w in self.writers:
+            w.step(int(t), float(loss), float(lr), float(grad_norm))
 
 
 def loss_summary(history: dict[str, Any]) -> tuple[int, float, float]:
@@ -558,42 +856,58 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
     a site not measured at that record, attention, update ratios, the series). predicted,
     ratio and its interval, valid: None (the watch predicts nothing).
     """
+    bad = {(r["step"], r["site"]): r for r in verdicts(history, thresholds)}
+    rows: list[Row] = []
+    for rec in history.get("records") or []:
+        rows += record_rows(history, rec, bad, run)
+    series = history.get("series") or {}
+    for k, step in enumerate(series.get("step") or []):
+        rows += step_rows(history, step, *((series.get(s) or [])[k] if k < len(series.get(s) or []) else math.nan
+                                           for s in ("loss", "lr", "grad_norm")), run=run)
+    return rows
+
+
+def step_rows(history: dict[str, Any], step: int, loss: float, lr: float, grad_norm: float,
+              run: str | None = None) -> list[Row]:
+    """The tidy rows of one logged step: statistics loss, lr and grad_norm (name None)."""
+    model = history.get("model") or {}
+    common = dict(run=run, scheme=model.get("scheme"), depth=model.get("depth"), width=model.get("width"))
+    return [Row(**common, step=step, statistic=stat, value=_num(v))
+            for stat, v in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm))]
+
+
+def record_rows(history: dict[str, Any], rec: dict[str, Any], bad: dict[tuple[int, str], dict[str, Any]],
+                run: str | None = None) -> list[Row]:
+    """The tidy rows of one record (see :func:`to_rows`); ``bad``: {(step, site): verdict row}
+    of its non-ok verdicts."""
     from ..measure.probe import block_index
 
-    bad = {(r["step"], r["site"]): r for r in verdicts(history, thresholds)}
     model = history.get("model") or {}
     kinds = history.get("kinds") or {}
     common = dict(run=run, scheme=model.get("scheme"), depth=model.get("depth"), width=model.get("width"))
     rows: list[Row] = []
-    for rec in history.get("records") or []:
-        step = rec["step"]
-        for site, st in rec["stats"].items():
-            v = bad.get((step, site))
-            judged_dir = None if v is None else ("forward" if v["stat"].startswith("fwd") else "backward")
-            at = dict(common, step=step, name=site, kind=kinds.get(site), block=block_index(site))
-            measured = not (st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")))
-            for direction in ("forward", "backward"):
-                verdict = v["verdict"] if judged_dir == direction else ("ok" if measured else None)
-                if "count" in st:
-                    rows.append(Row(**at, direction=direction, statistic="count", value=_num(st["count"]),
-                                    verdict=verdict))
-                for key, (d, stat) in _ROW_OF.items():
-                    if d == direction and key in st:
-                        rows.append(Row(**at, direction=d, statistic=stat, value=_num(st[key]), verdict=verdict))
-        for site, att in (rec.get("attention") or {}).items():
-            at = dict(common, step=step, name=site, kind=kinds.get(site, "attn_probs"), block=block_index(site),
-                      direction="forward")
-            rows.append(Row(**at, statistic="entropy_mean", value=_num(att.get("entropy_mean"))))
-            rows.append(Row(**at, statistic="saturated_frac", value=_num(att.get("saturated"))))
-        for param, ratio in (rec.get("update_ratio") or {}).items():
-            rows.append(Row(**common, step=step, name=param, kind="parameter", block=block_index(param),
-                            statistic="update_ratio", value=_num(ratio)))
-    series = history.get("series") or {}
-    for k, step in enumerate(series.get("step") or []):
-        for stat in ("loss", "lr", "grad_norm"):
-            values = series.get(stat) or []
-            if k < len(values):
-                rows.append(Row(**common, step=step, statistic=stat, value=_num(values[k])))
+    step = rec["step"]
+    for site, st in rec["stats"].items():
+        v = bad.get((step, site))
+        judged_dir = None if v is None else ("forward" if v["stat"].startswith("fwd") else "backward")
+        at = dict(common, step=step, name=site, kind=kinds.get(site), block=block_index(site))
+        measured = not (st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")))
+        for direction in ("forward", "backward"):
+            verdict = v["verdict"] if judged_dir == direction else ("ok" if measured else None)
+            if "count" in st:
+                rows.append(Row(**at, direction=direction, statistic="count", value=_num(st["count"]),
+                                verdict=verdict))
+            for key, (d, stat) in _ROW_OF.items():
+                if d == direction and key in st:
+                    rows.append(Row(**at, direction=d, statistic=stat, value=_num(st[key]), verdict=verdict))
+    for site, att in (rec.get("attention") or {}).items():
+        at = dict(common, step=step, name=site, kind=kinds.get(site, "attn_probs"), block=block_index(site),
+                  direction="forward")
+        rows.append(Row(**at, statistic="entropy_mean", value=_num(att.get("entropy_mean"))))
+        rows.append(Row(**at, statistic="saturated_frac", value=_num(att.get("saturated"))))
+    for param, ratio in (rec.get("update_ratio") or {}).items():
+        rows.append(Row(**common, step=step, name=param, kind="parameter", block=block_index(param),
+                        statistic="update_ratio", value=_num(ratio)))
     return rows
 
 
@@ -602,21 +916,51 @@ def to_frame(history: dict[str, Any], run: str | None = None, thresholds: Thresh
     return frame(to_rows(history, run, thresholds))
 
 
+class History:
+    """A watch history (the dict of the module docstring) with a face: it draws itself in a
+    notebook (``_repr_html_``: the loss and the residual stream's variances over steps, the
+    first verdict other than ok, the alarms) and gives its tidy frame and verdicts.
+
+    The dict stays the stored form (checkpoints, ``TrainResult.history``): ``History(d).data``
+    is ``d`` itself, and ``History(d)[key]`` reads it.
+    """
+
+    def __init__(self, history: dict[str, Any]):
+        from ..options import OptionsError
+
+        why = _history_problem(history)
+        if why:
+            raise OptionsError(f"history: not a watch history ({why}); pass the dict a Watch or "
+                               "tinylm train recorded")
+        self.data = history
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __repr__(self) -> str:
+        return (f"History({len(self.data['series']['step'])} steps, {len(self.data['records'])} records, "
+                f"{len(self.data['events'])} alarms)")
+
+    def to_frame(self, run: str | None = None):
+        return to_frame(self.data, run)
+
+    def verdicts(self) -> list[dict[str, Any]]:
+        return verdicts(self.data)
+
+    def first_departure(self) -> dict[str, Any] | None:
+        return first_departure(self.data)
+
+    def _repr_html_(self) -> str:
+        from ..display import html
+
+        return html(self)
+
+
 def _num(x: Any) -> float:
     """A stored number as a float (None and the JSON strings of non-finite values included)."""
     if x is None:
         return math.nan
     return float(x)
-
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
 
 
 def write_json(history: dict[str, Any], path: str) -> None:

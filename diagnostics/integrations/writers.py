@@ -1,0 +1,214 @@
+"""Writers that send a watch's steps, records and alarms to files beside the run.
+
+* :class:`CSVWriter` — ``watch.csv``: tidy rows of the one result schema (columns
+  :data:`diagnostics.result.COLUMNS`; the rows ``diagnostics.judge.watch.to_rows`` gives,
+  written as they happen, so a run that dies leaves what it had);
+* :class:`JSONLWriter` — ``watch.jsonl``: one JSON object a line, ``{"type": "step", "step",
+  "loss", "lr", "grad_norm"}``, ``{"type": "record", ...the history's record..., "verdicts":
+  [...]}`` and ``{"type": "event", ...}`` (NaN as null, infinities as "inf"/"-inf");
+* :class:`TensorBoardWriter` — TensorBoard event files through ``torch.utils.tensorboard``
+  (the ``tensorboard`` package: ``pip install "tinylm[tensorboard]"``). Scalars
+  ``train/loss``, ``train/lr``, ``train/grad_norm`` every step (lr and grad_norm when known);
+  at each record ``watch/activation_var/<site>``, ``watch/gradient_var/<site>``,
+  ``watch/max_abs/<site>``, ``watch/update_ratio/<parameter>``,
+  ``watch/attention_entropy/<site>`` and ``watch/not_ok`` (how many sites are not ok); text
+  ``watch/verdicts`` (each verdict other than ok) and ``watch/alarms`` (spikes, non-finite losses).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from ..result import COLUMNS
+
+__all__ = ["WatchWriter", "CSVWriter", "JSONLWriter", "TensorBoardWriter", "default_writers", "tensorboard_available"]
+
+
+class WatchWriter:
+    """Where a watch sends what it sees (subclass and override what you need; each does nothing here).
+
+    ``open(watch)`` once before the first write; ``step(t, loss, lr, grad_norm)`` every logged
+    step; ``record(record, verdicts)`` every record (the history's record dict and its
+    non-ok verdict rows, as :func:`verdicts` gives them); ``event(event)`` on a spike or a
+    non-finite loss; ``close()`` at :meth:`Watch.close`.
+    """
+
+    def open(self, watch: Any) -> None:
+        pass
+
+    def step(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
+        pass
+
+    def record(self, record: dict[str, Any], verdicts: list[dict[str, Any]]) -> None:
+        pass
+
+    def event(self, event: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def tensorboard_available() -> bool:
+    """Whether the ``tensorboard`` package (which torch.utils.tensorboard needs) is installed."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def default_writers(log_dir: str | os.PathLike, append: bool = False) -> list[WatchWriter]:
+    """The writers of ``Watch(log_dir=...)``: CSV and JSONL in ``log_dir``, and TensorBoard there
+    when its package is installed (``append``: continue existing files, as a resumed run does)."""
+    from ..options import OptionsError
+
+    d = Path(log_dir)
+    if d.exists() and not d.is_dir():
+        raise OptionsError(f"log_dir={str(log_dir)!r}: is a file, not a directory; pass a directory for the "
+                           "watch's files (it is created if missing)")
+    writers: list[WatchWriter] = [CSVWriter(d / "watch.csv", append), JSONLWriter(d / "watch.jsonl", append)]
+    if tensorboard_available():
+        writers.append(TensorBoardWriter(d))
+    return writers
+
+
+def _cell(v: Any) -> str:
+    """A CSV cell as pandas writes it: empty for None and NaN, repr of a float, True/False."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
+class _File(WatchWriter):
+    def __init__(self, path: str | os.PathLike, append: bool = False):
+        self.path = Path(path)
+        self.append = append
+        self.f = None
+
+    def open(self, watch: Any) -> None:
+        self.watch = watch
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not (self.append and self.path.is_file())
+        self.f = open(self.path, "w" if fresh else "a", encoding="utf-8", newline="")
+        if fresh:
+            self._header()
+
+    def _header(self) -> None:
+        pass
+
+    def _write(self, text: str) -> None:
+        if self.f is not None:
+            self.f.write(text)
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+
+class CSVWriter(_File):
+    """Tidy rows (:data:`diagnostics.result.COLUMNS`) appended as the watch sees them."""
+
+    def _header(self) -> None:
+        self._write(",".join(COLUMNS) + "\n")
+
+    def _rows(self, rows) -> None:
+        import csv
+        import io
+
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        for r in rows:
+            w.writerow([_cell(v) for v in r.astuple()])
+        self._write(buf.getvalue())
+
+    def step(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
+        self._rows(self.watch.step_rows(t, loss, lr, grad_norm))
+
+    def record(self, record: dict[str, Any], verdicts: list[dict[str, Any]]) -> None:
+        self._rows(self.watch.record_rows(record, verdicts))
+        self.f.flush()
+
+    def close(self) -> None:
+        super().close()
+
+
+class JSONLWriter(_File):
+    """One JSON object a line: steps, records (with their verdicts) and alarms."""
+
+    def _line(self, obj: dict[str, Any]) -> None:
+        self._write(json.dumps(_json_safe(obj), allow_nan=False) + "\n")
+
+    def step(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
+        self._line({"type": "step", "step": t, "loss": loss, "lr": lr, "grad_norm": grad_norm})
+
+    def record(self, record: dict[str, Any], verdicts: list[dict[str, Any]]) -> None:
+        self._line({"type": "record", **record, "verdicts": verdicts})
+        self.f.flush()
+
+    def event(self, event: Any) -> None:
+        self._line({"type": "event", **event.to_dict()})
+        self.f.flush()
+
+
+class TensorBoardWriter(WatchWriter):
+    """TensorBoard scalars and text (see the module docstring) in ``log_dir``."""
+
+    def __init__(self, log_dir: str | os.PathLike):
+        if not tensorboard_available():
+            raise ImportError('TensorBoard logging needs the tensorboard package: pip install "tinylm[tensorboard]" '
+                              "(or pip install tensorboard)")
+        self.log_dir = str(log_dir)
+        self.w = None
+
+    def open(self, watch: Any) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.w = SummaryWriter(log_dir=self.log_dir)
+
+    def step(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
+        self.w.add_scalar("train/loss", loss, t)
+        for tag, v in (("train/lr", lr), ("train/grad_norm", grad_norm)):
+            if not math.isnan(v):
+                self.w.add_scalar(tag, v, t)
+
+    def record(self, record: dict[str, Any], verdicts: list[dict[str, Any]]) -> None:
+        t = record["step"]
+        add = self.w.add_scalar
+        for site, st in record["stats"].items():
+            add(f"watch/activation_var/{site}", st["fwd_var"], t)
+            add(f"watch/gradient_var/{site}", st["grad_var"], t)
+            add(f"watch/max_abs/{site}", st["fwd_absmax"], t)
+        for name, r in (record.get("update_ratio") or {}).items():
+            add(f"watch/update_ratio/{name}", r, t)
+        for site, a in (record.get("attention") or {}).items():
+            add(f"watch/attention_entropy/{site}", a["entropy_mean"], t)
+        add("watch/not_ok", len(verdicts), t)
+        if verdicts:
+            text = "\n\n".join(f"{v['site']}: {v['verdict']} ({v['stat']} = {v['value']:.3g}, "
+                               f"threshold {v['threshold']:.3g})" for v in verdicts)
+            self.w.add_text("watch/verdicts", text, t)
+        self.w.flush()
+
+    def event(self, event: Any) -> None:
+        self.w.add_text("watch/alarms", event.message, event.step)
+        self.w.flush()
+
+    def close(self) -> None:
+        if self.w is not None:
+            self.w.close()
+            self.w = None
