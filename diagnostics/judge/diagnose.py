@@ -162,11 +162,18 @@ def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -
         gen = torch.Generator().manual_seed(options.seed)
         return [[torch.randint(0, vocab, (options.batch_size, seq_len + 1), generator=gen)
                  for _ in range(options.batches)] for _ in range(draws)], "random"
-    t = torch.as_tensor(np.asarray(tokens)) if not isinstance(tokens, Tensor) else tokens
-    if t.is_floating_point() or t.dtype == torch.bool:
-        raise OptionsError(f"tokens dtype {t.dtype}: token ids must be integers")
-    t = t.long()
-    if t.dim() == 1:
+    if not isinstance(tokens, Tensor):
+        arr = np.asarray(tokens)  # a memory-mapped token file stays mapped: only the sampled windows are read
+        if arr.dtype.kind not in "iu":
+            raise OptionsError(f"tokens dtype {arr.dtype}: token ids must be integers")
+        stream = arr if arr.ndim == 1 else None
+        t = None if stream is not None else torch.from_numpy(np.array(arr, dtype=np.int64))
+    else:
+        if tokens.is_floating_point() or tokens.dtype == torch.bool:
+            raise OptionsError(f"tokens dtype {tokens.dtype}: token ids must be integers")
+        t = tokens.long()
+        stream = t.numpy() if t.dim() == 1 else None
+    if stream is not None:
         from tinylm.data import get_batch
 
         gen = torch.Generator().manual_seed(options.seed)
@@ -174,7 +181,7 @@ def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -
         for _ in range(draws):
             out.append([])
             for _ in range(options.batches):
-                x, y = get_batch(t.numpy(), options.batch_size, seq_len, gen)
+                x, y = get_batch(stream, options.batch_size, seq_len, gen)
                 out[-1].append(torch.cat([x, y[:, -1:]], dim=1))
         return out, "given"
     if t.dim() != 2 or t.shape[1] < 3:
