@@ -206,7 +206,7 @@ def test_inductor_probe_equals_reference(fresh):
         return run.stats
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a failed compilation would warn
+        warnings.filterwarnings("error", message="torch.compile could not build")  # a failed compilation
         got = measure()
     assert set(compiled._compiled) >= {"_flat", "_causal", "_causal_probs"} and not compiled._failed
     fresh.setenv("TINYLM_FUSED", "0")
