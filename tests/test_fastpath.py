@@ -1,6 +1,6 @@
-"""Attention's two paths: explicit scores and weights when something observes them, torch's fused
-kernel when nothing does. They must compute the same heads (to rounding) and the switch must be
-taken exactly when an observer is attached.
+"""Attention's two paths: explicit scores and weights when something observes them (a probe, a
+hook on a Tap, the ``explicit`` flag) or dropout draws on them, torch's fused kernel otherwise.
+They must compute the same heads (to rounding) and the switch must be taken exactly then.
 
 Tolerance of the two paths' difference, from the unit roundoff u of the dtype. A score
 s_ij = q_i . k_j / sqrt(d_k) computed by either path is off by at most d_k u S (a dot product
@@ -222,15 +222,22 @@ def test_switch_follows_the_probe(counted):
     assert counted() == {"fused": 2, "explicit": 0}
 
 
-def test_switch_is_per_layer(counted):
-    """A probe that observes one block's attention weights makes only that block explicit; a
-    probe that observes no Tap of attention leaves every block fused."""
+def test_any_probe_makes_every_attention_explicit(counted):
+    """Whatever points a probe hooks, every block computes its attention explicitly while it
+    is active (so what a point measures does not depend on the others probed beside it), and
+    the flag it sets is put back on exit, also when the step raises."""
     model = _model()
     with probe(model, ProbeOptions(modules=["layers.1.attn.scores"])):
         _step(model)
-    assert counted() == {"fused": 1, "explicit": 1}
+    assert counted() == {"fused": 0, "explicit": 2}
     with probe(model, ProbeOptions(modules=["layers.0.attn", "layers.1.ffn"])):
         _step(model)
+    assert counted() == {"fused": 0, "explicit": 2}
+    with pytest.raises(RuntimeError, match="inside"):
+        with probe(model):
+            raise RuntimeError("inside")
+    assert [m.explicit for m in model.modules() if isinstance(m, tinylm.MultiHeadSelfAttention)] == [False, False]
+    _step(model)
     assert counted() == {"fused": 2, "explicit": 0}
 
 
@@ -253,6 +260,13 @@ def test_any_hook_on_a_tap_takes_the_explicit_path(counted, how):
         h.remove()
     assert counted() == ({"fused": 0, "explicit": 2} if how == "global" else {"fused": 1, "explicit": 1})
     assert not tap.observed
+
+
+def test_the_explicit_flag_takes_the_explicit_path(counted):
+    model = _model()
+    model.layers[0].attn.explicit = True
+    _step(model)
+    assert counted() == {"fused": 1, "explicit": 1}
 
 
 def test_dropout_and_replaced_taps_take_the_explicit_path(counted):

@@ -236,10 +236,13 @@ class MultiHeadSelfAttention(nn.Module):
 
     The forward below computes the scores and weights explicitly, as the formula
     reads. When nothing needs them (``weights_needed()`` is False: no hook on either
-    Tap, no attention dropout drawing in training) the same heads come from torch's
-    fused kernel instead (``torch.nn.functional.scaled_dot_product_attention``,
-    causal), which never stores the (..., H, T, T) matrices; the two agree to
-    rounding (tests/test_fastpath.py).
+    Tap, ``explicit`` off, no attention dropout drawing in training) the same heads
+    come from torch's fused kernel instead
+    (``torch.nn.functional.scaled_dot_product_attention``, causal), which never stores
+    the (..., H, T, T) matrices; the two agree to rounding (tests/test_fastpath.py).
+    ``explicit`` (False) asks for the explicit path with no hook: a probe sets it on
+    every attention for its duration, so that what it measures does not depend on
+    which points it hooks.
     """
 
     def __init__(
@@ -269,6 +272,7 @@ class MultiHeadSelfAttention(nn.Module):
             self.rope = None
         self.scores = Tap()
         self.probs = Tap()
+        self.explicit = False
 
     def reset_parameters(self) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.output_proj):
@@ -295,12 +299,11 @@ class MultiHeadSelfAttention(nn.Module):
         return self.output_proj(rearrange(heads, "... h t d -> ... t (h d)"))
 
     def weights_needed(self) -> bool:
-        """Whether this forward must compute the scores and weights explicitly: a hook observes
-        the ``scores`` or ``probs`` Tap (or either was replaced by another module), or dropout
-        draws on the weights (training with ``dropout`` > 0; the explicit path draws exactly
-        as :func:`tinylm.functional.dropout` does, so a seeded run replays)."""
-        taps = (self.scores, self.probs)
-        if any(type(t) is not Tap or t.observed for t in taps):
+        """Whether this forward must compute the scores and weights explicitly: ``explicit`` is
+        set, a hook observes the ``scores`` or ``probs`` Tap (or either was replaced by another
+        module), or dropout draws on the weights (training with ``dropout`` > 0; the explicit
+        path draws exactly as :func:`tinylm.functional.dropout` does, so a seeded run replays)."""
+        if self.explicit or any(type(t) is not Tap or t.observed for t in (self.scores, self.probs)):
             return True
         return self.training and self.dropout > 0.0
 
