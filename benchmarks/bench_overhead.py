@@ -1,7 +1,7 @@
 """Overhead of the probe: forward+backward of the tinystories preset, bare versus probed.
 
     python benchmarks/bench_overhead.py [--device cpu|cuda] [--batch 4] [--seq 256] [--repeats 15] [--threads N]
-                                        [--torch-path] [--breakdown 5]
+                                        [--torch-path] [--compiled] [--breakdown 5]
 
 Both run in this one process on the same model and batch, after one warm-up each, in
 ``--repeats`` pairs (bare then probed, or probed then bare, by a seeded coin). On a shared
@@ -21,7 +21,8 @@ torch indirectly, e.g. through the caches). ``--breakdown`` more probed passes t
 the compiled reductions apart, to split the probe's own time into kernels and the rest. The probe
 reduces CPU tensors with numba (diagnostics/measure/accel.py, as many threads as torch) and
 GPU tensors (``--device cuda``; a CPU without numba too) with torch.compile'd reductions
-(diagnostics/measure/compiled.py; compiled during the warm-up pass, whose time is printed);
+(diagnostics/measure/compiled.py; compiled during the warm-up pass, whose time is printed;
+``--compiled`` sends CPU tensors there too);
 with ``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
 instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. On a GPU every
 pass ends with ``torch.cuda.synchronize()`` inside its timing. Peak
@@ -67,12 +68,16 @@ def _step(model, tokens) -> None:
         torch.cuda.synchronize()
 
 
+#: TINYLM_FUSED for the probed arm: "1" (the reducer chosen by device) or "compiled" (--compiled)
+_ACCEL = "1"
+
+
 def _probed(model, tokens, fused: bool = True) -> float:
     """One probed pass; returns the seconds spent in the probe's own work (run.seconds and the
     conversion of its results)."""
     from diagnostics import probe
 
-    os.environ["TINYLM_FUSED"] = "1" if fused else "0"
+    os.environ["TINYLM_FUSED"] = _ACCEL if fused else "0"
 
     with probe(model) as run:
         _step(model, tokens)
@@ -200,12 +205,17 @@ def main() -> int:
     ap.add_argument("--max-steal", type=float, default=20.0,
                     help="ms of steal a pass may lose and still count as quiet (default 20: two clock ticks)")
     ap.add_argument("--torch-path", action="store_true", help="also time the probe with torch ops (TINYLM_FUSED=0)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="probe CPU tensors with the torch.compile path, not numba (TINYLM_FUSED=compiled)")
     ap.add_argument("--breakdown", type=int, default=5,
                     help="probed passes after the pairs that time the compiled reductions apart (0: none)")
     ap.add_argument("--peak-child", choices=["bare", "probed"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
 
+    global _ACCEL
+    _ACCEL = "compiled" if args.compiled else "1"
+    os.environ["TINYLM_FUSED"] = _ACCEL
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; run on a machine with a GPU "
               "and a CUDA build of torch, or pass --device cpu", file=sys.stderr)
@@ -256,7 +266,7 @@ def main() -> int:
             plain.append(took["plain"])
     if tty:
         print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
-    os.environ["TINYLM_FUSED"] = "1"
+    os.environ["TINYLM_FUSED"] = _ACCEL
     b, p = statistics.median(bare), statistics.median(probed)
     threads = torch.get_num_threads()
     from diagnostics.measure import compiled
@@ -301,10 +311,10 @@ def main() -> int:
         q = statistics.median(plain)
         print(f"probed, torch-op path   : {q * 1000:8.1f} ms (median), ratio {q / b:.3f} to bare, "
               f"{(q - b) / max(p - b, 1e-9):.1f}x the numba path's overhead")
-    env = dict(os.environ, BENCH_THREADS=str(threads))
+    env = dict(os.environ, BENCH_THREADS=str(threads), TINYLM_FUSED=_ACCEL)
     for kind in ("bare", "probed"):
         out = subprocess.run([sys.executable, __file__, "--peak-child", kind, "--batch", str(args.batch),
-                              "--seq", str(args.seq), "--device", args.device],
+                              "--seq", str(args.seq), "--device", args.device] + (["--compiled"] if args.compiled else []),
                              capture_output=True, text=True, env=env, check=True)
         rec = json.loads(out.stdout.strip().splitlines()[-1])
         what = "peak device memory growth" if args.device == "cuda" else "peak RSS growth"

@@ -221,3 +221,19 @@ def test_inductor_probe_equals_reference(fresh):
         b = want.attention[key]
         assert a.rows == b.rows and a.rows_saturated == b.rows_saturated, key
         assert a.entropy_mean == pytest.approx(b.entropy_mean, rel=1e-12), key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the benchmark would run, not refuse")
+def test_overhead_benchmark_refuses_cuda_without_a_device():
+    """``bench_overhead.py --device cuda`` on a machine without CUDA: one line naming the problem
+    and the fix, exit status 2, no traceback."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_overhead.py"), "--device", "cuda"],
+                         capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("--device cuda:") and "--device cpu" in lines[0]
