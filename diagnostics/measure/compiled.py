@@ -2,8 +2,9 @@
 
 :mod:`.reference` says what every number means, in a form that reads the tensor once per
 statistic. Here the same numbers are written so that every statistic of one tensor is a
-reduction of its rows, which inductor fuses into one kernel that reads the tensor once
-(on a GPU, or on a CPU without numba; a CPU with numba uses :mod:`.accel`):
+reduction of its rows over the same index space, which inductor can fuse into one kernel
+that reads the tensor once (used on a GPU, or on a CPU without numba; a CPU with numba uses
+:mod:`.accel`, which is much faster there: docs/benchmarks.md):
 
 * the tensor is seen as rows: its last dimension (a flat tensor), or the rows of each
   causal T x T matrix, of which entries j > t of row t are not measured;
