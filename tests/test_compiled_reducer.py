@@ -183,6 +183,25 @@ def test_formulas_trace_whole_with_dynamic_shapes(fresh):
     assert not compiled._failed and set(compiled._compiled) == {"_flat_rows_cosine", "_causal_probs"}
 
 
+def test_compiled_merge_equals_the_cpu_merge(fresh):
+    """Vectors merged by the compiled torch merge (what a GPU probe uses; traced here with the
+    "eager" backend) equal the CPU's numpy merge, and the merged moments are those of both
+    tensors together."""
+    from diagnostics.measure import reducer
+
+    fresh.setattr(compiled, "BACKEND", "eager")
+    g = torch.Generator().manual_seed(4)
+    x1, x2 = torch.randn(300, generator=g) + 3, torch.randn(50, generator=g) * 2
+    a, b = reference.moments(x1), reference.moments(x2)
+    got = compiled.call(reducer._merge_torch, a, b, 1, 4, True)
+    assert torch.equal(got, reducer.merge_vectors(a, b))
+    both = torch.cat([x1, x2])
+    assert _bad(got.tolist(), reference.moments(both).tolist(), both) == []
+    pa, pb = (reference.panel(torch.softmax(torch.randn(2, 5, 5, generator=g), -1)) for _ in range(2))
+    assert torch.equal(compiled.call(reducer._merge_torch, pa, pb, 0, 3, False),
+                       reducer.merge_attention_vectors(pa, pb))
+
+
 # -- inductor: compiled for real (slow: a C++ compiler on the CPU, a minute or more cold) --
 
 
@@ -221,6 +240,14 @@ def test_inductor_probe_equals_reference(fresh):
         b = want.attention[key]
         assert a.rows == b.rows and a.rows_saturated == b.rows_saturated, key
         assert a.entropy_mean == pytest.approx(b.entropy_mean, rel=1e-12), key
+    # the merge a GPU probe runs compiled (a CPU's merges run in numpy), compiled here on the CPU
+    from diagnostics.measure import reducer
+
+    fresh.setenv("TINYLM_FUSED", "compiled")
+    va, vb = reference.moments(torch.randn(40) + 2), reference.moments(torch.randn(7))
+    merged = compiled.call(reducer._merge_torch, va, vb, 1, 4, True)
+    assert merged is not None and not compiled._failed
+    assert merged.tolist() == pytest.approx(reducer.merge_vectors(va, vb).tolist(), rel=1e-14, abs=1e-14)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present: the benchmark would run, not refuse")

@@ -17,7 +17,9 @@ that reads the tensor once (used on a GPU, or on a CPU without numba; a CPU with
   u_64 (1 + ((K - mean) / std)^2) of M2 relative, far below what a diagnosis reads.
 
 The cosine between a sequence's rows (``cosine``) normalises each row before summing, a
-second read of the tensor; it is :func:`.reference.cosines` as it stands.
+second read of the tensor; it is :func:`.reference.cosines` as it stands. :func:`call`
+compiles any such function the same way (the reducer merges its vectors on a GPU with it:
+one kernel instead of a dozen small ones).
 
 :func:`takes` says whether a tensor goes this way; :func:`reduce` returns the parts or,
 when compilation or a compiled call fails, None after one warning, and the reference
@@ -37,7 +39,7 @@ from torch import Tensor
 from . import accel, reference
 from .reference import SATURATED_PROB
 
-__all__ = ["available", "takes", "reduce", "moments", "row_partials", "DTYPES", "BACKEND"]
+__all__ = ["available", "takes", "reduce", "call", "moments", "row_partials", "DTYPES", "BACKEND"]
 
 #: Tensor dtypes this path reduces (float64 too: every sum here is in float64).
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -137,16 +139,23 @@ def _causal_probs(x: Tensor) -> tuple[Tensor, Tensor]:  # x (N, T, T)
     return moments(parts, k), _panel(parts)
 
 
-_FORMULAS = {f.__name__: f for f in (_flat, _flat_rows, _flat_rows_cosine, _causal, _causal_probs)}
+def _function(fn):
+    """``fn`` compiled (built once per process; dynamic shapes, so one build per request shape
+    and dtype, not per tensor size)."""
+    built = _compiled.get(fn.__name__)
+    if built is None:
+        built = _compiled[fn.__name__] = torch.compile(fn, backend=BACKEND, dynamic=True, fullgraph=True)
+    return built
 
 
-def _function(name: str):
-    """The compiled ``name`` (built once per process; dynamic shapes, so one build per request
-    shape and dtype, not per tensor size)."""
-    fn = _compiled.get(name)
-    if fn is None:
-        fn = _compiled[name] = torch.compile(_FORMULAS[name], backend=BACKEND, dynamic=True, fullgraph=True)
-    return fn
+def call(fn, *args):
+    """``fn(*args)`` compiled, or None when compiling or running it fails (warned once; from
+    then on :func:`available` is False and the callers compute without this path)."""
+    try:
+        return _function(fn)(*args)
+    except Exception as err:  # noqa: BLE001 - any failure to compile or run: measure without it
+        _give_up(err)
+        return None
 
 
 def _give_up(err: BaseException) -> None:
@@ -167,27 +176,27 @@ def reduce(x: Tensor, causal: bool, probs: bool, rows: bool, cosine: bool):
     x = x.detach()
     if not x.is_contiguous():
         x = x.contiguous()
-    try:
-        if causal:
-            t = x.reshape(-1, x.shape[-1], x.shape[-1])
-            if probs:
-                mom, pan = _function("_causal_probs")(t)
-                return mom, pan, None, None
-            return _function("_causal")(t), None, None, None
-        if probs:  # panel of non-causal rows: the reference's panel beside the compiled moments
-            return _function("_flat")(x.reshape(-1, x.shape[-1])), reference.panel(x, False), None, None
-        if cosine and x.dim() >= 2:
-            mom, ms, cos = _function("_flat_rows_cosine")(x.reshape(-1, x.shape[-2], x.shape[-1]))
-        elif rows:
-            (mom, ms), cos = _function("_flat_rows")(x.reshape(-1, x.shape[-1])), None
-        else:
-            mom, ms, cos = _function("_flat")(x.reshape(-1, x.shape[-1])), None, None
-        if cosine and cos is None:  # fewer than 2 dimensions: no sequences, the reference's empty summary
-            cos = reference.cosines(x)
-        if rows:
-            ms = ms.reshape(x.shape[:-1])
-            ms = ms if x.dtype == torch.float64 else ms.float()
-        return mom, None, ms if rows else None, cos if cosine else None
-    except Exception as err:  # noqa: BLE001 - any failure to compile or run: measure without it
-        _give_up(err)
-        return None
+    ms = cos = panel = None
+    if causal:
+        out = call(_causal_probs if probs else _causal, x.reshape(-1, x.shape[-1], x.shape[-1]))
+        if out is None:
+            return None
+        mom, panel = out if probs else (out, None)
+    elif cosine and x.dim() >= 2:
+        out = call(_flat_rows_cosine, x.reshape(-1, x.shape[-2], x.shape[-1]))
+        if out is None:
+            return None
+        mom, ms, cos = out
+    else:
+        out = call(_flat_rows if rows else _flat, x.reshape(-1, x.shape[-1]))
+        if out is None:
+            return None
+        mom, ms = out if rows else (out, None)
+    if probs and not causal:  # the panel of rows that are not causal: the reference's, beside the moments
+        panel = reference.panel(x, False)
+    if cosine and cos is None:  # fewer than 2 dimensions: no sequences, the reference's empty summary
+        cos = reference.cosines(x)
+    if rows:
+        ms = ms.reshape(x.shape[:-1])
+        ms = ms if x.dtype == torch.float64 else ms.float()
+    return mom, panel, ms if rows else None, cos if cosine else None
