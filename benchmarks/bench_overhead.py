@@ -1,6 +1,7 @@
 """Overhead of the probe: forward+backward of the tinystories preset, bare versus probed.
 
-    python benchmarks/bench_overhead.py [--batch 4] [--seq 256] [--repeats 15] [--threads N] [--torch-path] [--breakdown 5]
+    python benchmarks/bench_overhead.py [--device cpu|cuda] [--batch 4] [--seq 256] [--repeats 15] [--threads N]
+                                        [--torch-path] [--compiled] [--breakdown 5]
 
 Both run in this one process on the same model and batch, after one warm-up each, in
 ``--repeats`` pairs (bare then probed, or probed then bare, by a seeded coin). On a shared
@@ -18,13 +19,18 @@ probe times its own work (``run.seconds``: its hooks with their reductions, its 
 itself spends, free of the drift between the two passes (it cannot see what the probe costs
 torch indirectly, e.g. through the caches). ``--breakdown`` more probed passes then time
 the compiled reductions apart, to split the probe's own time into kernels and the rest. The probe
-reduces CPU tensors with numba (diagnostics/measure/accel.py, as many threads as torch); with
-``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
-instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. Peak
+reduces CPU tensors with numba (diagnostics/measure/accel.py, as many threads as torch) and
+GPU tensors (``--device cuda``; a CPU without numba too) with torch.compile'd reductions
+(diagnostics/measure/compiled.py; compiled during the warm-up pass, whose time is printed;
+``--compiled`` sends CPU tensors there too);
+with ``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
+instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. On a GPU every
+pass ends with ``torch.cuda.synchronize()`` inside its timing. Peak
 memory: torch's CPU allocator is invisible to tracemalloc, so each kind of pass runs
 in a fresh child process that samples its resident set size (/proc/self/statm) every
 millisecond during one pass, after a warm-up pass; the figure is the peak growth over
-the resident size before the pass. Linux only.
+the resident size before the pass (on a GPU: torch's peak of allocated device memory over
+what was allocated before the pass). Linux only.
 """
 
 from __future__ import annotations
@@ -39,15 +45,15 @@ import sys
 import time
 
 
-def _model_and_batch(batch: int, seq: int):
+def _model_and_batch(batch: int, seq: int, device: str = "cpu"):
     import torch
 
     import tinylm
 
     config = tinylm.preset("tinystories")
-    model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+    model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0)).to(device)
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
-    return model, tokens
+    return model, tokens.to(device)
 
 
 def _step(model, tokens) -> None:
@@ -56,6 +62,14 @@ def _step(model, tokens) -> None:
     loss = tinylm.functional.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     loss.backward()
     model.zero_grad(set_to_none=True)
+    if tokens.is_cuda:  # the pass is over when the device is done
+        import torch
+
+        torch.cuda.synchronize()
+
+
+#: TINYLM_FUSED for the probed arm: "1" (the reducer chosen by device) or "compiled" (--compiled)
+_ACCEL = "1"
 
 
 def _probed(model, tokens, fused: bool = True) -> float:
@@ -63,12 +77,12 @@ def _probed(model, tokens, fused: bool = True) -> float:
     conversion of its results)."""
     from diagnostics import probe
 
-    os.environ["TINYLM_FUSED"] = "1" if fused else "0"
+    os.environ["TINYLM_FUSED"] = _ACCEL if fused else "0"
 
     with probe(model) as run:
         _step(model, tokens)
     t = time.perf_counter()
-    run.stats  # the one conversion to Python floats belongs to the cost
+    run.stats  # the one conversion to Python floats (one device sync) belongs to the cost
     return run.seconds + time.perf_counter() - t
 
 
@@ -144,20 +158,28 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _peak(kind: str, batch: int, seq: int) -> None:
+def _peak(kind: str, batch: int, seq: int, device: str = "cpu") -> None:
     """Child: print the peak growth of resident memory (MiB) during one pass of ``kind``.
 
     A thread samples /proc/self/statm every millisecond; the baseline is taken after a
-    warm-up pass of the same kind, so allocator caches are already in place.
+    warm-up pass of the same kind, so allocator caches are already in place. On a GPU:
+    torch's peak of allocated device memory during the pass over what was allocated before.
     """
     import threading
 
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-    model, tokens = _model_and_batch(batch, seq)
+    model, tokens = _model_and_batch(batch, seq, device)
     fn = _probed if kind == "probed" else _step
     fn(model, tokens)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+        fn(model, tokens)
+        growth = torch.cuda.max_memory_allocated() / 2**20 - base
+        print(json.dumps({"kind": kind, "growth_mib": max(growth, 0.0), "base_mib": base}))
+        return
     base, peak, stop = _rss_mib(), [0.0], threading.Event()
 
     def sample():
@@ -175,6 +197,7 @@ def _peak(kind: str, batch: int, seq: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=15, help="pairs of one bare and one probed pass")
@@ -182,22 +205,33 @@ def main() -> int:
     ap.add_argument("--max-steal", type=float, default=20.0,
                     help="ms of steal a pass may lose and still count as quiet (default 20: two clock ticks)")
     ap.add_argument("--torch-path", action="store_true", help="also time the probe with torch ops (TINYLM_FUSED=0)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="probe CPU tensors with the torch.compile path, not numba (TINYLM_FUSED=compiled)")
     ap.add_argument("--breakdown", type=int, default=5,
                     help="probed passes after the pairs that time the compiled reductions apart (0: none)")
     ap.add_argument("--peak-child", choices=["bare", "probed"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
 
+    global _ACCEL
+    _ACCEL = "compiled" if args.compiled else "1"
+    os.environ["TINYLM_FUSED"] = _ACCEL
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; run on a machine with a GPU "
+              "and a CUDA build of torch, or pass --device cpu", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.peak_child:
-        _peak(args.peak_child, args.batch, args.seq)
+        _peak(args.peak_child, args.batch, args.seq, args.device)
         return 0
-    model, tokens = _model_and_batch(args.batch, args.seq)
+    model, tokens = _model_and_batch(args.batch, args.seq, args.device)
     from diagnostics.measure import accel as fused
 
     _step(model, tokens)
+    t = time.perf_counter()
     _probed(model, tokens)
+    warm = time.perf_counter() - t
     if args.torch_path:
         _probed(model, tokens, fused=False)
     bare, probed, plain, pairs, quiet, cpu, inside = [], [], [], [], [], [], []
@@ -232,12 +266,21 @@ def main() -> int:
             plain.append(took["plain"])
     if tty:
         print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
-    os.environ["TINYLM_FUSED"] = "1"
+    os.environ["TINYLM_FUSED"] = _ACCEL
     b, p = statistics.median(bare), statistics.median(probed)
     threads = torch.get_num_threads()
-    path = "numba (diagnostics/measure/accel.py)" if fused.available() else "torch ops (numba missing)"
-    print(f"tinystories preset, batch {args.batch} x {args.seq}, {threads} torch thread(s), {args.repeats} pairs")
-    print(f"probe reductions        : {path}, up to {threads} thread(s)")
+    from diagnostics.measure import compiled
+
+    if args.device == "cpu" and fused.available():
+        path = f"numba (diagnostics/measure/accel.py), up to {threads} thread(s)"
+    elif compiled.available():
+        path = "torch.compile (diagnostics/measure/compiled.py)"
+    else:
+        path = "plain torch ops (diagnostics/measure/reference.py: compilation failed or TINYLM_FUSED=0)"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"tinystories preset, batch {args.batch} x {args.seq}, {where}, {threads} torch thread(s), "
+          f"torch {torch.__version__}, {args.repeats} pairs")
+    print(f"probe reductions        : {path}; first probed pass (warm-up, compilation included) {warm:.1f} s")
     print(f"forward+backward bare   : {b * 1000:8.1f} ms (median; fastest {min(bare) * 1000:.1f})")
     print(f"forward+backward probed : {p * 1000:8.1f} ms (median; fastest {min(probed) * 1000:.1f})")
     if len(quiet) >= 5:
@@ -259,7 +302,7 @@ def main() -> int:
           f"timed by the probe itself), 1 + that / the pair's bare pass: "
           f"{1 + statistics.median(r for _, r in inside):.3f} (quartiles {_quartiles([1 + r for _, r in inside])})")
     print(f"                          {_interval_text([1 + r for _, r in inside])}")
-    if args.breakdown and fused.available():
+    if args.breakdown and fused.available() and args.device == "cpu":
         k, o, n = _breakdown(model, tokens, args.breakdown)
         print(f"  of which kernels       : {k * 1000:8.1f} ms in {n} compiled reductions per pass, the rest "
               f"{(o - k) * 1000:.1f} ms (Python in the hooks, small torch ops, exit work; median of "
@@ -268,13 +311,15 @@ def main() -> int:
         q = statistics.median(plain)
         print(f"probed, torch-op path   : {q * 1000:8.1f} ms (median), ratio {q / b:.3f} to bare, "
               f"{(q - b) / max(p - b, 1e-9):.1f}x the numba path's overhead")
-    env = dict(os.environ, BENCH_THREADS=str(threads))
+    env = dict(os.environ, BENCH_THREADS=str(threads), TINYLM_FUSED=_ACCEL)
     for kind in ("bare", "probed"):
         out = subprocess.run([sys.executable, __file__, "--peak-child", kind, "--batch", str(args.batch),
-                              "--seq", str(args.seq)], capture_output=True, text=True, env=env, check=True)
+                              "--seq", str(args.seq), "--device", args.device] + (["--compiled"] if args.compiled else []),
+                             capture_output=True, text=True, env=env, check=True)
         rec = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"peak RSS growth during one {kind:6s} pass: {rec['growth_mib']:8.1f} MiB "
-              f"(resident before: {rec['base_mib']:.0f} MiB)")
+        what = "peak device memory growth" if args.device == "cuda" else "peak RSS growth"
+        print(f"{what} during one {kind:6s} pass: {rec['growth_mib']:8.1f} MiB "
+              f"({'allocated' if args.device == 'cuda' else 'resident'} before: {rec['base_mib']:.0f} MiB)")
     return 0
 
 

@@ -52,6 +52,9 @@ def _record(model: tinylm.TransformerLM, tokens: torch.Tensor) -> tuple[list[str
 
 def _mismatches(model: tinylm.TransformerLM, plan: tplan.ModelPlan, tokens: torch.Tensor) -> list[str]:
     """Every way in which the model's run disagrees with ``plan`` (empty: the plan describes it)."""
+    for m in model.modules():  # one attention path for the hooked run and the recomputation below
+        if isinstance(m, tinylm.MultiHeadSelfAttention):
+            m.explicit = True
     order, rec, logits = _record(model, tokens)
     modules = dict(model.named_modules())
     wanted = set(plan.modules())

@@ -31,7 +31,22 @@ class Tap(nn.Identity):
 
     It holds nothing and changes nothing; it exists so that instrumentation can
     hook a tensor that no parameterised module outputs, by the Tap's module name.
+    ``observed`` says whether anything hooks it.
     """
+
+    @property
+    def observed(self) -> bool:
+        """Whether a hook would see this point: a forward, forward-pre or backward hook of
+        its own, or one registered for every module (``nn.modules.module.register_module_*``)."""
+        own = self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks
+        return bool(own) or _global_hooks()
+
+
+def _global_hooks() -> bool:
+    """Whether any hook is registered for every module (torch keeps those in module-level dicts)."""
+    m = nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 class Linear(nn.Module):
@@ -218,6 +233,16 @@ class MultiHeadSelfAttention(nn.Module):
 
     Shape: x (..., T, d_model) -> (..., T, d_model). Taps: ``scores`` (pre-softmax,
     masked entries -inf) and ``probs`` (attention weights), each (..., H, T, T).
+
+    The forward below computes the scores and weights explicitly, as the formula
+    reads. When nothing needs them (``weights_needed()`` is False: no hook on either
+    Tap, ``explicit`` off, no attention dropout drawing in training) the same heads
+    come from torch's fused kernel instead
+    (``torch.nn.functional.scaled_dot_product_attention``, causal), which never stores
+    the (..., H, T, T) matrices; the two agree to rounding (tests/test_fastpath.py).
+    ``explicit`` (False) asks for the explicit path with no hook: a probe sets it on
+    every attention for its duration, so that what it measures does not depend on
+    which points it hooks.
     """
 
     def __init__(
@@ -247,6 +272,7 @@ class MultiHeadSelfAttention(nn.Module):
             self.rope = None
         self.scores = Tap()
         self.probs = Tap()
+        self.explicit = False
 
     def reset_parameters(self) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.output_proj):
@@ -263,11 +289,23 @@ class MultiHeadSelfAttention(nn.Module):
                 token_positions = torch.arange(T, device=x.device)
             pos = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (..., 1, T)
             q, k = self.rope(q, pos), self.rope(k, pos)
-        scores = self.scores(F.attention_scores(q, k, F.causal_mask(T, device=x.device)))  # (..., H, T, T)
-        probs = self.probs(F.softmax(scores, dim=-1))
-        probs = F.dropout(probs, self.dropout, self.training)
-        heads = probs @ v  # (..., H, T, T) @ (..., H, T, d_k) -> (..., H, T, d_k)
+        if self.weights_needed():
+            scores = self.scores(F.attention_scores(q, k, F.causal_mask(T, device=x.device)))  # (..., H, T, T)
+            probs = self.probs(F.softmax(scores, dim=-1))
+            probs = F.dropout(probs, self.dropout, self.training)
+            heads = probs @ v  # (..., H, T, T) @ (..., H, T, d_k) -> (..., H, T, d_k)
+        else:  # fast path: the same heads from torch's fused kernel, scores and weights never stored
+            heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (..., H, T, d_k)
         return self.output_proj(rearrange(heads, "... h t d -> ... t (h d)"))
+
+    def weights_needed(self) -> bool:
+        """Whether this forward must compute the scores and weights explicitly: ``explicit`` is
+        set, a hook observes the ``scores`` or ``probs`` Tap (or either was replaced by another
+        module), or dropout draws on the weights (training with ``dropout`` > 0; the explicit
+        path draws exactly as :func:`tinylm.functional.dropout` does, so a seeded run replays)."""
+        if self.explicit or any(type(t) is not Tap or t.observed for t in (self.scores, self.probs)):
+            return True
+        return self.training and self.dropout > 0.0
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, rope={self.rope is not None}"

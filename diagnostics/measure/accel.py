@@ -31,7 +31,8 @@ prefetch): in a hook the tensor comes from memory. Tensors of at least
 :data:`PARALLEL_MIN` entries are split (whole segments) over as many numba threads as torch
 uses.
 
-:func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is not ``0``), and
+:func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is neither ``0`` nor
+``compiled``), and
 :func:`takes` whether a tensor can be read here; when not, ``reduce`` computes the reference
 (the tests hold the kernels to it).
 """
@@ -56,10 +57,11 @@ _checked: bool | None = None
 
 
 def available() -> bool:
-    """True when the compiled path can run (numba importable, ``TINYLM_FUSED`` not ``0``; the
-    variable is read on every call, so that it can be switched between calls)."""
+    """True when the compiled path can run (numba importable, ``TINYLM_FUSED`` neither ``0`` nor
+    ``compiled``, which sends CPU tensors to :mod:`.compiled`; the variable is read on every
+    call, so that it can be switched between calls)."""
     global _checked
-    if os.environ.get("TINYLM_FUSED", "1") == "0":
+    if os.environ.get("TINYLM_FUSED", "1") in ("0", "compiled"):
         return False
     if _checked is None:
         try:

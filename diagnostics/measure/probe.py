@@ -361,6 +361,10 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         points = {m: points.get(m, "module") for m in options.modules}
     run = ProbeRun(model, options)
     training = {m: m.training for m in named.values()}
+    # tinylm attention computes its scores and weights explicitly under any probe (without
+    # a hook on them it may take torch's fused kernel): the numbers measured do not depend
+    # on which points are probed
+    explicit = {m: m.explicit for m in named.values() if isinstance(m, tinylm.MultiHeadSelfAttention)}
     entry = list(model.named_parameters())
     requires = {n: p.requires_grad for n, p in entry}
     grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
@@ -392,6 +396,8 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
             handles.append(named[name].register_forward_hook(fwd))
         if options.eval_mode:
             model.eval()
+        for m in explicit:
+            m.explicit = True
         run.active = True
         yield run
         ok = True
@@ -413,6 +419,8 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         finally:
             for m, flag in training.items():
                 m.training = flag
+            for m, flag in explicit.items():
+                m.explicit = flag
             for n, flag in requires.items():
                 params[n].requires_grad_(flag)
             if options.restore_grads:

@@ -5,10 +5,14 @@
     r = reduce(probs, causal=True, probs=True)   # r.panel: ATTN_FIELDS of the rows
     r = reduce(h, rows=True, cosine=True)    # r.row_ms: mean(x^2) per row; r.cosine: per-sequence cosines
 
-What each number means is :mod:`.reference` (plain torch, float64). A CPU tensor of float32,
-bf16 or fp16 is reduced instead by the compiled kernels of :mod:`.accel` (one pass, numba),
-unless ``TINYLM_FUSED=0`` or numba is missing; the tests hold the kernels to the reference
-(counts and max |x| exactly, mean and M2 to float64 rounding). Either way the result is a
+What each number means is :mod:`.reference` (plain torch, float64). Which code computes them
+is chosen per tensor, by device: a CPU tensor of float32, bf16 or fp16 goes to the numba
+kernels of :mod:`.accel` (one pass); any other (a GPU's; a CPU's where numba is missing) to
+:mod:`.compiled`, the same statistics written as row reductions that ``torch.compile`` fuses
+into one pass; what neither takes (or when compilation fails: one warning) to the reference
+itself. ``TINYLM_FUSED=0`` sends everything to the reference. The tests hold both
+accelerated paths to the reference (counts and max |x| exactly, mean and M2 to float64
+rounding). Either way the result is a
 :class:`Reduction` of float64 tensors on ``x``'s device (row mean squares: float32, float64
 for float64 ``x``), with no device sync.
 
@@ -30,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..options import OptionsError
-from . import accel, reference
+from . import accel, compiled, reference
 from .reference import ATTN_FIELDS, FIELDS
 
 __all__ = ["Reduction", "reduce", "Reducer", "merge_vectors", "merge_attention_vectors", "FIELDS", "ATTN_FIELDS"]
@@ -83,6 +87,10 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
             vec, rowsq, cos = accel.summary_rows(x, cosine)
             ms = torch.from_numpy(rowsq / x.shape[-1]).float() if rows else None
             return Reduction(torch.from_numpy(vec), None, ms, torch.from_numpy(cos) if cosine else None)
+    if compiled.takes(x):
+        parts = compiled.reduce(x, causal, probs, rows, cosine)
+        if parts is not None:
+            return Reduction(*parts)
     mask = reference.causal_mask(x.shape[-1], x.device) if causal else None
     return Reduction(reference.moments(x, mask), reference.panel(x, causal) if probs else None,
                      reference.row_mean_squares(x) if rows else None, reference.cosines(x) if cosine else None)
@@ -145,10 +153,15 @@ def _merge_torch(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tenso
 def _merge(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
     """Merge two vectors: (count, mean, M2) at n, n+1, n+2 by Chan's rule, the larger
     (``largest``) or smaller at ``ext``, and a sum everywhere else; on the CPU in numpy (a few
-    microseconds), elsewhere with torch ops on the tensors' device (no sync). Both give the
-    same bits."""
+    microseconds), elsewhere with torch ops on the tensors' device (no sync), compiled into
+    one kernel where :mod:`.compiled` is available. numpy and torch ops give the same bits;
+    compiled code may round a multiply-add once instead of twice."""
     if a.is_cpu and b.is_cpu:
         return torch.from_numpy(_merge_np(a.numpy(), b.numpy(), n, ext, largest))
+    if compiled.available():
+        out = compiled.call(_merge_torch, a, b.to(a.device), n, ext, largest)
+        if out is not None:
+            return out
     return _merge_torch(a, b, n, ext, largest)
 
 
