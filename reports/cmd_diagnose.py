@@ -2,8 +2,8 @@
 
 ``diagnose [CHECKPOINT]`` (also ``tinylm diagnose``). With no checkpoint: a
 freshly initialised default model (``tinystories`` preset, ``cs336`` init,
-seed 0). Exit codes: 0 healthy (or no ``--check``), 1 findings with
-``--check``, 2 bad input or usage.
+seed 0). Exit codes: 0 healthy (or no ``--check``), 1 with ``--check`` a finding
+that fails (``--check=warn``: any finding, warnings too), 2 bad input or usage.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prediction mode: global (from the init scheme; fresh models), local (from the measured "
                         "inputs of each layer), auto chooses (default auto)")
     g = p.add_argument_group("output")
-    g.add_argument("--check", action="store_true", help="exit 1 when any finding is not ok (for CI)")
+    g.add_argument("--check", nargs="?", const="fail", metavar="LEVEL",
+                   help="exit 1 on a finding that fails (for CI); --check=warn: on warnings too")
     g.add_argument("--json", metavar="PATH", help="write the result (versioned schema) as JSON")
     g.add_argument("--csv", metavar="PATH",
                    help="write the tidy rows (one per tensor, direction and statistic; run = the checkpoint) as CSV")
@@ -93,12 +94,25 @@ def _training_plot_path(plot: str) -> Path:
     return p.with_name(f"{p.stem}.training{p.suffix or '.png'}")
 
 
+def _check_level(args: argparse.Namespace) -> str | None:
+    """``--check`` as "fail" or "warn" (None: not given). A bare ``--check`` written before the
+    checkpoint takes the checkpoint as its value; that value is given back to the checkpoint."""
+    level = args.check
+    if level is None or level in ("fail", "warn"):
+        return level
+    if args.checkpoint is None and not level.startswith("-"):
+        args.checkpoint = level
+        return "fail"
+    raise UsageError(f"--check {level}: the level must be 'fail' or 'warn'; use --check or --check=warn")
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from . import export
     from .render import ReportContext, report
 
+    check = _check_level(args)
     outputs = _outputs(args)
     if args.plot:
         outputs["--plot (training history)"] = str(_training_plot_path(args.plot))
@@ -172,5 +186,5 @@ def run(args: argparse.Namespace) -> int:
     written = [f"{flag[2:]} {path}" for flag, path in outputs.items() if path]
     if written:
         print(f"wrote {', '.join(written)}", file=sys.stderr)
-    unhealthy = not result.healthy or bool(source.nonfinite)
-    return EXIT_FINDINGS if (args.check and unhealthy) else EXIT_OK
+    unhealthy = not result.healthy or bool(source.nonfinite) or (check == "warn" and bool(result.findings))
+    return EXIT_FINDINGS if (check and unhealthy) else EXIT_OK

@@ -291,7 +291,13 @@ def evidence(tensors: list[TensorRow], params: list[ParamRow], architecture: dic
     # the block outputs' gradient, bottom over top (the embedding's own scale left out: index 0)
     grads = [d.backward_var for d in depth if d.index >= 1]
     if len(grads) >= 2 and all(g is not None and math.isfinite(g) and g > 0 for g in grads):
-        ev.imbalance = max(grads[0] / grads[-1], grads[-1] / grads[0])
+        # the least-squares line through ln(gradient variance) over the blocks, end to end: steadier
+        # than the two end points alone (each a variance of a few thousand tokens' gradients)
+        n = len(grads)
+        ys = [math.log(g) for g in grads]
+        mx, my = (n - 1) / 2, sum(ys) / n
+        slope = sum((k - mx) * (y - my) for k, y in enumerate(ys)) / sum((k - mx) ** 2 for k in range(n))
+        ev.imbalance = math.exp(abs(slope) * (n - 1))
     return ev
 
 
@@ -713,12 +719,13 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
         if "no_norm" in causes:
             causes["no_norm"]["symptoms"].append(s)
             continue
-        cause("unclear", value=s.value, threshold=s.threshold, where=s.where, block=s.block, direction=s.direction,
+        key = f"unclear/{s.kind}/{s.direction}"  # unexplained symptoms of different kinds stay apart
+        cause(key, value=s.value, threshold=s.threshold, where=s.where, block=s.block, direction=s.direction,
               kind=s.kind, statistic=s.statistic, text=s.text, severity="fail",
               advice=("the measurement does not single out a cause (scores scaled right, weights of ordinary scale"
                       + ("" if norm else ", norm placement unknown") + "): "
                       + _stream_advice(norm, s.kind == "exploding")))
-        causes["unclear"]["symptoms"].append(s)
+        causes[key]["symptoms"].append(s)
 
     for s in symptoms:
         if s.family != "non_finite":
@@ -740,7 +747,8 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
         causes["non_finite"]["symptoms"].append(s)
 
     out: list[Finding] = []
-    for name, c in causes.items():
+    for key, c in causes.items():
+        name = key.split("/")[0]
         own = [s for s in c["symptoms"] if not c["text"].startswith(s.text)]
         severity = c["severity"]
         if name != "post_norm_depth" and any(s.severity == "fail" for s in c["symptoms"]):
