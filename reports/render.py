@@ -157,7 +157,7 @@ def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: i
         kinds = sorted({verdict_text(f.kind) for f in result.findings} | ({"non-finite"} if nonfinite else set()))
         w = f"{len(warns)} warning{'s' if len(warns) != 1 else ''}"
         if n:
-            head = Text(f"✗ NOT HEALTHY: {n} failing finding{'s' if n != 1 else ''}"
+            head = Text(f"✗ NOT HEALTHY: {n} {'failing ' if warns else ''}finding{'s' if n != 1 else ''}"
                         + (f" and {w}" if warns else ""), style="bold red")
             head.append(f" ({', '.join(kinds)}); --check exits 1", style="red")
         else:
