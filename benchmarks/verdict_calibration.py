@@ -8,7 +8,7 @@ most extreme healthy value beside the threshold, and the findings: the false-ala
 this set is the share of its models with any finding (with the 95% upper bound 3/N when none
 has one). docs/verdicts.md quotes its output.
 
-    python benchmarks/verdict_calibration.py            # the whole set (about 10 minutes on 2 cores)
+    python benchmarks/verdict_calibration.py            # the whole set (32 minutes on a shared 2-core machine)
     python benchmarks/verdict_calibration.py --quick    # the models up to width 256
 """
 

@@ -61,15 +61,15 @@ class Thresholds:
 
     exploding_gain = 4.0, exploding_run = 3: exploding when exploding_run blocks in a row
         (all of them in a shallower model, at least two) each multiply the stream's variance
-        (forward) or its gradient's (backward) by more than 4. Healthy models' largest run
-        minimum is 3.0 (forward) and 2.5 (backward); unnormalised cs336 stacks measure 4.7
-        and up (backward) and 5-22 (forward). One large gain alone is linear growth from a
-        small stream (up to 1.6e3 seen in healthy pre-norm models), not an explosion.
+        (forward) or its gradient's (backward) by more than 4. The largest gain a run of
+        healthy blocks all exceed is 3.1 (forward) and 2.2 (backward); unnormalised cs336
+        stacks measure 4.7 and up (backward) and 5-22 (forward). One large gain alone is
+        linear growth from a small stream (up to 2.6e3 in healthy models), not an explosion.
     exploding_total = 1e4: the stream's variance grew more than 1e4-fold over the stack with
         a geometric shape (log-variance fits a line better than the variance) although no run
         crossed exploding_gain.
     vanishing_gain = 0.25: a run of exploding_run blocks each shrinking the stream (forward)
-        or its gradient on the way down to under a quarter (healthy: no block under 0.57).
+        or its gradient on the way down to under a quarter (healthy: no run under 0.89).
     vanishing_branch = 1e-8: a residual branch whose variance is below 1e-8 of the stream it
         is added to contributes nothing. The smallest healthy one is 8e-6 (gpt2 post-norm at
         d 128, whose SwiGLU branch is the product of three 0.02-std matrices). Exempt: a
@@ -81,15 +81,17 @@ class Thresholds:
     dead_flat = 0.5, dead_flat_fail = 0.9: dead units, warn / fail, when more than this
         fraction of a SiLU gate's inputs sits in the flat region x < -6 (silu under 0.25% of
         x, slope under 1.3%) with a negative offset (mean < -0.25 std). A zero-mean input puts
-        at most half its mass there; healthy models measure under 2%.
+        at most half its mass there; healthy models measure under 0.1%
+        (a post-norm model trained at lr 1e-2: 2%).
     saturated_rows = 0.9, saturated_fail = 0.99: more than this fraction of query rows (t >= 1)
         put > 0.99 of their attention on one key: softmax gradients vanish there (p(1-p) <
-        0.01). Warn, and fail above saturated_fail. Trained healthy models saturate up to 67%
-        of a layer's rows (heads that learn to attend to one token), hence 0.9.
+        0.01). Warn, and fail above saturated_fail. Trained healthy models saturate up to
+        60-67% of a layer's rows (heads that learn to attend to one token), hence 0.9.
     score_ratio = 4.0: scores misscaled when E[score^2] / (E[q^2] E[k^2]) > 4 on weights at
         their declared init (q and k independent: 1/sqrt(d_k) scaling gives 1; healthy
         models measure 0.9-2.0); fail when it also exceeds d_k / 2 (no scaling gives d_k). Not
-        judged on trained weights: learned q/k alignment reaches 26 in healthy runs.
+        judged on trained weights: learned q/k alignment reaches 5.3 in the healthy trained
+        models and 26 in a post-norm one.
     init_gain_high = 8.0, init_gain_low = 0.01: badly scaled weights when the median block
         weight's variance gain std^2 fan_in is above 8 or (residual outputs left out) below
         0.01: fan-in rules give 1/3 (torch-default) to 2 (kaiming), gpt2 0.026 at d 64 and
