@@ -19,8 +19,6 @@ if any case is wrong or crashes.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 import time
 import traceback

@@ -451,7 +451,6 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     bwd = [d.backward_var for d in depth]
     if scale_invariant and all(b is not None for b in bwd):
         bwd = [b * f for b, f in zip(bwd, fwd)]
-    kind_of = growth(fwd)
     run = max(1, int(th.exploding_run))
     for direction, vals in (("forward", fwd), ("backward", bwd)):
         usable = [v is not None and math.isfinite(v) and v > 0 for v in vals]
@@ -526,7 +525,8 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
             "vanishing", r.name, ratio, th.vanishing_branch, "branch variance / stream variance", "forward", r.block,
             f"{r.name} adds {_fmt(ratio)} of the stream's variance (< {_fmt(th.vanishing_branch)}): its block acts "
             "as the identity", "branch"))
-    grads = [(p, p.grad_std) for p in params if p.grad_std is not None and math.isfinite(p.grad_std) and len(p.shape) == 2]
+    grads = [(p, p.grad_std) for p in params
+             if p.grad_std is not None and math.isfinite(p.grad_std) and len(p.shape) == 2]
     top = max((g for _, g in grads), default=0.0)
     exempt = {block_of(n) for n in deliberate_zero} - {None}
     if top > 0:
@@ -613,7 +613,8 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
         cause("score_scale", value=r, threshold=th.score_ratio, where=f"layers.{b}.attn.scores", block=b,
               direction="forward", kind="misscaled",
               statistic="E[score^2] / (E[q^2] E[k^2])",
-              text=f"the attention scores' mean square is {_fmt(r)} times E[q^2] E[k^2] in block {b} ({len(big_scores)} "
+              text=f"the attention scores' mean square is {_fmt(r)} times E[q^2] E[k^2] in block {b} "
+                   f"({len(big_scores)} "
                    f"of {len(ev.score_ratio)} layers > {_fmt(th.score_ratio)}; 1/sqrt(d_k) scaling gives about 1"
                    f"{expect})",
               severity="fail" if unscaled else "warn",
@@ -660,7 +661,8 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
               statistic="fraction of SiLU inputs below -6 (flat region)",
               text=f"{_fmt(100 * frac)}% of block {b}'s SiLU gate inputs sit in the flat region x < -6 (> "
                    f"{_fmt(100 * th.dead_flat)}%; a zero-mean input puts at most 50% there), driven there by a "
-                   f"negative offset (their mean is {_fmt(ev.gate_offset[b])} standard deviations); {len(dead_gates)} of {len(ev.flat)} FFNs",
+                   f"negative offset (their mean is {_fmt(ev.gate_offset[b])} standard deviations); "
+                   f"{len(dead_gates)} of {len(ev.flat)} FFNs",
               severity="fail" if frac > th.dead_flat_fail else "warn",
               advice="the gate weights (w1) point against the input's mean direction: re-initialise w1 zero-mean "
                      "(or lower the learning rate that pushed it there); units whose inputs all sit below -6 pass "
@@ -684,7 +686,8 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
     if big_qk and "init_scale" not in causes and "score_scale" not in causes:
         b = max(big_qk, key=big_qk.get)
         cause("saturated_attention", value=big_qk[b], threshold=th.init_gain_high, where=f"layers.{b}.attn",
-              block=b, direction="forward", kind="misscaled", statistic="sqrt(gain(q_proj) gain(k_proj)), gain = std^2 fan_in",
+              block=b, direction="forward", kind="misscaled",
+              statistic="sqrt(gain(q_proj) gain(k_proj)), gain = std^2 fan_in",
               text=f"block {b}'s q/k weights multiply variance by {_fmt(big_qk[b])} (std^2 x fan_in, geometric mean "
                    f"of q_proj and k_proj; > {_fmt(th.init_gain_high)}; {len(big_qk)} of {len(ev.qk_gain)} layers): "
                    "the scores are that many times too wide and the softmax too sharp",
