@@ -212,6 +212,7 @@ CASES: list[Case] = [
     Case("block weights x4", scaled_weights(4.0, d=64, L=4), "init_scale", F_, "mild"),
     Case("block weights std 3", scaled_weights(std=3.0, d=64, L=4), "init_scale", F_, "severe", quick=True),
     Case("block weights N(0,1), L12", scaled_weights(std=1.0, d=128, L=12, heads=2), "init_scale", F_, "severe"),
+    Case("block weights std 10, L12", scaled_weights(std=10.0, d=64, L=12), "init_scale", F_, "severe"),
     Case("block weights x0.1", scaled_weights(0.1, d=64, L=4), "init_scale", W, "mild"),
     Case("block weights std 1e-3", scaled_weights(std=1e-3, d=128, L=8, norm="none"), "init_scale", F_, "severe",
          quick=True),

@@ -646,7 +646,8 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
               (ev.gain_inner is not None and ev.gain_inner < th.init_gain_low ** 2) or \
               (ev.drift is not None and not 1 / th.init_drift ** 2 <= ev.drift <= th.init_drift ** 2)
         cause("init_scale", value=value, threshold=threshold, where="model", block=None, direction=None,
-              kind="misscaled", large=large, statistic=stat, text=text, severity="fail" if far else "warn",
+              kind="misscaled", large=large, far=far, statistic=stat, text=text,
+              severity="fail" if far else "warn",
               advice=("re-initialise with std ~1/sqrt(fan_in) (cs336, kaiming, torch-default), or the declared "
                       f"scheme{' ' + scheme if scheme else ''} as it is written; weights grown this large in "
                       "training point to a learning rate too high or no weight decay") if large else
@@ -742,7 +743,10 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
         if s.kind == "exploding" and s.direction == "backward" and "saturated_attention" in causes:
             causes["saturated_attention"]["symptoms"].append(s)  # the softmax's Jacobian, far off its mean
             continue
-        if "init_scale" in causes and causes["init_scale"]["large"] == (s.kind == "exploding"):
+        # weights off their rule in the symptom's direction explain it; weights far off (past the
+        # threshold squared) explain every reading, since a few layers then dwarf the rest
+        if "init_scale" in causes and (causes["init_scale"]["large"] == (s.kind == "exploding")
+                                       or causes["init_scale"]["far"]):
             causes["init_scale"]["symptoms"].append(s)
             continue
         if "post_norm_depth" in causes and s.direction == "backward":
@@ -796,7 +800,10 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
             severity = "fail"
         kind = c["kind"]
         if c["symptoms"] and kind in ("imbalanced", "misscaled"):
-            kind = min((x.kind for x in c["symptoms"]), key=_KIND_ORDER.index)
+            pool = c["symptoms"]
+            if name == "init_scale":  # the kind says which way the weights are off, where a symptom shows it
+                pool = [x for x in pool if (x.kind != "vanishing") == c["large"]] or pool
+            kind = min((x.kind for x in pool), key=_KIND_ORDER.index)
         message = c["text"]
         if own:
             message += "; consequences: " + "; ".join(s.text for s in own[:3]) + (
