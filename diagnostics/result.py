@@ -63,7 +63,12 @@ Schema versions (``SCHEMA_VERSION``, written as ``schema_version``):
   row per line of the document: the frame of :meth:`DiagnoseResult.to_frame`), with the
   prediction notes of each (name, direction) beside them ("theory": name, direction,
   theory, rule, validity, predicted_independent) instead of the "tensors" list;
-  thresholds include the watch's. :meth:`DiagnoseResult.from_dict` reads "2" and "3".
+  thresholds include the watch's.
+* "4": each finding carries its ``severity`` ("fail" or "warn") and its ``cause``; ``healthy``
+  is True when no finding fails (warnings allowed); the verdict kinds add "misscaled" and
+  "imbalanced" (a cause's own evidence, before any symptom). :meth:`DiagnoseResult.from_dict`
+  reads "2", "3" and "4"; a finding of an older document reads as severity "fail" (every
+  finding then failed ``--check``) with cause "".
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ __all__ = [
     "TENSOR_STATISTICS",
     "SCHEMA_VERSION",
     "VERDICT_KINDS",
+    "SEVERITIES",
     "Finding",
     "TensorRow",
     "ParamRow",
@@ -93,10 +99,14 @@ __all__ = [
     "DiagnoseResult",
 ]
 
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 
-#: The verdict kinds, mildest first. "ok" is never a Finding.
-VERDICT_KINDS = ("ok", "vanishing", "exploding", "dead", "saturated", "non_finite")
+#: The verdict kinds, mildest first. "ok" is never a Finding. "misscaled" (scores or weights off
+#: their rule) and "imbalanced" (gradients across a post-norm stack) name a cause's own evidence.
+VERDICT_KINDS = ("ok", "imbalanced", "misscaled", "vanishing", "exploding", "dead", "saturated", "non_finite")
+
+#: A finding's severity: "fail" (broken: will not train, or already diverged) or "warn" (trains, with care).
+SEVERITIES = ("fail", "warn")
 
 
 #: The tidy row's columns, in order (see the module docstring).
@@ -187,14 +197,20 @@ def _clean(value: Any) -> Any:
 class Finding:
     """One verdict that is not "ok".
 
-    kind: one of "vanishing", "exploding", "dead", "saturated", "non_finite".
+    kind: one of "vanishing", "exploding", "dead", "saturated", "non_finite", "misscaled",
+    "imbalanced" (the gravest symptom the cause explains, or its own evidence).
     where: the tensor or parameter name it concerns ("model" for whole-model findings).
     value: the number that triggered it; threshold: the threshold it crossed
     (``value`` > ``threshold`` or < it, as ``message`` says).
     statistic: which number ``value`` is (e.g. "per-block forward variance gain").
     direction: "forward", "backward" or None; block: the first block concerned, or None.
-    message: one sentence naming the number and the threshold.
-    suggestion: what to try, grounded in the finding.
+    message: one sentence naming the number and the threshold (and the readings it explains).
+    suggestion: the fix for ``cause``, worded for the model's build.
+    severity: "fail" (broken: will not train, or already diverged) or "warn" (trains, with
+    care). cause: what the evidence supports (a key of diagnostics.judge.verdicts.CAUSES:
+    "non_finite", "score_scale", "saturated_attention", "dead_units", "init_scale", "no_norm",
+    "post_norm_depth", or "unclear" where the evidence does not single one out; "" in
+    documents written before causes existed).
     """
 
     kind: str
@@ -206,6 +222,8 @@ class Finding:
     direction: str | None = None
     block: int | None = None
     suggestion: str = ""
+    severity: str = "fail"
+    cause: str = ""
 
 
 @dataclass(frozen=True)
@@ -376,7 +394,8 @@ class Header:
 class DiagnoseResult:
     """Everything ``diagnose`` found; the report draws from it.
 
-    ``healthy`` is True when ``findings`` is empty. ``thresholds`` holds the
+    ``healthy`` is True when no finding has severity "fail" (``warnings`` lists the ones that
+    warn: the model trains, with care); ``failures`` lists the failing ones. ``thresholds`` holds the
     :class:`diagnostics.judge.verdicts.Thresholds` values used, as a dict.
     ``created`` is the only non-deterministic field (UTC ISO-8601 timestamp).
     """
@@ -393,7 +412,17 @@ class DiagnoseResult:
 
     @property
     def healthy(self) -> bool:
-        return not self.findings
+        return not self.failures
+
+    @property
+    def failures(self) -> list[Finding]:
+        """The findings of severity "fail"."""
+        return [f for f in self.findings if f.severity != "warn"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        """The findings of severity "warn"."""
+        return [f for f in self.findings if f.severity == "warn"]
 
     def tensor(self, name: str, direction: str = "forward") -> TensorRow:
         """The row of tensor ``name`` in ``direction`` (KeyError naming the known names if absent)."""
@@ -466,9 +495,10 @@ class DiagnoseResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DiagnoseResult":
-        """Rebuild from :meth:`to_dict` output of schema version "3" or "2" (string "nan"/"inf" read
-        back as floats). Version "2" documents carry a "tensors" list, version "3" tidy "rows" and
-        "theory" notes; either gives the same :class:`TensorRow` list. The rebuilt result keeps
+        """Rebuild from :meth:`to_dict` output of schema version "4", "3" or "2" (string "nan"/"inf"
+        read back as floats). Version "2" documents carry a "tensors" list, versions "3" and "4" tidy
+        "rows" and "theory" notes; either gives the same :class:`TensorRow` list. Findings before "4"
+        have no severity or cause: they read as "fail" and "". The rebuilt result keeps
         the version it was read from in ``schema_version``."""
         def num(v: Any) -> Any:
             if isinstance(v, str) and v in ("nan", "inf", "-inf"):
@@ -483,8 +513,8 @@ class DiagnoseResult:
             return kind(**kw)
 
         version = str(data.get("schema_version", "2"))
-        if version not in ("2", "3"):
-            raise ValueError(f"schema_version={version!r}: this reader knows versions '2' and '3'; "
+        if version not in ("2", "3", "4"):
+            raise ValueError(f"schema_version={version!r}: this reader knows versions '2', '3' and '4'; "
                              "write the document with a matching tinylm")
         if version == "2":
             tensors = [build(TensorRow, r) for r in data["tensors"]]

@@ -2,8 +2,8 @@
 
 ``diagnose [CHECKPOINT]`` (also ``tinylm diagnose``). With no checkpoint: a
 freshly initialised default model (``tinystories`` preset, ``cs336`` init,
-seed 0). Exit codes: 0 healthy (or no ``--check``), 1 findings with
-``--check``, 2 bad input or usage.
+seed 0). Exit codes: 0 healthy (or no ``--check``), 1 with ``--check`` a finding
+that fails (``--check=warn``: any finding, warnings too), 2 bad input or usage.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "inputs of each layer), auto chooses, off measures only (no predictions; 'none' is an "
                         "alias) (default auto)")
     g = p.add_argument_group("output")
-    g.add_argument("--check", action="store_true", help="exit 1 when any finding is not ok (for CI)")
+    g.add_argument("--check", nargs="?", const="fail", metavar="LEVEL",
+                   help="exit 1 on a finding that fails (for CI); --check=warn: on warnings too")
     g.add_argument("--json", metavar="PATH", help="write the result (versioned schema) as JSON")
     g.add_argument("--csv", metavar="PATH",
                    help="write the tidy rows (one per tensor, direction and statistic; run = the checkpoint) as CSV")
@@ -100,6 +101,18 @@ def _training_plot_path(plot: str) -> Path:
     return p.with_name(f"{p.stem}.training{p.suffix or '.png'}")
 
 
+def _check_level(args: argparse.Namespace) -> str | None:
+    """``--check`` as "fail" or "warn" (None: not given). A bare ``--check`` written before the
+    checkpoint takes the checkpoint as its value; that value is given back to the checkpoint."""
+    level = args.check
+    if level is None or level in ("fail", "warn"):
+        return level
+    if args.checkpoint is None and not level.startswith("-"):
+        args.checkpoint, args.check = level, "fail"
+        return "fail"
+    raise UsageError(f"--check {level}: the level must be 'fail' or 'warn'; use --check or --check=warn")
+
+
 def _all_outputs(args: argparse.Namespace) -> dict[str, str | None]:
     outputs = _outputs(args)
     if args.plot:
@@ -110,6 +123,7 @@ def _all_outputs(args: argparse.Namespace) -> dict[str, str | None]:
 def check(args: argparse.Namespace) -> None:
     """Every flag that can be checked without torch: inputs exist, outputs are writable and
     of a known kind, the device is spelled right, --seeds suits the model."""
+    _check_level(args)  # first: a bare --check before the checkpoint gives the checkpoint back
     check_input_file("checkpoint", args.checkpoint)
     check_input_file("--data", args.data)
     check_outputs(_all_outputs(args), {"checkpoint": args.checkpoint, "--data file": args.data})
@@ -125,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from .render import ReportContext, report
 
     check(args)  # also when run() is called without the command line's main()
+    level = _check_level(args)
     outputs = _all_outputs(args)
     dtype = parse_dtype(args.dtype)
     device = resolve_device(args.device)
@@ -197,5 +212,5 @@ def run(args: argparse.Namespace) -> int:
     written = [f"{flag[2:]} {path}" for flag, path in outputs.items() if path]
     if written:
         print(f"wrote {', '.join(written)}", file=sys.stderr)
-    unhealthy = not result.healthy or bool(source.nonfinite)
-    return EXIT_FINDINGS if (args.check and unhealthy) else EXIT_OK
+    unhealthy = not result.healthy or bool(source.nonfinite) or (level == "warn" and bool(result.findings))
+    return EXIT_FINDINGS if (level and unhealthy) else EXIT_OK

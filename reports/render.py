@@ -125,9 +125,20 @@ def _uses_kernel(result: Any) -> bool:
     return any(getattr(r, "rule", "").startswith("kernel") for r in result.tensors)
 
 
+#: words of each cause a finding can name (diagnostics.judge.verdicts.CAUSES, repeated here so that
+#: the report reads a result document without importing the judge)
+_CAUSE_WORDS = {
+    "non_finite": "non-finite values", "score_scale": "attention scores not scaled by 1/sqrt(d_k)",
+    "saturated_attention": "saturated attention", "dead_units": "dead units", "init_scale": "badly scaled weights",
+    "no_norm": "no normalisation", "post_norm_depth": "deep post-norm", "unclear": "cause unclear",
+}
+
+
 def _finding_row(f: Any) -> tuple[Text, Text]:
     style = VERDICT_STYLE.get(f.kind, "bold")
-    line = Text(verdict_text(f.kind).upper(), style=style)
+    warn = getattr(f, "severity", "fail") == "warn"
+    line = Text("WARN " if warn else "FAIL ", style="bold yellow" if warn else "bold red")
+    line.append(verdict_text(f.kind).upper(), style=style)
     where = f.where
     extra = [x for x in (f"block {f.block}" if f.block is not None else "", f.direction or "") if x]
     if extra:
@@ -136,10 +147,14 @@ def _finding_row(f: Any) -> tuple[Text, Text]:
     line.append(f.message)
     stat = f.statistic or "value"
     line.append(f"\n{stat} = {num(f.value)}, threshold {num(f.threshold)}", style="dim")
+    cause = getattr(f, "cause", "")
+    if cause:
+        line.append("\ncause: ", style="bold")
+        line.append(_CAUSE_WORDS.get(cause, cause))
     if f.suggestion:
         line.append("\n→ try: ", style="bold")
         line.append(f.suggestion)
-    return Text("✗", style=style), line
+    return Text("!" if warn else "✗", style="bold yellow" if warn else style), line
 
 
 def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: int = 6) -> Panel:
@@ -148,7 +163,7 @@ def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: i
     body: list[RenderableType] = []
     # The loader's list of non-finite weights is shown only when no finding already reports them.
     nonfinite = [] if any(f.kind == "non_finite" for f in result.findings) else list(ctx.nonfinite_params)
-    if result.healthy and not nonfinite:
+    if not result.findings and not nonfinite:
         t = Text("✓ HEALTHY", style="bold green")
         t.append(": no tensor vanishes, explodes, dies, saturates or turns non-finite", style="green")
         h = result.header
@@ -157,10 +172,17 @@ def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: i
         body.append(t)
         title, border = "verdict: healthy", "green"
     else:
-        n = len(result.findings) + (1 if nonfinite else 0)
-        head = Text(f"✗ NOT HEALTHY: {n} finding{'s' if n != 1 else ''}", style="bold red")
+        warns = [f for f in result.findings if getattr(f, "severity", "fail") == "warn"]
+        n = len(result.findings) - len(warns) + (1 if nonfinite else 0)
         kinds = sorted({verdict_text(f.kind) for f in result.findings} | ({"non-finite"} if nonfinite else set()))
-        head.append(f" ({', '.join(kinds)})", style="red")
+        w = f"{len(warns)} warning{'s' if len(warns) != 1 else ''}"
+        if n:
+            head = Text(f"✗ NOT HEALTHY: {n} {'failing ' if warns else ''}finding{'s' if n != 1 else ''}"
+                        + (f" and {w}" if warns else ""), style="bold red")
+            head.append(f" ({', '.join(kinds)}); --check exits 1", style="red")
+        else:
+            head = Text(f"! HEALTHY, WITH {w.upper()}: it trains, with care", style="bold yellow")
+            head.append(f" ({', '.join(kinds)}); --check exits 0, --check=warn exits 1", style="yellow")
         body.append(head)
         grid = Table.grid(padding=(0, 1))
         grid.add_column(no_wrap=True)
@@ -176,7 +198,7 @@ def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: i
         if len(result.findings) > max_findings:
             body.append(Text(f"... and {len(result.findings) - max_findings} more (see the table below and --json)",
                              style="dim"))
-        title, border = "verdict: not healthy", "red"
+        title, border = ("verdict: not healthy", "red") if n else ("verdict: healthy, with warnings", "yellow")
     return Panel(Group(*body), title=title, title_align="left", border_style=border, box=box.ROUNDED)
 
 
@@ -198,7 +220,7 @@ def depth_chart(result: Any) -> DepthChart:
     return DepthChart(labels, [fwd, bwd], title="Variance over depth (residual stream)")
 
 
-SEVERITY = ("non_finite", "exploding", "vanishing", "dead", "saturated")
+SEVERITY = ("non_finite", "exploding", "vanishing", "dead", "saturated", "misscaled", "imbalanced")
 
 
 def _verdict_cell(kinds: Iterable[str], note: str = "") -> Text:

@@ -102,7 +102,7 @@ def _check_schema(doc: dict) -> None:
 
     from diagnostics.result import COLUMNS, SCHEMA_VERSION, AttentionRow, DepthRow, Finding, Header, ParamRow
 
-    assert doc["schema_version"] == SCHEMA_VERSION == "3"
+    assert doc["schema_version"] == SCHEMA_VERSION == "4"
     assert isinstance(doc["created"], str) and doc["created"]
     assert isinstance(doc["healthy"], bool) and doc["healthy"] == (not doc["findings"])
     assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "columns",

@@ -301,6 +301,16 @@ def _predictions(mode, replicates, softmaxes, pooled, models, batches, source, s
     return per_rep, pooled_pred
 
 
+def _architecture(model: nn.Module) -> dict | None:
+    """What the verdicts' causes and advice need to know of a tinylm model's build (None for
+    any other module): norm placement, FFN kind, RoPE, depth, head width, init scheme."""
+    if not isinstance(model, tinylm.TransformerLM):
+        return None
+    c = model.config
+    return {"norm": c.norm, "ffn": c.ffn, "rope": c.rope, "num_layers": c.num_layers, "d_model": c.d_model,
+            "d_k": c.head_dim, "init": c.init}
+
+
 def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = None) -> DiagnoseResult:
     """Measure every instrumented tensor forward and backward, predict it, judge it.
 
@@ -461,7 +471,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
                 if mod.endswith("ffn.w2"):
                     deliberate.add(mod[: -len(".w2")])
     findings, tv, pv, av = judge(rows, params, attention, depth, list(pooled.order), thresholds, deliberate,
-                                 scale_invariant=tiny and model.config.norm == "pre")
+                                 scale_invariant=tiny and model.config.norm == "pre",
+                                 architecture=_architecture(model), flat=pooled.flat_frac)
     rows = [dataclasses.replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows]
     params = [dataclasses.replace(p, verdict=pv.get(p.name, "ok")) for p in params]
     attention = [dataclasses.replace(a, verdict=av.get(a.name, "ok")) for a in attention]

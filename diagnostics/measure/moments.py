@@ -172,7 +172,9 @@ class ProbeStats:
     steps: forward passes measured. inv_ms: {stream point: Moments of 1/(mean_i x_i^2 + eps)
     per token} at the residual points a norm reads. norm_back: {RMSNorm name: Moments over
     tokens of mean_i(g_y,i^2) / (mean_i x_i^2 + eps)}, the per-token product RMSNorm's
-    backward scales by (g_y: gradient at the norm's output, x: its input).
+    backward scales by (g_y: gradient at the norm's output, x: its input). flat: {SiLU gate
+    input name (a tinylm FFN's ``w1``): [entries below FLAT_EDGE, entries measured]}, the
+    inputs that sit in SiLU's flat region (see :data:`diagnostics.measure.probe.FLAT_EDGE`).
     """
 
     tensors: dict[tuple[str, str], Moments] = field(default_factory=dict)
@@ -184,6 +186,12 @@ class ProbeStats:
     steps: int = 0
     inv_ms: dict[str, Moments] = field(default_factory=dict)
     norm_back: dict[str, Moments] = field(default_factory=dict)
+    flat: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def flat_frac(self) -> dict[str, float]:
+        """{gate input name: fraction of its entries in SiLU's flat region}."""
+        return {k: (v[0] / v[1] if v[1] else 0.0) for k, v in self.flat.items()}
 
     def merge(self, other: "ProbeStats") -> "ProbeStats":
         """A new ProbeStats over both runs (moments merged; params kept from ``self`` when present)."""
@@ -199,6 +207,8 @@ class ProbeStats:
             attention=both(self.attention, other.attention), cosine=both(self.cosine, other.cosine),
             params=dict(self.params) if self.params else dict(other.params), steps=self.steps + other.steps,
             inv_ms=both(self.inv_ms, other.inv_ms), norm_back=both(self.norm_back, other.norm_back),
+            flat={k: [a + b for a, b in zip(self.flat.get(k, [0.0, 0.0]), other.flat.get(k, [0.0, 0.0]))]
+                  for k in {**self.flat, **other.flat}},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -213,6 +223,7 @@ class ProbeStats:
             "steps": self.steps,
             "inv_ms": {k: v.vector() for k, v in self.inv_ms.items()},
             "norm_back": {k: v.vector() for k, v in self.norm_back.items()},
+            "flat": {k: list(v) for k, v in self.flat.items()},
         }
 
     @classmethod
@@ -227,4 +238,5 @@ class ProbeStats:
             steps=int(d["steps"]),
             inv_ms={k: Moments.from_vector(v) for k, v in d.get("inv_ms", {}).items()},
             norm_back={k: Moments.from_vector(v) for k, v in d.get("norm_back", {}).items()},
+            flat={k: [float(x) for x in v] for k, v in d.get("flat", {}).items()},
         )

@@ -40,7 +40,12 @@ from ..options import OptionsError, ProbeOptions
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
 
-__all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats"]
+__all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats", "FLAT_EDGE"]
+
+#: SiLU's flat region: inputs x < FLAT_EDGE, where silu(x) = x sigmoid(x) passes under 0.25% of x
+#: and its slope |silu'(x)| is under 1.3% of the linear side's 1. A tinylm FFN's gate input (the
+#: output of its ``w1``) is counted there; a unit whose inputs all sit there is dead.
+FLAT_EDGE = -6.0
 
 _TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden"}
 _CAUSAL_KINDS = ("attn_scores", "attn_probs")
@@ -228,7 +233,10 @@ class ProbeRun:
         self._cos: dict[str, Tensor] = {}
         self._inv: dict[str, Tensor] = {}
         self._normb: dict[str, Tensor] = {}
+        self._flat: dict[str, Tensor] = {}
         self._tinylm = _is_tinylm(model)
+        #: the SiLU gate inputs (``w1`` of each tinylm SwiGLU / SiLUFFN), counted in the flat region
+        self._gates = {f"{n}.w1" for n, m in model.named_modules() if isinstance(m, (tinylm.SwiGLU, tinylm.SiLUFFN))}
         #: reduces the hooks' tensors; one that reaches two hooks back to back is read once
         self.reducer = Reducer()
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
@@ -274,6 +282,10 @@ class ProbeRun:
         self._add(self._vec, (name, "forward"), r.moments, merge_vectors)
         if probs:
             self._add(self._attn, name, r.panel, merge_attention_vectors)
+        if name in self._gates:
+            with torch.no_grad():
+                flat = torch.stack([(out.detach() < FLAT_EDGE).sum(), torch.tensor(out.numel(), device=out.device)])
+            self._add(self._flat, name, flat.double(), torch.add)
         if cosine:
             self._add(self._cos, name, r.cosine, merge_vectors)
         if rows:
@@ -335,7 +347,7 @@ class ProbeRun:
             nb = {k: Moments.from_vector(r) for k, r in _as_lists(self._normb).items()}
             self._stats = ProbeStats(tensors=tensors, kinds=dict(self.kinds), order=list(self.order),
                                      attention=attn, cosine=cos, params=dict(self.params), steps=self.steps,
-                                     inv_ms=inv, norm_back=nb)
+                                     inv_ms=inv, norm_back=nb, flat=_as_lists(self._flat))
         return self._stats
 
 

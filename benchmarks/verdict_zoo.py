@@ -1,0 +1,314 @@
+"""The pathology zoo: small models of known truth, each diagnosed, the verdicts scored.
+
+Every case is a model built in code with a fixed seed, with the verdict it must get:
+healthy (no finding), or the one cause it was built to have (docs/verdicts.md), at the
+severity that cause has at that strength. Healthy cases span the init schemes, depths,
+widths, norm placements, FFN kinds, RoPE or not, sequence lengths, and a short ordinary
+training run; broken cases cover every cause at two strengths (mild and severe).
+
+A case is right when the diagnosis reports exactly the expected set of causes (none for a
+healthy model) and the worst severity expected. The script prints one line per case, the
+confusion table (expected cause x reported primary cause) and the wrong ones, and exits 1
+if any case is wrong or crashes.
+
+    python benchmarks/verdict_zoo.py            # the whole zoo
+    python benchmarks/verdict_zoo.py --quick    # the reduced zoo the default tests run
+    python benchmarks/verdict_zoo.py --only dead
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import tinylm  # noqa: E402
+from tinylm import functional as F  # noqa: E402
+from diagnostics import DiagnoseOptions, diagnose  # noqa: E402
+from diagnostics.judge.verdicts import CAUSES, SEVERITIES  # noqa: E402
+
+__all__ = ["Case", "CASES", "run_case", "main"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model of known truth. ``cause`` None: healthy (no finding at all)."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    cause: str | None
+    severity: str | None
+    strength: str = ""  # "mild" / "severe" for broken cases
+    seq_len: int = 32
+    quick: bool = False  # part of the reduced zoo (tests/test_zoo.py)
+
+
+def _config(d=64, L=2, T=32, norm="pre", init="cs336", ffn="swiglu", rope=True, heads=None, tie=False, V=256):
+    heads = heads or max(1, d // 32)
+    return tinylm.ModelConfig(vocab_size=V, context_length=T, d_model=d, num_layers=L, num_heads=heads,
+                              d_ff=tinylm.default_d_ff(d), norm=norm, init=init, ffn=ffn, rope=rope,
+                              tie_embeddings=tie)
+
+
+def _model(seed=0, **kw) -> tinylm.TransformerLM:
+    return tinylm.TransformerLM(_config(**kw), generator=torch.Generator().manual_seed(seed))
+
+
+def fresh(seed=0, **kw) -> Callable[[], nn.Module]:
+    return lambda: _model(seed, **kw)
+
+
+class ScaledScores(tinylm.MultiHeadSelfAttention):
+    """Attention whose scores are ``factor`` times the correct Q K^T / sqrt(d_k): factor sqrt(d_k)
+    is the common bug of no scaling at all, d_k^(1/4) a scale of 1/d_k^(1/4)."""
+
+    factor: float = 1.0
+
+    def forward(self, x, token_positions=None):
+        T = x.shape[-2]
+        split = "... t (h d) -> ... h t d"
+        from einops import rearrange
+
+        q = rearrange(self.q_proj(x), split, h=self.num_heads)  # (..., H, T, d_k)
+        k = rearrange(self.k_proj(x), split, h=self.num_heads)
+        v = rearrange(self.v_proj(x), split, h=self.num_heads)
+        if self.rope is not None:
+            pos = torch.arange(T, device=x.device)
+            q, k = self.rope(q, pos), self.rope(k, pos)
+        scores = self.scores(F.attention_scores(q * self.factor, k, F.causal_mask(T, device=x.device)))
+        probs = self.probs(F.softmax(scores, dim=-1))
+        return self.output_proj(rearrange(probs @ v, "... h t d -> ... t (h d)"))
+
+
+def scaled_scores(power: float, **kw) -> Callable[[], nn.Module]:
+    """Scores d_k^power times too large in their std (power 1/2: no 1/sqrt(d_k) at all)."""
+    def build():
+        m = _model(**kw)
+        for block in m.layers:
+            block.attn.__class__ = ScaledScores
+            block.attn.factor = block.attn.d_k ** power
+        return m
+    return build
+
+
+def scaled_weights(factor: float | None = None, std: float | None = None, only: tuple[str, ...] = (),
+                   **kw) -> Callable[[], nn.Module]:
+    """Every block Linear's weight (or those whose names end with ``only``) times ``factor``, or
+    redrawn N(0, std^2): the forgot-to-scale-the-init bugs."""
+    def build():
+        m = _model(**kw)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if not name.startswith("layers.") or p.dim() != 2 or (only and not name.endswith(only)):
+                    continue
+                if std is not None:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+                else:
+                    p.mul_(factor)
+        return m
+    return build
+
+
+def dead_gates(beta: float, **kw) -> Callable[[], nn.Module]:
+    """SiLU gates driven far negative: every token's vector shares an offset c (+3 on every
+    coordinate), and every gate row w1_j points against it with weight beta, so w1 x ~ -0.95 beta
+    for every token."""
+    def build():
+        m = _model(**kw)
+        d = m.config.d_model
+        with torch.no_grad():
+            m.token_embeddings.weight.add_(3.0)
+            for block in m.layers:
+                block.ffn.w1.weight.sub_(beta / d)
+        return m
+    return build
+
+
+def zeroed_gates(**kw) -> Callable[[], nn.Module]:
+    """Every w1 exactly zero: silu(0) = 0, so the gated hidden units are exactly zero."""
+    def build():
+        m = _model(**kw)
+        with torch.no_grad():
+            for block in m.layers:
+                block.ffn.w1.weight.zero_()
+        return m
+    return build
+
+
+def nan_weight(count: int, **kw) -> Callable[[], nn.Module]:
+    def build():
+        m = _model(**kw)
+        with torch.no_grad():
+            w = m.layers[-1].ffn.w1.weight.view(-1)
+            w[torch.randperm(w.numel(), generator=torch.Generator().manual_seed(2))[:count]] = float("nan")
+        return m
+    return build
+
+
+def trained(steps: int, lr: float, clip: float = 1.0, **kw) -> Callable[[], nn.Module]:
+    """A model after ``steps`` AdamW steps on the built-in corpus (bytes) at peak ``lr``."""
+    def build():
+        from tinylm.data import stdlib_corpus
+        from tinylm.train import TrainOptions, train
+
+        m = _model(**kw)
+        opts = TrainOptions(steps=steps, batch_size=8, lr=lr, clip=clip, watch_every=0, stop_on_nonfinite=False,
+                            warmup=0 if clip == 0 else None)
+        train(m, stdlib_corpus(400_000), opts)
+        m.eval()
+        return m
+    return build
+
+
+H, F_, W = "healthy", "fail", "warn"
+CASES: list[Case] = [
+    # healthy: schemes, depths, widths, sequence lengths, norm placements, FFN kinds, RoPE, training
+    Case("cs336 pre d64 L2 T16", fresh(d=64, L=2, T=16), None, None, seq_len=16, quick=True),
+    Case("kaiming pre d64 L12 T64", fresh(d=64, L=12, T=64, init="kaiming"), None, None, seq_len=64, quick=True),
+    Case("torch-default pre d128 L6 T128", fresh(d=128, L=6, T=128, init="torch-default"), None, None, seq_len=128),
+    Case("gpt2 pre d64 L24 T32", fresh(d=64, L=24, init="gpt2"), None, None),
+    Case("gpt2 pre d256 L4 T256", fresh(d=256, L=4, T=256, init="gpt2", heads=4), None, None, seq_len=256, quick=True),
+    Case("small-init pre d256 L4 T64", fresh(d=256, L=4, T=64, init="small-init", heads=4), None, None, seq_len=64),
+    Case("zero-residual pre d64 L8 T32", fresh(d=64, L=8, init="zero-residual"), None, None),
+    Case("cs336 pre d64 L48 T16", fresh(d=64, L=48, T=16), None, None, seq_len=16),
+    Case("kaiming pre d512 L2 T64", fresh(d=512, L=2, T=64, init="kaiming", heads=8), None, None, seq_len=64),
+    Case("cs336 pre d64 L2 T1024", fresh(d=64, L=2, T=1024), None, None, seq_len=1024),
+    Case("small-init pre d64 L24 T32", fresh(d=64, L=24, init="small-init"), None, None),
+    Case("cs336 post d64 L2 T32", fresh(d=64, L=2, norm="post"), None, None, quick=True),
+    Case("gpt2 post d128 L4 T32", fresh(d=128, L=4, norm="post", init="gpt2"), None, None),
+    Case("cs336 pre silu-ffn d64 L4", fresh(d=64, L=4, ffn="silu"), None, None, quick=True),
+    Case("cs336 pre NoPE d64 L6", fresh(d=64, L=6, rope=False), None, None),
+    Case("gpt2 pre silu NoPE d128 L6", fresh(d=128, L=6, init="gpt2", ffn="silu", rope=False), None, None),
+    Case("cs336 pre tied d64 L4", fresh(d=64, L=4, tie=True), None, None),
+    Case("cs336 pre trained 60 steps", trained(60, 3e-3, d=64, L=2, T=32), None, None),
+    # missing or wrong score scaling
+    Case("scores x d_k^1/4 (d_k 64)", scaled_scores(0.25, d=128, L=2, heads=2), "score_scale", W, "mild", quick=True),
+    Case("scores unscaled (d_k 64)", scaled_scores(0.5, d=128, L=2, heads=2), "score_scale", F_, "severe", quick=True),
+    Case("scores x d_k^1/4 (d_k 32) L6", scaled_scores(0.25, d=128, L=6, heads=4), "score_scale", W, "mild"),
+    Case("scores unscaled (d_k 32) L6", scaled_scores(0.5, d=128, L=6, heads=4), "score_scale", F_, "severe"),
+    # saturated attention: q and k weights too large, scores scaled right
+    Case("q,k weights x3.5", scaled_weights(3.5, only=("q_proj.weight", "k_proj.weight"), d=128, L=2, heads=2),
+         "saturated_attention", W, "mild"),
+    Case("q,k weights x30", scaled_weights(30.0, only=("q_proj.weight", "k_proj.weight"), d=64, L=2),
+         "saturated_attention", F_, "severe", quick=True),
+    # dead units: SiLU gate inputs far in the flat region
+    Case("gates pushed to -7", dead_gates(7.0, d=64, L=2), "dead_units", W, "mild"),
+    Case("gates pushed to -20", dead_gates(20.0, d=64, L=2), "dead_units", F_, "severe", quick=True),
+    Case("gates pushed to -20, silu ffn", dead_gates(20.0, d=64, L=4, ffn="silu"), "dead_units", F_, "severe"),
+    Case("gates zeroed", zeroed_gates(d=64, L=2), "dead_units", F_, "severe"),
+    # badly scaled init
+    Case("block weights x4", scaled_weights(4.0, d=64, L=4), "init_scale", F_, "mild"),
+    Case("block weights std 3", scaled_weights(std=3.0, d=64, L=4), "init_scale", F_, "severe", quick=True),
+    Case("block weights N(0,1), L12", scaled_weights(std=1.0, d=128, L=12, heads=2), "init_scale", F_, "severe"),
+    Case("block weights std 10, L12", scaled_weights(std=10.0, d=64, L=12), "init_scale", F_, "severe"),
+    Case("block weights x0.1", scaled_weights(0.1, d=64, L=4), "init_scale", W, "mild"),
+    Case("block weights std 1e-3", scaled_weights(std=1e-3, d=128, L=8, norm="none"), "init_scale", F_, "severe",
+         quick=True),
+    # no normalisation
+    Case("no norm cs336 L4", fresh(d=64, L=4, norm="none"), "no_norm", F_, "mild", quick=True),
+    Case("no norm cs336 L12", fresh(d=64, L=12, norm="none"), "no_norm", F_, "severe"),
+    Case("no norm gpt2 d64 L8 (branches vanish)", fresh(d=64, L=8, norm="none", init="gpt2"), "no_norm", F_, "mild"),
+    Case("no norm kaiming L8", fresh(d=128, L=8, norm="none", init="kaiming"), "no_norm", F_, "severe"),
+    # deep post-norm
+    Case("post-norm cs336 L12", fresh(d=64, L=12, norm="post"), "post_norm_depth", W, "mild", quick=True),
+    Case("post-norm cs336 L48", fresh(d=64, L=48, norm="post", T=16), "post_norm_depth", W, "severe", seq_len=16),
+    Case("post-norm kaiming L24", fresh(d=64, L=24, norm="post", init="kaiming"), "post_norm_depth", W, "severe"),
+    # non-finite
+    Case("one NaN weight", nan_weight(1, d=64, L=2), "non_finite", F_, "mild", quick=True),
+    Case("many NaN weights", nan_weight(500, d=64, L=4), "non_finite", F_, "severe"),
+    Case("diverged training (lr 30, no clip)", trained(12, 30.0, clip=0.0, d=64, L=2, norm="none"), "non_finite",
+         F_, "severe"),
+]
+
+
+def run_case(case: Case) -> dict:
+    """Diagnose one case: {"causes": [...], "severity": worst or None, "findings", "right", "error", "seconds"}."""
+    t0 = time.perf_counter()
+    out = {"case": case, "causes": [], "severity": None, "messages": [], "error": None, "right": False}
+    try:
+        torch.manual_seed(0)
+        model = case.build()
+        r = diagnose(model, options=DiagnoseOptions(batch_size=2, seq_len=case.seq_len, batches=2, theory="none"))
+        out["causes"] = sorted({f.cause for f in r.findings})
+        sev = [f.severity for f in r.findings]
+        out["severity"] = min(sev, key=SEVERITIES.index) if sev else None
+        out["primary"] = r.findings[0].cause if r.findings else None
+        out["messages"] = [f"{f.severity} {f.cause}: {f.message}" for f in r.findings]
+        expected = [] if case.cause is None else [case.cause]
+        out["right"] = out["causes"] == expected and out["severity"] == case.severity
+    except Exception:  # a crash is a wrong case, reported with its traceback
+        out["error"] = traceback.format_exc(limit=4)
+        out["primary"] = "crash"
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def confusion(results: list[dict]) -> str:
+    """Expected cause x reported primary cause (the first finding's; "healthy" for none)."""
+    labels = ["healthy", *CAUSES, "crash"]
+    counts: dict[tuple[str, str], int] = {}
+    for r in results:
+        e = r["case"].cause or "healthy"
+        g = r["primary"] or "healthy"
+        counts[(e, g)] = counts.get((e, g), 0) + 1
+    rows_used = [x for x in labels if any(k[0] == x for k in counts)]
+    cols_used = [x for x in labels if any(k[1] == x for k in counts)]
+    short = {x: x[:9] for x in labels}
+    lines = ["expected \\ reported".ljust(22) + " ".join(short[c].rjust(9) for c in cols_used)]
+    for e in rows_used:
+        lines.append(e.ljust(22) + " ".join(str(counts.get((e, c), "")).rjust(9) for c in cols_used))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the reduced zoo (the cases the default tests run)")
+    p.add_argument("--only", help="cases whose name or cause contains this text")
+    p.add_argument("-v", "--verbose", action="store_true", help="every finding's message")
+    args = p.parse_args(argv)
+    cases = [c for c in CASES if (c.quick or not args.quick)
+             and (not args.only or args.only in c.name or args.only in (c.cause or "healthy"))]
+    t0 = time.perf_counter()
+    print(f"verdict zoo: {len(cases)} cases; torch threads {torch.get_num_threads()}")
+    results = []
+    for c in cases:
+        r = run_case(c)
+        results.append(r)
+        mark = "ok " if r["right"] else "BAD"
+        expect = f"{c.cause or 'healthy'}{'/' + c.severity if c.severity else ''}"
+        got = ",".join(r["causes"]) or "healthy"
+        got += f"/{r['severity']}" if r["severity"] else ""
+        print(f"{mark} {c.name:38s} {c.strength:6s} expected {expect:26s} got {got if not r['error'] else 'CRASH'}"
+              f"  ({r['seconds']:.1f} s)", flush=True)
+        if args.verbose or not r["right"]:
+            for m in r["messages"]:
+                print(f"      {m}")
+    wrong = [r for r in results if not r["right"]]
+    crashed = [r for r in results if r["error"]]
+    print()
+    print(confusion(results))
+    print()
+    print(f"{len(results) - len(wrong)} of {len(results)} right, {len(crashed)} crashed, "
+          f"{time.perf_counter() - t0:.0f} s")
+    for r in wrong:
+        print(f"\nWRONG: {r['case'].name}: expected {r['case'].cause}/{r['case'].severity}, got {r['causes']}/"
+              f"{r['severity']}")
+        if r["error"]:
+            print(r["error"])
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
