@@ -97,7 +97,11 @@ def test_unscaled_linear_weights_in_a_12_layer_model_get_a_report(norm):
     config = tinylm.ModelConfig(vocab_size=256, context_length=8, d_model=32, num_layers=12, num_heads=2, d_ff=64,
                                 norm=norm)
     result = diagnose(scaled(config, 1.0, linear_only=True), options=DiagnoseOptions(**OPTS))
-    assert result.header.theory == "local" and not result.healthy
+    assert result.header.theory == "local"
+    # the bug is found and named whatever the norm; pre-norm keeps the stream trainable (a warning),
+    # post-norm and no norm break (a failure)
+    assert "init_scale" in {f.cause for f in result.findings}, result.findings
+    assert result.healthy == (norm == "pre") and all(f.severity == "warn" for f in result.findings) == (norm == "pre")
     check_report(result, "local")
 
 
