@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .judge import Thresholds, Watch, WatchEvent, compare, diagnose
+from .judge import History, Thresholds, Watch, WatchEvent, WatchFailure, WatchStop, compare, diagnose
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
 from .result import (
@@ -58,6 +58,9 @@ __all__ = [
     "TensorRow",
     "Watch",
     "WatchEvent",
+    "WatchFailure",
+    "WatchStop",
+    "History",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

@@ -9,6 +9,6 @@
 from .compare import compare
 from .diagnose import diagnose
 from .verdicts import Thresholds, judge
-from .watch import Watch, WatchEvent
+from .watch import History, Watch, WatchEvent, WatchFailure, WatchStop
 
-__all__ = ["diagnose", "compare", "Thresholds", "judge", "Watch", "WatchEvent"]
+__all__ = ["diagnose", "compare", "Thresholds", "judge", "Watch", "WatchEvent", "WatchFailure", "WatchStop", "History"]
