@@ -370,8 +370,10 @@ class Header:
     init: the init scheme used for declared std and global theory ("" if none).
     tokens_measured: tokens passed through the model in all (over seeds and batches).
     batch_size, seq_len, batches, seeds: as run; seed: the first seed.
-    theory: the theory mode used ("local", "global" or "none").
+    theory: the theory mode used ("local", "global", or "off" for measurement only).
     loss: mean next-token loss measured; loss_uniform: ln(vocab_size) (None if unknown).
+    interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
+        documents written before it read "").
     """
 
     model_class: str
@@ -388,6 +390,7 @@ class Header:
     loss: float
     loss_uniform: float | None
     token_source: str
+    interval: str = ""
 
 
 @dataclass

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from dataclasses import replace
 from datetime import datetime, timezone
 import warnings
 from functools import lru_cache
@@ -489,6 +490,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         batch_size=options.batch_size, seq_len=seq_len, batches=len(batches), seeds=len(models), seed=options.seed,
         theory=mode, loss=float(np.mean(losses)), loss_uniform=math.log(vocab) if vocab else None,
         token_source=source)
+    header = replace(header, interval=interval_scope(header))
     return DiagnoseResult(header=header, tensors=rows, params=params, attention=attention, depth=depth,
                           findings=findings, thresholds=thresholds.to_dict(),
                           created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
