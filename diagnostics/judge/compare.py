@@ -214,16 +214,21 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
         for depth in depths:
             for width in widths:
                 config = _config(vocab_size, seq_len, width, depth, norm, scheme)
+                stream = list(tinylm.plan.build(config).block_outputs())
                 losses, early, fslopes, bslopes, ratios, verdicts = [], [], [], [], [], []
+                model = None
                 for s in range(seed, seed + seeds):
                     gen = torch.Generator().manual_seed(s)
-                    model = tinylm.TransformerLM(config, generator=gen)
+                    if model is None:
+                        model = tinylm.TransformerLM(config, generator=gen)
+                    else:  # the cell's model, initialised afresh: the same values a new model from gen holds
+                        tinylm.init.apply(model, scheme, generator=gen)
+                        model.zero_grad(set_to_none=True)
                     if tokens is None:
                         batch = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
                         x, y = batch[:, :-1], batch[:, 1:]
                     else:
                         x, y = get_batch(tokens, batch_size, seq_len, gen)
-                    stream = list(tinylm.plan.build(config).block_outputs())
                     opts = ProbeOptions(modules=tuple(stream + ["lm_head"]) if tensors == "stream" else None,
                                         attention=tensors == "all", params=False)
                     with probe(model, opts) as measured:
