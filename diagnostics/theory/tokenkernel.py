@@ -551,7 +551,7 @@ def token_coincidence(tokens) -> np.ndarray:
     Args: tokens: (N, T) integer token ids, N sequences. Returns: (T, T) float64, ones on the diagonal.
     At init the embedding rows are iid, so this is all the kernel theory needs to know of the tokens.
     """
-    t = torch.as_tensor(tokens)
+    t = torch.as_tensor(tokens).cpu()  # ids on an accelerator are counted here, on the CPU
     if t.dim() != 2 or t.is_floating_point() or t.shape[0] < 1:
         raise OptionsError(f"tokens shape {tuple(t.shape)} dtype {t.dtype}: pass (N, T) integer token ids")
     P = torch.zeros(t.shape[1], t.shape[1], dtype=torch.float64)
