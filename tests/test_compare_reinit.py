@@ -40,3 +40,25 @@ def test_every_seed_measures_what_a_new_model_from_it_measures(scheme):
         # negative control: a model that kept the previous seed's training measures otherwise
         trained = fresh_measurement(config, seed, 2, 8, steps_before=3)
         assert any(abs(trained[k] - v) > 1e-6 * abs(v) for k, v in got.items())
+
+
+def test_compare_runs_on_one_thread_and_gives_the_callers_threads_back(monkeypatch):
+    """The grid's models run on one torch thread; the caller's count is back afterwards, also after an
+    error inside the grid. Negative control: outside compare the count is the caller's 2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = []
+        compare(["cs336"], depths=(1,), widths=(32,), seeds=1, seq_len=4,
+                progress=lambda d, t, s: seen.append(torch.get_num_threads()))
+        assert seen == [1] and torch.get_num_threads() == 2
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("inside the grid")
+
+        monkeypatch.setattr(tinylm.functional, "cross_entropy", boom)
+        with pytest.raises(RuntimeError, match="inside the grid"):
+            compare(["cs336"], depths=(1,), widths=(32,), seeds=1, seq_len=4)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
