@@ -38,15 +38,17 @@ naming the id. Data with fewer than ``seq_len + 1`` tokens is refused too.
 By default only the residual stream (embedding output and each block's output) and the
 logits are instrumented (``tensors="stream"``), which keeps the default comparison
 (6 schemes x depths 2, 8, 32 x width 128 x 3 seeds, batch 2 x 32 tokens) to seconds per
-scheme; ``tensors="all"`` probes every default point.
+scheme; ``tensors="all"`` probes every default point. The grid runs on one torch thread (the
+caller's count is restored after it): its models are too small for a second one to pay.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -142,6 +144,21 @@ def data_vocab(tokens: np.ndarray, vocab_size: int | None = None, source: str = 
     return max(DEFAULT_VOCAB, hi + 1)
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one thread inside the block, the caller's thread count restored after it. The grid's
+    models see a few dozen tokens at a time: their ops are too small for a second thread to pay for
+    waking it, and on a busy machine each op then waits for a descheduled thread."""
+    threads = torch.get_num_threads()
+    try:
+        if threads != 1:
+            torch.set_num_threads(1)
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
 def _train_steps(model: tinylm.TransformerLM, steps: int, batch_size: int, seq_len: int, seed: int,
                  lr: float, tokens: np.ndarray | None = None) -> float:
     corpus = _corpus() if tokens is None else tokens
@@ -211,68 +228,74 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
     total, done = len(schemes) * len(depths) * len(widths) * seeds, 0
     tidy: list[Row] = []
     summary: list[dict] = []
-    for scheme in schemes:
-        for depth in depths:
-            for width in widths:
-                config = _config(vocab_size, seq_len, width, depth, norm, scheme)
-                losses, early, fslopes, bslopes, ratios, verdicts = [], [], [], [], [], []
-                for s in range(seed, seed + seeds):
-                    gen = torch.Generator().manual_seed(s)
-                    model = tinylm.TransformerLM(config, generator=gen)
-                    if tokens is None:
-                        batch = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
-                        x, y = batch[:, :-1], batch[:, 1:]
-                    else:
-                        x, y = get_batch(tokens, batch_size, seq_len, gen)
+    with _one_thread():
+        for scheme in schemes:
+            for depth in depths:
+                for width in widths:
+                    config = _config(vocab_size, seq_len, width, depth, norm, scheme)
                     stream = list(tinylm.plan.build(config).block_outputs())
-                    opts = ProbeOptions(modules=tuple(stream + ["lm_head"]) if tensors == "stream" else None,
-                                        attention=tensors == "all", params=False)
-                    with probe(model, opts) as measured:
-                        loss = tinylm.functional.cross_entropy(model(x), y)
-                        loss.backward()
-                    stats = measured.stats
-                    losses.append(float(loss.detach()))
-                    fwd = [stats.tensors[(n, "forward")].var for n in stream]
-                    bwd = [stats.tensors[(n, "backward")].var for n in stream if (n, "backward") in stats.tensors]
-                    fslopes.append(stream_slope(fwd))
-                    bslopes.append(stream_slope(bwd) if len(bwd) == len(fwd) else math.nan)
-                    finite = [v for v in fwd if math.isfinite(v) and v > 0]
-                    ratios.append(max(finite) / min(finite) if finite else math.nan)
-                    depth_rows = [DepthRow(index=k, name=n, forward_var=fwd[k], forward_predicted=None,
-                                           backward_var=bwd[k] if len(bwd) == len(fwd) else None,
-                                           backward_predicted=None, cosine=math.nan) for k, n in enumerate(stream)]
-                    findings = judge([], [], [], depth_rows, stream, thresholds, scale_invariant=norm == "pre")[0]
-                    verdicts.append(findings[0].kind if findings else "ok")
-                    found: dict[tuple[str, str], str] = {}
-                    for f in findings:
-                        for d in ((f.direction,) if f.direction else ("forward", "backward")):
-                            key = (f.where, d)
-                            found[key] = min(found.get(key, "ok"), f.kind, key=_WORST_FIRST.index)
-                    for (name, direction), m in stats.tensors.items():
-                        kind = stats.kinds.get(name, "module")
-                        if tensors == "stream":
-                            kind = "embedding" if name == "token_embeddings" else ("logits" if name == "lm_head" else "residual")
-                        verdict = found.get((name, direction), "ok") if name in stream else None
-                        for stat, value in (("var", m.var), ("mean", m.mean), ("max_abs", m.max_abs),
-                                            ("frac_zero", m.frac_zero)):
-                            tidy.append(Row(run=run, step=0, seed=s, scheme=scheme, depth=depth, width=width, name=name,
-                                            kind=kind, block=block_index(name), direction=direction, statistic=stat,
-                                            value=value, verdict=verdict))
-                    if steps:
-                        early.append(_train_steps(model, steps, batch_size, seq_len, s, lr, tokens))
-                    done += 1
-                    if progress:
-                        progress(done, total, f"{scheme} L={depth} d={width} seed {s}")
-                f, flo, fhi = t_interval(fslopes)
-                b, blo, bhi = t_interval(bslopes)
-                summary.append({
-                    "scheme": scheme, "depth": depth, "width": width, "seeds": seeds, "data": source,
-                    "vocab_size": vocab_size,
-                    "initial_loss": float(np.mean(losses)), "ln_vocab": math.log(vocab_size),
-                    "slope_forward": f, "slope_forward_low": flo, "slope_forward_high": fhi,
-                    "slope_backward": b, "slope_backward_low": blo, "slope_backward_high": bhi,
-                    "max_min_ratio": float(np.nanmax(ratios)) if not all(math.isnan(r) for r in ratios) else math.nan,
-                    "verdict": min(verdicts, key=_WORST_FIRST.index),
-                    "early_loss": float(np.mean(early)) if early else None, "steps": steps,
-                })
+                    losses, early, fslopes, bslopes, ratios, verdicts = [], [], [], [], [], []
+                    model = None
+                    for s in range(seed, seed + seeds):
+                        gen = torch.Generator().manual_seed(s)
+                        if model is None:
+                            model = tinylm.TransformerLM(config, generator=gen)
+                        else:  # the cell's model, initialised afresh: the same values a new model from gen holds
+                            tinylm.init.apply(model, scheme, generator=gen)
+                            model.zero_grad(set_to_none=True)
+                        if tokens is None:
+                            batch = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+                            x, y = batch[:, :-1], batch[:, 1:]
+                        else:
+                            x, y = get_batch(tokens, batch_size, seq_len, gen)
+                        opts = ProbeOptions(modules=tuple(stream + ["lm_head"]) if tensors == "stream" else None,
+                                            attention=tensors == "all", params=False)
+                        with probe(model, opts) as measured:
+                            loss = tinylm.functional.cross_entropy(model(x), y)
+                            loss.backward()
+                        stats = measured.stats
+                        losses.append(float(loss.detach()))
+                        fwd = [stats.tensors[(n, "forward")].var for n in stream]
+                        bwd = [stats.tensors[(n, "backward")].var for n in stream if (n, "backward") in stats.tensors]
+                        fslopes.append(stream_slope(fwd))
+                        bslopes.append(stream_slope(bwd) if len(bwd) == len(fwd) else math.nan)
+                        finite = [v for v in fwd if math.isfinite(v) and v > 0]
+                        ratios.append(max(finite) / min(finite) if finite else math.nan)
+                        depth_rows = [DepthRow(index=k, name=n, forward_var=fwd[k], forward_predicted=None,
+                                               backward_var=bwd[k] if len(bwd) == len(fwd) else None,
+                                               backward_predicted=None, cosine=math.nan) for k, n in enumerate(stream)]
+                        findings = judge([], [], [], depth_rows, stream, thresholds, scale_invariant=norm == "pre")[0]
+                        verdicts.append(findings[0].kind if findings else "ok")
+                        found: dict[tuple[str, str], str] = {}
+                        for f in findings:
+                            for d in ((f.direction,) if f.direction else ("forward", "backward")):
+                                key = (f.where, d)
+                                found[key] = min(found.get(key, "ok"), f.kind, key=_WORST_FIRST.index)
+                        for (name, direction), m in stats.tensors.items():
+                            kind = stats.kinds.get(name, "module")
+                            if tensors == "stream":
+                                kind = "embedding" if name == "token_embeddings" else ("logits" if name == "lm_head" else "residual")
+                            verdict = found.get((name, direction), "ok") if name in stream else None
+                            for stat, value in (("var", m.var), ("mean", m.mean), ("max_abs", m.max_abs),
+                                                ("frac_zero", m.frac_zero)):
+                                tidy.append(Row(run=run, step=0, seed=s, scheme=scheme, depth=depth, width=width, name=name,
+                                                kind=kind, block=block_index(name), direction=direction, statistic=stat,
+                                                value=value, verdict=verdict))
+                        if steps:
+                            early.append(_train_steps(model, steps, batch_size, seq_len, s, lr, tokens))
+                        done += 1
+                        if progress:
+                            progress(done, total, f"{scheme} L={depth} d={width} seed {s}")
+                    f, flo, fhi = t_interval(fslopes)
+                    b, blo, bhi = t_interval(bslopes)
+                    summary.append({
+                        "scheme": scheme, "depth": depth, "width": width, "seeds": seeds, "data": source,
+                        "vocab_size": vocab_size,
+                        "initial_loss": float(np.mean(losses)), "ln_vocab": math.log(vocab_size),
+                        "slope_forward": f, "slope_forward_low": flo, "slope_forward_high": fhi,
+                        "slope_backward": b, "slope_backward_low": blo, "slope_backward_high": bhi,
+                        "max_min_ratio": float(np.nanmax(ratios)) if not all(math.isnan(r) for r in ratios) else math.nan,
+                        "verdict": min(verdicts, key=_WORST_FIRST.index),
+                        "early_loss": float(np.mean(early)) if early else None, "steps": steps,
+                    })
     return Comparison(frame(tidy), pd.DataFrame.from_records(summary, columns=SUMMARY_COLUMNS))

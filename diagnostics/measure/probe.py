@@ -132,10 +132,18 @@ def spectral_stats(w: Tensor) -> tuple[float, float]:
             return 0.0, 0.0
         x = x / scale
         gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T
+    # The eigenproblem runs on one thread: its tridiagonal reduction synchronises the threads at
+    # every column, so a second thread gains little and a busy core stalls it many times over.
+    threads = torch.get_num_threads()
     try:
+        if threads != 1:
+            torch.set_num_threads(1)
         ev = torch.linalg.eigvalsh(gram.double())  # ascending
     except RuntimeError:  # torch.linalg.LinAlgError: no convergence
         return math.nan, math.nan
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
     top = float(ev[-1].clamp(min=0.0))
     return math.sqrt(top) * scale, (float(ev.clamp(min=0.0).sum()) / top if top > 0 else 0.0)
 

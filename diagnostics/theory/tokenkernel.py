@@ -55,9 +55,10 @@ forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory
 
 Use: ``diagnostics.predict(model, "global")`` (hence ``diagnose`` on a fresh model) takes its
 forward predictions from here through :func:`cached_kernel_theory`, once per process for each
-config, seq_len, scheme and coincidence matrix. Cost: the attention Monte Carlo,
-~4 T^3 float64 operations per draw and block, dominates; it grows as T^2 up to T = 256 (2^11
-rows per block) and as T^3 beyond, where the draws stay at 8 (timings: docs/theory.md).
+config, seq_len, scheme and coincidence matrix. Cost: the attention Monte Carlo dominates,
+~4/3 T^3 float64 operations per draw and block (A K A^T over the causal lower triangle only,
+a third of the dense products' 4 T^3); it grows as T^2 up to T = 256 (2^11 rows per block) and
+as T^3 beyond, where the draws stay at 8 (timings: docs/theory.md).
 
 Example::
 
@@ -90,10 +91,12 @@ __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "cached_kernel_theory
 #: Monte Carlo draws of one attention head per block when ``draws`` is not given: about
 #: 2^11 query rows in all (32 draws at T = 64, 16 at T = 128, 8 at T = 256), at least 8. The
 #: v-expectation is exact, so the Monte Carlo spread is small (docs/theory.md) and falls as
-#: 1/sqrt(draws). One draw costs ~4 T^3 float64 operations (A K A^T).
+#: 1/sqrt(draws). One draw costs ~4/3 T^3 float64 operations (A K A^T, causal).
 _ROWS_PER_BLOCK = 2**11
 _MIN_DRAWS = 8
 _QUAD_NODES = 32
+#: rows per panel of the causal products A K A^T (:func:`_add_causal_sandwich`)
+_PANEL = 64
 
 
 # ---------------------------------------------------------------- the elementary maps
@@ -167,7 +170,8 @@ def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int
     cos, sin = _rope_tables(rope_theta, d_k, T) if rope_theta is not None else (None, None)
     if cos is not None:
         cos, sin = cos.to(sample), sin.to(sample)
-    acc = torch.zeros(T, T, dtype=torch.float64)
+    Kt = torch.from_numpy(0.5 * (K_in + K_in.T))  # float64
+    acc = torch.zeros(T, T, dtype=torch.float64)  # sum over draws of A K A^T, lower block triangle only
     s2 = torch.zeros(T, dtype=torch.float64)
     scale = math.sqrt(fq * fk / d_k)  # scores = (sqrt(fq) Q)(sqrt(fk) K)^T / sqrt(d_k)
     chunk = max(1, min(draws, int(2**22 // (T * T))))
@@ -182,13 +186,32 @@ def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int
         A = torch.softmax(S, dim=-1).double()
         A /= A.sum(-1, keepdim=True)  # rows sum to 1 in float64
         s2 += (A * A).sum(-1).sum(0)
-        M = (A @ R).transpose(0, 1).reshape(T, b * T)  # (T, b T): sum_b A K A^T = M M^T
-        acc += M @ M.T
+        _add_causal_sandwich(acc, A, Kt)
         done += b
+    acc = torch.tril(acc) + torch.tril(acc, -1).T  # the upper triangle from the lower (A K A^T is symmetric)
     diag = np.diag(K_in)
     scores_ms = float(fq * fk * (np.tril(np.outer(diag, diag)).sum()) / (T * (T + 1) / 2))
     heads = fv * (acc / draws).numpy()
-    return {"heads": 0.5 * (heads + heads.T), "s2": (s2 / draws).numpy(), "scores_ms": scores_ms}
+    return {"heads": heads, "s2": (s2 / draws).numpy(), "scores_ms": scores_ms}
+
+
+def _add_causal_sandwich(acc: torch.Tensor, A: torch.Tensor, K: torch.Tensor) -> None:
+    """acc[s, t] += sum_b (A_b K A_b^T)[s, t] for t < the end of s's panel of ``_PANEL`` rows
+    (the lower block triangle; the rest of acc is left alone), for causal (lower-triangular) A_b.
+
+    The causal structure cuts the work: (A K A^T)_st = sum_{k <= t} (A K)_sk A_tk, and
+    (A K)_sk = sum_{j <= s} A_sj K_jk, so for the rows s of a panel ending at row ``hi`` and every
+    t < hi only the leading hi x hi blocks of A and K enter. Two products of (p, hi) by (hi, hi)
+    per panel: about T^3 / 3 multiply-adds each over all panels (the dense A K A^T costs 2 T^3),
+    and the same sums as the dense product up to float64 rounding.
+
+    Shapes: acc (T, T) float64; A (b, T, T) float64, zero above the diagonal; K (T, T) float64.
+    """
+    T = A.shape[-1]
+    for lo in range(0, T, _PANEL):
+        hi = min(T, lo + _PANEL)
+        AK = A[:, lo:hi, :hi] @ K[:hi, :hi]  # (b, p, hi): (A K)[rows, :hi]
+        acc[lo:hi, :hi] += (AK @ A[:, :hi, :hi].transpose(-1, -2)).sum(0)  # (p, hi): (A K A^T)[rows, :hi]
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -528,7 +551,7 @@ def token_coincidence(tokens) -> np.ndarray:
     Args: tokens: (N, T) integer token ids, N sequences. Returns: (T, T) float64, ones on the diagonal.
     At init the embedding rows are iid, so this is all the kernel theory needs to know of the tokens.
     """
-    t = torch.as_tensor(tokens)
+    t = torch.as_tensor(tokens).cpu()  # ids on an accelerator are counted here, on the CPU
     if t.dim() != 2 or t.is_floating_point() or t.shape[0] < 1:
         raise OptionsError(f"tokens shape {tuple(t.shape)} dtype {t.dtype}: pass (N, T) integer token ids")
     P = torch.zeros(t.shape[1], t.shape[1], dtype=torch.float64)
