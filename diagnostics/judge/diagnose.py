@@ -201,6 +201,7 @@ def _loss(model: nn.Module, batch: Tensor) -> tuple[Tensor, tuple[float, float]]
     The moments are computed under no_grad from the logits upcast to float32, in chunks of rows
     (memory stays ~16 MB whatever the vocabulary), and summed in float64.
     """
+    batch = batch.to(next((p.device for p in model.parameters()), batch.device))  # tokens go where the weights are
     logits = model(batch[:, :-1])
     targets = batch[:, 1:]
     loss = tinylm.functional.cross_entropy(logits.float(), targets)
