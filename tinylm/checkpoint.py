@@ -130,15 +130,17 @@ def _check_file(path: Path) -> bytes:
 def _pickle_globals(data: bytes) -> list[str]:
     """Names of the globals a pickle would import, read by opcode (nothing is executed)."""
     names, strings = [], []
+    stream = io.BytesIO(data)
     try:
-        for op, arg, _ in pickletools.genops(io.BytesIO(data)):
-            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING"):
-                strings.append(arg)
-            elif op.name == "GLOBAL":
-                names.append(str(arg).replace(" ", "."))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-    except Exception:  # a damaged stream: report what was found before the damage
+        while stream.tell() < len(data):  # one pickle after another (torch's legacy format writes several)
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING"):
+                    strings.append(arg)
+                elif op.name == "GLOBAL":
+                    names.append(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    names.append(f"{strings[-2]}.{strings[-1]}")
+    except Exception:  # a damaged stream, or raw tensor bytes after the pickles: report what was found before
         pass
     return names
 
@@ -260,9 +262,8 @@ def _bounded_json(text: str, what: str, path: Path) -> Any:
 def _strip_prefixes(state: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in state.items():
-        for p in PREFIXES:
-            while k.startswith(p):
-                k = k[len(p):]
+        while k.startswith(PREFIXES):  # in any order: DDP around a compiled model writes "module._orig_mod."
+            k = k[len(next(p for p in PREFIXES if k.startswith(p))):]
         out[k] = v
     return out
 
