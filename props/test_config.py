@@ -186,6 +186,7 @@ def test_messages_state_the_bounds():
     refused(TinyLMError, "x=2.0: must be a finite number in [0.0, 1.0]", number, "x", 2.0, low=0.0, high=1.0)
     refused(TinyLMError, "x=2.0: must be a finite number <= 1.0", number, "x", 2.0, high=1.0)
     refused(TinyLMError, "x=-inf: must be a finite number", number, "x", -math.inf)
+    refused(TinyLMError, "x=-1.0: must be a finite number >= 0.0; pass --x X", number, "x", -1.0, low=0.0, fix="--x X")
     assert number("x", 1.0, low=1.0) == 1.0 and integer("n", 3, low=3, high=3) == 3
     assert number("x", 1.0, low=0.0, high=1.0, strict_low=True) == 1.0
 

@@ -8,6 +8,7 @@ file can be unusable. Properties of tinylm itself, so marked ``tinylm_only``.
 from __future__ import annotations
 
 import os
+import pickle
 import sysconfig
 from pathlib import Path
 
@@ -87,11 +88,11 @@ def test_token_files_round_trip(tmp_path_factory, ids, dtype):
     assert isinstance(got, np.memmap) and got.dtype == arr.dtype and got.tolist() == ids
     arr.astype("<u2").tofile(d / "t.BIN")  # the suffix in any case
     got = load_tokens(str(d / "t.BIN"))
-    assert isinstance(got, np.memmap) and got.dtype == np.uint16 and got.tolist() == ids
+    assert isinstance(got, np.memmap) and got.dtype == np.uint16 and got.tolist() == ids and not got.flags.writeable
     text = bytes(i % 256 for i in ids)
     (d / "t.txt").write_bytes(text)
     got = load_tokens(d / "t.txt", vocab_size=256)
-    assert got.dtype == np.uint8 and bytes(got) == text
+    assert got.dtype == np.uint8 and bytes(got) == text and not got.flags.writeable
 
 
 def test_token_files_refused(tmp_path):
@@ -110,14 +111,22 @@ def test_token_files_refused(tmp_path):
     refused(f"--data {tmp_path / 't.txt'}: text is tokenised as bytes (ids 0..255) but vocab_size=255; "
             "use a model with vocab_size >= 256 or pre-tokenised .npy/.bin data", load_tokens, tmp_path / "t.txt", 255)
     assert bytes(load_tokens(tmp_path / "t.txt")) == b"hello"  # no vocab_size: no check
+    (tmp_path / "pickle.npy").write_bytes(pickle.dumps([1, 2, 3]))  # a pickle under a .npy name is never unpickled
+    try:
+        np.load(tmp_path / "pickle.npy", allow_pickle=False)
+    except ValueError as e:
+        why = str(e).splitlines()[0]
+    assert len(why) > 100
+    refused(f"--data {tmp_path / 'pickle.npy'}: not a readable .npy array ({why[:100]}); write tokens with np.save(path, "
+            "array)", load_tokens, tmp_path / "pickle.npy")
     (tmp_path / "bad.npy").write_bytes(b"not numpy at all")
     with pytest.raises(DataError, match=r"not a readable \.npy array \(.+\); write tokens with np\.save\(path, array\)$"):
         load_tokens(tmp_path / "bad.npy")
     np.save(tmp_path / "obj.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
     with pytest.raises(DataError, match=r"obj\.npy: not a readable \.npy array"):  # never unpickled
         load_tokens(tmp_path / "obj.npy")
-    np.save(tmp_path / "f.npy", np.array([0.5, 2.0]))
-    refused(f"--data {tmp_path / 'f.npy'}: holds a 1-D float64 array (values 0.5 .. 2.0); tokens must be a 1-D "
+    np.save(tmp_path / "f.npy", np.array([0.5, 2.0], dtype=np.float32))
+    refused(f"--data {tmp_path / 'f.npy'}: holds a 1-D float32 array (values 0.5 .. 2.0); tokens must be a 1-D "
             "integer array (np.save(path, ids.astype(np.int64)))", load_tokens, tmp_path / "f.npy")
     np.save(tmp_path / "m.npy", np.zeros((2, 2), dtype=np.int64))
     refused(f"--data {tmp_path / 'm.npy'}: holds a 2-D int64 array; tokens must be a 1-D "
@@ -158,11 +167,14 @@ def test_stdlib_corpus_reads_sorted_sources_without_tests(tmp_path, monkeypatch)
     for rel, body in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(body)
-    (tmp_path / "zz.py").symlink_to(tmp_path / "gone.py")  # unreadable: skipped
+    (tmp_path / "_gone.py").symlink_to(tmp_path / "gone.py")  # unreadable, and first in order: skipped
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
     whole = stdlib_corpus()
     assert whole.dtype == np.uint8 and bytes(whole) == b"AAABBBBBMMMM"
     assert bytes(stdlib_corpus(4)) == b"AAAB" and bytes(stdlib_corpus(3)) == b"AAA" and bytes(stdlib_corpus(9)) == b"AAABBBBBM"
+    read, real = [], Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: (read.append(self.name), real(self))[1])
+    assert bytes(stdlib_corpus(8)) == b"AAABBBBB" and read == ["_gone.py", "a.py", "b.py"]  # stops once it has enough
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(empty)})
