@@ -48,7 +48,7 @@ def test_model_bytes_are_the_models_tensors(cfg, dtype):
     assert m.num_parameters() == memory._params(cfg) == sum(p.numel() for p in params.values())
     measured = sum(p.numel() * p.element_size() for p in params.values()) + sum(b.numel() * b.element_size() for b in m.buffers())
     tensors, objects = model_bytes(cfg, dtype)
-    assert tensors == measured, (tensors, measured)
+    assert tensors == measured and type(tensors) is int and type(objects) is int, (tensors, measured)
     assert objects == cfg.num_layers * memory.BLOCK_OBJECT_BYTES and memory.BLOCK_OBJECT_BYTES >= 47 * 1024
 
 
@@ -88,7 +88,12 @@ def test_estimate(B, T, ffn, norm, tie):
 def test_check_fits_names_the_largest_batch_that_fits():
     need = check_fits(CFG, 8, 32, available=10**12)
     assert need == int(1.5 * estimate_bytes(CFG, 8, 32))
-    assert check_fits(CFG, 8, 32, torch.float64, available=int(1.5 * estimate_bytes(CFG, 8, 32, torch.float64))) > 0
+    need64 = int(1.5 * estimate_bytes(CFG, 8, 32, torch.float64))
+    assert check_fits(CFG, 8, 32, torch.float64, available=need64) == need64
+    for b in range(1, 41):  # at every supply from just enough for b to one byte short of b + 1, the answer is b
+        for have in (int(1.5 * estimate_bytes(CFG, b, 32)), int(1.5 * estimate_bytes(CFG, b + 1, 32)) - 1):
+            with pytest.raises(MemoryLimitError, match=rf"; try --batch-size {b}$"):
+                check_fits(CFG, 41, 32, available=have)
     for have in (int(1.5 * estimate_bytes(CFG, 5, 32)), int(1.5 * estimate_bytes(CFG, 5, 32)) + 1,
                  int(1.5 * estimate_bytes(CFG, 1, 32)), int(1.5 * estimate_bytes(CFG, 1, 32)) - 1, 0):
         fits = max([b for b in range(1, 101) if 1.5 * estimate_bytes(CFG, b, 32) <= have], default=0)
@@ -120,6 +125,8 @@ def test_check_model_fits():
     check_model_fits(CFG, device="meta", available=objects)  # tensors off the host cost the host nothing
     check_model_fits(CFG, device=torch.device("cuda", 0), available=objects)
     check_model_fits(CFG, device="cpu:0", available=tensors + objects)
+    with pytest.raises(MemoryLimitError):  # "cpu:0" is the host too
+        check_model_fits(CFG, device="cpu:0", available=tensors + objects - 1)
     t64, _ = model_bytes(CFG, torch.float64)
     msg = ("a model with vocab_size=1000, context_length=64, d_model=64, num_layers=2, d_ff=192 would need about "
            f"{(t64 + objects) / GIB:.3g} GiB but {(tensors + objects) / GIB:.3g} GiB is available; check these sizes "
