@@ -61,6 +61,12 @@ def test_producers_and_points(cfg):
         assert prod[b.mid].branch == "attn" and prod[b.output].branch == "ffn"
         assert prod[b.mid].kind == ("norm" if cfg.norm == "post" else "add")
         assert b.name == tplan.block_name(b.index) and all(s.output == s.writes[0] for s in b.steps)
+    for b in p.blocks:  # the first half of a block's steps is its attention branch (norm, branch, add), the rest its FFN
+        half = len(b.steps) // 2
+        assert [s.branch for s in b.steps] == ["attn"] * half + ["ffn"] * half
+        assert [s.kind for s in b.steps[:half]].count("attention") == 1 and [s.kind for s in b.steps[half:]].count("ffn") == 1
+    for br in p.branches():  # a branch reads its norm's output, or with no norm before it, the stream it is added to
+        assert br.reads == (br.norm or br.stream) == prod[br.name].reads[0]
     assert set(p.residual_points()[1:]) <= set(prod) and p.embedding not in prod
     assert p.head_input() == ("ln_final" if cfg.norm == "pre" else p.blocks[-1].output)
     assert len(p.describe().splitlines()) == 2 + sum(len(b.steps) for b in p.blocks) + (cfg.norm == "pre")
