@@ -54,6 +54,7 @@ def test_modules_are_the_forward_order(cfg):
 @given(cfg=model_configs(max_layers=3))
 def test_producers_and_points(cfg):
     p = tplan.build(cfg)
+    assert p.config is cfg and len(p.blocks) == cfg.num_layers and [b.index for b in p.blocks] == list(range(cfg.num_layers))
     prod = p.producers()
     assert {n for b in p.blocks for s in b.steps for n in s.writes} == set(prod)
     assert all(n in prod[n].writes for n in prod)
