@@ -283,3 +283,27 @@ def test_resume_refuses_damage(tmp_path):
     torch.save({"format": "tinylm", "version": 1, "config": CFG.to_dict(), "model": state}, tmp_path / "nan.pt")
     refused(CheckpointError, f"{tmp_path / 'nan.pt'}: parameters hold NaN or inf (ln_final.weight); resume from an earlier "
             "checkpoint", load_training, tmp_path / "nan.pt")
+    for k in ("layers.0.ln1.weight", "layers.0.ln2.weight", "token_embeddings.weight"):
+        state[k] = torch.full_like(state[k], float("inf"))
+    torch.save({"format": "tinylm", "version": 1, "config": CFG.to_dict(), "model": state}, tmp_path / "nan.pt")
+    refused(CheckpointError, f"{tmp_path / 'nan.pt'}: parameters hold NaN or inf (token_embeddings.weight, layers.0.ln1.weight, "
+            "layers.0.ln2.weight); resume from an earlier checkpoint", load_training, tmp_path / "nan.pt")
+
+
+def test_resume_from_other_formats(tmp_path):
+    from tinylm import checkpoint
+
+    model = model_of()
+    checkpoint.save(tmp_path / "m.safetensors", model, history={"h": [1]})
+    loaded, extra = load_training(tmp_path / "m.safetensors")  # weights only: the run starts at 0 with a new optimizer
+    assert loaded.training and same(loaded, model)
+    assert extra == {"optimizer": None, "iteration": 0, "history": {"h": [1]}, "options": None, "sampler_state": None,
+                     "data": None}
+    checkpoint.save(tmp_path / "n.safetensors", model, iteration=4)
+    assert load_training(tmp_path / "n.safetensors")[1]["iteration"] == 4
+    opt = make_optimizer(model, OPTS)
+    train(model, TOKENS, TrainOptions(**{**OPTS.to_dict(), "steps": 1}))
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "iteration": 2, "config": CFG.to_dict()},
+               tmp_path / "t.pt")  # a CS336-style training checkpoint
+    _, extra = load_training(tmp_path / "t.pt")
+    assert extra["iteration"] == 2 and extra["optimizer"] == opt.state_dict() and extra["options"] is None
