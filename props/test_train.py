@@ -175,7 +175,8 @@ class Recorder(Monitor):
 
     def commit(self, t, loss, lr, grad_norm, reason="interval", before=None):
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.model.parameters()])).item()
-        self.calls.append(("commit", t, reason, None if before is None else float(before["token"]), norm, grad_norm))
+        self.calls.append(("commit", t, reason, None if before is None else float(before["token"]), norm, grad_norm,
+                           loss, lr))
 
     def log(self, t, loss, lr, grad_norm):
         self.calls.append(("log", t, loss, lr, grad_norm))
@@ -193,6 +194,7 @@ def test_loop_follows_its_docstring():
     lrs = [lr_schedule(t, OPTS.lr, OPTS.floor, 2, 5) for t in range(5)]
     assert [(i.step, i.steps, i.lr, i.recorded) for i in infos] == [(t + 1, 5, lrs[t], t in (0, 1, 2, 3, 4)) for t in range(5)]
     assert all(i.tokens_per_s > 0 and math.isfinite(i.loss) for i in infos)
+    assert sum(2 * 4 / i.tokens_per_s for i in infos) <= res.seconds  # each step's rate is over that step's time
     assert res.optimizer.param_groups[0]["lr"] == lrs[-1]
     # the first step's loss is the initial model's loss on the first batch the seeded sampler draws
     x, y = get_batch(TOKENS, 2, 4, torch.Generator().manual_seed(OPTS.seed))
@@ -203,7 +205,8 @@ def test_loop_follows_its_docstring():
     for c in commits:  # the gradient the optimizer used is clipped to the global norm; grad_norm is before clipping
         assert c[4] == pytest.approx(min(c[5], OPTS.clip), rel=1e-5) and c[5] > OPTS.clip
     logs = [c for c in rec.calls if c[0] == "log"]
-    assert [(c[1], c[3]) for c in logs] == [(t, lrs[t]) for t in range(5)] and [c[2] for c in logs] == [i.loss for i in infos]
+    assert [c[1:] for c in logs] == [(t, i.loss, lrs[t], i.grad_norm) for t, i in enumerate(infos)]
+    assert [c[5:] for c in commits] == [(i.grad_norm, i.loss, lrs[t]) for t, i in enumerate(infos)]
     step1 = [c[0] for c in rec.calls if len(c) > 1 and c[1] == 1 and c[0] != "commit" and c[0] != "log"]
     assert step1 == ["due", "alarm", "capture", "snapshot"]  # a spike on a step not due: run again under capture
     step2 = [c[0] for c in rec.calls if len(c) > 1 and c[1] == 2]
@@ -218,6 +221,17 @@ def test_alarms_on_a_disabled_monitor_record_nothing():
     assert not [c for c in rec.calls if c[0] in ("capture", "commit", "snapshot")] and not any(i.recorded for i in infos)
 
 
+def test_no_clipping_at_zero_and_one_checkpoint_at_the_end(tmp_path):
+    model = model_of()
+    rec = Recorder(model, every=1)
+    out = tmp_path / "c.pt"
+    train(model, TOKENS, TrainOptions(**{**OPTS.to_dict(), "clip": 0.0}), monitor=rec, output=out,
+          on_step=lambda info: rec.calls.append(("file", out.exists())))
+    commits = [c for c in rec.calls if c[0] == "commit"]
+    assert len(commits) == 5 and all(c[4] == pytest.approx(c[5], rel=1e-5) and c[5] > OPTS.clip for c in commits)
+    assert [c[1] for c in rec.calls if c[0] == "file"] == [False] * 5 and out.exists()
+
+
 @pytest.mark.parametrize("stop", [True, False])
 def test_nonfinite_stops_before_the_optimizer_step(tmp_path, stop):
     model, ref = model_of(), model_of()
@@ -225,13 +239,16 @@ def test_nonfinite_stops_before_the_optimizer_step(tmp_path, stop):
     rec = Recorder(model, every=0, alarms={2: "nonfinite"})
     res = train(model, TOKENS, TrainOptions(**{**OPTS.to_dict(), "stop_on_nonfinite": stop}), monitor=rec,
                 output=tmp_path / "c.pt")
-    commits = [c for c in rec.calls if c[0] == "commit"]
+    commits, logs = [c for c in rec.calls if c[0] == "commit"], [c for c in rec.calls if c[0] == "log"]
     assert commits[0][1:3] == (2, "nonfinite") and (commits[0][3] is None) == stop
+    lr2 = lr_schedule(2, OPTS.lr, OPTS.floor, 2, 5)
+    assert commits[0][5:] == (logs[2][4], logs[2][2], lr2) and logs[2][1] == 2 and logs[2][3] == lr2
     if stop:
         loss = [c for c in rec.calls if c[0] == "log"][-1][2]
         assert res.stopped == f"non-finite loss ({loss}) at step 2; stopped before the optimizer step"
         assert res.iteration == 2 and res.tokens == 2 * 8 and same(model, ref)
-        assert torch.load(tmp_path / "c.pt", weights_only=True)["iteration"] == 2
+        saved = torch.load(tmp_path / "c.pt", weights_only=True)
+        assert saved["iteration"] == 2 and saved["history"] == {"mine": True}
         assert len([c for c in rec.calls if c[0] == "log"]) == 3
     else:
         assert res.stopped is None and res.iteration == 5 and not same(model, ref)
@@ -242,13 +259,14 @@ def test_resume_is_the_same_run(tmp_path):
     train(full, TOKENS, OPTS)
     part, seen = model_of(), []
 
-    def on_step(info):  # checkpoint_every=2: the file holds each even iteration before the end
-        seen.append(torch.load(tmp_path / "c.pt", weights_only=True)["iteration"] if info.step % 2 == 0 else None)
+    def on_step(info):  # checkpoint_every=2: the file holds the last even iteration before the end
+        f = tmp_path / "c.pt"
+        seen.append(torch.load(f, weights_only=True)["iteration"] if f.exists() else None)
 
     opts = TrainOptions(**{**OPTS.to_dict(), "checkpoint_every": 2})
     train(part, TOKENS, TrainOptions(**{**opts.to_dict(), "steps": 3}), output=tmp_path / "c.pt", on_step=on_step,
           data="tok.npy")
-    assert seen == [None, 2, None]
+    assert seen == [None, 2, 2]
     model, extra = load_training(tmp_path / "c.pt")
     assert model.training and extra["iteration"] == 3 and extra["data"] == "tok.npy" and extra["history"] is None
     assert extra["options"] == TrainOptions(**{**opts.to_dict(), "steps": 3}).to_dict()
