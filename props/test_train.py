@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import numpy as np
 import pytest
@@ -187,7 +188,10 @@ def test_loop_follows_its_docstring():
     model, ref = model_of(), model_of()
     rec = Recorder(model, every=2, alarms={1: "spike", 3: "spike"})
     infos: list[StepInfo] = []
+    wall, cpu = time.perf_counter(), time.process_time()
     res = train(model.eval(), TOKENS, OPTS, monitor=rec, on_step=infos.append)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    assert 0 < res.seconds <= wall and 0 <= res.cpu_seconds <= cpu
     assert isinstance(res, TrainResult) and res.model is model and model.training
     assert (res.iteration, res.tokens, res.stopped, res.history) == (5, 5 * 2 * 4, None, {"mine": True})
     assert res.seconds > 0 and res.cpu_seconds >= 0 and res.tokens_per_s == res.tokens / res.seconds and res.events == []
