@@ -383,6 +383,10 @@ def test_config_and_state_must_match_the_weights(tmp_path):
     ints = dict(sd, **{"ln_final.weight": torch.ones(8, dtype=torch.int64)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": ints}, p)
     refused(CheckpointError, f"{p}: non-float weights: ln_final.weight (torch.int64); weights must be floating point", load, p)
+    head = dict(sd, **{"lm_head.weight": sd["lm_head.weight"].to_sparse()})  # no config: the shapes are read first
+    torch.save(head, p)
+    refused(CheckpointError, f"{p}: sparse or non-dense weights: lm_head.weight (torch.sparse_coo); save dense tensors "
+            "(tensor.to_dense())", load, p, **FLAGS)
     sparse = dict(sd, **{"ln_final.weight": torch.ones(8).to_sparse()})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": sparse}, p)
     refused(CheckpointError, f"{p}: sparse or non-dense weights: ln_final.weight (torch.sparse_coo); save dense tensors "

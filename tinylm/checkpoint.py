@@ -359,7 +359,8 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     else:
         norm = "none"
     lm = state.get("lm_head.weight")
-    tied = lm is None or (lm.data_ptr() == emb.data_ptr() and lm.shape == emb.shape)
+    tied = lm is None or (lm.layout == emb.layout == torch.strided  # a sparse tensor has no data pointer
+                          and lm.data_ptr() == emb.data_ptr() and lm.shape == emb.shape)
     fields = dict(
         vocab_size=emb.shape[0],
         d_model=emb.shape[1],
