@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import re
+import struct
 import warnings
 
 import pytest
@@ -413,3 +414,37 @@ def test_tied_file_without_head_loads(tmp_path):
     m2, _ = load(tmp_path / "t.pt", **FLAGS)
     assert m2.config.tie_embeddings and m2.lm_head.weight is m2.token_embeddings.weight
     assert torch.equal(m2.lm_head.weight, m.lm_head.weight)
+
+
+@pytest.mark.parametrize("op", ["SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING"])
+def test_every_string_opcode_before_a_stack_global_is_read(op):
+    """A hand-made pickle may spell the module and name of STACK_GLOBAL with any string opcode;
+    the scanner names the global whichever it is (nothing is executed)."""
+    def s(text: str) -> bytes:
+        b = text.encode()
+        return {"SHORT_BINUNICODE": b"\x8c" + bytes([len(b)]) + b, "BINUNICODE": b"X" + struct.pack("<I", len(b)) + b,
+                "UNICODE": b"V" + b + b"\n", "BINUNICODE8": b"\x8d" + struct.pack("<Q", len(b)) + b,
+                "SHORT_BINSTRING": b"U" + bytes([len(b)]) + b, "BINSTRING": b"T" + struct.pack("<i", len(b)) + b}[op]
+
+    data = b"\x80\x04" + s("os") + s("system") + b"\x93."
+    assert checkpoint._pickle_globals(data) == ["os.system"]
+
+
+def test_text_is_judged_by_its_first_512_bytes(tmp_path):
+    for name, body in (("a.pt", b"x" * 512 + b"\xff\x00"), ("b.pt", b"y" * 511 + b"\xff")):
+        (tmp_path / name).write_bytes(body)
+    refused(CheckpointError, f"{tmp_path / 'a.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "a.pt")
+    refused(CheckpointError, f"{tmp_path / 'b.pt'}: not a PyTorch checkpoint (unreadable or corrupt data); {FIX}",
+            load, tmp_path / "b.pt")
+
+
+def test_an_unopenable_file_is_not_called_a_broken_zip(tmp_path, monkeypatch):
+    p = tmp_path / "z.pt"
+    p.write_bytes(b"PK\x03\x04" + b"\x00" * 40)
+    assert checkpoint._is_broken_zip(p)
+
+    def no_open(*args, **kwargs):
+        raise OSError("gone")
+
+    monkeypatch.setattr("builtins.open", no_open)
+    assert checkpoint._is_broken_zip(p) is False and checkpoint._looks_like_text(p) is False
