@@ -17,6 +17,7 @@ import pickle
 import re
 import struct
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -448,3 +449,47 @@ def test_an_unopenable_file_is_not_called_a_broken_zip(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", no_open)
     assert checkpoint._is_broken_zip(p) is False and checkpoint._looks_like_text(p) is False
+
+
+def test_corrupt_safetensors_quotes_the_parser_to_120_characters(tmp_path):
+    from safetensors import safe_open
+
+    header = json.dumps({"w": {"dtype": "Q" * 150, "shape": [1], "data_offsets": [0, 4]}}).encode()
+    p = tmp_path / "q.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header + b"\x00" * 4)
+    try:
+        with safe_open(str(p), framework="pt") as f:
+            list(f.keys())
+    except Exception as e:  # the parser's own words
+        why = str(e).splitlines()[0]
+    assert len(why) > 120
+    refused(CheckpointError, f"{p}: corrupt safetensors file ({why[:120]}); re-export it", load, p)
+
+
+def test_json_nesting_is_counted_outside_strings_only(tmp_path):
+    bj = checkpoint._bounded_json
+    after_string = '["a\\\\", "b\\"", ' + "[" * 64 + "]" * 64 + "]"  # strings (escapes too) end where they end
+    with pytest.raises(CheckpointError, match="nests 65 levels"):
+        bj(after_string, "x", tmp_path)
+    reopened = "[" * 63 + "[],[[]]" + "]" * 63  # 64 deep, back to 63, then 65 deep
+    with pytest.raises(CheckpointError, match="nests 65 levels"):
+        bj(reopened, "x", tmp_path)
+    assert bj("[" * 63 + "[],[]" + "]" * 63, "x", tmp_path) is not None
+
+
+def test_atomic_write_stages_a_hidden_file_beside_the_target(tmp_path):
+    seen = []
+
+    def write(tmp):
+        seen.append(Path(tmp))
+        open(tmp, "wb").write(b"x")
+
+    atomic_write(tmp_path / "m.pt", write)
+    (tmp,) = seen
+    assert tmp.parent == tmp_path and tmp.name.startswith(".m.pt.") and tmp.name.endswith(".tmp")
+
+
+def test_norm_placement_from_either_block_norm():
+    sd = model_of(SMALL.replace(norm="post")).state_dict()
+    only_ln1 = {k: v for k, v in sd.items() if ".ln2." not in k}
+    assert infer_config(only_ln1, **FLAGS).norm == "post"
