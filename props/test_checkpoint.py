@@ -493,3 +493,32 @@ def test_norm_placement_from_either_block_norm():
     sd = model_of(SMALL.replace(norm="post")).state_dict()
     only_ln1 = {k: v for k, v in sd.items() if ".ln2." not in k}
     assert infer_config(only_ln1, **FLAGS).norm == "post"
+
+
+def test_lists_in_messages_name_the_first_three(tmp_path):
+    sd = model_of().state_dict()
+    p = tmp_path / "m.pt"
+    norms = ["layers.0.ln1.weight", "layers.0.ln2.weight", "layers.1.ln1.weight", "layers.1.ln2.weight"]
+
+    def stored(state):
+        torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": state}, p)
+
+    stored(dict(sd, **{k: torch.ones(8).to_sparse() for k in norms}))
+    refused(CheckpointError, f"{p}: sparse or non-dense weights: layers.0.ln1.weight (torch.sparse_coo), layers.0.ln2.weight "
+            "(torch.sparse_coo), layers.1.ln1.weight (torch.sparse_coo); save dense tensors (tensor.to_dense())", load, p)
+    stored(dict(sd, **{k: torch.ones(8, dtype=torch.int16) for k in norms}))
+    refused(CheckpointError, f"{p}: non-float weights: layers.0.ln1.weight (torch.int16), layers.0.ln2.weight (torch.int16), "
+            "layers.1.ln1.weight (torch.int16); weights must be floating point", load, p)
+    stored(dict(sd, **{f"x{i}": torch.zeros(1) for i in range(3)}))
+    refused(CheckpointError, f"{p}: the state dict does not match the model (unexpected 3 key(s): x0, x1, x2); check the "
+            "config flags or the file", load, p)
+    stored(dict(sd, **{k: torch.zeros(3) for k in norms[:3]}))
+    refused(CheckpointError, f"{p}: wrong shapes: layers.0.ln1.weight (3,) (expected (8,)); layers.0.ln2.weight (3,) (expected "
+            "(8,)); layers.1.ln1.weight (3,) (expected (8,)); check the config flags or the file", load, p)
+    for gone in ("token_embeddings.weight", "layers.0.ffn.w1.weight"):  # the size check skips what is not there
+        stored({k: v for k, v in sd.items() if k != gone})
+        refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): {gone}); check the "
+                "config flags or the file", load, p)
+    torch.save({"w": torch.zeros(2)}, p)  # one tensor is still a state dict, of no language model
+    refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
+            "(first keys: w)", load, p, **FLAGS)
