@@ -114,6 +114,7 @@ def test_lr_schedule_points():
     assert lr_schedule(4, 1.0, 0.1, 4, 10) == 1.0 and lr_schedule(7, 1.0, 0.1, 4, 10) == pytest.approx(0.55, abs=1e-15)
     assert lr_schedule(10, 1.0, 0.1, 4, 10) == 0.1 and lr_schedule(0, 1.0, 0.1, 0, 10) == 1.0
     assert lr_schedule(5, 1.0, 0.1, 5, 5) == 0.1 and lr_schedule(0, 2.0, 0.0, 0, 1) == 2.0
+    assert lr_schedule(0, 1.0, 0.1, 1, 10) == 1.0 and lr_schedule(1, 1.0, 0.1, 1, 10) == 1.0  # a one-step warmup
 
 
 def test_monitor_defaults():
