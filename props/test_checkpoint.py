@@ -522,3 +522,46 @@ def test_lists_in_messages_name_the_first_three(tmp_path):
     torch.save({"w": torch.zeros(2)}, p)  # one tensor is still a state dict, of no language model
     refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
             "(first keys: w)", load, p, **FLAGS)
+
+
+def test_safetensors_is_sniffed_by_its_header_bounds(tmp_path):
+    def sniffed(name: str, body: bytes) -> str:
+        (tmp_path / name).write_bytes(body)
+        with pytest.raises(CheckpointError) as info:
+            load(tmp_path / name, **FLAGS)
+        return str(info.value)
+
+    assert "corrupt safetensors file" in sniffed("one.pt", struct.pack("<Q", 1) + b"{")  # n = size - 8 = 1: header only
+    assert sniffed("two.pt", struct.pack("<Q", 2) + b"{}").endswith("(first keys: )")  # an empty safetensors file
+    for name, body in (("zero.pt", struct.pack("<Q", 0) + b"{}"),  # no header
+                       ("long.pt", struct.pack("<Q", 3) + b"{}"),  # header past the end
+                       ("brace.pt", struct.pack("<Q", 1) + b"x"),  # no JSON object
+                       ("short.pt", b"\x01\x00\x00\x00")):
+        assert sniffed(name, body).endswith(f"not a PyTorch checkpoint (unreadable or corrupt data); {FIX}"), name
+    (tmp_path / "hi.pt").write_text("hello")  # shorter than a safetensors header: text
+    refused(CheckpointError, f"{tmp_path / 'hi.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "hi.pt")
+
+
+def test_unsafe_names_at_most_three_and_a_load_refused_midway(tmp_path, monkeypatch):
+    import decimal
+
+    path = tmp_path / "f.pt"
+    torch.save([fractions.Fraction(1, 3), re.compile("x"), CheckpointInfo("p", "x", "y"), decimal.Decimal(1)], path)
+    with pytest.raises(UnsafeCheckpointError, match=r"\(fractions\.Fraction, re\._compile, tinylm\.checkpoint\.CheckpointInfo\) that"):
+        load(path)
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    save(tmp_path / "m.pt", model_of())
+    monkeypatch.setattr(torch, "load", denied)
+    refused(CheckpointError, f"{tmp_path / 'm.pt'}: not readable (permission denied); fix its permissions (chmod u+r)",
+            load, tmp_path / "m.pt")
+
+
+def test_an_untied_config_never_borrows_the_embedding(tmp_path):
+    sd = {k: v for k, v in model_of().state_dict().items() if k != "lm_head.weight"}
+    p = tmp_path / "m.pt"
+    torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": sd}, p)
+    refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): lm_head.weight); check the "
+            "config flags or the file", load, p)
