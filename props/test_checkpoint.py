@@ -565,3 +565,20 @@ def test_an_untied_config_never_borrows_the_embedding(tmp_path):
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": sd}, p)
     refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): lm_head.weight); check the "
             "config flags or the file", load, p)
+
+
+def test_read_state_is_safe_by_default_and_records_the_path(tmp_path):
+    path = tmp_path / "f.pt"
+    torch.save({"a": fractions.Fraction(1, 3)}, path)
+    with pytest.raises(UnsafeCheckpointError):
+        read_state(path)
+    bad = tmp_path / "x.safetensors"  # the suffix alone sends it to the safetensors parser
+    bad.write_bytes(b"\x00" * 32)
+    with pytest.raises(CheckpointError, match=r"x\.safetensors: corrupt safetensors file \("):
+        read_state(bad)
+    torch.save({"model": model_of().state_dict()}, tmp_path / "t.pt")
+    assert read_state(tmp_path / "t.pt")[2].path == str(tmp_path / "t.pt")
+    torch.save(model_of(), tmp_path / "w.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert read_state(tmp_path / "w.pt", unsafe=True)[2].path == str(tmp_path / "w.pt")
