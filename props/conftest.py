@@ -4,7 +4,7 @@
   repository's root conftest registers them, so ``pytest --pyargs props`` on an installed
   copy behaves the same.
 * ``TINYLM_PROPS_NO_SHRINK=1`` (set by the mutation check) turns off shrinking of failing examples.
-* Registers the ``prop`` and ``slow`` markers and the :class:`props.plugin.PropsPlugin`.
+* Registers the ``prop``, ``slow`` and ``tinylm_only`` markers and the :class:`props.plugin.PropsPlugin`.
 * The session fixture ``impl``: the implementation under test (TINYLM_PROPS_IMPL).
 """
 
@@ -33,6 +33,9 @@ if os.environ.get("TINYLM_PROPS_NO_SHRINK"):  # the mutation check: a failure is
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "prop(claim, needs, alpha): a numerics property of the suite")
     config.addinivalue_line("markers", "slow: thorough variants left out of the default run")
+    config.addinivalue_line(
+        "markers", "tinylm_only: a test of tinylm's own contract, left out when another implementation is under test"
+    )
     if not config.pluginmanager.has_plugin(PLUGIN_NAME):
         config.pluginmanager.register(PropsPlugin(os.environ.get(RESULTS_ENV) or None), PLUGIN_NAME)
 

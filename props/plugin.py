@@ -5,6 +5,9 @@ both load it). For each test marked with :func:`props.record.prop` it
 
 * skips the test, naming the functions, when the implementation under test
   (``TINYLM_PROPS_IMPL``, see :mod:`props.impl`) lacks one it needs;
+* leaves out (deselects) every test marked ``tinylm_only`` when the implementation
+  under test is not tinylm: those hold tinylm's own contract (its config, checkpoints,
+  data, training loop, plan, memory estimate), which says nothing about a user's code;
 * opens a :class:`props.record.PropertyLog` around the call and keeps it;
 * writes every property's outcome, claim, examples, worst observation and
   tolerance as JSON to the file named by ``TINYLM_PROPS_RESULTS`` at the end.
@@ -24,10 +27,12 @@ import pytest
 from . import record as _record
 from .impl import current
 
-__all__ = ["PropsPlugin", "RESULTS_ENV", "PLUGIN_NAME"]
+__all__ = ["PropsPlugin", "RESULTS_ENV", "PLUGIN_NAME", "TINYLM_ONLY"]
 
 RESULTS_ENV = "TINYLM_PROPS_RESULTS"
 PLUGIN_NAME = "tinylm-props"
+#: the marker of a test about tinylm itself, left out when another implementation is under test
+TINYLM_ONLY = "tinylm_only"
 
 
 def _prop_name(item: pytest.Item) -> str:
@@ -45,6 +50,14 @@ class PropsPlugin:
 
     def _row(self, item_or_report: Any) -> dict[str, Any]:
         return self.rows.setdefault(item_or_report.nodeid, {"nodeid": item_or_report.nodeid})
+
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if current().name == "tinylm":
+            return
+        dropped = [item for item in items if item.get_closest_marker(TINYLM_ONLY) is not None]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if item.get_closest_marker(TINYLM_ONLY) is None]
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:

@@ -18,6 +18,7 @@ from props.record import check, prop
 from props.strategies import generator, model_configs, seeds
 
 
+@pytest.mark.tinylm_only  # tinylm's own constructor arguments, whatever the implementation under test
 @prop("TransformerLM(dtype=float64) and device='meta': every parameter in that dtype / on meta; materialize() to cpu; ties kept", needs=("transformer_lm",))
 @settings(max_examples=8)
 @given(cfg=model_configs(max_layers=2, max_vocab=32, max_context=8))
@@ -197,6 +198,7 @@ def test_linear_bias(impl, seed, a, b):
     check(err, 4 * (a + 2) * 2.0**-53 * (1 + float(x.abs().max() * W.abs().max() * a + bias.abs().max())), "Linear with bias")
 
 
+@pytest.mark.tinylm_only  # tinylm's own TransformerBlock, whatever the implementation under test
 @prop("TransformerBlock defaults: pre-norm, SwiGLU, no dropout, eps 1e-5; eps, dtype, device and bad norm/ffn (named) honoured", needs=("transformer_block",))
 def test_block_arguments(impl):
     from tinylm.model import TransformerBlock

@@ -287,9 +287,8 @@ def _bounded_json(text: str, what: str, path: Path) -> Any:
 def _strip_prefixes(state: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in state.items():
-        for p in PREFIXES:
-            while k.startswith(p):
-                k = k[len(p):]
+        while k.startswith(PREFIXES):  # in any order: DDP around a compiled model writes "module._orig_mod."
+            k = k[len(next(p for p in PREFIXES if k.startswith(p))):]
         out[k] = v
     return out
 
