@@ -188,8 +188,9 @@ def test_foreign_pickles_are_named_not_run(tmp_path, zipped):
            "e": collections.Counter("ab"), "t": torch.zeros(3)}  # (collections is allowed, as torch's own)
     torch.save(obj, path, _use_new_zipfile_serialization=zipped)
     refused(UnsafeCheckpointError, f"{path}: holds pickled Python objects (fractions.Fraction, re._compile, "
-            "tinylm.checkpoint.CheckpointInfo) that a safe load will not execute; if it is a whole pickled model you "
-            "trust, rerun with --unsafe-load, or convert it once: torch.save(torch.load(p, weights_only=False)"
+            "tinylm.checkpoint.CheckpointInfo), e.g. a whole torch.save(model), which a safe load will not execute; "
+            "if you made the file or trust it, rerun with --unsafe-load (risk: it runs the code the file names, with "
+            "your permissions), or convert it once to a state dict: torch.save(torch.load(p, weights_only=False)"
             ".state_dict(), 'state.pt')", load, path)
     refused(CheckpointError, f"{path}: holds a dict, not a model state dict; save model.state_dict() or use "
             "tinylm.checkpoint.save", load, path, unsafe=True)
@@ -547,7 +548,7 @@ def test_unsafe_names_at_most_three_and_a_load_refused_midway(tmp_path, monkeypa
 
     path = tmp_path / "f.pt"
     torch.save([fractions.Fraction(1, 3), re.compile("x"), CheckpointInfo("p", "x", "y"), decimal.Decimal(1)], path)
-    with pytest.raises(UnsafeCheckpointError, match=r"\(fractions\.Fraction, re\._compile, tinylm\.checkpoint\.CheckpointInfo\) that"):
+    with pytest.raises(UnsafeCheckpointError, match=r"\(fractions\.Fraction, re\._compile, tinylm\.checkpoint\.CheckpointInfo\), e\.g\. a whole"):
         load(path)
 
     def denied(*args, **kwargs):
