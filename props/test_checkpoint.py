@@ -24,6 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from props.contract import assert_refused
 from props.record import prop
 from props.strategies import generator, model_configs
 from tinylm import checkpoint
@@ -47,10 +48,6 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
-def refused(exc, message: str, fn, *args, **kwargs) -> None:
-    with pytest.raises(exc) as info:
-        fn(*args, **kwargs)
-    assert str(info.value) == message, f"message {str(info.value)!r} != {message!r}"
 
 
 @prop("save/load round trip (.pt and .safetensors): bit-identical weights, the config, extras, iteration and history; "
@@ -94,9 +91,9 @@ def test_pt_layout_and_safetensors_metadata(tmp_path):
 
 
 def test_save_refuses(tmp_path):
-    refused(ConfigError, "save() needs a model with a tinylm ModelConfig in .config (a TransformerLM)",
+    assert_refused(ConfigError, "save() needs a model with a tinylm ModelConfig in .config (a TransformerLM)",
             save, tmp_path / "m.pt", torch.nn.Linear(2, 2))
-    refused(ConfigError, "extra key(s) ['config', 'format', 'version'] are reserved by the tinylm format",
+    assert_refused(ConfigError, "extra key(s) ['config', 'format', 'version'] are reserved by the tinylm format",
             save, tmp_path / "m.pt", model_of(), **{"version": 1, "config": 2, "format": 3, "other": 4})
     with pytest.raises(ConfigError) as info:
         save(tmp_path / "m.safetensors", model_of(), blob=object())
@@ -128,19 +125,19 @@ def test_atomic_write(tmp_path):
 
 def test_unusable_paths(tmp_path, monkeypatch):
     p = tmp_path / "none.pt"
-    refused(CheckpointError, f"{p}: no such file; check the path", load, p)
-    refused(CheckpointError, f"{tmp_path}: is a directory; pass the checkpoint file inside it", load, tmp_path)
+    assert_refused(CheckpointError, f"{p}: no such file; check the path", load, p)
+    assert_refused(CheckpointError, f"{tmp_path}: is a directory; pass the checkpoint file inside it", load, tmp_path)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    refused(CheckpointError, f"{fifo}: not a regular file; pass a checkpoint file", load, fifo)
+    assert_refused(CheckpointError, f"{fifo}: not a regular file; pass a checkpoint file", load, fifo)
     empty = tmp_path / "e.pt"
     empty.write_bytes(b"")
-    refused(CheckpointError, f"{empty}: empty file (0 bytes); the save was probably interrupted; use another checkpoint",
+    assert_refused(CheckpointError, f"{empty}: empty file (0 bytes); the save was probably interrupted; use another checkpoint",
             load, empty)
     good = tmp_path / "m.pt"
     save(good, model_of())
     monkeypatch.setattr(os, "access", lambda path, mode: mode != os.R_OK)
-    refused(CheckpointError, f"{good}: not readable (permission denied); fix its permissions (chmod u+r)", load, good)
+    assert_refused(CheckpointError, f"{good}: not readable (permission denied); fix its permissions (chmod u+r)", load, good)
 
 
 def test_reading_errors_after_the_checks(tmp_path, monkeypatch):
@@ -156,11 +153,11 @@ def test_reading_errors_after_the_checks(tmp_path, monkeypatch):
         return fake
 
     monkeypatch.setattr("builtins.open", failing(PermissionError(13, "Permission denied")))
-    refused(CheckpointError, f"{good}: not readable (permission denied); fix its permissions (chmod u+r)", load, good)
+    assert_refused(CheckpointError, f"{good}: not readable (permission denied); fix its permissions (chmod u+r)", load, good)
     monkeypatch.setattr("builtins.open", failing(OSError(5, "Input/output error")))
-    refused(CheckpointError, f"{good}: cannot be read (Input/output error); check the file and its disk", load, good)
+    assert_refused(CheckpointError, f"{good}: cannot be read (Input/output error); check the file and its disk", load, good)
     monkeypatch.setattr("builtins.open", failing(OSError("no strerror")))
-    refused(CheckpointError, f"{good}: cannot be read (no strerror); check the file and its disk", load, good)
+    assert_refused(CheckpointError, f"{good}: cannot be read (no strerror); check the file and its disk", load, good)
 
 
 def test_damaged_files(tmp_path):
@@ -169,15 +166,15 @@ def test_damaged_files(tmp_path):
     data = good.read_bytes()
     for name, body in (("cut.pt", data[: len(data) // 2]), ("head.pt", data[:20])):
         (tmp_path / name).write_bytes(body)
-        refused(CheckpointError, f"{tmp_path / name}: truncated or damaged (the save was probably interrupted or the copy "
+        assert_refused(CheckpointError, f"{tmp_path / name}: truncated or damaged (the save was probably interrupted or the copy "
                 f"is incomplete); {FIX}", load, tmp_path / name)
     (tmp_path / "t.pt").write_text("step,loss\n1,2.5\n")
-    refused(CheckpointError, f"{tmp_path / 't.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "t.pt")
+    assert_refused(CheckpointError, f"{tmp_path / 't.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "t.pt")
     (tmp_path / "b.pt").write_bytes(bytes(range(256)) * 4)
-    refused(CheckpointError, f"{tmp_path / 'b.pt'}: not a PyTorch checkpoint (unreadable or corrupt data); {FIX}",
+    assert_refused(CheckpointError, f"{tmp_path / 'b.pt'}: not a PyTorch checkpoint (unreadable or corrupt data); {FIX}",
             load, tmp_path / "b.pt")
     (tmp_path / "z.pt").write_bytes(b"\x00" * 64)  # NUL bytes decode as UTF-8 but are not text
-    refused(CheckpointError, f"{tmp_path / 'z.pt'}: not a PyTorch checkpoint (unreadable or corrupt data); {FIX}",
+    assert_refused(CheckpointError, f"{tmp_path / 'z.pt'}: not a PyTorch checkpoint (unreadable or corrupt data); {FIX}",
             load, tmp_path / "z.pt")
 
 
@@ -187,12 +184,12 @@ def test_foreign_pickles_are_named_not_run(tmp_path, zipped):
     obj = {"a": fractions.Fraction(1, 3), "b": fractions.Fraction(1, 2), "c": re.compile("x"), "d": CheckpointInfo("p", "x", "y"),
            "e": collections.Counter("ab"), "t": torch.zeros(3)}  # (collections is allowed, as torch's own)
     torch.save(obj, path, _use_new_zipfile_serialization=zipped)
-    refused(UnsafeCheckpointError, f"{path}: holds pickled Python objects (fractions.Fraction, re._compile, "
+    assert_refused(UnsafeCheckpointError, f"{path}: holds pickled Python objects (fractions.Fraction, re._compile, "
             "tinylm.checkpoint.CheckpointInfo), e.g. a whole torch.save(model), which a safe load will not execute; "
             "if you made the file or trust it, rerun with --unsafe-load (risk: it runs the code the file names, with "
             "your permissions), or convert it once to a state dict: torch.save(torch.load(p, weights_only=False)"
             ".state_dict(), 'state.pt')", load, path)
-    refused(CheckpointError, f"{path}: holds a dict, not a model state dict; save model.state_dict() or use "
+    assert_refused(CheckpointError, f"{path}: holds a dict, not a model state dict; save model.state_dict() or use "
             "tinylm.checkpoint.save", load, path, unsafe=True)
 
 
@@ -228,12 +225,12 @@ def test_tinylm_format_damage(tmp_path):
     p = tmp_path / "m.pt"
     sd = model_of().state_dict()
     torch.save({"format": "tinylm", "version": 1, "config": SMALL.to_dict(), "model": [1]}, p)
-    refused(CheckpointError, f"{p}: a tinylm checkpoint whose 'model' entry is not a state dict; the file is damaged", load, p)
+    assert_refused(CheckpointError, f"{p}: a tinylm checkpoint whose 'model' entry is not a state dict; the file is damaged", load, p)
     torch.save({"format": "tinylm", "config": [1, 2], "model": sd}, p)
-    refused(CheckpointError, f"{p}: the stored config is a list, not a dict of fields; the file is damaged or was "
+    assert_refused(CheckpointError, f"{p}: the stored config is a list, not a dict of fields; the file is damaged or was "
             "written by another tool (save with tinylm.checkpoint.save)", load, p)
     torch.save({"format": "tinylm", "config": {**SMALL.to_dict(), "num_heads": 3}, "model": sd}, p)
-    refused(CheckpointError, f"{p}: stored config is invalid: d_model=8, num_heads=3: d_model must be divisible by num_heads",
+    assert_refused(CheckpointError, f"{p}: stored config is invalid: d_model=8, num_heads=3: d_model must be divisible by num_heads",
             load, p)
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": sd, "iteration": -4, "x": 1}, p)
     m, info = load(p, num_layers=None)  # a None override is no override
@@ -261,7 +258,7 @@ def test_training_and_bare_state_dicts(tmp_path):
     assert info.format == "state_dict" and same(m3.state_dict(), sd) and m3.config == SMALL.replace(norm="post")
     for obj, kind in (([1, 2], "list"), ({}, "dict"), ({"a": 1}, "dict"), ({1: torch.zeros(1)}, "dict")):
         torch.save(obj, tmp_path / "x.pt")
-        refused(CheckpointError, f"{tmp_path / 'x.pt'}: holds a {kind}, not a model state dict; save model.state_dict() "
+        assert_refused(CheckpointError, f"{tmp_path / 'x.pt'}: holds a {kind}, not a model state dict; save model.state_dict() "
                 "or use tinylm.checkpoint.save", load, tmp_path / "x.pt")
 
 
@@ -279,7 +276,7 @@ def test_safetensors_metadata(tmp_path):
     m, info = load(p)
     assert (info.iteration, info.history, info.extra, info.config_source) == (9, {"a": [1]}, {"tag": "not json", "n": [1, 2]}, "stored")
     _safetensors_file(p, sd, {"config": "{not json"})
-    refused(CheckpointError, f"{p}: the config in its safetensors metadata is not valid JSON; re-export it", load, p)
+    assert_refused(CheckpointError, f"{p}: the config in its safetensors metadata is not valid JSON; re-export it", load, p)
     _safetensors_file(p, sd, {})
     _, info = load(p, **FLAGS)
     assert info.config_source == "inferred" and info.iteration is None and info.extra == {}
@@ -288,12 +285,12 @@ def test_safetensors_metadata(tmp_path):
     assert read_state(q)[2].format == "safetensors"
     deep = "[" * 65 + "]" * 65
     _safetensors_file(p, sd, {"config": json.dumps(SMALL.to_dict()), "x": deep})
-    refused(CheckpointError, f"{p}: its 'x' metadata nests 65 levels deep (at most 64); re-export the file without it", load, p)
+    assert_refused(CheckpointError, f"{p}: its 'x' metadata nests 65 levels deep (at most 64); re-export the file without it", load, p)
     _safetensors_file(p, sd, {"config": json.dumps(SMALL.to_dict()), "x": "[" * 64 + "]" * 64, "s": '["[[[[", "\\"[["]'})
     assert load(p)[1].extra["s"] == ["[[[[", '"[[']
     big = json.dumps("a" * (1 << 20))
     _safetensors_file(p, sd, {"config": big})
-    refused(CheckpointError, f"{p}: its config metadata is {len(big):,} characters (at most {1 << 20:,} are read); "
+    assert_refused(CheckpointError, f"{p}: its config metadata is {len(big):,} characters (at most {1 << 20:,} are read); "
             "re-export the file without it", load, p)
 
 
@@ -336,14 +333,14 @@ def test_infer_config_from_shapes_and_flags():
             infer_config(sd, **{k: v for k, v in FLAGS.items() if k != missing})
         assert str(info.value) == (f"the checkpoint stores no config, so {missing} is unknown; pass {flag} N "
                                    f"(or {missing}=... to tinylm.checkpoint.load)")
-    refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
+    assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
             "(first keys: a, b, c, d)", infer_config, {k: torch.zeros(1) for k in "abcde"})
-    refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
+    assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
             "(first keys: token_embeddings.weight)", infer_config, {"token_embeddings.weight": torch.zeros(3)})
-    refused(CheckpointError, "no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model",
+    assert_refused(CheckpointError, "no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model",
             infer_config, {"token_embeddings.weight": torch.zeros(3, 4), "layers": torch.zeros(1)})
     no_w1 = {k: v for k, v in sd.items() if "ffn.w1" not in k}
-    refused(CheckpointError, "no 2-D 'layers.N.ffn.w1.weight': cannot tell d_ff; is this a CS336/tinylm model?",
+    assert_refused(CheckpointError, "no 2-D 'layers.N.ffn.w1.weight': cannot tell d_ff; is this a CS336/tinylm model?",
             infer_config, no_w1)
     flat_w1 = dict(sd, **{"layers.0.ffn.w1.weight": torch.zeros(10), "layers.1.ffn.w1.weight": torch.zeros(10)})
     with pytest.raises(CheckpointError, match="cannot tell d_ff"):
@@ -356,43 +353,43 @@ def test_config_and_state_must_match_the_weights(tmp_path):
     sd = model_of().state_dict()
     p = tmp_path / "m.pt"
     torch.save({"format": "tinylm", "config": SMALL.replace(num_layers=3, d_ff=12).to_dict(), "model": sd}, p)
-    refused(CheckpointError, f"{p}: the config does not match the weights (num_layers=3 but the weights show 2; d_ff=12 but "
+    assert_refused(CheckpointError, f"{p}: the config does not match the weights (num_layers=3 but the weights show 2; d_ff=12 but "
             "the weights show 10); fix the flag or the stored config, or drop it and let the shapes decide", load, p)
-    refused(CheckpointError, f"{p}: the config does not match the weights (vocab_size=13 but the weights show 12; d_model=16 "
+    assert_refused(CheckpointError, f"{p}: the config does not match the weights (vocab_size=13 but the weights show 12; d_model=16 "
             "but the weights show 8); fix the flag or the stored config, or drop it and let the shapes decide",
             load, p, vocab_size=13, d_model=16, num_layers=2, d_ff=10, num_heads=2)
     extra = dict(sd, **{f"x{i}": torch.zeros(1) for i in range(4)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": extra}, p)
-    refused(CheckpointError, f"{p}: the state dict does not match the model (unexpected 4 key(s): x0, x1, x2 ...); check the "
+    assert_refused(CheckpointError, f"{p}: the state dict does not match the model (unexpected 4 key(s): x0, x1, x2 ...); check the "
             "config flags or the file", load, p)
     fewer = {k: v for k, v in sd.items() if not k.startswith("layers.1.attn")}
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": dict(fewer, y=torch.zeros(1))}, p)
-    refused(CheckpointError, f"{p}: the state dict does not match the model (missing 4 key(s): layers.1.attn.q_proj.weight, "
+    assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 4 key(s): layers.1.attn.q_proj.weight, "
             "layers.1.attn.k_proj.weight, layers.1.attn.v_proj.weight ...; unexpected 1 key(s): y); check the config flags "
             "or the file", load, p)
     three = {k: v for k, v in sd.items() if k not in ("layers.1.ln1.weight", "layers.1.ln2.weight", "layers.1.ffn.w3.weight")}
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": three}, p)
-    refused(CheckpointError, f"{p}: the state dict does not match the model (missing 3 key(s): layers.1.ln1.weight, "
+    assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 3 key(s): layers.1.ln1.weight, "
             "layers.1.ln2.weight, layers.1.ffn.w3.weight); check the config flags or the file", load, p)
     shapes = dict(sd, **{k: torch.zeros(3) for k in ("layers.0.ln1.weight", "layers.0.ln2.weight", "layers.1.ln1.weight",
                                                       "layers.1.ln2.weight")})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": shapes}, p)
-    refused(CheckpointError, f"{p}: wrong shapes: layers.0.ln1.weight (3,) (expected (8,)); layers.0.ln2.weight (3,) (expected "
+    assert_refused(CheckpointError, f"{p}: wrong shapes: layers.0.ln1.weight (3,) (expected (8,)); layers.0.ln2.weight (3,) (expected "
             "(8,)); layers.1.ln1.weight (3,) (expected (8,)) ...; check the config flags or the file", load, p)
     one = dict(sd, **{"ln_final.weight": torch.zeros(3)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": one}, p)
-    refused(CheckpointError, f"{p}: wrong shapes: ln_final.weight (3,) (expected (8,)); check the config flags or the file",
+    assert_refused(CheckpointError, f"{p}: wrong shapes: ln_final.weight (3,) (expected (8,)); check the config flags or the file",
             load, p)
     ints = dict(sd, **{"ln_final.weight": torch.ones(8, dtype=torch.int64)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": ints}, p)
-    refused(CheckpointError, f"{p}: non-float weights: ln_final.weight (torch.int64); weights must be floating point", load, p)
+    assert_refused(CheckpointError, f"{p}: non-float weights: ln_final.weight (torch.int64); weights must be floating point", load, p)
     head = dict(sd, **{"lm_head.weight": sd["lm_head.weight"].to_sparse()})  # no config: the shapes are read first
     torch.save(head, p)
-    refused(CheckpointError, f"{p}: sparse or non-dense weights: lm_head.weight (torch.sparse_coo); save dense tensors "
+    assert_refused(CheckpointError, f"{p}: sparse or non-dense weights: lm_head.weight (torch.sparse_coo); save dense tensors "
             "(tensor.to_dense())", load, p, **FLAGS)
     sparse = dict(sd, **{"ln_final.weight": torch.ones(8).to_sparse()})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": sparse}, p)
-    refused(CheckpointError, f"{p}: sparse or non-dense weights: ln_final.weight (torch.sparse_coo); save dense tensors "
+    assert_refused(CheckpointError, f"{p}: sparse or non-dense weights: ln_final.weight (torch.sparse_coo); save dense tensors "
             "(tensor.to_dense())", load, p)
 
 
@@ -405,7 +402,7 @@ def test_int_embedding_and_nonfinite_parameters(tmp_path):
     assert info.nonfinite == ["layers.0.ln1.weight", "ln_final.weight"]
     ints = dict(sd, **{"token_embeddings.weight": torch.zeros(12, 8, dtype=torch.int32)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": ints}, tmp_path / "i.pt")
-    refused(CheckpointError, f"{tmp_path / 'i.pt'}: non-float weights: token_embeddings.weight (torch.int32); weights must be "
+    assert_refused(CheckpointError, f"{tmp_path / 'i.pt'}: non-float weights: token_embeddings.weight (torch.int32); weights must be "
             "floating point", load, tmp_path / "i.pt")
 
 
@@ -435,8 +432,8 @@ def test_every_string_opcode_before_a_stack_global_is_read(op):
 def test_text_is_judged_by_its_first_512_bytes(tmp_path):
     for name, body in (("a.pt", b"x" * 512 + b"\xff\x00"), ("b.pt", b"y" * 511 + b"\xff")):
         (tmp_path / name).write_bytes(body)
-    refused(CheckpointError, f"{tmp_path / 'a.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "a.pt")
-    refused(CheckpointError, f"{tmp_path / 'b.pt'}: not a PyTorch checkpoint (unreadable or corrupt data); {FIX}",
+    assert_refused(CheckpointError, f"{tmp_path / 'a.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "a.pt")
+    assert_refused(CheckpointError, f"{tmp_path / 'b.pt'}: not a PyTorch checkpoint (unreadable or corrupt data); {FIX}",
             load, tmp_path / "b.pt")
 
 
@@ -464,7 +461,7 @@ def test_corrupt_safetensors_quotes_the_parser_to_120_characters(tmp_path):
     except Exception as e:  # the parser's own words
         why = str(e).splitlines()[0]
     assert len(why) > 120
-    refused(CheckpointError, f"{p}: corrupt safetensors file ({why[:120]}); re-export it", load, p)
+    assert_refused(CheckpointError, f"{p}: corrupt safetensors file ({why[:120]}); re-export it", load, p)
 
 
 def test_json_nesting_is_counted_outside_strings_only(tmp_path):
@@ -505,23 +502,23 @@ def test_lists_in_messages_name_the_first_three(tmp_path):
         torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": state}, p)
 
     stored(dict(sd, **{k: torch.ones(8).to_sparse() for k in norms}))
-    refused(CheckpointError, f"{p}: sparse or non-dense weights: layers.0.ln1.weight (torch.sparse_coo), layers.0.ln2.weight "
+    assert_refused(CheckpointError, f"{p}: sparse or non-dense weights: layers.0.ln1.weight (torch.sparse_coo), layers.0.ln2.weight "
             "(torch.sparse_coo), layers.1.ln1.weight (torch.sparse_coo); save dense tensors (tensor.to_dense())", load, p)
     stored(dict(sd, **{k: torch.ones(8, dtype=torch.int16) for k in norms}))
-    refused(CheckpointError, f"{p}: non-float weights: layers.0.ln1.weight (torch.int16), layers.0.ln2.weight (torch.int16), "
+    assert_refused(CheckpointError, f"{p}: non-float weights: layers.0.ln1.weight (torch.int16), layers.0.ln2.weight (torch.int16), "
             "layers.1.ln1.weight (torch.int16); weights must be floating point", load, p)
     stored(dict(sd, **{f"x{i}": torch.zeros(1) for i in range(3)}))
-    refused(CheckpointError, f"{p}: the state dict does not match the model (unexpected 3 key(s): x0, x1, x2); check the "
+    assert_refused(CheckpointError, f"{p}: the state dict does not match the model (unexpected 3 key(s): x0, x1, x2); check the "
             "config flags or the file", load, p)
     stored(dict(sd, **{k: torch.zeros(3) for k in norms[:3]}))
-    refused(CheckpointError, f"{p}: wrong shapes: layers.0.ln1.weight (3,) (expected (8,)); layers.0.ln2.weight (3,) (expected "
+    assert_refused(CheckpointError, f"{p}: wrong shapes: layers.0.ln1.weight (3,) (expected (8,)); layers.0.ln2.weight (3,) (expected "
             "(8,)); layers.1.ln1.weight (3,) (expected (8,)); check the config flags or the file", load, p)
     for gone in ("token_embeddings.weight", "layers.0.ffn.w1.weight"):  # the size check skips what is not there
         stored({k: v for k, v in sd.items() if k != gone})
-        refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): {gone}); check the "
+        assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): {gone}); check the "
                 "config flags or the file", load, p)
     torch.save({"w": torch.zeros(2)}, p)  # one tensor is still a state dict, of no language model
-    refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
+    assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
             "(first keys: w)", load, p, **FLAGS)
 
 
@@ -540,7 +537,7 @@ def test_safetensors_is_sniffed_by_its_header_bounds(tmp_path):
                        ("short.pt", b"\x01\x00\x00\x00")):
         assert sniffed(name, body).endswith(f"not a PyTorch checkpoint (unreadable or corrupt data); {FIX}"), name
     (tmp_path / "hi.pt").write_text("hello")  # shorter than a safetensors header: text
-    refused(CheckpointError, f"{tmp_path / 'hi.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "hi.pt")
+    assert_refused(CheckpointError, f"{tmp_path / 'hi.pt'}: a text file, not a checkpoint; {FIX}", load, tmp_path / "hi.pt")
 
 
 def test_unsafe_names_at_most_three_and_a_load_refused_midway(tmp_path, monkeypatch):
@@ -556,7 +553,7 @@ def test_unsafe_names_at_most_three_and_a_load_refused_midway(tmp_path, monkeypa
 
     save(tmp_path / "m.pt", model_of())
     monkeypatch.setattr(torch, "load", denied)
-    refused(CheckpointError, f"{tmp_path / 'm.pt'}: not readable (permission denied); fix its permissions (chmod u+r)",
+    assert_refused(CheckpointError, f"{tmp_path / 'm.pt'}: not readable (permission denied); fix its permissions (chmod u+r)",
             load, tmp_path / "m.pt")
 
 
@@ -564,7 +561,7 @@ def test_an_untied_config_never_borrows_the_embedding(tmp_path):
     sd = {k: v for k, v in model_of().state_dict().items() if k != "lm_head.weight"}
     p = tmp_path / "m.pt"
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": sd}, p)
-    refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): lm_head.weight); check the "
+    assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): lm_head.weight); check the "
             "config flags or the file", load, p)
 
 

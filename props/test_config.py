@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from props.contract import assert_refused
 from props.record import prop
 from props.strategies import model_configs
 from tinylm import errors
@@ -30,11 +31,6 @@ SIZES = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "
 BASE = dict(vocab_size=16, context_length=8, d_model=8, num_layers=2, num_heads=2, d_ff=12)
 
 
-def refused(exc: type[Exception], message: str, fn, *args, **kwargs) -> None:
-    """``fn(*args, **kwargs)`` raises exactly ``exc`` (not a subclass's sibling) with exactly ``message``."""
-    with pytest.raises(exc) as info:
-        fn(*args, **kwargs)
-    assert str(info.value) == message, f"message {str(info.value)!r} != {message!r}"
 
 
 @prop("default_d_ff(d, m) is the least multiple of m that is >= 8d/3; d or m <= 0 is refused naming both")
@@ -48,7 +44,7 @@ def test_default_d_ff(d, m):
 
 def test_default_d_ff_refuses_non_positive():
     for d, m in ((0, 64), (8, 0), (-1, 64), (8, -3)):
-        refused(ConfigError, f"d_model={d}, multiple_of={m}: both must be positive", default_d_ff, d, m)
+        assert_refused(ConfigError, f"d_model={d}, multiple_of={m}: both must be positive", default_d_ff, d, m)
     assert default_d_ff(1, 1) == 3 and default_d_ff(768) == 2048 and default_d_ff(512) == 1408
 
 
@@ -74,7 +70,7 @@ def test_defaults_are_the_documented_ones():
 @pytest.mark.parametrize("name", SIZES)
 @pytest.mark.parametrize("bad", [0, -3, True, 2.0, "4", None, np.float64(4.0)])
 def test_sizes_refuse_non_positive_integers(name, bad):
-    refused(ConfigError, f"{name}={bad!r}: must be an integer >= 1", ModelConfig, **{**BASE, name: bad})
+    assert_refused(ConfigError, f"{name}={bad!r}: must be an integer >= 1", ModelConfig, **{**BASE, name: bad})
 
 
 def test_sizes_accept_numpy_integers_and_one():
@@ -83,9 +79,9 @@ def test_sizes_accept_numpy_integers_and_one():
 
 
 def test_heads_divide_width_and_rope_needs_even_head_dim():
-    refused(ConfigError, "d_model=10, num_heads=4: d_model must be divisible by num_heads",
+    assert_refused(ConfigError, "d_model=10, num_heads=4: d_model must be divisible by num_heads",
             ModelConfig, **{**BASE, "d_model": 10, "num_heads": 4})
-    refused(ConfigError, "head dimension d_model/num_heads=3 is odd: RoPE rotates pairs, so it must be even "
+    assert_refused(ConfigError, "head dimension d_model/num_heads=3 is odd: RoPE rotates pairs, so it must be even "
             "(change num_heads, or set rope=False)", ModelConfig, **{**BASE, "d_model": 6, "num_heads": 2})
     assert ModelConfig(**{**BASE, "d_model": 6, "num_heads": 2, "rope": False}).head_dim == 3
     assert ModelConfig(**{**BASE, "d_model": 12, "num_heads": 3}).head_dim == 4
@@ -113,7 +109,7 @@ def test_heads_divide_width_and_rope_needs_even_head_dim():
     ("init", 3, "init=3: must name an init scheme; pass one of tinylm.init.SCHEMES"),
 ])
 def test_fields_refuse_with_the_pattern(field, bad, message):
-    refused(ConfigError, message, ModelConfig, **{**BASE, field: bad})
+    assert_refused(ConfigError, message, ModelConfig, **{**BASE, field: bad})
 
 
 def test_fields_accept_the_edges_of_their_range():
@@ -123,17 +119,17 @@ def test_fields_accept_the_edges_of_their_range():
 
 
 def test_replace_validates_again():
-    refused(ConfigError, "num_heads=0: must be an integer >= 1", ModelConfig(**BASE).replace, num_heads=0)
+    assert_refused(ConfigError, "num_heads=0: must be an integer >= 1", ModelConfig(**BASE).replace, num_heads=0)
 
 
 def test_from_dict_names_what_is_wrong():
-    refused(ConfigError, "config must be a dict of fields, got list", ModelConfig.from_dict, [("vocab_size", 4)])
+    assert_refused(ConfigError, "config must be a dict of fields, got list", ModelConfig.from_dict, [("vocab_size", 4)])
     known = ", ".join(sorted(ModelConfig.__dataclass_fields__))
-    refused(ConfigError, f"unknown config field(s) 'heads', 'width'; known: {known}",
+    assert_refused(ConfigError, f"unknown config field(s) 'heads', 'width'; known: {known}",
             ModelConfig.from_dict, {**BASE, "width": 4, "heads": 2})
     partial = {k: v for k, v in BASE.items() if k not in ("d_ff", "num_heads")}
-    refused(ConfigError, "config lacks field(s) d_ff, num_heads", ModelConfig.from_dict, partial)
-    refused(ConfigError, "d_ff=0: must be an integer >= 1", ModelConfig.from_dict, {**BASE, "d_ff": 0})
+    assert_refused(ConfigError, "config lacks field(s) d_ff, num_heads", ModelConfig.from_dict, partial)
+    assert_refused(ConfigError, "d_ff=0: must be an integer >= 1", ModelConfig.from_dict, {**BASE, "d_ff": 0})
 
 
 def test_presets_hold_the_documented_shapes():
@@ -147,7 +143,7 @@ def test_presets_hold_the_documented_shapes():
     assert preset("tiny") is PRESETS["tiny"]
     changed = preset("tinystories", num_layers=2, rope=False)
     assert changed == PRESETS["tinystories"].replace(num_layers=2, rope=False) and PRESETS["tinystories"].num_layers == 4
-    refused(ConfigError, "unknown preset 'huge'; choose one of tiny, tinystories, gpt2-small", preset, "huge")
+    assert_refused(ConfigError, "unknown preset 'huge'; choose one of tiny, tinystories, gpt2-small", preset, "huge")
 
 
 # ------------------------------------------------------------------ the validation module
@@ -179,28 +175,28 @@ def test_number_bounds(v, low, strict, high):
 
 
 def test_messages_state_the_bounds():
-    refused(TinyLMError, "n=0: must be an integer in [1, 3]; pass --n N", integer, "n", 0, low=1, high=3, fix="--n N")
-    refused(TinyLMError, "n=5: must be an integer <= 3", integer, "n", 5, high=3)
-    refused(TinyLMError, "n=1.5: must be an integer", integer, "n", 1.5)
-    refused(TinyLMError, "x=0.0: must be a finite number in (0.0, 1.0]", number, "x", 0.0, low=0.0, high=1.0, strict_low=True)
-    refused(TinyLMError, "x=2.0: must be a finite number in [0.0, 1.0]", number, "x", 2.0, low=0.0, high=1.0)
-    refused(TinyLMError, "x=2.0: must be a finite number <= 1.0", number, "x", 2.0, high=1.0)
-    refused(TinyLMError, "x=-inf: must be a finite number", number, "x", -math.inf)
-    refused(TinyLMError, "x=-1.0: must be a finite number >= 0.0; pass --x X", number, "x", -1.0, low=0.0, fix="--x X")
+    assert_refused(TinyLMError, "n=0: must be an integer in [1, 3]; pass --n N", integer, "n", 0, low=1, high=3, fix="--n N")
+    assert_refused(TinyLMError, "n=5: must be an integer <= 3", integer, "n", 5, high=3)
+    assert_refused(TinyLMError, "n=1.5: must be an integer", integer, "n", 1.5)
+    assert_refused(TinyLMError, "x=0.0: must be a finite number in (0.0, 1.0]", number, "x", 0.0, low=0.0, high=1.0, strict_low=True)
+    assert_refused(TinyLMError, "x=2.0: must be a finite number in [0.0, 1.0]", number, "x", 2.0, low=0.0, high=1.0)
+    assert_refused(TinyLMError, "x=2.0: must be a finite number <= 1.0", number, "x", 2.0, high=1.0)
+    assert_refused(TinyLMError, "x=-inf: must be a finite number", number, "x", -math.inf)
+    assert_refused(TinyLMError, "x=-1.0: must be a finite number >= 0.0; pass --x X", number, "x", -1.0, low=0.0, fix="--x X")
     assert number("x", 1.0, low=1.0) == 1.0 and integer("n", 3, low=3, high=3) == 3
     assert number("x", 1.0, low=0.0, high=1.0, strict_low=True) == 1.0
 
 
 def test_choice_boolean_check_fail_and_flag():
     assert choice("k", "b", ("a", "b")) == "b"
-    refused(ConfigError, "k='c': must be one of a, b; pass --k a", choice, "k", "c", ("a", "b"), fix="--k a", error=ConfigError)
+    assert_refused(ConfigError, "k='c': must be one of a, b; pass --k a", choice, "k", "c", ("a", "b"), fix="--k a", error=ConfigError)
     assert boolean("b", False) is False and boolean("b", True) is True
-    refused(TinyLMError, "b=0: must be True or False; pass --b", boolean, "b", 0, fix="--b")
+    assert_refused(TinyLMError, "b=0: must be True or False; pass --b", boolean, "b", 0, fix="--b")
     assert check("v", 7, lambda x: x > 3, "exceed 3") == 7
-    refused(ConfigError, "v=2: must exceed 3", check, "v", 2, lambda x: x > 3, "exceed 3", error=ConfigError)
-    refused(TinyLMError, "v=2: must exceed 3; pass --v 4", check, "v", 2, lambda x: x > 3, "exceed 3", fix="--v 4")
-    refused(ConfigError, "name='x': must y; pass z", fail, "name", "x", "y", "z", error=ConfigError)
-    refused(TinyLMError, "name='x': must y", fail, "name", "x", "y")
+    assert_refused(ConfigError, "v=2: must exceed 3", check, "v", 2, lambda x: x > 3, "exceed 3", error=ConfigError)
+    assert_refused(TinyLMError, "v=2: must exceed 3; pass --v 4", check, "v", 2, lambda x: x > 3, "exceed 3", fix="--v 4")
+    assert_refused(ConfigError, "name='x': must y; pass z", fail, "name", "x", "y", "z", error=ConfigError)
+    assert_refused(TinyLMError, "name='x': must y", fail, "name", "x", "y")
     assert flag_of("seq_len") == "--seq-len" and flag_of("steps") == "--steps" and flag_of("a_b_c") == "--a-b-c"
 
 

@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from props.contract import assert_refused
 from props.record import prop
 from props.strategies import generator, model_configs
 from tinylm import memory
@@ -33,10 +34,6 @@ CFG = ModelConfig(vocab_size=1000, context_length=64, d_model=64, num_layers=2, 
 GIB = 2**30
 
 
-def refused(message: str, fn, *args, **kwargs) -> None:
-    with pytest.raises(MemoryLimitError) as info:
-        fn(*args, **kwargs)
-    assert str(info.value) == message, f"message {str(info.value)!r} != {message!r}"
 
 
 @prop("model_bytes = the bytes of every parameter (at the dtype asked) and buffer of the model built on meta; objects = L x 64 KiB")
@@ -99,7 +96,7 @@ def test_check_fits_names_the_largest_batch_that_fits():
         fits = max([b for b in range(1, 101) if 1.5 * estimate_bytes(CFG, b, 32) <= have], default=0)
         hint = f"try --batch-size {fits}" if fits else "use a shorter --seq-len or a smaller model"
         need = int(1.5 * estimate_bytes(CFG, 100, 32))
-        refused(f"batch 100 x 32 would need about {need / GIB:.1f} GiB but {have / GIB:.1f} GiB is available; {hint}",
+        assert_refused(MemoryLimitError, f"batch 100 x 32 would need about {need / GIB:.1f} GiB but {have / GIB:.1f} GiB is available; {hint}",
                 check_fits, CFG, 100, 32, available=have)
     half = int(1.5 * estimate_bytes(CFG, 6, 32, torch.float16))
     with pytest.raises(MemoryLimitError, match=r"try --batch-size 6$"):
@@ -131,11 +128,11 @@ def test_check_model_fits():
     msg = ("a model with vocab_size=1000, context_length=64, d_model=64, num_layers=2, d_ff=192 would need about "
            f"{(t64 + objects) / GIB:.3g} GiB but {(tensors + objects) / GIB:.3g} GiB is available; check these sizes "
            "(a stored config or a flag) and use a smaller model")
-    refused(msg, check_model_fits, CFG, torch.float64, available=tensors + objects)
-    refused(msg.replace(f"{(t64 + objects) / GIB:.3g}", f"{objects / GIB:.3g}").replace(
+    assert_refused(MemoryLimitError, msg, check_model_fits, CFG, torch.float64, available=tensors + objects)
+    assert_refused(MemoryLimitError, msg.replace(f"{(t64 + objects) / GIB:.3g}", f"{objects / GIB:.3g}").replace(
         f"{(tensors + objects) / GIB:.3g} GiB is", f"{(objects - 1) / GIB:.3g} GiB is"),
         check_model_fits, CFG, torch.float64, "meta", objects - 1)
-    refused(msg.replace(f"{(t64 + objects) / GIB:.3g}", f"{(tensors + objects) / GIB:.3g}").replace(
+    assert_refused(MemoryLimitError, msg.replace(f"{(t64 + objects) / GIB:.3g}", f"{(tensors + objects) / GIB:.3g}").replace(
         f"{(tensors + objects) / GIB:.3g} GiB is", f"{(tensors + objects - 1) / GIB:.3g} GiB is"),
         check_model_fits, CFG, None, "cpu", tensors + objects - 1)
 

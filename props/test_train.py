@@ -20,6 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from props.contract import assert_refused
 from props.record import prop
 from props.strategies import generator
 from tinylm.config import ModelConfig
@@ -41,10 +42,6 @@ def model_of(seed: int = 0) -> TransformerLM:
     return TransformerLM(CFG, generator(seed))
 
 
-def refused(exc, message: str, fn, *args, **kwargs) -> None:
-    with pytest.raises(exc) as info:
-        fn(*args, **kwargs)
-    assert str(info.value) == message, f"message {str(info.value)!r} != {message!r}"
 
 
 def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -72,7 +69,7 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     ("beta2", 1.5, "beta2=1.5: must be in [0, 1); pass --beta2 X"),
 ])
 def test_options_refuse_with_their_flag(field, bad, message):
-    refused(TrainError, message, TrainOptions, **{"steps": 10, field: bad})
+    assert_refused(TrainError, message, TrainOptions, **{"steps": 10, field: bad})
 
 
 def test_options_edges_defaults_and_round_trip():
@@ -134,12 +131,12 @@ def test_optimizer_and_data_checks():
     assert isinstance(opt, torch.optim.AdamW) and len(opt.param_groups) == 1
     assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (0.5, (0.8, 0.7), 1e-6, 0.25)
     assert [id(p) for p in g["params"]] == [id(p) for p in model.parameters()]
-    refused(DataError, "data: token id 19 is outside the model's vocabulary [0, 16); the data was tokenised for another "
+    assert_refused(DataError, "data: token id 19 is outside the model's vocabulary [0, 16); the data was tokenised for another "
             "vocabulary", train, model_of(), np.arange(20), OPTS)
-    refused(DataError, "data: 4 tokens are fewer than context_length + 1 = 5; use more data or a shorter --context-length",
+    assert_refused(DataError, "data: 4 tokens are fewer than context_length + 1 = 5; use more data or a shorter --context-length",
             train, model_of(), np.arange(4), OPTS)
     train(model_of(), np.arange(5), TrainOptions(steps=1, batch_size=1, watch_every=0))  # exactly enough
-    refused(TypeError, "options must be a TrainOptions, got dict", train, model_of(), TOKENS, OPTS.to_dict())
+    assert_refused(TypeError, "options must be a TrainOptions, got dict", train, model_of(), TOKENS, OPTS.to_dict())
 
 
 class Recorder(Monitor):
@@ -278,7 +275,7 @@ def test_resume_is_the_same_run(tmp_path):
     assert extra["sampler_state"].dtype == torch.uint8 and extra["optimizer"]["state"]
     res = train(model, TOKENS, opts, resume=extra)
     assert res.iteration == 5 and res.tokens == 2 * 8 and same(model, full)
-    refused(TrainError, "the checkpoint is already at iteration 5 >= steps=5; pass a larger --steps",
+    assert_refused(TrainError, "the checkpoint is already at iteration 5 >= steps=5; pass a larger --steps",
             train, model, TOKENS, opts, resume={"iteration": 5})
 
 
@@ -288,7 +285,7 @@ def test_resume_refuses_damage(tmp_path):
     save_training(tmp_path / "c.pt", model, opt, 1, {"h": 1}, OPTS, torch.Generator().manual_seed(0))
     _, extra = load_training(tmp_path / "c.pt")
     assert extra["history"] == {"h": 1} and extra["data"] is None and extra["iteration"] == 1
-    refused(CheckpointError, "the checkpoint's sampler state is damaged (not a CPU generator state); resume from "
+    assert_refused(CheckpointError, "the checkpoint's sampler state is damaged (not a CPU generator state); resume from "
             "another checkpoint, or start a new run with the same --seed", train, model, TOKENS, OPTS,
             resume={"iteration": 1, "sampler_state": torch.zeros(3, dtype=torch.uint8)})
     other = make_optimizer(TransformerLM(CFG.replace(num_layers=2), generator(0)), OPTS).state_dict()
@@ -304,12 +301,12 @@ def test_resume_refuses_damage(tmp_path):
     state = model.state_dict()
     state["ln_final.weight"] = torch.full_like(state["ln_final.weight"], float("nan"))
     torch.save({"format": "tinylm", "version": 1, "config": CFG.to_dict(), "model": state}, tmp_path / "nan.pt")
-    refused(CheckpointError, f"{tmp_path / 'nan.pt'}: parameters hold NaN or inf (ln_final.weight); resume from an earlier "
+    assert_refused(CheckpointError, f"{tmp_path / 'nan.pt'}: parameters hold NaN or inf (ln_final.weight); resume from an earlier "
             "checkpoint", load_training, tmp_path / "nan.pt")
     for k in ("layers.0.ln1.weight", "layers.0.ln2.weight", "token_embeddings.weight"):
         state[k] = torch.full_like(state[k], float("inf"))
     torch.save({"format": "tinylm", "version": 1, "config": CFG.to_dict(), "model": state}, tmp_path / "nan.pt")
-    refused(CheckpointError, f"{tmp_path / 'nan.pt'}: parameters hold NaN or inf (token_embeddings.weight, layers.0.ln1.weight, "
+    assert_refused(CheckpointError, f"{tmp_path / 'nan.pt'}: parameters hold NaN or inf (token_embeddings.weight, layers.0.ln1.weight, "
             "layers.0.ln2.weight); resume from an earlier checkpoint", load_training, tmp_path / "nan.pt")
 
 
