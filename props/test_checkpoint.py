@@ -28,7 +28,7 @@ from props.contract import assert_refused
 from props.record import prop
 from props.strategies import generator, model_configs
 from tinylm import checkpoint
-from tinylm.checkpoint import CheckpointInfo, atomic_write, infer_config, load, read_state, save
+from tinylm.checkpoint import CheckpointInfo, MissingOptionsError, atomic_write, infer_config, load, read_state, save
 from tinylm.config import ModelConfig
 from tinylm.errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
 from tinylm.model import TransformerLM
@@ -580,3 +580,21 @@ def test_read_state_is_safe_by_default_and_records_the_path(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert read_state(tmp_path / "w.pt", unsafe=True)[2].path == str(tmp_path / "w.pt")
+
+
+def test_every_missing_flag_is_named_at_once(tmp_path):
+    # a bare state dict: the sizes the weights cannot show are named together, in one message, with what was given
+    path = tmp_path / "bare.pt"
+    torch.save(model_of().state_dict(), path)
+    assert_refused(MissingOptionsError,
+                   "the checkpoint stores no config, so num_heads, context_length, rope_theta are unknown; pass "
+                   "--num-heads N --context-length N --rope-theta N (or num_heads=..., context_length=..., "
+                   "rope_theta=... to tinylm.checkpoint.load)", load, path)
+    with pytest.raises(MissingOptionsError) as info:
+        load(path, num_heads=2, context_length=6)
+    e = info.value
+    assert str(e) == ("the checkpoint stores no config, so rope_theta is unknown; pass --rope-theta N "
+                      "(or rope_theta=... to tinylm.checkpoint.load)")
+    assert (e.missing, e.field, e.flag) == (["rope_theta"], "rope_theta", "--rope-theta")
+    assert e.given == {"num_heads": 2, "rope_theta": None, "context_length": 6}
+    assert (e.known["vocab_size"], e.known["d_model"], e.known["num_layers"]) == (12, 8, 2)
