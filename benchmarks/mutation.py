@@ -51,7 +51,8 @@ PROPS = ("props",)
 #: the tests each source file under tinylm/ is measured with
 SELECTION: dict[str, tuple[str, ...]] = {
     "functional.py": PROPS,
-    "layers.py": PROPS,
+    # the attention's switch between its explicit and fused paths is tinylm's own: its tests join the suite
+    "layers.py": PROPS + ("tests/test_fastpath.py",),
     "model.py": PROPS,
     "init.py": PROPS,
     "config.py": ("props/test_config.py", "tests/test_validate.py"),

@@ -304,3 +304,49 @@ def test_whole_model_same_under_a_probe_in_float64():
     assert float((lf - le).abs().max()) <= 100 * dims * u * float(lf.abs().max())
     for n in gf:
         assert float((gf[n] - ge[n]).abs().max()) <= 100 * dims * u * float(gf[n].abs().max()), n
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_batched_positions_rotate_each_sequence_by_its_own(explicit):
+    # positions (B, T): row b of the output is the attention of sequence b alone at its 1-D positions
+    g = torch.Generator().manual_seed(3)
+    attn = tinylm.MultiHeadSelfAttention(8, 2, max_seq_len=32, theta=10000.0).double()
+    attn.explicit = explicit
+    x = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
+    pos = torch.stack([torch.randperm(32, generator=g)[:5].sort().values for _ in range(3)])
+    together = attn(x, pos)
+    for b in range(3):
+        alone = attn(x[b], pos[b])
+        assert torch.allclose(together[b], alone, rtol=0, atol=1e-12), b
+    # negative control: the positions matter (the first row's positions for every row differ)
+    assert not torch.allclose(together[1:], attn(x[1:], pos[:1].expand(2, -1)), atol=1e-6)
+
+
+@pytest.mark.parametrize("register", [
+    nn.modules.module.register_module_forward_pre_hook,
+    nn.modules.module.register_module_full_backward_hook,
+    nn.modules.module.register_module_full_backward_pre_hook,
+])
+def test_each_kind_of_global_hook_alone_takes_the_explicit_path(counted, register):
+    model = _model()
+    hook = (lambda *a: None)
+    h = register(hook)
+    try:
+        _step(model)
+    finally:
+        h.remove()
+    assert counted() == {"fused": 0, "explicit": 2}
+    _step(model)  # negative control: with the hook gone, the fused kernel again
+    assert counted() == {"fused": 2, "explicit": 0}
+
+
+def test_observed_attention_in_eval_mode_drops_nothing():
+    # eval mode with dropout > 0 and an observer: the explicit path runs, and dropout is the identity there
+    model = _model(dropout=0.5).eval()
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        fused = model(tokens)
+        for block in model.layers:
+            block.attn.explicit = True
+        explicit = model(tokens)
+    assert torch.allclose(fused, explicit, rtol=1e-5, atol=1e-5)
