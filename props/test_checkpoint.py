@@ -598,3 +598,10 @@ def test_every_missing_flag_is_named_at_once(tmp_path):
     assert (e.missing, e.field, e.flag) == (["rope_theta"], "rope_theta", "--rope-theta")
     assert e.given == {"num_heads": 2, "rope_theta": None, "context_length": 6}
     assert (e.known["vocab_size"], e.known["d_model"], e.known["num_layers"]) == (12, 8, 2)
+
+
+def test_a_bare_state_dict_records_its_path(tmp_path):
+    path = tmp_path / "bare.pt"
+    torch.save(model_of().state_dict(), path)
+    _, config, info = read_state(path)
+    assert (info.path, info.format, info.config_source, config) == (str(path), "state_dict", "inferred", None)
