@@ -13,6 +13,10 @@ name                               signature (tensors are torch tensors; ``...``
                                    ValueError naming ``label_smoothing=`` outside [0, 1] or on a shape mismatch
 ``silu``                           ``(x) -> Tensor``
 ``rmsnorm``                        ``(x (..., d), weight (d,), eps) -> Tensor`` (same dtype as x)
+``layer_norm``                     ``(x (..., d), weight (d,), bias (d,) or None, eps) -> Tensor`` (same dtype as x;
+                                   the population variance, as ``torch.nn.LayerNorm``)
+``gelu``                           ``(x, approximate="none") -> Tensor``; ``approximate="tanh"``: GPT-2's tanh form
+``relu``                           ``(x) -> Tensor``
 ``linear``                         ``(x (..., d_in), weight (d_out, d_in)) -> (..., d_out)``
 ``swiglu``                         ``(x (..., d), w1 (d_ff, d), w2 (d, d_ff), w3 (d_ff, d)) -> (..., d)``
 ``dropout``                        ``(x, p, training=True, generator=None) -> Tensor`` (inverted dropout);
@@ -82,6 +86,9 @@ FUNCTIONS: tuple[str, ...] = (
     "cross_entropy",
     "silu",
     "rmsnorm",
+    "layer_norm",
+    "gelu",
+    "relu",
     "linear",
     "swiglu",
     "dropout",
@@ -130,6 +137,12 @@ class TinyLMImpl:
     def silu(self, x: Tensor) -> Tensor:
         return self._tl.functional.silu(x)
 
+    def gelu(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self._tl.functional.gelu(x, *args, **kwargs)
+
+    def relu(self, x: Tensor) -> Tensor:
+        return self._tl.functional.relu(x)
+
     def dropout(self, x: Tensor, p: float, *args: Any, **kwargs: Any) -> Tensor:
         return self._tl.functional.dropout(x, p, *args, **kwargs)
 
@@ -140,6 +153,11 @@ class TinyLMImpl:
     def rmsnorm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         m = self._tl.RMSNorm(weight.shape[0], eps=eps, device="meta", dtype=weight.dtype)
         return functional_call(m, {"weight": weight}, (x,))
+
+    def layer_norm(self, x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+        m = self._tl.LayerNorm(weight.shape[0], eps=eps, bias=bias is not None, device="meta", dtype=weight.dtype)
+        params = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+        return functional_call(m, params, (x,))
 
     def linear(self, x: Tensor, weight: Tensor) -> Tensor:
         m = self._tl.Linear(weight.shape[1], weight.shape[0], device="meta", dtype=weight.dtype)
@@ -167,7 +185,8 @@ class TinyLMImpl:
         c = config
         theta = c.rope_theta if c.rope else None
         block = TransformerBlock(
-            c.d_model, c.num_heads, c.d_ff, c.context_length, theta, c.eps, c.norm, c.ffn, c.dropout
+            c.d_model, c.num_heads, c.d_ff, c.context_length, theta, c.eps, c.norm, c.ffn, c.dropout,
+            norm_kind=c.norm_kind, bias=c.bias,
         )
         self._tl.init.apply(block, c.init, generator=generator)
         return block

@@ -118,8 +118,14 @@ def model_configs(
     ffns: tuple[str, ...] = ("swiglu", "silu"),
     positions: tuple[str, ...] = ("rope", "none"),
     tie: tuple[bool, ...] = (False, True),
+    norm_kinds: tuple[str, ...] = ("rms",),
+    biases: tuple[bool, ...] = (False,),
 ) -> ModelConfig:
-    """Small :class:`tinylm.ModelConfig` that are always valid (even head dims for RoPE, d divisible by H)."""
+    """Small :class:`tinylm.ModelConfig` that are always valid (even head dims for RoPE, d divisible by H).
+
+    The defaults draw the CS336 block's variants; pass ``GPT2_FAMILY`` (``**GPT2_FAMILY``) to draw
+    the GPT-2 family's choices too (LayerNorm, GELU/ReLU MLPs, learned positions, biases).
+    """
     heads = draw(st.integers(1, max_heads))
     head_dim = 2 * draw(st.integers(1, max(1, max_head_dim // 2)))
     d_model = heads * head_dim
@@ -136,4 +142,15 @@ def model_configs(
         ffn=draw(st.sampled_from(ffns)),
         positions=draw(st.sampled_from(positions)),
         tie_embeddings=draw(st.sampled_from(tie)),
+        **({"norm_kind": draw(st.sampled_from(norm_kinds))} if norm_kinds != ("rms",) else {}),
+        **({"bias": draw(st.sampled_from(biases))} if biases != (False,) else {}),
     )
+
+
+#: ``model_configs(**GPT2_FAMILY)``: every family choice of ModelConfig
+GPT2_FAMILY = dict(
+    ffns=("swiglu", "silu", "gelu", "gelu_tanh", "relu"),
+    positions=("rope", "learned", "none"),
+    norm_kinds=("rms", "layer"),
+    biases=(False, True),
+)

@@ -1,17 +1,19 @@
-"""Activation derivatives and the SwiGLU contract."""
+"""Activations (SiLU, GELU exact and tanh, ReLU): values, derivatives, moments under N(0, 1); the SwiGLU contract."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as TF
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import optimize
+from scipy import integrate, optimize, special, stats
 
 from props.record import check, prop
+from props.stattests import ALPHA, mean_test
 from props.strategies import generator, seeds, sizes
 from props.tolerances import unit_roundoff
 
@@ -127,3 +129,192 @@ def test_swiglu_parameter_count(impl, d_model):
     assert count == 3 * d_model * d_ff, f"SwiGLU of d={d_model}, d_ff={d_ff} has {count} parameters"
     assert 3 * d_model * d_ff == 8 * d_model**2 == 2 * d_model * (4 * d_model)
     check(abs(count - 8 * d_model**2), 0, "SwiGLU parameter count", kind="params")
+
+
+# -- GELU (exact and tanh) and ReLU of the implementation under test -----------------------------------
+#
+# gelu(x) = x Phi(x), gelu'(x) = Phi(x) + x phi(x); the tanh form (GPT-2's) is
+# 0.5 x (1 + t), t = tanh(k (x + c x^3)), k = sqrt(2/pi), c = 0.044715, with derivative
+# 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2). The second moments under z ~ N(0, 1) come from
+# scipy quadrature; a sample of N draws is compared with them by a z-test whose variance is the
+# claim's own (E[f^4] - E[f^2]^2, also by quadrature), false-alarm rate 1e-6 per property.
+
+K_TANH, C_TANH = math.sqrt(2.0 / math.pi), 0.044715
+
+
+def _gelu_ref(x: torch.Tensor) -> torch.Tensor:
+    """x Phi(x) with scipy's ndtr (a route independent of erf)."""
+    return x * torch.from_numpy(special.ndtr(x.numpy()))
+
+
+def _dgelu_ref(x: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(special.ndtr(x.numpy())) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _gelu_tanh_ref(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1 + torch.tanh(K_TANH * (x + C_TANH * x**3)))
+
+
+def _dgelu_tanh_ref(x: torch.Tensor) -> torch.Tensor:
+    t = torch.tanh(K_TANH * (x + C_TANH * x**3))
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * K_TANH * (1 + 3 * C_TANH * x * x)
+
+
+# Wrong GELUs the checks must reject: the constants of each form mistyped.
+def _gelu_erf_unscaled(x, approximate="none"):
+    """Phi(x) written as 0.5 (1 + erf(x)): the 1/sqrt(2) forgotten."""
+    return 0.5 * x * (1 + torch.erf(x))
+
+
+def _gelu_tanh_wrong_cubic(x, approximate="tanh"):
+    """The cubic coefficient 0.44715 (a decimal point off)."""
+    return 0.5 * x * (1 + torch.tanh(K_TANH * (x + 0.44715 * x**3)))
+
+
+class _GeluWrongBackward(torch.autograd.Function):
+    """The right GELU whose hand-written backward drops the x phi(x) term (returns Phi(x) only)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+
+
+def _gelu_wrong_backward(x, approximate="none"):
+    return _GeluWrongBackward.apply(x)
+
+
+def _form(fn, approximate: str):
+    return (lambda v: fn(v)) if approximate == "none" else (lambda v: fn(v, approximate="tanh"))
+
+
+def _gelu_value_ratio(fn, x: torch.Tensor, approximate: str) -> float:
+    ref = _gelu_ref(x) if approximate == "none" else _gelu_tanh_ref(x)
+    out = _form(fn, approximate)(x)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    return float(((out - ref).abs() / (16 * U64 * (1 + x.abs() ** 3))).max())
+
+
+def _fd(f, x: torch.Tensor, h: float) -> torch.Tensor:
+    with torch.no_grad():
+        return (f(x + h) - f(x - h)) / (2 * h)
+
+
+def _gelu_derivative_ratio(fn, x: torch.Tensor, approximate: str) -> float:
+    """max of: autograd against the derivative's formula (ulp bound), and the central difference of
+    the forward against autograd (error h^2/6 sup|f'''| + 4 u (1 + |x|^3)/h, h = 1e-5, sup|f'''| <= 2)."""
+    f = _form(fn, approximate)
+    want = _dgelu_ref(x) if approximate == "none" else _dgelu_tanh_ref(x)
+    got = _grad(f, x)
+    auto = float(((got - want).abs() / (64 * U64 * (1 + x.abs() ** 3))).max())
+    h = 1e-5
+    fd_tol = h * h / 6 * 2.0 + 4 * U64 * (1 + x.abs() ** 3) / h
+    fd = float(((_fd(f, x, h) - got).abs() / fd_tol).max())
+    return max(auto, fd)
+
+
+@prop("gelu(x) = x Phi(x) (scipy's ndtr); tanh form 0.5 x (1 + tanh(sqrt(2/pi)(x + 0.044715 x^3))) (float64)", needs=("gelu",))
+@given(x=points(max_abs=12.0), approximate=st.sampled_from(["none", "tanh"]))
+def test_gelu_formula(impl, x, approximate):
+    check(_gelu_value_ratio(impl.gelu, x, approximate), 1.0, f"gelu(approximate={approximate!r}) differs from its formula", kind="err/bound")
+
+
+@prop("negative control: the gelu check rejects erf(x) for erf(x/sqrt 2) and a cubic term 0.44715", needs=())
+@given(x=points(max_abs=12.0))
+def test_gelu_formula_rejects_wrong_constants(x):
+    wrong = min(_gelu_value_ratio(_gelu_erf_unscaled, x, "none"), _gelu_value_ratio(_gelu_tanh_wrong_cubic, x, "tanh"))
+    check(1.0 / wrong, 1.0, "negative control", kind="bound/err")
+    assert wrong > 1.0
+
+
+@prop("gelu' = Phi + x phi and the tanh form's derivative (autograd), and central differences agree with autograd", needs=("gelu",))
+@given(x=points(max_abs=8.0), approximate=st.sampled_from(["none", "tanh"]))
+def test_gelu_derivative(impl, x, approximate):
+    check(_gelu_derivative_ratio(impl.gelu, x, approximate), 1.0, f"gelu'(approximate={approximate!r}) differs", kind="err/bound")
+
+
+@prop("negative control: the derivative check rejects a GELU whose backward returns Phi(x) alone", needs=())
+@given(x=points(max_abs=8.0))
+def test_gelu_derivative_rejects_wrong_backward(x):
+    wrong = _gelu_derivative_ratio(_gelu_wrong_backward, x, "none")
+    check(1.0 / wrong, 1.0, "negative control", kind="bound/err")
+    assert wrong > 1.0
+
+
+@prop("relu(x) = max(x, 0) exactly; relu' = 1[x > 0] off the kink (autograd)", needs=("relu",))
+@given(x=points())
+def test_relu_value_and_derivative(impl, x):
+    assert torch.equal(impl.relu(x), torch.clamp(x, min=0)), "relu(x) is not max(x, 0)"
+    off = x[x != 0]
+    assert torch.equal(_grad(impl.relu, off), (off > 0).to(off.dtype)), "relu' is not 1[x > 0]"
+    check(0.0, 0.0, "relu value and derivative", kind="exact")
+
+
+# -- moments under N(0, 1) ------------------------------------------------------------------------
+
+
+def _normal_moment(f, power: int) -> float:
+    """E[f(z)^power], z ~ N(0, 1), by scipy quadrature (numpy f), split at ReLU's kink 0."""
+    def part(lo, hi):
+        return integrate.quad(lambda z: f(z) ** power * stats.norm.pdf(z), lo, hi, epsabs=1e-14, epsrel=1e-12, limit=200)[0]
+
+    return part(-np.inf, 0.0) + part(0.0, np.inf)
+
+
+def _np_forms():
+    k, c = K_TANH, C_TANH
+
+    def t(x):
+        return np.tanh(k * (x + c * x**3))
+
+    return {
+        "gelu": (lambda x: x * special.ndtr(x), lambda x: special.ndtr(x) + x * stats.norm.pdf(x)),
+        "gelu_tanh": (lambda x: 0.5 * x * (1 + t(x)),
+                      lambda x: 0.5 * (1 + t(x)) + 0.5 * x * (1 - t(x) ** 2) * k * (1 + 3 * c * x * x)),
+        "relu": (lambda x: np.maximum(x, 0.0), lambda x: float(x > 0)),
+    }
+
+
+#: {activation: ((E f^2, E f^4), (E f'^2, E f'^4))} under N(0, 1), by quadrature
+MOMENTS = {name: tuple((_normal_moment(g, 2), _normal_moment(g, 4)) for g in fg) for name, fg in _np_forms().items()}
+N_MOMENT = 2**19  # the wrong claims below sit 13 to 50 standard errors away: rejected with certainty
+
+
+def _moment_tests(f, name: str, seed: int, alpha: float = ALPHA):
+    """z-tests of E[f(z)^2] and E[f'(z)^2] (autograd) against ``name``'s quadrature moments, alpha/2 each."""
+    z = torch.randn(N_MOMENT, generator=generator(seed), dtype=torch.float64)
+    (m2, m4), (d2, d4) = MOMENTS[name]
+    value = mean_test(f(z).detach() ** 2, m2, m4 - m2 * m2, alpha=alpha / 2, claim=f"E[{name}(z)^2] = {m2:.6f}")
+    slope = mean_test(_grad(f, z) ** 2, d2, d4 - d2 * d2, alpha=alpha / 2, claim=f"E[{name}'(z)^2] = {d2:.6f}")
+    return value, slope
+
+
+def test_quadrature_moments_are_the_known_constants():
+    assert round(MOMENTS["gelu"][0][0], 6) == 0.425221 and round(MOMENTS["gelu"][1][0], 6) == 0.455851
+    assert abs(MOMENTS["relu"][0][0] - 0.5) < 1e-12 and abs(MOMENTS["relu"][1][0] - 0.5) < 1e-12
+    assert abs(MOMENTS["relu"][0][1] - 1.5) < 1e-12  # E[relu(z)^4] = 3/2
+    assert 0 < MOMENTS["gelu"][0][0] - MOMENTS["gelu_tanh"][0][0] < 1e-4  # the tanh form is close, not equal
+
+
+@prop("under z ~ N(0,1): E[gelu^2] = 0.425221, E[gelu'^2] = 0.455851 (tanh form by quadrature), E[relu^2] = E[relu'^2] = 1/2", needs=("gelu", "relu"), alpha=ALPHA)
+@settings(max_examples=3)
+@given(seed=seeds(), name=st.sampled_from(["gelu", "gelu_tanh", "relu"]))
+def test_activation_moments(impl, seed, name):
+    f = {"gelu": lambda v: impl.gelu(v), "gelu_tanh": lambda v: impl.gelu(v, approximate="tanh"), "relu": impl.relu}[name]
+    value, slope = _moment_tests(f, name, seed)
+    max(value, slope, key=lambda r: r.statistic / r.threshold).record()
+    assert not (value.rejected or slope.rejected), f"{value}; {slope}"
+
+
+@prop("negative control: the moment check rejects GELU with erf(x) for erf(x/sqrt 2) and a leaky ReLU (slope 0.2)", needs=(), alpha=ALPHA)
+@settings(max_examples=2)
+@given(seed=seeds())
+def test_activation_moments_reject_wrong_activations(seed):
+    results = [*_moment_tests(_gelu_erf_unscaled, "gelu", seed), *_moment_tests(lambda v: TF.leaky_relu(v, 0.2), "relu", seed)]
+    check(max(r.threshold / r.statistic for r in results), 1.0, "negative control", kind="zcrit/|z|")
+    assert all(r.rejected for r in results), [str(r) for r in results]

@@ -41,8 +41,9 @@ def test_residual_jacobian(impl, seed, d, d_ff):
     check(err, 64 * (d + d_ff) * U64, "residual Jacobian is not I + J_F")
 
 
-def _block(impl, norm: str, seed: int, d: int = 8, heads: int = 2, T: int = 4):
-    cfg = ModelConfig(vocab_size=8, context_length=T, d_model=d, num_layers=1, num_heads=heads, d_ff=12, norm=norm)
+def _block(impl, norm: str, seed: int, d: int = 8, heads: int = 2, T: int = 4, **family):
+    cfg = ModelConfig(vocab_size=8, context_length=T, d_model=d, num_layers=1, num_heads=heads, d_ff=12, norm=norm,
+                      **family)
     block = impl.transformer_block(cfg, generator(seed)).double().eval()
     x = torch.randn(T, d, generator=generator(seed + 1), dtype=torch.float64)
     return block, x
@@ -80,6 +81,81 @@ def test_postnorm_block_jacobian(impl, seed):
     J = _jac(block, x)
     err = float((J - want).abs().max()) / (1 + float(want.abs().max()))
     check(err, 1e3 * n * U64, "post-norm block Jacobian is not the composition through both norms")
+
+
+# The same compositions with GPT-2's block: LayerNorm with bias, the tanh-GELU MLP, biased projections.
+GPT2_BLOCK = dict(norm_kind="layer", ffn="gelu_tanh", bias=True, positions="none")
+
+
+def _layer_norm_block(impl, norm: str, seed: int):
+    """A GPT-2 block and its input, after checking that its norms remove the mean (J_ln 1 = 0): an
+    implementation whose transformer_block ignores norm_kind is skipped, naming why (tinylm fails)."""
+    import pytest
+
+    block, x = _block(impl, norm, seed, **GPT2_BLOCK)
+    with torch.no_grad():  # random biases: a zero bias would hide a wiring mistake
+        for name, p in block.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=generator(seed + 2), dtype=p.dtype))
+    leak = float((_jac(block.ln1, x) @ torch.ones(x.numel(), dtype=x.dtype)).abs().max())
+    if leak > 1e-10:
+        if impl.name == "tinylm":
+            raise AssertionError(f"tinylm's block with norm_kind='layer' has a norm that does not remove the mean ({leak:.3g})")
+        pytest.skip(f"implementation {impl.name!r}: transformer_block builds no LayerNorm for norm_kind='layer'")
+    return block, x
+
+
+def _layer_norm_jacobian_forgetting_the_projection(mod, u: torch.Tensor) -> torch.Tensor:
+    """A wrong J_ln: diag(1/s_t) per token, as if LayerNorm were a plain rescaling (no P - y y^T/d)."""
+    s = torch.sqrt(u.var(-1, unbiased=False) + mod.eps)
+    return torch.diag((1.0 / s).repeat_interleave(u.shape[-1]))
+
+
+def _prenorm_gap(block, x, jac_norm=None) -> float:
+    jac_norm = jac_norm or _jac
+    n = x.numel()
+    I = torch.eye(n, dtype=torch.float64)
+    u = block.ln1(x)
+    h = x + block.attn(u)
+    J1 = I + _jac(block.attn, u) @ jac_norm(block.ln1, x)
+    J2 = I + _jac(block.ffn, block.ln2(h)) @ jac_norm(block.ln2, h)
+    want = (J2 @ J1).detach()
+    return float((_jac(block, x).detach() - want).abs().max()) / (1 + float(want.abs().max())) / (1e3 * n * U64)
+
+
+def _postnorm_gap(block, x) -> float:
+    n = x.numel()
+    I = torch.eye(n, dtype=torch.float64)
+    a = x + block.attn(x)
+    h = block.ln1(a)
+    want = (_jac(block.ln2, h + block.ffn(h)) @ (I + _jac(block.ffn, h)) @ _jac(block.ln1, a) @ (I + _jac(block.attn, x))).detach()
+    return float((_jac(block, x).detach() - want).abs().max()) / (1 + float(want.abs().max())) / (1e3 * n * U64)
+
+
+@prop("pre-norm GPT-2 block (LayerNorm + bias, tanh-GELU MLP): J = (I + J_ffn J_ln2)(I + J_attn J_ln1)", needs=("transformer_block",))
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**20))
+def test_prenorm_layer_norm_block_jacobian(impl, seed):
+    block, x = _layer_norm_block(impl, "pre", seed)
+    check(_prenorm_gap(block, x), 1.0, "pre-norm LayerNorm block Jacobian is not the composition", kind="err/bound")
+
+
+@prop("post-norm GPT-2 block: J = J_ln2(h + ffn h)(I + J_ffn) J_ln1(x + attn x)(I + J_attn)", needs=("transformer_block",))
+@settings(max_examples=6)
+@given(seed=st.integers(0, 2**20))
+def test_postnorm_layer_norm_block_jacobian(impl, seed):
+    block, x = _layer_norm_block(impl, "post", seed)
+    check(_postnorm_gap(block, x), 1.0, "post-norm LayerNorm block Jacobian is not the composition", kind="err/bound")
+
+
+@prop("negative control: the pre-norm check rejects LayerNorm's Jacobian taken as diag(1/s) (its projection forgotten)", needs=("transformer_block",))
+@settings(max_examples=3)
+@given(seed=st.integers(0, 2**20))
+def test_layer_norm_block_jacobian_rejects_plain_rescaling(impl, seed):
+    block, x = _layer_norm_block(impl, "pre", seed)
+    gap = _prenorm_gap(block, x, _layer_norm_jacobian_forgetting_the_projection)
+    check(1.0 / gap, 1.0, "negative control", kind="bound/err")
+    assert gap > 1.0
 
 
 # -- 15. residual stream variance ---------------------------------------------------------------------

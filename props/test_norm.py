@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from props.record import check, prop
@@ -189,3 +189,234 @@ def test_batchnorm_facts(seed, n, c, momentum):
     y_eval = bn(x)
     err_eval = float((y_eval - (x - bn.running_mean) / torch.sqrt(bn.running_var + 1e-5)).abs().max())
     check(max(err_train, err_rm, err_rv, err_eval), 64 * (n + 8) * U64 * 10, "BatchNorm statistics")
+
+
+# -- 13b. LayerNorm of the implementation under test --------------------------------------------------
+#
+# LN(x) = (x - m) / s * g + b with m = mean(x), s = sqrt(v + eps), v = mean((x - m)^2) (population).
+# Rounding: the centred values x - m carry an error of about (d + 2) u max|x| (the mean's error),
+# which the division by s magnifies to (d + 2) u max|x| / s: the ulp bounds below scale with
+# r = max|x| / s per row, the bits lost to cancellation when the mean is large against the spread.
+# Each property has a negative control: a specific wrong LayerNorm below that the same check rejects.
+
+
+@st.composite
+def ln_inputs(draw, min_d: int = 2, max_d: int = 32):
+    """(x (rows, d) float64: spread 10^[-3, 3] per row around an offset up to 10^2 spreads,
+    gain (d,), bias (d,), eps)."""
+    rows, d = draw(sizes(1, 6)), draw(sizes(min_d, max_d))
+    g = generator(draw(seeds()))
+    spread = 10.0 ** (torch.rand(rows, 1, generator=g, dtype=torch.float64) * 6 - 3)
+    offset = torch.randn(rows, 1, generator=g, dtype=torch.float64) * spread * 10.0 ** (torch.rand(rows, 1, generator=g, dtype=torch.float64) * 2)
+    x = torch.randn(rows, d, generator=g, dtype=torch.float64) * spread + offset
+    gain = 1 + 0.5 * torch.randn(d, generator=g, dtype=torch.float64)
+    bias = torch.randn(d, generator=g, dtype=torch.float64)
+    eps = draw(st.sampled_from([1e-5, 1e-6, 1e-3]))
+    return x, gain, bias, eps
+
+
+def _ln_ref(x: torch.Tensor, gain, bias, eps: float) -> torch.Tensor:
+    c = x - x.mean(-1, keepdim=True)
+    y = c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + eps)
+    return y * gain + bias if gain is not None else y
+
+
+def _spread(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """s = sqrt(v + eps) per row, (rows, 1)."""
+    return torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+
+
+def _ulp_bound(x: torch.Tensor, eps: float, gain, bias) -> torch.Tensor:
+    """16 (d + 8) u (r max|g| + max|b| + 1) per row, r = max|x| / s (see the section comment)."""
+    d = x.shape[-1]
+    r = x.abs().amax(-1, keepdim=True) / _spread(x, eps)
+    g = float(gain.abs().max()) if gain is not None else 1.0
+    b = float(bias.abs().max()) if bias is not None else 0.0
+    return 16 * (d + 8) * U64 * (r * g + b + 1)
+
+
+# Wrong LayerNorms the checks must reject, each a mistake met in practice.
+def _ln_unbiased(x, gain, bias, eps):
+    """torch.var's default: the unbiased variance (divides by d - 1)."""
+    c = x - x.mean(-1, keepdim=True)
+    return c / torch.sqrt(c.var(-1, keepdim=True) + eps) * gain + bias
+
+
+def _ln_no_centering(x, gain, bias, eps):
+    """No mean removal: RMSNorm with a bias."""
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * gain + bias
+
+
+def _ln_no_sqrt(x, gain, bias, eps):
+    """Divides by the variance instead of its square root."""
+    c = x - x.mean(-1, keepdim=True)
+    return c / (c.pow(2).mean(-1, keepdim=True) + eps) * gain + bias
+
+
+def _ln_formula_ratio(fn, case) -> float:
+    x, gain, bias, eps = case
+    out = fn(x, gain, bias, eps)
+    assert out.dtype == x.dtype and out.shape == x.shape, f"LayerNorm returned {out.dtype} {tuple(out.shape)}"
+    return float(((out - _ln_ref(x, gain, bias, eps)).abs() / _ulp_bound(x, eps, gain, bias)).max())
+
+
+@prop("LayerNorm(x) = (x - mean) / sqrt(var + eps) * g + b over the last dim, population variance (float64)", needs=("layer_norm",))
+@given(case=ln_inputs())
+def test_layer_norm_formula(impl, case):
+    check(_ln_formula_ratio(impl.layer_norm, case), 1.0, "LayerNorm differs from (x - mean)/sqrt(var + eps) g + b", kind="err/bound")
+
+
+@prop("LayerNorm without bias (bias=None) is (x - mean) / sqrt(var + eps) * g", needs=("layer_norm",))
+@given(case=ln_inputs())
+def test_layer_norm_without_bias(impl, case):
+    x, gain, _, eps = case
+    out = impl.layer_norm(x, gain, None, eps)
+    ratio = float(((out - _ln_ref(x, gain, 0.0, eps)).abs() / _ulp_bound(x, eps, gain, None)).max())
+    check(ratio, 1.0, "LayerNorm with bias=None differs from (x - mean)/sqrt(var + eps) g", kind="err/bound")
+
+
+@prop("negative control: the formula check rejects the unbiased variance (divides by d - 1)", needs=())
+@given(case=ln_inputs())
+def test_layer_norm_formula_rejects_unbiased_variance(case):
+    ratio = _ln_formula_ratio(_ln_unbiased, case)
+    check(1.0 / ratio, 1.0, "negative control", kind="bound/err")
+    assert ratio > 1.0
+
+
+def _ln_shift_ratio(fn, case, shift: torch.Tensor) -> float:
+    x, gain, bias, eps = case
+    y, ys = fn(x, gain, bias, eps), fn(x + shift, gain, bias, eps)
+    bound = _ulp_bound(x, eps, gain, bias) + _ulp_bound(x + shift, eps, gain, bias)
+    return float(((ys - y).abs() / bound).max())
+
+
+def _shifts(x: torch.Tensor, seed: int, eps: float) -> torch.Tensor:
+    """One shift per row, of 1 to 10^3 spreads, either sign."""
+    g = generator(seed)
+    size = 10.0 ** (torch.rand(x.shape[0], 1, generator=g, dtype=torch.float64) * 3)
+    sign = torch.where(torch.rand(x.shape[0], 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    return sign * size * _spread(x, eps)
+
+
+@prop("LayerNorm(x + c 1) = LayerNorm(x) for any shift c (within the ulps of the larger input)", needs=("layer_norm",))
+@given(case=ln_inputs(), seed=seeds())
+def test_layer_norm_shift_invariance(impl, case, seed):
+    ratio = _ln_shift_ratio(impl.layer_norm, case, _shifts(case[0], seed, case[3]))
+    check(ratio, 1.0, "LayerNorm changes when a constant is added to its input", kind="err/bound")
+
+
+@prop("negative control: the shift check rejects a LayerNorm without mean removal (RMSNorm with a bias)", needs=())
+@given(case=ln_inputs(), seed=seeds())
+def test_layer_norm_shift_rejects_no_centering(case, seed):
+    ratio = _ln_shift_ratio(_ln_no_centering, case, _shifts(case[0], seed, case[3]))
+    check(1.0 / ratio, 1.0, "negative control", kind="bound/err")
+    assert ratio > 1.0
+
+
+def _ln_scale_ratio(fn, case, a: float) -> float:
+    """LN(a x) = f LN_0(x) g + b with f^2 = (v + eps)/(v + eps/a^2), so |LN(a x) - LN(x)| <=
+    |LN(x) - b| eps |1 - a^-2| / v (exact as eps -> 0), plus the ulp bounds of both."""
+    x, gain, bias, eps = case
+    y, ya = fn(x, gain, bias, eps), fn(a * x, gain, bias, eps)
+    v = x.var(-1, unbiased=False, keepdim=True)
+    bound = (_ln_ref(x, gain, 0.0, eps).abs() * eps * abs(1 - a**-2) / v
+             + _ulp_bound(x, eps, gain, bias) + _ulp_bound(a * x, eps, gain, bias))
+    return float(((ya - y).abs() / bound).max())
+
+
+@prop("LayerNorm(a x) = LayerNorm(x) for a > 0 within |N(x) g| eps |1 - a^-2| / var(x) (exact as eps -> 0)", needs=("layer_norm",))
+@given(case=ln_inputs(), log_a=st.floats(-3.0, 3.0))
+def test_layer_norm_scale_invariance(impl, case, log_a):
+    check(_ln_scale_ratio(impl.layer_norm, case, 10.0**log_a), 1.0, "LayerNorm is not invariant to a positive scale", kind="err/bound")
+
+
+@prop("negative control: the scale check rejects a LayerNorm that divides by the variance, not its square root", needs=())
+@given(case=ln_inputs(), log_a=st.one_of(st.floats(-3.0, -0.5), st.floats(0.5, 3.0)))
+def test_layer_norm_scale_rejects_no_sqrt(case, log_a):
+    x, gain, bias, eps = case
+    a = 10.0**log_a
+    # keep the rows where eps swamps neither variance (of x and of a x): the bound's eps term stays small there
+    keep = x.var(-1, unbiased=False) * min(1.0, a * a) > 1e3 * eps
+    assume(bool(keep.any()))
+    ratio = _ln_scale_ratio(_ln_no_sqrt, (x[keep], gain, bias, eps), a)
+    check(1.0 / ratio, 1.0, "negative control", kind="bound/err")
+    assert ratio > 1.0
+
+
+def _ln_moment_ratio(fn, case) -> float:
+    """Unscaled (g = 1, b = 0): per row |mean(y)| and |mean(y^2) - v/(v + eps)| against d u r^2 bounds."""
+    x, _, _, eps = case
+    d = x.shape[-1]
+    y = fn(x, torch.ones(d, dtype=x.dtype), torch.zeros(d, dtype=x.dtype), eps)
+    v = x.var(-1, unbiased=False)
+    r = (x.abs().amax(-1) / torch.sqrt(v + eps))
+    tol = 16 * (d + 8) * U64 * (1 + r) ** 2
+    mean_ratio = y.mean(-1).abs() / tol
+    ms_ratio = (y.pow(2).mean(-1) - v / (v + eps)).abs() / tol
+    return float(torch.maximum(mean_ratio, ms_ratio).max())
+
+
+@prop("LayerNorm before the affine: per row mean 0 and mean square v/(v + eps) (= 1 as eps -> 0)", needs=("layer_norm",))
+@given(case=ln_inputs())
+def test_layer_norm_output_moments(impl, case):
+    check(_ln_moment_ratio(impl.layer_norm, case), 1.0, "LayerNorm output moments are not mean 0, mean square v/(v+eps)", kind="err/bound")
+
+
+@prop("negative control: the moment check rejects the unbiased variance (mean square (d-1)/d)", needs=())
+@given(case=ln_inputs())
+def test_layer_norm_moments_reject_unbiased_variance(case):
+    ratio = _ln_moment_ratio(_ln_unbiased, case)
+    check(1.0 / ratio, 1.0, "negative control", kind="bound/err")
+    assert ratio > 1.0
+
+
+def _ln_jacobian_ratios(fn, x: torch.Tensor, eps: float) -> tuple[float, float]:
+    """For the unscaled LayerNorm N at the vector x (d,): (error of its autograd Jacobian against
+    (P - y y^T / d) / s with P = I - 1 1^T / d, y = N(x), s = sqrt(v + eps); and, at eps = 0,
+    the largest of |J 1|, |J x_c| and the distance of s J's singular values from an orthogonal
+    projection's: d - 2 ones and two zeros), each over its ulp bound."""
+    from torch.autograd.functional import jacobian
+
+    d = x.shape[-1]
+    ones, zeros = torch.ones(d, dtype=x.dtype), torch.zeros(d, dtype=x.dtype)
+    N = lambda v: fn(v, ones, zeros, eps)  # noqa: E731
+    J = jacobian(N, x)  # (d, d)
+    s = float(_spread(x, eps))
+    y = _ln_ref(x, None, None, eps)
+    P = torch.eye(d, dtype=x.dtype) - 1.0 / d
+    want = (P - torch.outer(y, y) / d) / s
+    r = float(x.abs().max()) / s
+    tol = 16 * (d + 8) * U64 * (1 + r) ** 2 / s
+    formula = float((J - want).abs().max()) / tol
+    if eps:
+        return formula, 0.0
+    null = max(float((J @ ones).abs().max()), float((J @ (x - x.mean())).abs().max()) / float((x - x.mean()).abs().max()))
+    sv = torch.linalg.svdvals(s * J)
+    proj = torch.cat([torch.ones(d - 2, dtype=x.dtype), torch.zeros(2, dtype=x.dtype)])
+    structure = max(null / tol, float((sv - proj).abs().max()) / (s * tol))
+    return formula, structure
+
+
+@st.composite
+def jacobian_points(draw):
+    d = draw(sizes(3, 16))
+    g = generator(draw(seeds()))
+    x = torch.randn(d, generator=g, dtype=torch.float64) * 10.0 ** draw(st.floats(-2, 2)) + draw(st.floats(-5, 5))
+    return x, draw(st.sampled_from([0.0, 1e-5, 0.1]))
+
+
+@prop("LayerNorm Jacobian = (P - y y^T/d)/s, symmetric; at eps = 0 s J is a rank d-2 projection with nullspace {1, x}", needs=("layer_norm",))
+@given(point=jacobian_points())
+def test_layer_norm_jacobian(impl, point):
+    x, eps = point
+    formula, structure = _ln_jacobian_ratios(impl.layer_norm, x, eps)
+    check(max(formula, structure), 1.0, "LayerNorm's Jacobian is not (P - y y^T/d)/s of rank d-2", kind="err/bound")
+
+
+@prop("negative control: the Jacobian check rejects a LayerNorm without mean removal (rank d-1, J 1 != 0)", needs=())
+@given(point=jacobian_points())
+def test_layer_norm_jacobian_rejects_no_centering(point):
+    x, _ = point
+    formula, structure = _ln_jacobian_ratios(lambda v, g, b, e: _ln_no_centering(v, g, b, e), x, 0.0)
+    check(1.0 / max(formula, structure), 1.0, "negative control", kind="bound/err")
+    assert formula > 1.0 and structure > 1.0

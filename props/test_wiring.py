@@ -10,9 +10,12 @@ implementation under test is called): embeddings, each block in its norm placeme
 
 attention with RoPE at the given token positions (rotation of adjacent pairs by
 p theta^(-2k/d_k)), the causal mask and dropout D on the attention weights, the
-final norm (pre-norm only) and the head (the embedding matrix when tied).
+final norm (pre-norm only) and the head (the embedding matrix when tied). The GPT-2
+family's choices too: learned positions (the table's rows at the token positions added
+to the embedding), LayerNorm ((x - mean)/sqrt(var + eps) g + b), the non-gated MLPs
+w2(act(w1 x)) with act SiLU, GELU x Phi(x), its tanh form or ReLU, and biases.
 
-Every norm gain is redrawn as 1 + 0.5 N(0, 1) (at the fresh gain 1 a block cannot
+Every norm gain is redrawn as 1 + 0.5 N(0, 1) and every bias as 0.5 N(0, 1) (at the fresh gain 1 a block cannot
 tell its two norms apart, nor a model whether its final norm runs), every
 ``ModelConfig`` variant the strategy reaches is built, in float64, and compared
 with the reference in eval mode, in train mode without dropout (bitwise equal to
@@ -32,7 +35,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from props.record import check, prop
-from props.strategies import generator, model_configs, seeds
+from props.strategies import GPT2_FAMILY, generator, model_configs, seeds
 from props.tolerances import unit_roundoff
 
 U64 = unit_roundoff(torch.float64)
@@ -40,6 +43,29 @@ U64 = unit_roundoff(torch.float64)
 
 def _rms(x, w, eps):
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _norm(sd, name, cfg, x):
+    """The norm ``name`` of the state dict: RMSNorm, or LayerNorm (with its bias when it has one)."""
+    if cfg.norm_kind == "rms":
+        return _rms(x, sd[name + ".weight"], cfg.eps)
+    c = x - x.mean(-1, keepdim=True)
+    y = c / torch.sqrt((c * c).mean(-1, keepdim=True) + cfg.eps) * sd[name + ".weight"]
+    return y + sd[name + ".bias"] if name + ".bias" in sd else y
+
+
+def _lin(sd, name, u):
+    """u W^T (+ b when the state dict has the bias)."""
+    y = u @ sd[name + ".weight"].T
+    return y + sd[name + ".bias"] if name + ".bias" in sd else y
+
+
+ACTIVATION = {
+    "silu": lambda a: a * torch.sigmoid(a),
+    "gelu": lambda a: 0.5 * a * torch.erfc(-a / math.sqrt(2)),  # x Phi(x), Phi by erfc
+    "gelu_tanh": lambda a: 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3))),
+    "relu": lambda a: torch.where(a > 0, a, torch.zeros_like(a)),
+}
 
 
 def _drop(t, p, on):
@@ -66,7 +92,7 @@ def _attention(sd, pre, cfg, u, pos, train):
     H, dk = cfg.num_heads, cfg.head_dim
 
     def heads(name):
-        return (u @ sd[pre + name + ".weight"].T).reshape(B, T, H, dk).permute(0, 2, 1, 3)  # (B, H, T, dk)
+        return _lin(sd, pre + name, u).reshape(B, T, H, dk).permute(0, 2, 1, 3)  # (B, H, T, dk)
 
     q, k, v = heads("q_proj"), heads("k_proj"), heads("v_proj")
     if cfg.rope:
@@ -76,15 +102,14 @@ def _attention(sd, pre, cfg, u, pos, train):
     w = torch.exp(s - s.amax(-1, keepdim=True))
     w = _drop(w / w.sum(-1, keepdim=True), cfg.dropout, train)
     o = torch.einsum("bhij,bhjd->bhid", w, v).permute(0, 2, 1, 3).reshape(B, T, d)
-    return o @ sd[pre + "output_proj.weight"].T
+    return _lin(sd, pre + "output_proj", o)
 
 
 def _ffn(sd, pre, cfg, u):
-    a = u @ sd[pre + "w1.weight"].T
-    h = a * torch.sigmoid(a)
+    a = _lin(sd, pre + "w1", u)
     if cfg.ffn == "swiglu":
-        h = h * (u @ sd[pre + "w3.weight"].T)
-    return h @ sd[pre + "w2.weight"].T
+        return _lin(sd, pre + "w2", ACTIVATION["silu"](a) * _lin(sd, pre + "w3", u))
+    return _lin(sd, pre + "w2", ACTIVATION[cfg.ffn](a))
 
 
 def reference_forward(sd: dict, cfg, tokens: torch.Tensor, pos: torch.Tensor | None = None, train: bool = False):
@@ -92,24 +117,26 @@ def reference_forward(sd: dict, cfg, tokens: torch.Tensor, pos: torch.Tensor | N
     T = tokens.shape[-1]
     pos = torch.arange(T) if pos is None else pos
     x = sd["token_embeddings.weight"][tokens]
+    if cfg.positions == "learned":
+        x = x + sd["position_embeddings.weight"][pos]  # (T, d) or (B, T, d) rows at the token positions
     p = cfg.dropout
     for i in range(cfg.num_layers):
         pre = f"layers.{i}."
-        g1 = sd.get(pre + "ln1.weight")
-        g2 = sd.get(pre + "ln2.weight")
+        n1 = lambda u: _norm(sd, pre + "ln1", cfg, u)  # noqa: E731
+        n2 = lambda u: _norm(sd, pre + "ln2", cfg, u)  # noqa: E731
         attn = lambda u: _drop(_attention(sd, pre + "attn.", cfg, u, pos, train), p, train)  # noqa: E731
         ffn = lambda u: _drop(_ffn(sd, pre + "ffn.", cfg, u), p, train)  # noqa: E731
         if cfg.norm == "pre":
-            h = x + attn(_rms(x, g1, cfg.eps))
-            x = h + ffn(_rms(h, g2, cfg.eps))
+            h = x + attn(n1(x))
+            x = h + ffn(n2(h))
         elif cfg.norm == "post":
-            h = _rms(x + attn(x), g1, cfg.eps)
-            x = _rms(h + ffn(h), g2, cfg.eps)
+            h = n1(x + attn(x))
+            x = n2(h + ffn(h))
         else:
             h = x + attn(x)
             x = h + ffn(h)
     if cfg.norm == "pre":
-        x = _rms(x, sd["ln_final.weight"], cfg.eps)
+        x = _norm(sd, "ln_final", cfg, x)
     head = sd["token_embeddings.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
     return x @ head.T
 
@@ -121,6 +148,8 @@ def _model_with_random_gains(impl, cfg, seed):
         for name, prm in model.named_parameters():
             if name.endswith(("ln1.weight", "ln2.weight", "ln_final.weight")):
                 prm.copy_(1 + 0.5 * torch.randn(prm.shape, generator=g, dtype=torch.float64))
+            elif name.endswith(".bias"):  # zero at init: a bias added in the wrong place would not show
+                prm.copy_(0.5 * torch.randn(prm.shape, generator=g, dtype=torch.float64))
     return model, g
 
 
@@ -257,3 +286,50 @@ def test_positions_reach_attention_in_every_placement(impl, norm):
     ref = reference_forward(sd, cfg, tok, pos)
     assert float((ref - reference_forward(sd, cfg, tok)).abs().max()) > 1e3 * _tol(cfg, ref)  # the positions are visible
     check(float((out - ref).abs().max()), _tol(cfg, ref), f"{norm}: token_positions did not reach attention")
+
+
+def _skip_unless_family(impl) -> None:
+    """Skip, naming why, an implementation whose transformer_lm builds no GPT-2 family member (no
+    position table for positions='learned', or no biases for bias=True); tinylm must build them."""
+    from tinylm.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=8, context_length=4, d_model=8, num_layers=1, num_heads=2, d_ff=8,
+                      positions="learned", bias=True, norm_kind="layer", ffn="gelu_tanh")
+    keys = set(impl.transformer_lm(cfg, generator(0)).state_dict())
+    missing = sorted({"position_embeddings.weight", "layers.0.attn.q_proj.bias", "layers.0.ln1.bias"} - keys)
+    if missing:
+        if impl.name == "tinylm":
+            raise AssertionError(f"tinylm's GPT-2 family model lacks {missing}")
+        pytest.skip(f"implementation {impl.name!r}: transformer_lm builds no GPT-2 family model (no {missing[0]})")
+
+
+@prop("GPT-2 family whole model = the float64 reference: LayerNorm, GELU/ReLU MLPs, learned positions, biases, every placement", needs=("transformer_lm",))
+@pytest.mark.parametrize("ffn", GPT2_FAMILY["ffns"])
+@settings(max_examples=6)
+@given(cfg=model_configs(max_layers=2, max_vocab=32, max_context=12, **GPT2_FAMILY), seed=seeds(),
+       kind=st.sampled_from(["default", "shared", "batched"]), data=st.data())
+def test_family_matches_reference_eval(impl, ffn, cfg, seed, kind, data):
+    _skip_unless_family(impl)
+    check_model_against_reference(impl, cfg.replace(ffn=ffn), seed, 0.0, kind, data)
+
+
+@prop("negative control: the family check rejects the exact GELU where the tanh form runs, and a dropped position table", needs=("transformer_lm",))
+@settings(max_examples=4)
+@given(norm=st.sampled_from(["pre", "post"]), seed=seeds())
+def test_family_reference_rejects_wrong_claims(impl, norm, seed):
+    from tinylm.config import ModelConfig
+
+    _skip_unless_family(impl)
+    cfg = ModelConfig(vocab_size=32, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32, norm=norm,
+                      ffn="gelu_tanh", positions="learned", bias=True, norm_kind="layer")
+    model, g = _model_with_random_gains(impl, cfg, seed)
+    model.eval()
+    tok = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), generator=g)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        out = model(tok)
+    tol = _tol(cfg, out)
+    wrong_act = float((out - reference_forward(sd, cfg.replace(ffn="gelu"), tok)).abs().max())
+    no_table = float((out - reference_forward(sd, cfg.replace(positions="none"), tok)).abs().max())
+    check(tol / min(wrong_act, no_table), 1.0, "negative control", kind="tol/err")
+    assert wrong_act > tol and no_table > tol
