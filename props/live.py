@@ -12,6 +12,7 @@ and flushed, so the parent process can follow the run:
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -65,11 +66,17 @@ def _draws(text: str) -> list[str]:
     return [re.sub(r"\s+", " ", d) for d in out]
 
 
+#: the real ``open``, bound at import: a property may patch ``builtins.open`` (to test how a loader
+#: handles unreadable files), and this plugin reports that property's outcome before its
+#: monkeypatch is undone at teardown
+_open = io.open
+
+
 def _write(event: dict[str, Any]) -> None:
     path = os.environ.get(LIVE_ENV)
     if not path:
         return
-    with open(path, "a", encoding="utf-8") as f:
+    with _open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(event, default=str) + "\n")
         f.flush()
 
