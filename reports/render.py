@@ -84,7 +84,11 @@ def _config_line(cfg: dict[str, Any] | None) -> str:
     parts = [f"V={cfg.get('vocab_size')}", f"ctx={cfg.get('context_length')}", f"d={cfg.get('d_model')}",
              f"L={cfg.get('num_layers')}", f"H={cfg.get('num_heads')}", f"d_ff={cfg.get('d_ff')}"]
     norm = {"pre": "pre-norm", "post": "post-norm", "none": "no norm"}.get(cfg.get("norm", "pre"), str(cfg.get("norm")))
+    if cfg.get("norm_kind") == "layer" and cfg.get("norm", "pre") != "none":
+        norm += " LayerNorm"
     variant = [norm, cfg.get("ffn", "swiglu"), _POSITIONS.get(_positions(cfg), "?")]
+    if cfg.get("bias"):
+        variant.append("biases")
     if cfg.get("tie_embeddings"):
         variant.append("tied embeddings")
     return " ".join(parts) + " · " + ", ".join(variant)

@@ -266,3 +266,19 @@ def test_family_configs_refuse_bad_values_by_name():
     with pytest.raises(ConfigError, match=r"^norm_kind='batch': must be one of rms, layer$"):
         BASE.replace(norm_kind="batch")
     assert list(itertools.islice(tinylm.PRESETS, 5)) == ["tiny", "tinystories", "gpt2-small", "gpt2", "gpt2-tiny"]
+
+
+def test_the_report_names_the_family_and_reads_legacy_configs():
+    from reports.render import _config_line
+
+    assert _config_line(tinylm.preset("gpt2-tiny").to_dict()).endswith(
+        "pre-norm LayerNorm, gelu_tanh, learned positions, biases, tied embeddings")
+    legacy = {k: v for k, v in BASE.to_dict().items() if k != "positions"} | {"rope": False}
+    assert _config_line(legacy).endswith("pre-norm, swiglu, NoPE")
+    assert _config_line(BASE.to_dict()).endswith("pre-norm, swiglu, RoPE")
+
+
+def test_gpt2_preset_has_gpt2_smalls_parameter_count():
+    """124,439,808: GPT-2 small's published count (tied embeddings), from the config alone."""
+    c = tinylm.preset("gpt2")
+    assert tinylm.TransformerLM(c, device="meta").num_parameters() == 124_439_808
