@@ -20,16 +20,30 @@ One recursion serves both modes; they differ only in where a layer's inputs come
 Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per element):
 
 * Embedding: E[y^2] = E[w^2] (local: the mean square of the whole table).
-* Linear y = W x, W (d_out, d_in): E[y^2] = ||W||_F^2 / d_out E[x^2]  (global: d_in E[w^2] E[x^2]);
+* Linear y = W x (+ b), W (d_out, d_in): E[y^2] = ||W||_F^2 / d_out E[x^2] (+ E[b^2])  (global: d_in E[w^2] E[x^2]);
   backward E[g_x^2] = ||W||_F^2 / d_in E[g_y^2]  (global: d_out E[w^2] E[g_y^2]).
 * RMSNorm y = gain x / sqrt(ms(x) + eps): E[y^2] = mean(gain^2) ms/(ms + eps); backward
   E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d (the projection onto x removes
   1/d of the energy); local mode measures the per-token product mean_t E[g_y^2]_t/(ms_t + eps)
   (gradient and norm vary together over positions, so pooling them separately is biased
   beyond block 0), global mode takes E[g_y^2] d/((d-2)(ms + eps)) (chi-square token norms).
+* LayerNorm y = g (x - mean)/sqrt(v + eps) + b, v the token's population variance (d v/var ~
+  chi2_{d-1}): E[y^2] = mean(g^2) E[v/(v+eps)] + mean(b^2); backward E[g_x^2] = mean(g^2) E[g_y^2]
+  E[(d - 2 + (eps/(v+eps))^2)/(d (v + eps))] (the Jacobian P - u u^T/d removes the directions 1
+  and u: rank d-2), for a gradient whose direction is independent of the normalised token (a
+  near-uniform softmax, as at init). :func:`layernorm_moments`; var from the input's variance
+  (measured in local mode).
 * SwiGLU h = silu(a) * b, a, b independent Gaussians: E[h^2] = E[silu(a)^2] E[b^2];
   backward E[g_b^2] = E[g_h^2] E[silu(a)^2], E[g_a^2] = E[g_h^2] E[b^2] E[silu'(a)^2]
-  (Gaussian expectations by scipy.integrate.quad). SiLU FFN: h = silu(a).
+  (Gaussian expectations by scipy.integrate.quad). Non-gated MLP h = f(a), f one of
+  :data:`ACTIVATIONS` (SiLU, GELU exact and tanh, ReLU): E[h^2] = E[f(a)^2], mean E[f(a)],
+  backward E[g_a^2] = E[g_h^2] E[f'(a)^2] (:func:`activation_moments`, any mean and variance).
+* Biases: a Linear's bias adds E[b^2] to its output's mean square (0 at init for every scheme
+  but torch-default); v_proj's bias passes the attention whole (rows of A sum to 1):
+  E[heads^2] = (E[v^2] - E[b_v^2]) mean_t E[sum_j a_tj^2] + E[b_v^2].
+* Learned positions: E[resid_in^2] = E[w_tok^2] + E[w_pos^2] (independent tables); backward,
+  the token embedding's gradient is resid_in's, the position table's output (one (T, d) tensor
+  broadcast over the batch) B = N/T times it (the batch's sequences' gradients are independent).
 * Attention (causal, T positions, scores s ~ N(0, sigma^2) with sigma^2 = E[q^2] E[k^2]):
   row t is a softmax over n = t+1 scores; S2(n) = E[sum_j a_j^2] (Monte Carlo with a fixed
   seed, shared draws across n). Heads: E[o^2] = E[v^2] (1/T) sum_t S2(t+1); probabilities
@@ -782,7 +796,7 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], plan: tinylm.plan.Mod
       which every attention layer sums gradients over positions): valid only when L = 1.
     * Global backward below the final norm divides by the stream variance the
       independent-token theory underestimates beyond block 0: valid only when L = 1.
-    * No norm: the FFN reads the raw stream, whose scale varies over tokens, so the SiLU
+    * No norm: the FFN reads the raw stream, whose scale varies over tokens, so the activation
       rules (local), the FFN products and block outputs (global) and
       every global forward prediction beyond block 0 are outside validity.
     * Any prediction whose variance (mean square - mean^2) is not positive: there is

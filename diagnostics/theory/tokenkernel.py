@@ -16,8 +16,17 @@ random tokens. The rules (E[w^2]: a parameter's declared second moment; d_in: a 
   hold the same token (1 on the diagonal; 1/V for uniform random tokens; for given tokens
   the fraction of the measured sequences, :func:`token_coincidence`: at init the rows of
   the table are iid, so which positions share a token is all that matters).
+* Learned positions: K_pos_st = E[p_s . p_t]/d = E[w^2] on the diagonal, mean(w)^2 off it (distinct
+  rows of an iid table), added to the token kernel (the tables are independent). The rows are
+  the same for every sequence, but over the init they are as independent as two distinct
+  tokens' rows: they add to each token's norm, not to the overlap between tokens, so they
+  lower the cosine between tokens at the input.
 * RMSNorm: K'_st = E[g^2] K_st / sqrt((K_ss + eps)(K_tt + eps)) (token norms concentrate).
+* LayerNorm: the mean removal gives K^c = (d-1)/d K (E[m_s m_t] = K_st/d for iid dimensions), each
+  token is scaled to E[v/(v+eps)] (v ~ K_ss chi2_{d-1}/d), and its bias adds E[b^2] to every
+  entry (:func:`layer_normalize`).
 * Linear W (zero-mean iid entries): K' = d_in E[w^2] K, and different outputs are independent.
+  A bias, one vector shared by every position, adds E[b^2] to every entry of K'.
 * Causal attention, one head (d_k = d/H): q_t, k_t, v_t are Gaussian across positions with
   covariances Kq = d E[w_q^2] K^, Kk, Kv (K^ the normed kernel) and iid over the d_k
   dimensions; q, k and v are mutually independent. The head's output kernel is
@@ -31,14 +40,17 @@ random tokens. The rules (E[w^2]: a parameter's declared second moment; d_in: a 
 * SwiGLU h = silu(a) * b with a = W1 x^, b = W3 x^: a and b are independent Gaussians
   across positions with Ka = d E[w1^2] K^, Kb = d E[w3^2] K^, so
   Kh_st = E[silu(a_s) silu(a_t)] Kb_st, the bivariate-Gaussian expectation by 2-D
-  Gauss-Hermite quadrature (correlation Ka_st / sqrt(Ka_ss Ka_tt)). SiLU FFN: Kh = E[silu silu].
+  Gauss-Hermite quadrature (correlation Ka_st / sqrt(Ka_ss Ka_tt)). Non-gated MLP h = f(a):
+  Kh = E[f(a_s) f(a_t)] for f SiLU, GELU (exact, tanh) by the same quadrature, ReLU in closed
+  form (the arc-cosine kernel): :func:`act_cross_moment`. q/k biases enter the attention draws
+  as one shared Gaussian vector per draw; v's bias adds E[b_v^2] to the heads' kernel.
 * Residual sum: kernels add (x + f(x): the cross term E[x_s . W_o u_t] vanishes at init,
   W_o being zero-mean and independent of everything before it). Pre-, post- and no-norm
   blocks are composed from these rules by walking the block plan (:mod:`tinylm.plan`, which
   ``tests/test_plan.py`` holds to tinylm's TransformerBlock), one rule per step.
 
 What the kernel predicts for a tensor: its mean square per element, mean_t K_tt (the pooled
-variance a probe measures, the mean being 0 at init except for a SiLU FFN's hidden layer),
+variance a probe measures, the mean being 0 at init except for a non-gated MLP's hidden layer),
 and, at the residual points, the mean cosine between different tokens of a sequence,
 mean_{s != t} K_st / sqrt(K_ss K_tt), which is what ``ProbeStats.cosine`` measures.
 
