@@ -1,10 +1,13 @@
 """Accuracy of the token-kernel theory (diagnostics.theory.tokenkernel) against measurement at depth 8.
 
-    python benchmarks/kernel_accuracy.py [--widths 128 256] [--depth 8] [--seeds 8] [--seq 64] [--batch 8]
+    python benchmarks/kernel_accuracy.py [--arch cs336|gpt2] [--init SCHEME] [--widths 128 256] [--depth 8]
+                                         [--seeds 8] [--seq 64] [--batch 8]
 
-For each width: a cs336 pre-norm model (heads = d/32, d_ff = 8/3 d, V = 10000) is
-initialised with seeds 0..n-1 and run on uniform random tokens (B x T, one batch per
-seed). Per block it prints the measured variance (mean over seeds) of the attention
+For each width: a pre-norm model of the chosen architecture (V = 10000) under the chosen init
+scheme (default: the architecture's own) is initialised with seeds 0..n-1 and run on uniform
+random tokens (B x T, one batch per seed). --arch cs336: RMSNorm, SwiGLU (d_ff = 8/3 d), RoPE,
+no biases, heads = d/32, init cs336. --arch gpt2: GPT-2's block (LayerNorm with bias, tanh-GELU
+MLP of width 4d, learned positions, biases, tied embeddings), heads of dimension 64, init gpt2. Per block it prints the measured variance (mean over seeds) of the attention
 heads (before output_proj), the attention branch (after it) and the residual stream
 (block output), each divided by the kernel prediction (with a 99% t interval over the
 seeds) and by the independent-token global prediction (diagnostics.theory.predict), and
@@ -65,15 +68,33 @@ def ratio(values: list[float], predicted: float, level: float = 0.99) -> tuple[f
     return float(r.mean()), float(half)
 
 
-def report(width: int, depth: int, seeds: int, batch: int, seq: int) -> float:
-    config = tinylm.ModelConfig(vocab_size=10000, context_length=seq, d_model=width, num_layers=depth,
-                                num_heads=max(1, width // 32), d_ff=tinylm.default_d_ff(width))
+ARCHS = ("cs336", "gpt2")
+
+
+def make_config(arch: str, width: int, depth: int, seq: int, init: str | None = None) -> tinylm.ModelConfig:
+    """The benchmark's model of architecture ``arch`` (module doc) at this width, depth and context,
+    under ``init`` (None: the architecture's own scheme)."""
+    if arch == "cs336":
+        config = tinylm.ModelConfig(vocab_size=10000, context_length=seq, d_model=width, num_layers=depth,
+                                    num_heads=max(1, width // 32), d_ff=tinylm.default_d_ff(width))
+    elif arch == "gpt2":
+        config = tinylm.preset("gpt2").replace(vocab_size=10000, context_length=seq, d_model=width,
+                                               num_layers=depth, num_heads=max(1, width // 64), d_ff=4 * width)
+    else:
+        raise ValueError(f"arch={arch!r}: must be one of {', '.join(ARCHS)}")
+    return config if init is None else config.replace(init=init)
+
+
+def report(width: int, depth: int, seeds: int, batch: int, seq: int, arch: str = "cs336",
+           init: str | None = None) -> float:
+    config = make_config(arch, width, depth, seq, init)
     t0 = time.perf_counter()
     kt = kernel_theory(config, seq)
     t_kernel = time.perf_counter() - t0
     var, cos, model = measure(config, seeds, batch, seq)
     indep = predict(model, "global", seq_len=seq, tokens=batch * seq, forward="independent")
-    print(f"\nd_model {width}, depth {depth}, heads {config.num_heads}, T {seq}, batch {batch}, {seeds} seeds "
+    print(f"\n{arch} architecture, init {config.init}: "
+          f"d_model {width}, depth {depth}, heads {config.num_heads}, T {seq}, batch {batch}, {seeds} seeds "
           f"(kernel_theory {t_kernel:.2f} s, {kt.draws} draws per block)")
     print("measured / kernel-predicted [99% t interval over seeds]   measured / independent-token-predicted")
     head = f"{'blk':>3} " + " ".join(f"{k + ' meas':>10} {k + ' kern':>10} {'ratio':>13} {'indep r':>7}" for k in POINTS)
@@ -94,6 +115,8 @@ def report(width: int, depth: int, seeds: int, batch: int, seq: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=ARCHS, default="cs336")
+    ap.add_argument("--init", default=None, help="init scheme (default: the architecture's own)")
     ap.add_argument("--widths", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--seeds", type=int, default=8)
@@ -102,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     for width in args.widths:
-        report(width, args.depth, args.seeds, args.batch, args.seq)
+        report(width, args.depth, args.seeds, args.batch, args.seq, args.arch, args.init)
     return 0
 
 

@@ -20,16 +20,30 @@ One recursion serves both modes; they differ only in where a layer's inputs come
 Rules (x: input, y: output, g: gradient of the loss; E[.^2] a mean square per element):
 
 * Embedding: E[y^2] = E[w^2] (local: the mean square of the whole table).
-* Linear y = W x, W (d_out, d_in): E[y^2] = ||W||_F^2 / d_out E[x^2]  (global: d_in E[w^2] E[x^2]);
+* Linear y = W x (+ b), W (d_out, d_in): E[y^2] = ||W||_F^2 / d_out E[x^2] (+ E[b^2])  (global: d_in E[w^2] E[x^2]);
   backward E[g_x^2] = ||W||_F^2 / d_in E[g_y^2]  (global: d_out E[w^2] E[g_y^2]).
 * RMSNorm y = gain x / sqrt(ms(x) + eps): E[y^2] = mean(gain^2) ms/(ms + eps); backward
   E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d (the projection onto x removes
   1/d of the energy); local mode measures the per-token product mean_t E[g_y^2]_t/(ms_t + eps)
   (gradient and norm vary together over positions, so pooling them separately is biased
   beyond block 0), global mode takes E[g_y^2] d/((d-2)(ms + eps)) (chi-square token norms).
+* LayerNorm y = g (x - mean)/sqrt(v + eps) + b, v the token's population variance (d v/var ~
+  chi2_{d-1}): E[y^2] = mean(g^2) E[v/(v+eps)] + mean(b^2); backward E[g_x^2] = mean(g^2) E[g_y^2]
+  E[(d - 2 + (eps/(v+eps))^2)/(d (v + eps))] (the Jacobian P - u u^T/d removes the directions 1
+  and u: rank d-2), for a gradient whose direction is independent of the normalised token (a
+  near-uniform softmax, as at init). :func:`layernorm_moments`; var from the input's variance
+  (measured in local mode).
 * SwiGLU h = silu(a) * b, a, b independent Gaussians: E[h^2] = E[silu(a)^2] E[b^2];
   backward E[g_b^2] = E[g_h^2] E[silu(a)^2], E[g_a^2] = E[g_h^2] E[b^2] E[silu'(a)^2]
-  (Gaussian expectations by scipy.integrate.quad). SiLU FFN: h = silu(a).
+  (Gaussian expectations by scipy.integrate.quad). Non-gated MLP h = f(a), f one of
+  :data:`ACTIVATIONS` (SiLU, GELU exact and tanh, ReLU): E[h^2] = E[f(a)^2], mean E[f(a)],
+  backward E[g_a^2] = E[g_h^2] E[f'(a)^2] (:func:`activation_moments`, any mean and variance).
+* Biases: a Linear's bias adds E[b^2] to its output's mean square (0 at init for every scheme
+  but torch-default); v_proj's bias passes the attention whole (rows of A sum to 1):
+  E[heads^2] = (E[v^2] - E[b_v^2]) mean_t E[sum_j a_tj^2] + E[b_v^2].
+* Learned positions: E[resid_in^2] = E[w_tok^2] + E[w_pos^2] (independent tables); backward,
+  the token embedding's gradient is resid_in's, the position table's output (one (T, d) tensor
+  broadcast over the batch) B = N/T times it (the batch's sequences' gradients are independent).
 * Attention (causal, T positions, scores s ~ N(0, sigma^2) with sigma^2 = E[q^2] E[k^2]):
   row t is a softmax over n = t+1 scores; S2(n) = E[sum_j a_j^2] (Monte Carlo with a fixed
   seed, shared draws across n). Heads: E[o^2] = E[v^2] (1/T) sum_t S2(t+1); probabilities
@@ -69,12 +83,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
 import numpy as np
 import torch
-from scipy import integrate
+from scipy import integrate, special, stats
 from torch import nn
 
 import tinylm
@@ -86,7 +101,13 @@ from .prediction import Prediction, no_variance_left
 
 __all__ = [
     "independent_predictions",
+    "ACTIVATIONS",
+    "Activation",
+    "activation_of",
+    "activation_moments",
     "silu_moments",
+    "layernorm_moments",
+    "layernorm_factors",
     "softmax_moments",
     "ce_grad_mean_square",
 ]
@@ -97,7 +118,8 @@ _MC_SEED = 1234
 
 # ---------------------------------------------------------------- Gaussian expectations
 
-def _gauss_expect(f: Callable[[float], float], mu: float, sigma: float) -> float:
+def _gauss_expect(f: Callable[[float], float], mu: float, sigma: float, kink: float | None = None) -> float:
+    """E[f(mu + sigma z)], z ~ N(0, 1), by quad over |z| <= 12, split at ``kink`` (in z) if given."""
     if sigma <= 0:
         return f(mu)
     if not (math.isfinite(mu) and math.isfinite(sigma)):
@@ -105,12 +127,10 @@ def _gauss_expect(f: Callable[[float], float], mu: float, sigma: float) -> float
     dens = lambda z: math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)  # noqa: E731
     with warnings.catch_warnings():  # huge sigma (an exploding model): quad warns about its own tolerance
         warnings.simplefilter("ignore", integrate.IntegrationWarning)
-        val, _ = integrate.quad(lambda z: f(mu + sigma * z) * dens(z), -12, 12, limit=200, epsabs=0, epsrel=1e-10)
+        points = [kink] if kink is not None and -12 < kink < 12 else None
+        val, _ = integrate.quad(lambda z: f(mu + sigma * z) * dens(z), -12, 12, limit=200, epsabs=0, epsrel=1e-10,
+                                points=points)
     return val
-
-
-def _silu(a: float) -> float:
-    return a / (1.0 + math.exp(-a)) if a > -700 else 0.0
 
 
 def _square(x: float) -> float:
@@ -118,16 +138,122 @@ def _square(x: float) -> float:
     return x * x
 
 
-def _dsilu(a: float) -> float:
-    s = 1.0 / (1.0 + math.exp(-a)) if a > -700 else 0.0
-    return s * (1.0 + a * (1.0 - s))
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _sigmoid(x):
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free
+
+
+def _gelu_tanh_inner(x):
+    return _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """An FFN activation as the theory needs it: f and f', elementwise on numpy arrays (or floats),
+    overflow-free; ``kink``: the point where f' jumps (ReLU's 0), which quadrature splits at."""
+
+    name: str
+    f: Callable
+    df: Callable
+    kink: float | None = None
+
+
+#: Every activation of ``tinylm.ModelConfig.ffn`` (SwiGLU's gate is "silu"), by name.
+ACTIVATIONS: dict[str, Activation] = {
+    "silu": Activation("silu", lambda x: x * _sigmoid(x),
+                       lambda x: _sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x)))),
+    "gelu": Activation("gelu", lambda x: x * special.ndtr(x),
+                       lambda x: special.ndtr(x) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)),
+    "gelu_tanh": Activation("gelu_tanh", lambda x: 0.5 * x * (1.0 + np.tanh(_gelu_tanh_inner(x))),
+                            lambda x: 0.5 * (1.0 + np.tanh(_gelu_tanh_inner(x)))
+                            + 0.5 * x * (1.0 - np.tanh(_gelu_tanh_inner(x)) ** 2)
+                            * _SQRT_2_OVER_PI * (1.0 + 3 * 0.044715 * x * x)),
+    "relu": Activation("relu", lambda x: np.maximum(x, 0.0), lambda x: np.greater(x, 0.0) * 1.0, kink=0.0),
+}
+
+
+def activation_of(ffn: str) -> Activation:
+    """The activation of an FFN kind (``ModelConfig.ffn`` or a plan step's variant): SwiGLU's gate is SiLU."""
+    return ACTIVATIONS["silu" if ffn == "swiglu" else ffn]
 
 
 @lru_cache(maxsize=4096)
+def activation_moments(name: str, mu: float, sigma: float) -> tuple[float, float, float]:
+    """(E[f(a)], E[f(a)^2], E[f'(a)^2]) for a ~ N(mu, sigma^2), f = ``ACTIVATIONS[name]``, by
+    scipy.integrate.quad (split at a kink). At N(0, 1): GELU 0.425221 / 0.455851 for the last
+    two, ReLU 1/2 / 1/2 (E[relu] = 1/sqrt(2 pi))."""
+    act = ACTIVATIONS[name]
+    f, df = (lambda a: float(act.f(a))), (lambda a: float(act.df(a)))
+    kink = None if act.kink is None or sigma <= 0 else (act.kink - mu) / sigma
+    return (_gauss_expect(f, mu, sigma, kink), _gauss_expect(lambda a: _square(f(a)), mu, sigma, kink),
+            _gauss_expect(lambda a: _square(df(a)), mu, sigma, kink))
+
+
 def silu_moments(mu: float, sigma: float) -> tuple[float, float, float]:
-    """(E[silu(a)], E[silu(a)^2], E[silu'(a)^2]) for a ~ N(mu, sigma^2), by scipy.integrate.quad."""
-    return (_gauss_expect(_silu, mu, sigma), _gauss_expect(lambda a: _square(_silu(a)), mu, sigma),
-            _gauss_expect(lambda a: _square(_dsilu(a)), mu, sigma))
+    """(E[silu(a)], E[silu(a)^2], E[silu'(a)^2]) for a ~ N(mu, sigma^2): :func:`activation_moments` of "silu"."""
+    return activation_moments("silu", mu, sigma)
+
+
+@lru_cache(maxsize=64)
+def _chi2_rule(k: int, nodes: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Nodes x and weights w (summing to 1) with sum w h(x) = E[h(X)], X ~ chi-square(k), for smooth h:
+    Gauss-Legendre on the central [1e-15, 1 - 1e-15] quantile range (k >= 5: h(x) / x stays smooth too),
+    else Gauss-Legendre in u = sqrt(x) over [0, upper] (the density's x^(k/2 - 1) singularity absorbed)."""
+    law = stats.chi2(k)
+    hi = float(law.isf(1e-15))
+    g, gw = np.polynomial.legendre.leggauss(nodes)
+    if k >= 5:
+        lo = float(law.ppf(1e-15))
+        x = lo + (hi - lo) * (g + 1) / 2
+        w = gw * law.pdf(x)
+    else:
+        u = math.sqrt(hi) * (g + 1) / 2
+        x = u * u
+        w = gw * law.pdf(x) * 2 * u  # dx = 2 u du
+    return x, w / w.sum()
+
+
+def layernorm_factors(var: np.ndarray, d: int, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`layernorm_moments` for an array of input variances (one per token of a kernel's diagonal)."""
+    var = np.asarray(var, dtype=np.float64)
+    fwd, back = np.full(var.shape, math.nan), np.full(var.shape, math.nan)
+    ok = np.isfinite(var) & (var >= 0) & math.isfinite(eps)
+    if d <= 1:
+        fwd[ok] = 0.0
+        return fwd, back
+    x, w = _chi2_rule(d - 1)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        v = var[ok][:, None] / d * x[None, :]  # (n, nodes): v = var X / d
+        se = v + eps
+        fwd[ok] = np.where(se > 0, v / np.where(se > 0, se, 1.0), 0.0) @ w
+        back[ok] = ((d - 2 + (eps / se) ** 2) / (d * se)) @ w
+    return fwd, back
+
+
+@lru_cache(maxsize=4096)
+def layernorm_moments(var: float, d: int, eps: float) -> tuple[float, float]:
+    """LayerNorm's two factors for a token of d iid elements of variance ``var`` (any mean).
+
+    v, the token's population variance, has d v / var ~ chi-square with d - 1 degrees of
+    freedom (the mean removal takes one). With u = (x - mean)/sqrt(v + eps) and rho = v/(v + eps)
+    (so |u|^2 = d rho):
+
+    * forward: E[u_i^2] = E[v/(v + eps)], hence E[y^2] = E[g^2] E[v/(v + eps)] + E[b^2] for
+      y = g u + b (the probe's mean square; ~1 - eps d/((d-1) var));
+    * backward: the Jacobian is (P - u u^T/d) diag(g)/sqrt(v + eps), P = I - 1 1^T/d, i.e.
+      P - rho u^ u^T (u^ = u/|u| is orthogonal to 1): for a gradient of isotropic direction
+      E|(P - rho u^ u^T) w|^2 = |w|^2 (d - 1 - 2 rho + rho^2)/d, so
+      E[g_x^2] = E[g^2] E[g_y^2] E[(d - 2 + (eps/(v + eps))^2) / (d (v + eps))]: a rank d-2
+      projection (two directions removed, 1 and u) when eps << v, and E[d/((d-3) var)] for
+      1/v at eps = 0 (chi-square with d - 1 degrees of freedom).
+
+    Returns (E[v/(v + eps)], E[(d - 2 + (eps/(v+eps))^2) / (d (v + eps))]), by quadrature over
+    the chi-square law (:func:`layernorm_factors`; d = 1: v = 0, the output is the bias alone).
+    """
+    fwd, back = layernorm_factors(np.array([var], dtype=np.float64), d, eps)
+    return float(fwd[0]), float(back[0])
 
 
 @lru_cache(maxsize=8)
@@ -225,7 +351,7 @@ class _Source:
         self.plan = tinylm.plan.build(model.config)
         self.producer = self.plan.producers()
         self.out: dict[tuple[str, str], Prediction] = {}
-        self.params = dict(model.named_parameters())
+        self.params = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head keeps its name
         if mode == "global":
             self.decl = declare(model, scheme or self.config.init)
 
@@ -257,10 +383,19 @@ class _Source:
             return self.fwd_ms(a) + self.fwd_ms(b)
         return self.ms(name)
 
+    def fwd_var(self, name: str) -> float:
+        """The variance (mean square minus mean^2) of a tensor, as ``fwd_ms`` (a residual sum: its terms' sum)."""
+        if tinylm.plan.is_sum(name):
+            a, b = self.producer[name].reads
+            return self.fwd_var(a) + self.fwd_var(b)
+        return self.var(name)
+
     def second_moment(self, pname: str) -> float:
         """mean(w^2): actual (local) or declared E[w^2] (global)."""
         if self.mode == "local":
             return float(self.params[pname].detach().double().square().mean())
+        if pname not in self.decl and pname == f"{self.plan.head}.weight":  # tied to the token embeddings
+            pname = f"{self.plan.embedding}.weight"
         d = self.decl[pname]
         return d.variance + d.mean * d.mean
 
@@ -278,11 +413,18 @@ class _Source:
         return (name, direction) in self.out
 
 
+def _bias2(src: _Source, name: str) -> float:
+    """E[b^2] of module ``name``'s bias (0 without one): a bias adds it to every output's mean square."""
+    return src.second_moment(f"{name}.bias") if f"{name}.bias" in src.params else 0.0
+
+
 def _linear_fwd(src: _Source, name: str, x: str, kind_rule: str = "linear") -> float:
     w = src.params[f"{name}.weight"]
     d_out, d_in = w.shape
-    ms = d_in * src.second_moment(f"{name}.weight") * src.ms(x)
-    src.put(name, "forward", ms, f"{kind_rule}: d_in E[w^2] E[x^2]")
+    b2 = _bias2(src, name)
+    ms = d_in * src.second_moment(f"{name}.weight") * src.ms(x) + b2
+    src.put(name, "forward", ms, f"{kind_rule}: d_in E[w^2] E[x^2]" + (" + E[b^2]" if b2 or f"{name}.bias" in src.params
+                                                                         else ""))
     return ms
 
 
@@ -292,19 +434,43 @@ def _linear_back_factor(src: _Source, name: str) -> float:
     return w.shape[0] * src.second_moment(f"{name}.weight")
 
 
-def _norm_fwd(src: _Source, name: str, x_ms: float, out_name: str | None = None) -> float:
+def _is_layer(src: _Source) -> bool:
+    return src.config.norm_kind == "layer"
+
+
+def _norm_word(src: _Source) -> str:
+    return "layernorm" if _is_layer(src) else "rmsnorm"
+
+
+def _norm_fwd(src: _Source, name: str, x_ms: float, out_name: str | None = None, x_var: float | None = None) -> float:
+    """RMSNorm: mean(gain^2) ms/(ms + eps). LayerNorm: mean(gain^2) E[v/(v + eps)] + mean(b^2), v the
+    token's variance (:func:`layernorm_moments`, from the input's variance ``x_var``, default ``x_ms``)."""
     gain2 = src.second_moment(f"{name}.weight")
     eps = src.config.eps
-    ms = gain2 * x_ms / (x_ms + eps) if x_ms + eps > 0 else 0.0
-    src.put(out_name or name, "forward", ms, "rmsnorm: mean(gain^2) ms/(ms+eps)")
+    if _is_layer(src):
+        var = x_ms if x_var is None else x_var
+        fwd, _ = layernorm_moments(round(max(var, 0.0), 12), src.config.d_model, eps)
+        ms = gain2 * fwd + _bias2(src, name)
+        rule = "layernorm: mean(gain^2) E[v/(v+eps)] + mean(b^2) (v ~ var chi2_{d-1}/d)"
+    else:
+        ms = gain2 * x_ms / (x_ms + eps) if x_ms + eps > 0 else 0.0
+        rule = "rmsnorm: mean(gain^2) ms/(ms+eps)"
+    src.put(out_name or name, "forward", ms, rule)
     return ms
 
 
-def _norm_back(src: _Source, name: str, g_ms: float, x_ms: float, x_name: str | None = None) -> float:
-    """E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d: local mode reads E[1/(ms+eps)] per
-    token as measured at ``x_name``; global mode takes d/((d-2)(ms + eps)) (chi-square tokens)."""
+def _norm_back(src: _Source, name: str, g_ms: float, x_ms: float, x_name: str | None = None,
+               x_var: float | None = None) -> float:
+    """RMSNorm: E[g_x^2] = mean(gain^2) E[g_y^2] E[1/(ms + eps)] (d-1)/d: local mode reads E[1/(ms+eps)] per
+    token as measured at ``x_name``; global mode takes d/((d-2)(ms + eps)) (chi-square tokens).
+    LayerNorm: mean(gain^2) E[g_y^2] E[(d - 2 + (eps/(v+eps))^2)/(d (v + eps))] (:func:`layernorm_moments`,
+    from the input's variance ``x_var``, default ``x_ms``, in both modes)."""
     d = src.config.d_model
     gain2 = src.second_moment(f"{name}.weight")
+    if _is_layer(src):
+        var = x_ms if x_var is None else x_var
+        _, back = layernorm_moments(round(max(var, 0.0), 12), d, src.config.eps)
+        return gain2 * g_ms * back
     proj = (d - 1) / d if d > 1 else 1.0
     if src.mode == "local" and src.stats is not None:
         nb = src.stats.norm_back.get(name)
@@ -336,7 +502,9 @@ def _attention_fwd(src: _Source, i: int, p: str, x: str) -> None:
             mean=2.0 / (T + 1), valid=pvalid, why=pwhy)
     a2 = (src.ms(f"{p}.probs") * npairs / T) if src.mode == "local" else float(mc["s2"][:T].mean())
     valid, why = (True, "") if i == 0 else outside
-    src.put(f"{p}.heads", "forward", src.ms(f"{p}.v_proj") * a2, "heads: E[v^2] mean_t E[sum_j a_tj^2]",
+    bv2 = _bias2(src, f"{p}.v_proj")  # rows of A sum to 1: A (V + 1 b^T) = A V + 1 b^T
+    src.put(f"{p}.heads", "forward", (src.ms(f"{p}.v_proj") - bv2) * a2 + bv2,
+            "heads: E[v^2] mean_t E[sum_j a_tj^2]" + (" (v's bias passes whole: + E[b_v^2])" if bv2 else ""),
             valid=valid, why=why)
     ms = _linear_fwd(src, f"{p}.output_proj", f"{p}.heads")
     gvalid, gwhy = (True, "") if (i == 0 or src.mode == "local") else outside
@@ -345,16 +513,17 @@ def _attention_fwd(src: _Source, i: int, p: str, x: str) -> None:
 
 
 def _ffn_fwd(src: _Source, p: str, x: str) -> None:
-    """FFN module ``p`` reading tensor ``x``: w1, [w3], hidden, w2."""
+    """FFN module ``p`` reading tensor ``x``: w1, [w3], hidden, w2 (the activation from :data:`ACTIVATIONS`)."""
     _linear_fwd(src, f"{p}.w1", x)
     a_mean, a_var = src.mean(f"{p}.w1"), max(src.var(f"{p}.w1"), 0.0)
-    m1, m2, _ = silu_moments(round(a_mean, 9), round(math.sqrt(a_var), 9))
+    act = activation_of(src.config.ffn)
+    m1, m2, _ = activation_moments(act.name, round(a_mean, 9), round(math.sqrt(a_var), 9))
     if src.config.ffn == "swiglu":
         _linear_fwd(src, f"{p}.w3", x)
         src.put(f"{p}.hidden", "forward", m2 * src.ms(f"{p}.w3"), "swiglu: E[silu(a)^2] E[b^2]",
                 mean=None if src.mode == "local" else 0.0)
     else:
-        src.put(f"{p}.hidden", "forward", m2, "silu: E[silu(a)^2]", mean=None if src.mode == "local" else m1)
+        src.put(f"{p}.hidden", "forward", m2, f"{act.name}: E[{act.name}(a)^2]", mean=None if src.mode == "local" else m1)
     ms = _linear_fwd(src, f"{p}.w2", f"{p}.hidden")
     src.put(p, "forward", ms, "ffn branch = w2")
 
@@ -365,7 +534,7 @@ _OUTSIDE = "the stream carries the attention's shared component from block 1 on;
 
 
 def _norm_step_fwd(src: _Source, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
-    _norm_fwd(src, step.module, src.fwd_ms(step.reads[0]))
+    _norm_fwd(src, step.module, src.fwd_ms(step.reads[0]), x_var=src.fwd_var(step.reads[0]))
     for alias in step.writes[1:]:  # post-norm: the norm's output is a residual point
         a, b = _TERMS[step.branch]
         src.put(alias, "forward", src.out[(step.output, "forward")].mean_square,
@@ -399,12 +568,16 @@ def _forward(src: _Source) -> None:
     """The forward rules, one per step of the block plan, in the plan's order."""
     plan = src.plan
     src.put(plan.embedding, "forward", src.second_moment(f"{plan.embedding}.weight"), "embedding: E[w^2]")
+    if plan.positions is not None:  # learned positions: an independent table, added
+        src.put(plan.positions, "forward", src.second_moment(f"{plan.positions}.weight"), "position embedding: E[w^2]")
+        src.put(plan.input, "forward", src.ms(plan.embedding) + src.ms(plan.positions),
+                "token + position embeddings: E[w_tok^2] + E[w_pos^2]")
     for block in plan.blocks:
         for step in block.steps:
             _FORWARD[step.kind](src, block, step)
     head_in = plan.blocks[-1].output
     if plan.final_norm is not None and (src.mode == "global" or src.has(plan.final_norm)):
-        _norm_fwd(src, plan.final_norm, src.ms(head_in))
+        _norm_fwd(src, plan.final_norm, src.ms(head_in), x_var=src.var(head_in))
         head_in = plan.final_norm
     _linear_fwd(src, plan.head, head_in)
 
@@ -441,13 +614,14 @@ def _ffn_back(src: _Source, p: str, g_branch: float) -> float:
             "linear backward: d_out E[w^2] E[g_y^2]")
     g_h = src.ms(f"{p}.hidden", "backward")
     a_mean, a_var = src.mean(f"{p}.w1"), max(src.var(f"{p}.w1"), 0.0)
-    _, m2, d2 = silu_moments(round(a_mean, 9), round(math.sqrt(a_var), 9))
+    act = activation_of(src.config.ffn)
+    _, m2, d2 = activation_moments(act.name, round(a_mean, 9), round(math.sqrt(a_var), 9))
     if src.config.ffn == "swiglu":
         src.put(f"{p}.w3", "backward", g_h * m2, "swiglu backward: E[g_h^2] E[silu(a)^2]")
         src.put(f"{p}.w1", "backward", g_h * src.ms(f"{p}.w3") * d2, "swiglu backward: E[g_h^2] E[b^2] E[silu'(a)^2]")
         return (_linear_back_factor(src, f"{p}.w1") * src.ms(f"{p}.w1", "backward")
                 + _linear_back_factor(src, f"{p}.w3") * src.ms(f"{p}.w3", "backward"))
-    src.put(f"{p}.w1", "backward", g_h * d2, "silu backward: E[g_h^2] E[silu'(a)^2]")
+    src.put(f"{p}.w1", "backward", g_h * d2, f"{act.name} backward: E[g_h^2] E[{act.name}'(a)^2]")
     return _linear_back_factor(src, f"{p}.w1") * src.ms(f"{p}.w1", "backward")
 
 
@@ -492,7 +666,8 @@ def _backward(src: _Source) -> None:
     if plan.final_norm is not None and src.has(plan.final_norm):
         fn = plan.final_norm
         src.put(fn, "backward", g_head_in, "linear backward: d_out E[w^2] E[g_y^2]")
-        src.put(last, "backward", _norm_back(src, fn, src.ms(fn, "backward"), src.ms(last), last), "rmsnorm backward")
+        src.put(last, "backward", _norm_back(src, fn, src.ms(fn, "backward"), src.ms(last), last, src.var(last)),
+                f"{_norm_word(src)} backward")
     else:
         src.put(last, "backward", g_head_in, "linear backward: d_out E[w^2] E[g_y^2]")
     walk = _BackWalk(src)
@@ -500,7 +675,18 @@ def _backward(src: _Source) -> None:
         for step in reversed(block.steps):
             walk.finish(block, step.writes)
             _BACKWARD[step.kind](walk, block, step)
-    walk.finish(None, (plan.embedding,))
+    if plan.positions is None:
+        walk.finish(None, (plan.embedding,))
+        return
+    walk.finish(None, (plan.input,))  # the sum passes its gradient to both tables' outputs
+    src.put(plan.embedding, "backward", src.ms(plan.input, "backward"), "g_in (token + position embeddings)")
+    # the position rows are one (T, d) tensor broadcast over the batch: its gradient sums the batch's B = N/T
+    # sequences, whose gradients are independent at init (different targets)
+    batch = src.N / src.T if src.N > 0 else 1.0
+    src.put(plan.positions, "backward", batch * src.ms(plan.input, "backward"),
+            "position embedding: B E[g_in^2] (summed over the batch's B sequences)",
+            valid=src.mode == "global", why="" if src.mode == "global" else
+            "local mode does not know how many sequences the measured gradient summed")
 
 
 class _BackWalk:
@@ -547,9 +733,9 @@ class _BackWalk:
 
 def _norm_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
     src, x = walk.src, step.reads[0]
-    g = _norm_back(src, step.module, src.ms(step.writes[-1], "backward"), src.fwd_ms(x),
-                   None if tinylm.plan.is_sum(x) else x)
-    walk.give(x, g, "rmsnorm backward")
+    g = _norm_back(src, step.module, src.ms(step.writes[-1], "backward"), src.fwd_ms(x), 
+                   None if tinylm.plan.is_sum(x) else x, x_var=src.fwd_var(x))
+    walk.give(x, g, f"{_norm_word(src)} backward")
 
 
 def _branch_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.plan.Step) -> None:
@@ -571,7 +757,7 @@ def _add_step_back(walk: _BackWalk, block: tinylm.plan.BlockPlan, step: tinylm.p
     if tinylm.plan.is_sum(out):
         norm = next(s.module for s in block.steps if s.kind == "norm" and s.reads == (out,))
         walk.give(stream, branch, "g_sum")
-        walk.give(branch, walk.grad(out), "g_sum", f"post-norm: rmsnorm backward of {norm.rsplit('.', 1)[-1]}")
+        walk.give(branch, walk.grad(out), "g_sum", f"post-norm: {_norm_word(walk.src)} backward of {norm.rsplit('.', 1)[-1]}")
     else:
         walk.give(stream, out, "g_out" if out == block.output else "g_mid")
         walk.give(branch, out, "", f"{what} branch gradient = stream gradient")
@@ -610,7 +796,7 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], plan: tinylm.plan.Mod
       which every attention layer sums gradients over positions): valid only when L = 1.
     * Global backward below the final norm divides by the stream variance the
       independent-token theory underestimates beyond block 0: valid only when L = 1.
-    * No norm: the FFN reads the raw stream, whose scale varies over tokens, so the SiLU
+    * No norm: the FFN reads the raw stream, whose scale varies over tokens, so the activation
       rules (local), the FFN products and block outputs (global) and
       every global forward prediction beyond block 0 are outside validity.
     * Any prediction whose variance (mean square - mean^2) is not positive: there is
@@ -626,7 +812,7 @@ def _mark_validity(out: dict[tuple[str, str], Prediction], plan: tinylm.plan.Mod
             unnormalised = "without a norm the FFN reads the raw stream, whose scale varies from token to token"
             if name.endswith(("ffn.hidden", "ffn.w1", "ffn.w3")) and (direction == "backward" or name.endswith("hidden")) \
                     and mode == "local":
-                p = Prediction(p.mean_square, p.mean, False, unnormalised + ": SiLU's Gaussian moments do not apply",
+                p = Prediction(p.mean_square, p.mean, False, unnormalised + ": the activation's Gaussian moments do not apply",
                                p.rule)
             elif mode == "global" and direction == "forward" and (
                     (num_layers > 1 and ((blk is not None and blk != 0) or name == plan.head))

@@ -16,8 +16,17 @@ random tokens. The rules (E[w^2]: a parameter's declared second moment; d_in: a 
   hold the same token (1 on the diagonal; 1/V for uniform random tokens; for given tokens
   the fraction of the measured sequences, :func:`token_coincidence`: at init the rows of
   the table are iid, so which positions share a token is all that matters).
+* Learned positions: K_pos_st = E[p_s . p_t]/d = E[w^2] on the diagonal, mean(w)^2 off it (distinct
+  rows of an iid table), added to the token kernel (the tables are independent). The rows are
+  the same for every sequence, but over the init they are as independent as two distinct
+  tokens' rows: they add to each token's norm, not to the overlap between tokens, so they
+  lower the cosine between tokens at the input.
 * RMSNorm: K'_st = E[g^2] K_st / sqrt((K_ss + eps)(K_tt + eps)) (token norms concentrate).
+* LayerNorm: the mean removal gives K^c = (d-1)/d K (E[m_s m_t] = K_st/d for iid dimensions), each
+  token is scaled to E[v/(v+eps)] (v ~ K_ss chi2_{d-1}/d), and its bias adds E[b^2] to every
+  entry (:func:`layer_normalize`).
 * Linear W (zero-mean iid entries): K' = d_in E[w^2] K, and different outputs are independent.
+  A bias, one vector shared by every position, adds E[b^2] to every entry of K'.
 * Causal attention, one head (d_k = d/H): q_t, k_t, v_t are Gaussian across positions with
   covariances Kq = d E[w_q^2] K^, Kk, Kv (K^ the normed kernel) and iid over the d_k
   dimensions; q, k and v are mutually independent. The head's output kernel is
@@ -31,14 +40,17 @@ random tokens. The rules (E[w^2]: a parameter's declared second moment; d_in: a 
 * SwiGLU h = silu(a) * b with a = W1 x^, b = W3 x^: a and b are independent Gaussians
   across positions with Ka = d E[w1^2] K^, Kb = d E[w3^2] K^, so
   Kh_st = E[silu(a_s) silu(a_t)] Kb_st, the bivariate-Gaussian expectation by 2-D
-  Gauss-Hermite quadrature (correlation Ka_st / sqrt(Ka_ss Ka_tt)). SiLU FFN: Kh = E[silu silu].
+  Gauss-Hermite quadrature (correlation Ka_st / sqrt(Ka_ss Ka_tt)). Non-gated MLP h = f(a):
+  Kh = E[f(a_s) f(a_t)] for f SiLU, GELU (exact, tanh) by the same quadrature, ReLU in closed
+  form (the arc-cosine kernel): :func:`act_cross_moment`. q/k biases enter the attention draws
+  as one shared Gaussian vector per draw; v's bias adds E[b_v^2] to the heads' kernel.
 * Residual sum: kernels add (x + f(x): the cross term E[x_s . W_o u_t] vanishes at init,
   W_o being zero-mean and independent of everything before it). Pre-, post- and no-norm
   blocks are composed from these rules by walking the block plan (:mod:`tinylm.plan`, which
   ``tests/test_plan.py`` holds to tinylm's TransformerBlock), one rule per step.
 
 What the kernel predicts for a tensor: its mean square per element, mean_t K_tt (the pooled
-variance a probe measures, the mean being 0 at init except for a SiLU FFN's hidden layer),
+variance a probe measures, the mean being 0 at init except for a non-gated MLP's hidden layer),
 and, at the residual points, the mean cosine between different tokens of a sequence,
 mean_{s != t} K_st / sqrt(K_ss K_tt), which is what ``ProbeStats.cosine`` measures.
 
@@ -83,10 +95,12 @@ from tinylm.init import Dist, declare
 from tinylm.validate import integer
 
 from ..options import OptionsError
+from .independent import ACTIVATIONS, activation_of, layernorm_factors
 from .prediction import Prediction
 
 __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "cached_kernel_theory", "clear_cache", "token_coincidence",
-           "normalize", "attention_kernel", "silu_cross_moment", "mean_cosine"]
+           "normalize", "layer_normalize", "attention_kernel", "act_cross_moment", "silu_cross_moment",
+           "mean_cosine"]
 
 #: Monte Carlo draws of one attention head per block when ``draws`` is not given: about
 #: 2^11 query rows in all (32 draws at T = 64, 16 at T = 128, 8 at T = 256), at least 8. The
@@ -105,6 +119,20 @@ def normalize(K: np.ndarray, gain2: float, eps: float) -> np.ndarray:
     """RMSNorm's kernel map: E[g^2] K_st / sqrt((K_ss + eps)(K_tt + eps))."""
     r = 1.0 / np.sqrt(np.diag(K) + eps)
     return gain2 * K * r[:, None] * r[None, :]
+
+
+def layer_normalize(K: np.ndarray, gain2: float, bias2: float, eps: float, d: int) -> np.ndarray:
+    """LayerNorm's kernel map. Removing each token's mean over its d iid elements takes
+    E[m_s m_t] = K_st / d from every entry: K^c = (d-1)/d K; then each token is scaled to the mean
+    square E[v_s/(v_s + eps)] (:func:`diagnostics.theory.independent.layernorm_moments`, v_s ~ K_ss
+    chi2_{d-1}/d), and the bias, one vector shared by every position, adds E[b^2] to every entry:
+    K'_st = E[g^2] K^c_st r_s r_t + E[b^2], r_s = sqrt(E[v_s/(v_s+eps)] / K^c_ss)
+    (~ 1/sqrt(K^c_ss + eps): the RMSNorm map of K^c)."""
+    Kc = K * ((d - 1) / d)
+    fwd, _ = layernorm_factors(np.diag(K), d, eps)
+    dc = np.diag(Kc)
+    r = np.sqrt(np.divide(fwd, dc, out=np.zeros_like(dc), where=dc > 0))
+    return gain2 * Kc * r[:, None] * r[None, :] + bias2
 
 
 def mean_cosine(K: np.ndarray) -> float:
@@ -142,7 +170,7 @@ def _sqrt_factor(K: np.ndarray) -> torch.Tensor:
 
 
 def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int, *, rope_theta: float | None,
-                     draws: int, seed: int) -> dict[str, np.ndarray | float]:
+                     draws: int, seed: int, bq2: float = 0.0, bk2: float = 0.0) -> dict[str, np.ndarray | float]:
     """Kernel of one causal attention head's output given the kernel ``K_in`` of its input.
 
     The attention patterns A are sampled in float32 (q, k, scores, softmax: a Monte Carlo
@@ -156,6 +184,8 @@ def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int
         fq, fk, fv: d_in E[w^2] of q_proj, k_proj, v_proj (so Kq = fq K_in, ...).
         d_k: head dimension. rope_theta: RoPE base, or None for no RoPE.
         draws: Monte Carlo draws of (Q, K) for one head. seed: seeds the draws (a torch.Generator).
+        bq2, bk2: E[b^2] of q_proj's and k_proj's biases: each draw adds one Gaussian vector of that
+            variance to every row of Q (K), before RoPE (a bias is shared by all positions).
     Returns:
         "heads": (T, T) E[A Kv A^T];  "s2": (T,) E[sum_j a_tj^2] per query row;
         "scores_ms": mean square of the scores over the causal entries (exact, not sampled).
@@ -180,6 +210,10 @@ def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int
         b = min(chunk, draws - done)
         Q = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)  # (b, T, d_k): rows with covariance K_in
         Kk = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)
+        if bq2 > 0 and fq > 0:  # in units of sqrt(fq): Q is scaled by it in the scores
+            Q = Q + math.sqrt(bq2 / fq) * torch.randn(b, 1, d_k, generator=gen, dtype=sample)
+        if bk2 > 0 and fk > 0:
+            Kk = Kk + math.sqrt(bk2 / fk) * torch.randn(b, 1, d_k, generator=gen, dtype=sample)
         if cos is not None:
             Q, Kk = tinylm.functional.apply_rope(Q, cos, sin), tinylm.functional.apply_rope(Kk, cos, sin)
         S = torch.baddbmm(causal.expand(b, T, T), Q, Kk.transpose(-1, -2), alpha=scale)  # (b, T, T), -inf above
@@ -190,7 +224,7 @@ def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int
         done += b
     acc = torch.tril(acc) + torch.tril(acc, -1).T  # the upper triangle from the lower (A K A^T is symmetric)
     diag = np.diag(K_in)
-    scores_ms = float(fq * fk * (np.tril(np.outer(diag, diag)).sum()) / (T * (T + 1) / 2))
+    scores_ms = float((np.tril(np.outer(fq * diag + bq2, fk * diag + bk2)).sum()) / (T * (T + 1) / 2))
     heads = fv * (acc / draws).numpy()
     return {"heads": heads, "s2": (s2 / draws).numpy(), "scores_ms": scores_ms}
 
@@ -214,10 +248,6 @@ def _add_causal_sandwich(acc: torch.Tensor, A: torch.Tensor, K: torch.Tensor) ->
         acc[lo:hi, :hi] += (AK @ A[:, :hi, :hi].transpose(-1, -2)).sum(0)  # (p, hi): (A K A^T)[rows, :hi]
 
 
-def _silu(x: np.ndarray) -> np.ndarray:
-    return x * 0.5 * (1.0 + np.tanh(0.5 * x))  # x sigmoid(x), overflow-free
-
-
 @lru_cache(maxsize=8)
 def _gauss_hermite(nodes: int) -> tuple[np.ndarray, np.ndarray]:
     """Nodes and weights (summing to 1) of probabilists' Gauss-Hermite quadrature: E[f(z)], z ~ N(0, 1)."""
@@ -228,24 +258,24 @@ def _gauss_hermite(nodes: int) -> tuple[np.ndarray, np.ndarray]:
     return x, w
 
 
-def _silu_pair(s_i: np.ndarray, s_j: np.ndarray, rho: np.ndarray, nodes: int) -> np.ndarray:
-    """E[silu(a) silu(b)] for a = s_i z1, b = s_j (rho z1 + sqrt(1 - rho^2) z2), elementwise over pairs."""
+def _act_pair(f, s_i: np.ndarray, s_j: np.ndarray, rho: np.ndarray, nodes: int) -> np.ndarray:
+    """E[f(a) f(b)] for a = s_i z1, b = s_j (rho z1 + sqrt(1 - rho^2) z2), elementwise over pairs."""
     x, w = _gauss_hermite(nodes)
     out = np.empty(rho.size)
     step = max(1, 2**20 // (nodes * nodes))
     for lo in range(0, rho.size, step):
         sl = slice(lo, lo + step)
         r = rho[sl]
-        fa = _silu(s_i[sl][None, :] * x[:, None])  # (n1, P): silu(a) at node z1
+        fa = f(s_i[sl][None, :] * x[:, None])  # (n1, P): f(a) at node z1
         zt = r[None, None, :] * x[:, None, None] + np.sqrt(1.0 - r * r)[None, None, :] * x[None, :, None]  # (n1, n2, P)
-        fb = _silu(s_j[sl][None, None, :] * zt)
+        fb = f(s_j[sl][None, None, :] * zt)
         out[sl] = np.einsum("i,j,ip,ijp->p", w, w, fa, fb)
     return out
 
 
-def _silu_cheb(s_nodes: np.ndarray, nodes: int) -> np.ndarray:
+def _act_cheb(f, s_nodes: np.ndarray, nodes: int) -> np.ndarray:
     """Chebyshev coefficients (n + 1, len(s_nodes)) in rho on [-1, 1] of
-    g(s, rho) = E[silu(s z1) silu(s (rho z1 + sqrt(1 - rho^2) z2))], one column per s.
+    g(s, rho) = E[f(s z1) f(s (rho z1 + sqrt(1 - rho^2) z2))], one column per s (f smooth: SiLU, GELU).
 
     Interpolated at degree 32, 64 or 128, the first whose last four coefficients fall below
     1e-14 of the largest (g is analytic in rho: its coefficients decay geometrically, to 1e-14
@@ -256,7 +286,7 @@ def _silu_cheb(s_nodes: np.ndarray, nodes: int) -> np.ndarray:
     k = s_nodes.size
     for deg in (32, 64, 128):
         x = cheb.chebpts1(deg + 1)
-        vals = _silu_pair(np.repeat(s_nodes, x.size), np.repeat(s_nodes, x.size), np.tile(x, k), nodes)
+        vals = _act_pair(f, np.repeat(s_nodes, x.size), np.repeat(s_nodes, x.size), np.tile(x, k), nodes)
         coef = cheb.chebvander(x, deg).T @ vals.reshape(k, deg + 1).T  # (deg + 1, k), as chebinterpolate
         coef[0] /= deg + 1
         coef[1:] /= 0.5 * (deg + 1)
@@ -267,27 +297,41 @@ def _silu_cheb(s_nodes: np.ndarray, nodes: int) -> np.ndarray:
     return coef[: int(keep.max()) + 1 if keep.size else 1]
 
 
-def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
-    """E[silu(a_s) silu(a_t)] for a zero-mean Gaussian vector a with covariance ``Ka`` (T x T).
+def _relu_pair(s_i: np.ndarray, s_j: np.ndarray, rho: np.ndarray) -> np.ndarray:
+    """E[relu(a) relu(b)] in closed form (the arc-cosine kernel of degree 1):
+    s_i s_j (sqrt(1 - rho^2) + (pi - arccos rho) rho) / (2 pi)."""
+    r = np.clip(rho, -1.0, 1.0)
+    return s_i * s_j * (np.sqrt(1.0 - r * r) + (math.pi - np.arccos(r)) * r) / (2 * math.pi)
 
+
+def act_cross_moment(Ka: np.ndarray, act: str = "silu", nodes: int = _QUAD_NODES) -> np.ndarray:
+    """E[f(a_s) f(a_t)] for a zero-mean Gaussian vector a with covariance ``Ka`` (T x T), f the
+    activation ``act`` (:data:`diagnostics.theory.independent.ACTIVATIONS`).
+
+    ReLU: the closed form of :func:`_relu_pair`. Smooth activations (SiLU, GELU exact and tanh):
     2-D Gauss-Hermite quadrature (``nodes`` per dimension) per pair: a_s = sigma_s z1,
     a_t = sigma_t (rho z1 + sqrt(1 - rho^2) z2) with z1, z2 iid N(0, 1). When the sigma_t
     agree to 1e-3 (a normed input, where eps makes them differ by ~eps/K_tt), the
     expectation is taken as g((sigma_s + sigma_t)/2, rho), g(s, rho) the equal-sigma
     expectation (off by O((sigma_s - sigma_t)^2), below 1e-7 relative), computed as a
-    Chebyshev series in rho (:func:`_silu_cheb`, error below 1e-12) at 3 values of s and
+    Chebyshev series in rho (:func:`_act_cheb`, error below 1e-12) at 3 values of s and
     interpolated in s (one value when the sigma_t agree to 1e-9); evaluated on the upper
     triangle only: a cost of O(T^2) cheap operations.
     """
+    f = ACTIVATIONS[act].f
     sd = np.sqrt(np.clip(np.diag(Ka), 0.0, None))
     T = Ka.shape[0]
     iu, ju = np.triu_indices(T)
-    if T > 16 and sd.max() > 0 and np.ptp(sd) <= 1e-3 * sd.max():
+    den = sd[iu] * sd[ju]
+    if act == "relu":
+        rho = np.divide(Ka[iu, ju], den, out=np.zeros_like(den), where=den > 0)
+        out = _relu_pair(sd[iu], sd[ju], rho)
+    elif T > 16 and sd.max() > 0 and np.ptp(sd) <= 1e-3 * sd.max():
         lo, hi = float(sd.min()), float(sd.max())
         s_nodes = np.array([lo, 0.5 * (lo + hi), hi]) if hi - lo > 1e-9 * hi else np.array([0.5 * (lo + hi)])
         s_pair = 0.5 * (sd[iu] + sd[ju])
-        rho = np.clip(Ka[iu, ju] / (sd[iu] * sd[ju]), -1.0, 1.0)
-        coef = _silu_cheb(s_nodes, nodes)
+        rho = np.clip(Ka[iu, ju] / den, -1.0, 1.0)
+        coef = _act_cheb(f, s_nodes, nodes)
         g = np.polynomial.chebyshev.chebvander(rho, coef.shape[0] - 1) @ coef  # (P, k): g(s_k, rho_p)
         out = np.zeros(iu.size)
         for k, s_k in enumerate(s_nodes):  # Lagrange interpolation in s through the s nodes
@@ -297,18 +341,26 @@ def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
                     basis *= (s_pair - s_m) / (s_k - s_m)
             out += basis * g[:, k]
     else:
-        den = sd[iu] * sd[ju]
         rho = np.divide(Ka[iu, ju], den, out=np.zeros_like(den), where=den > 0).clip(-1.0, 1.0)
-        out = _silu_pair(sd[iu], sd[ju], rho, nodes)
+        out = _act_pair(f, sd[iu], sd[ju], rho, nodes)
     M = np.empty((T, T))
     M[iu, ju] = out
     M[ju, iu] = out
     return M
 
 
-def _silu_mean(var: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
+def silu_cross_moment(Ka: np.ndarray, nodes: int = _QUAD_NODES) -> np.ndarray:
+    """E[silu(a_s) silu(a_t)] for a zero-mean Gaussian vector a with covariance ``Ka``: :func:`act_cross_moment`."""
+    return act_cross_moment(Ka, "silu", nodes)
+
+
+def _act_mean(var: np.ndarray, act: str, nodes: int = _QUAD_NODES) -> np.ndarray:
+    """E[f(a)] for a ~ N(0, var), per entry (ReLU: sqrt(var / (2 pi)); else Gauss-Hermite)."""
+    sd = np.sqrt(np.clip(var, 0.0, None))
+    if act == "relu":
+        return sd / math.sqrt(2 * math.pi)
     x, w = _gauss_hermite(nodes)
-    return _silu(np.sqrt(np.clip(var, 0.0, None))[:, None] * x[None, :]) @ w
+    return ACTIVATIONS[act].f(sd[:, None] * x[None, :]) @ w
 
 
 # ---------------------------------------------------------------- results
@@ -418,8 +470,17 @@ class _Walk:
         return _m2(self.decl[pname])
 
     def factor(self, linear: str) -> float:
-        """d_in E[w^2] of a Linear: K_out = factor K_in."""
+        """d_in E[w^2] of a Linear: K_out = factor K_in (+ :meth:`bias2`)."""
         return self.fans[f"{linear}.weight"][0] * self.m2(f"{linear}.weight")
+
+    def bias2(self, module: str) -> float:
+        """E[b^2] of a module's bias, 0 without one: a bias is shared by every position, so it adds
+        E[b^2] to every entry of the kernel (diagonal and off it)."""
+        return self.m2(f"{module}.bias") if f"{module}.bias" in self.decl else 0.0
+
+    def linear(self, name: str, K: np.ndarray) -> np.ndarray:
+        """A Linear's kernel: d_in E[w^2] K + E[b^2]."""
+        return self.factor(name) * K + self.bias2(name)
 
     def put(self, name: str, K: np.ndarray | None, rule: str, *, ms: float | None = None, mean: float = 0.0,
             keep: bool = True) -> None:
@@ -432,12 +493,17 @@ class _Walk:
             self.out.kernels[name] = K
 
     def norm(self, name: str, K: np.ndarray) -> np.ndarray:
+        if self.c.norm_kind == "layer":
+            Kn = layer_normalize(K, self.m2(f"{name}.weight"), self.bias2(name), self.c.eps, self.c.d_model)
+            self.put(name, Kn, "kernel layernorm: E[g^2] (d-1)/d K_st r_s r_t + E[b^2], r_s^2 = E[v/(v+eps)]/K^c_ss")
+            return Kn
         Kn = normalize(K, self.m2(f"{name}.weight"), self.c.eps)
         self.put(name, Kn, "kernel rmsnorm: E[g^2] K_st / sqrt((K_ss+eps)(K_tt+eps))")
         return Kn
 
     def linear_ms(self, name: str, K: np.ndarray) -> None:
-        self.put(name, None, "kernel linear: d_in E[w^2] K", ms=self.factor(name) * float(np.mean(np.diag(K))))
+        self.put(name, None, "kernel linear: d_in E[w^2] K + E[b^2]",
+                 ms=self.factor(name) * float(np.mean(np.diag(K))) + self.bias2(name))
 
     def attention(self, i: int, p: str, K: np.ndarray) -> tuple[np.ndarray, float]:
         """Attention module ``p`` of block i (its index seeds the draws) reading kernel K: the branch's
@@ -447,36 +513,40 @@ class _Walk:
             self.linear_ms(f"{p}.{proj}", K)
         fq, fk, fv = (self.factor(f"{p}.{n}") for n in ("q_proj", "k_proj", "v_proj"))
         res = attention_kernel(K, fq, fk, fv, c.head_dim, rope_theta=c.rope_theta if c.rope else None,
-                               draws=self.draws, seed=self.seed * 100003 + i)
+                               draws=self.draws, seed=self.seed * 100003 + i,
+                               bq2=self.bias2(f"{p}.q_proj"), bk2=self.bias2(f"{p}.k_proj"))
         T = self.T
         self.put(f"{p}.scores", None, "kernel scores: E[q^2] E[k^2] over causal entries", ms=res["scores_ms"])
         self.put(f"{p}.probs", None, "kernel softmax: E[sum_j a_tj^2] by Monte Carlo over the causal entries",
                  ms=float(res["s2"].sum()) / (T * (T + 1) / 2), mean=2.0 / (T + 1))
-        Kh = res["heads"]
-        self.put(f"{p}.heads", Kh, "kernel attention: E[A Kv A^T] by Monte Carlo over Gaussian q, k")
-        Ko = self.factor(f"{p}.output_proj") * Kh
-        self.put(f"{p}.output_proj", Ko, "kernel linear: d_in E[w^2] K", keep=False)
+        bv2 = self.bias2(f"{p}.v_proj")  # rows of A sum to 1: A (V + 1 b^T) = A V + 1 b^T
+        Kh = res["heads"] + bv2
+        self.put(f"{p}.heads", Kh, "kernel attention: E[A Kv A^T] by Monte Carlo over Gaussian q, k"
+                 + (" + E[b_v^2]" if bv2 else ""))
+        Ko = self.linear(f"{p}.output_proj", Kh)
+        self.put(f"{p}.output_proj", Ko, "kernel linear: d_in E[w^2] K + E[b^2]", keep=False)
         self.put(p, Ko, "kernel attention branch = output_proj")
-        heads_ind = fv * float(np.mean(np.diag(K) * res["s2"]))
+        heads_ind = fv * float(np.mean(np.diag(K) * res["s2"])) + bv2
         return Ko, heads_ind
 
     def ffn(self, p: str, K: np.ndarray) -> np.ndarray:
         """FFN module ``p`` reading kernel K: the branch's kernel."""
-        Ka = self.factor(f"{p}.w1") * K
-        self.put(f"{p}.w1", Ka, "kernel linear: d_in E[w^2] K", keep=False)
-        S = silu_cross_moment(Ka, self.nodes)  # E[silu(a_s) silu(a_t)]
+        act = activation_of(self.c.ffn).name
+        Ka = self.linear(f"{p}.w1", K)
+        self.put(f"{p}.w1", Ka, "kernel linear: d_in E[w^2] K + E[b^2]", keep=False)
+        S = act_cross_moment(Ka, act, self.nodes)  # E[f(a_s) f(a_t)]
         if self.c.ffn == "swiglu":
-            Kb = self.factor(f"{p}.w3") * K
-            self.put(f"{p}.w3", Kb, "kernel linear: d_in E[w^2] K", keep=False)
+            Kb = self.linear(f"{p}.w3", K)
+            self.put(f"{p}.w3", Kb, "kernel linear: d_in E[w^2] K + E[b^2]", keep=False)
             Kh = S * Kb
             self.put(f"{p}.hidden", Kh, "kernel swiglu: E[silu(a_s) silu(a_t)] Kb_st (2-D Gauss-Hermite)")
         else:
             Kh = S
-            mu = _silu_mean(np.diag(Ka), self.nodes)
-            self.put(f"{p}.hidden", Kh, "kernel silu: E[silu(a_s) silu(a_t)] (2-D Gauss-Hermite)",
-                     mean=float(np.mean(mu)))
-        Kf = self.factor(f"{p}.w2") * Kh
-        self.put(f"{p}.w2", Kf, "kernel linear: d_in E[w^2] K", keep=False)
+            how = "closed form" if act == "relu" else "2-D Gauss-Hermite"
+            self.put(f"{p}.hidden", Kh, f"kernel {act}: E[{act}(a_s) {act}(a_t)] ({how})",
+                     mean=float(np.mean(_act_mean(np.diag(Ka), act, self.nodes))))
+        Kf = self.linear(f"{p}.w2", Kh)
+        self.put(f"{p}.w2", Kf, "kernel linear: d_in E[w^2] K + E[b^2]", keep=False)
         self.put(p, Kf, "kernel ffn branch = w2")
         return Kf
 
@@ -495,6 +565,18 @@ class _Walk:
                                         "off it (P_st: the same token at s and t; 1/V for uniform random tokens)")
         o.cosine[self.plan.embedding] = mean_cosine(K)
         env = {self.plan.embedding: K}  # the kernel of every tensor the plan names
+        if self.plan.positions is not None:
+            # learned positions: the rows for positions 0..T-1, distinct rows of one iid table, E[w^2] on the
+            # diagonal and mean^2 off it, independent of the tokens' table: the kernels add. The same rows
+            # serve every sequence, but over the init they are as independent as distinct tokens' rows are
+            p = self.decl[f"{self.plan.positions}.weight"]
+            Kp = np.full((T, T), p.mean**2)
+            np.fill_diagonal(Kp, _m2(p))
+            self.put(self.plan.positions, Kp, "kernel position embedding: E[w^2] on the diagonal, mean^2 off it")
+            K = K + Kp
+            self.put(self.plan.input, K, "kernel token + position embeddings: K_tok + K_pos")
+            o.cosine[self.plan.input] = mean_cosine(K)
+            env[self.plan.input] = K
         msd = lambda A: float(np.mean(np.diag(A)))  # noqa: E731
         for block in self.plan.blocks:
             heads_ind = math.nan
@@ -526,7 +608,7 @@ class _Walk:
         K = env[self.plan.blocks[-1].output]
         if self.plan.final_norm is not None:
             K = self.norm(self.plan.final_norm, K)
-        self.put(self.plan.head, self.factor(self.plan.head) * K, "kernel linear: d_in E[w^2] K")
+        self.put(self.plan.head, self.linear(self.plan.head, K), "kernel linear: d_in E[w^2] K")
         return o
 
 
