@@ -191,3 +191,30 @@ def test_validity_marks_and_wiring():
         predict(model, "global", seq_len=8, tokens=16, backward="nope")
     with pytest.raises(OptionsError, match="tokens="):
         backward_kernel(model.config, 8, tokens=0)
+
+
+def test_dsilu_cross_moment_against_scipy_and_its_fast_path():
+    """E[silu'(a) silu'(b)] for a bivariate normal, Gauss-Hermite against scipy.integrate.dblquad; a normed
+    input (equal diagonal) takes the Chebyshev-in-rho path, which equals the pairwise quadrature."""
+    from scipy import integrate
+
+    from diagnostics.theory.backkernel import dsilu_cross_moment
+
+    def dsilu(u):
+        sg = 1 / (1 + math.exp(-u)) if u > -700 else 0.0
+        return sg * (1 + u * (1 - sg))
+
+    dens = lambda z: math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)  # noqa: E731
+    s1, s2, rho = 0.6, 1.4, 0.35
+    Ka = np.array([[s1 * s1, rho * s1 * s2], [rho * s1 * s2, s2 * s2]])
+    ref, _ = integrate.dblquad(
+        lambda z2, z1: dsilu(s1 * z1) * dsilu(s2 * (rho * z1 + math.sqrt(1 - rho * rho) * z2)) * dens(z1) * dens(z2),
+        -10, 10, -10, 10, epsabs=1e-12, epsrel=1e-10)
+    assert dsilu_cross_moment(Ka)[0, 1] == pytest.approx(ref, rel=1e-7)
+    rng = np.random.default_rng(0)
+    G = rng.standard_normal((24, 5))
+    G[1] = G[0] + 1e-3 * G[1]  # a nearly collinear pair: rho near 1
+    K = G @ G.T
+    r = 1 / np.sqrt(np.diag(K))
+    K = 0.8 * K * r[:, None] * r[None, :]
+    assert np.allclose(dsilu_cross_moment(K)[:16, :16], dsilu_cross_moment(K[:16, :16]), rtol=1e-10, atol=1e-14)

@@ -103,24 +103,55 @@ def _dsilu(x: np.ndarray) -> np.ndarray:
     return s * (1.0 + x * (1.0 - s))
 
 
+def _dsilu_pairs(s_i: np.ndarray, s_j: np.ndarray, rho: np.ndarray, nodes: int) -> np.ndarray:
+    """E[silu'(a) silu'(b)], a = s_i z1, b = s_j (rho z1 + sqrt(1 - rho^2) z2), elementwise over pairs."""
+    x, w = _gauss_hermite(nodes)
+    out = np.empty(rho.size)
+    step = max(1, 2**20 // (nodes * nodes))
+    for lo in range(0, rho.size, step):
+        sl = slice(lo, lo + step)
+        r = rho[sl]
+        fa = _dsilu(s_i[sl][None, :] * x[:, None])  # (n1, P)
+        zt = r[None, None, :] * x[:, None, None] + np.sqrt(1.0 - r * r)[None, None, :] * x[None, :, None]
+        fb = _dsilu(s_j[sl][None, None, :] * zt)  # (n1, n2, P)
+        out[sl] = np.einsum("i,j,ip,ijp->p", w, w, fa, fb)
+    return out
+
+
+#: Chebyshev degree in rho of the fast path of :func:`dsilu_cross_moment`
+_CHEB_DEGREE = 64
+
+
 def dsilu_cross_moment(Ka: np.ndarray, nodes: int = 32) -> np.ndarray:
     """E[silu'(a_s) silu'(a_t)] for a zero-mean Gaussian vector a with covariance ``Ka`` (T x T),
-    by 2-D Gauss-Hermite quadrature per pair (a_s = sigma_s z1, a_t = sigma_t (rho z1 + sqrt(1-rho^2) z2))."""
-    x, w = _gauss_hermite(nodes)
+    by 2-D Gauss-Hermite quadrature (a_s = sigma_s z1, a_t = sigma_t (rho z1 + sqrt(1-rho^2) z2)).
+
+    A normed input (every sigma_s within 1e-3 of the largest, T > 16) takes a fast path, as the
+    forward's :func:`.tokenkernel.silu_cross_moment` does: the quadrature at the Chebyshev nodes of
+    degree 64 in rho for at most three sigmas, interpolated in rho and then (Lagrange) in sigma;
+    ``tests/test_backward_kernel.py`` holds it to the pairwise quadrature."""
     T = Ka.shape[0]
     sd = np.sqrt(np.clip(np.diag(Ka), 0.0, None))
     iu, ju = np.triu_indices(T)
     den = sd[iu] * sd[ju]
     rho = np.divide(Ka[iu, ju], den, out=np.zeros_like(den), where=den > 0).clip(-1.0, 1.0)
-    out = np.empty(iu.size)
-    step = max(1, 2**20 // (nodes * nodes))
-    for lo in range(0, iu.size, step):
-        sl = slice(lo, lo + step)
-        r = rho[sl]
-        fa = _dsilu(sd[iu[sl]][None, :] * x[:, None])  # (n1, P)
-        zt = r[None, None, :] * x[:, None, None] + np.sqrt(1.0 - r * r)[None, None, :] * x[None, :, None]
-        fb = _dsilu(sd[ju[sl]][None, None, :] * zt)  # (n1, n2, P)
-        out[sl] = np.einsum("i,j,ip,ijp->p", w, w, fa, fb)
+    if T > 16 and sd.max() > 0 and np.ptp(sd) <= 1e-3 * sd.max():
+        cheb = np.polynomial.chebyshev
+        lo, hi = float(sd.min()), float(sd.max())
+        s_nodes = np.array([lo, 0.5 * (lo + hi), hi]) if hi - lo > 1e-9 * hi else np.array([0.5 * (lo + hi)])
+        x = cheb.chebpts1(_CHEB_DEGREE + 1)
+        vals = _dsilu_pairs(np.repeat(s_nodes, x.size), np.repeat(s_nodes, x.size), np.tile(x, s_nodes.size), nodes)
+        s_pair = 0.5 * (sd[iu] + sd[ju])
+        out = np.zeros(iu.size)
+        for k, s_k in enumerate(s_nodes):
+            coef = cheb.chebfit(x, vals[k * x.size:(k + 1) * x.size], _CHEB_DEGREE)
+            basis = np.ones(iu.size)
+            for m, s_m in enumerate(s_nodes):
+                if m != k:
+                    basis *= (s_pair - s_m) / (s_k - s_m)
+            out += basis * cheb.chebval(rho, coef)
+    else:
+        out = _dsilu_pairs(sd[iu], sd[ju], rho, nodes)
     M = np.empty((T, T))
     M[iu, ju] = out
     M[ju, iu] = out
@@ -201,14 +232,19 @@ class BackwardKernel:
     mean_square: dict[tuple[str, str], float] = field(default_factory=dict, repr=False)
     rules: dict[tuple[str, str], str] = field(default_factory=dict, repr=False)
 
-    def predictions(self) -> dict[tuple[str, str], Prediction]:
+    def predictions(self, *, dropout_active: bool = True) -> dict[tuple[str, str], Prediction]:
         """Every backward prediction as a :class:`diagnostics.theory.Prediction` (mean 0), its
-        validity from ``_validity`` (the regime ``benchmarks/backward_accuracy.py`` shows within 10%)."""
+        validity from ``_validity`` (the regime ``benchmarks/backward_accuracy.py`` shows within 10%).
+        With dropout in the config and ``dropout_active`` every one is outside validity (the
+        theory describes the model without dropout: pass False when the measurement ran in eval
+        mode, as ``probe`` does by default)."""
         c = self.forward.config
         plan = tinylm.plan.build(c)
         out = {}
         for key, ms in self.mean_square.items():
             valid, why = _validity(c, plan, key[0])
+            if valid and c.dropout > 0 and dropout_active:
+                valid, why = False, f"dropout={c.dropout}: the kernel theory describes the model without dropout (eval)"
             out[key] = Prediction(ms, 0.0, valid, why, self.rules[key])
         return out
 
@@ -225,8 +261,8 @@ def _validity(config: tinylm.ModelConfig, plan: tinylm.plan.ModelPlan, name: str
     """Where the backward kernel is inside validity: the regime benchmarks/backward_accuracy.py shows
     within 10% of measurement (docs/theory.md, "The backward kernel").
 
-    * No norm, dropout, tied embeddings: outside (the forward kernel is; the logits' gradient reaches
-      the embeddings it came from).
+    * No norm, tied embeddings: outside (the forward kernel is; the logits' gradient reaches the
+      embeddings it came from).
     * The softmax path (scores, q_proj, k_proj): outside. Its size depends on each sequence's spread
       of keys around their attention-weighted mean, whose fluctuation over sequences the expected
       kernel does not carry: measured 1.0x to 1.3x (pre-norm) and 1.0x to 1.9x (post-norm) of the rule.
@@ -239,8 +275,6 @@ def _validity(config: tinylm.ModelConfig, plan: tinylm.plan.ModelPlan, name: str
     if config.norm == "none":
         return False, ("no norm: the forward stream's kernel fluctuates far from its expectation, and the "
                        "gradient's with it")
-    if config.dropout > 0:
-        return False, f"dropout={config.dropout}: the kernel theory describes the model without dropout (eval)"
     if config.tie_embeddings:
         return False, "tied embeddings: the logits' gradient is correlated with the embeddings it reaches"
     if name.endswith(_SOFTMAX_PATH) or (config.norm == "post" and name.endswith("attn.probs")):
