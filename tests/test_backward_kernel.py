@@ -150,22 +150,23 @@ def _measure(cfg):
 @pytest.mark.parametrize("norm", ["pre", "post"])
 def test_valid_backward_predictions_match_measurement(norm):
     """d 128, L 4, T 32, 16 seeds: every backward prediction predict() marks valid (the backward kernel) is
-    within 10% of measurement: the (1 - alpha/k) t interval over seeds of measured/predicted overlaps
-    [0.9, 1.1], k the number of checks. Negative control: the independent-token prediction each keeps in
-    ``independent`` is rejected by the same check at the stream gradient (resid_mid, block output) of every
-    block below the last."""
+    within 10% of measurement: the (1 - alpha/(2k)) t interval over seeds of measured/predicted overlaps
+    [0.9, 1.1], k the number of such checks; the four controls below share the other alpha/2. Negative control: the independent-token prediction each keeps in
+    ``independent`` is rejected by the same check at the stream gradient (resid_mid, block output) of
+    blocks 0 and 1 (measured 0.77x of it pre-norm, 0.67x post-norm; the kernel's within 5%)."""
     var, model = _measure(_config(norm))
     glob = predict(model, "global", seq_len=T, tokens=B * T)
     valid = [(n, p) for (n, d), p in glob.items() if d == "backward" and p.valid and n in var]
-    controls = [f"layers.{i}.resid_mid" for i in range(L - 1)] + [f"layers.{i}" for i in range(L - 1)]
-    k = len(valid) + len(controls)
+    controls = [f"layers.{i}.resid_mid" for i in (0, 1)] + [f"layers.{i}" for i in (0, 1)]
     assert len(valid) >= 40
     for name, p in valid:
-        assert p.rule.startswith("kernel") or name == "lm_head", (name, p.rule)
-        assert not rejects(np.asarray(var[name]) / p.var, 1.0, DELTA, ALPHA / k), (name, np.mean(var[name]) / p.var)
+        assert p.rule.startswith("kernel"), (name, p.rule)
+        assert not rejects(np.asarray(var[name]) / p.var, 1.0, DELTA, ALPHA / (2 * len(valid))), \
+            (name, np.mean(var[name]) / p.var)
     for name in controls:
         wrong = glob[(name, "backward")].independent
-        assert rejects(np.asarray(var[name]) / wrong.var, 1.0, DELTA, ALPHA / k), (name, np.mean(var[name]) / wrong.var)
+        assert rejects(np.asarray(var[name]) / wrong.var, 1.0, DELTA, ALPHA / (2 * len(controls))), \
+            (name, np.mean(var[name]) / wrong.var)
 
 
 # ---------------------------------------------------------------- validity and wiring
@@ -173,7 +174,8 @@ def test_valid_backward_predictions_match_measurement(norm):
 def test_validity_marks_and_wiring():
     """No norm: every backward kernel prediction is outside validity with its reason (the logits' gradient
     keeps the independent-token rule, which is exact there); pre-norm: the stream gradients are the kernel's,
-    inside validity, each keeping the independent-token one; backward="independent" keeps the old rules."""
+    inside validity within the depth budget, each keeping the independent-token one; the softmax path is
+    outside; backward="independent" keeps the independent-token rules."""
     cfg = tinylm.ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=1, d_ff=64,
                              norm="none")
     model = tinylm.TransformerLM(cfg, generator=torch.Generator().manual_seed(0))
@@ -183,10 +185,13 @@ def test_validity_marks_and_wiring():
             assert not p.valid and p.validity, name
     model = tinylm.TransformerLM(_config("pre", d=32, layers=2), generator=torch.Generator().manual_seed(0))
     glob = predict(model, "global", seq_len=8, tokens=16)
-    p = glob[("layers.0", "backward")]
+    p = glob[("layers.1", "backward")]
     assert p.valid and p.rule.startswith("kernel") and p.independent is not None
+    # d 32 with one head: the depth budget (d_model x heads / 48 blocks) is 0, so block 0 is outside
+    assert not glob[("layers.0", "backward")].valid and "blocks below the top" in glob[("layers.0", "backward")].validity
+    assert not glob[("layers.1.attn.q_proj", "backward")].valid
     old = predict(model, "global", seq_len=8, tokens=16, backward="independent")
-    assert not old[("layers.0", "backward")].rule.startswith("kernel")
+    assert not old[("layers.1", "backward")].rule.startswith("kernel")
     with pytest.raises(OptionsError, match="backward="):
         predict(model, "global", seq_len=8, tokens=16, backward="nope")
     with pytest.raises(OptionsError, match="tokens="):
