@@ -50,8 +50,9 @@ Approximations (where this theory can break): the kernel of one sequence under o
 random at finite width and with finitely many heads (each head's attention pattern is a
 random draw); the theory propagates its *expectation* through the nonlinear maps (norm,
 softmax, SiLU), which is exact only as d and the number of heads grow. Token coincidences
-enter through their mean over sequences (P_st) only. Dropout is ignored (eval mode). Only the
-forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory.independent`.
+enter through their mean over sequences (P_st) only. Dropout is ignored (eval mode). This is the
+forward pass; :mod:`.backkernel` carries the gradient's kernel back through the same plan, reading
+these kernels and the same attention draws (:func:`attention_samples`).
 
 Use: ``diagnostics.predict(model, "global")`` (hence ``diagnose`` on a fresh model) takes its
 forward predictions from here through :func:`cached_kernel_theory`, once per process for each
