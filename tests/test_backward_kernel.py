@@ -151,9 +151,10 @@ def _measure(cfg):
 def test_valid_backward_predictions_match_measurement(norm):
     """d 128, L 4, T 32, 16 seeds: every backward prediction predict() marks valid (the backward kernel) is
     within 10% of measurement: the (1 - alpha/(2k)) t interval over seeds of measured/predicted overlaps
-    [0.9, 1.1], k the number of such checks; the four controls below share the other alpha/2. Negative control: the independent-token prediction each keeps in
-    ``independent`` is rejected by the same check at the stream gradient (resid_mid, block output) of
-    blocks 0 and 1 (measured 0.77x of it pre-norm, 0.67x post-norm; the kernel's within 5%)."""
+    [0.9, 1.1], k the number of such checks; the four controls below share the other alpha/2. Negative
+    control: the independent-token prediction each keeps in ``independent`` is rejected by the same check
+    at the stream gradient (resid_mid, block output) of blocks 0 and 1 (measured 0.77x of it pre-norm,
+    0.67x post-norm; the kernel's within 5%)."""
     var, model = _measure(_config(norm))
     glob = predict(model, "global", seq_len=T, tokens=B * T)
     valid = [(n, p) for (n, d), p in glob.items() if d == "backward" and p.valid and n in var]
@@ -188,7 +189,8 @@ def test_validity_marks_and_wiring():
     p = glob[("layers.1", "backward")]
     assert p.valid and p.rule.startswith("kernel") and p.independent is not None
     # d 32 with one head: the depth budget (d_model x heads / 48 blocks) is 0, so block 0 is outside
-    assert not glob[("layers.0", "backward")].valid and "blocks below the top" in glob[("layers.0", "backward")].validity
+    below = glob[("layers.0", "backward")]
+    assert not below.valid and "blocks below the top" in below.validity
     assert not glob[("layers.1.attn.q_proj", "backward")].valid
     old = predict(model, "global", seq_len=8, tokens=16, backward="independent")
     assert not old[("layers.1", "backward")].rule.startswith("kernel")

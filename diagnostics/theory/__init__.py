@@ -104,7 +104,8 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
                                                                         coincidence=coincidence)
             out = _with_kernel(out, kt.predictions(dropout_active=False))
         if bk is not None:
-            out = _with_kernel(out, _ce_premise(bk.predictions(dropout_active=False), out.get((tinylm.plan.HEAD, "backward"))))
+            ce = out.get((tinylm.plan.HEAD, "backward"))
+            out = _with_kernel(out, _ce_premise(bk.predictions(dropout_active=False), ce))
     return out
 
 

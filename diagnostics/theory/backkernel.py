@@ -36,8 +36,8 @@ backward factor; f = d_in E[w^2]: its forward factor; N positions per loss, V cl
     v (covariance f_v K) given each draw of (q, k);
   - the input gradient G_xhat = b_q G_q + b_k G_k + b_v G_v (the three paths through independent
     weights: their cross terms vanish at init).
-  The softmax path (q and k) is not neglected: at init it carries about a third of the input
-  gradient's variance (docs/theory.md).
+  The softmax path (q and k) is not neglected: at init it carries a quarter to two fifths of the
+  variance of the gradient at the attention's input (docs/theory.md).
 
 The rules are applied one per step of the block plan (:mod:`tinylm.plan`), in reverse, so pre-,
 post- and no-norm blocks are covered by the same four rules (norm, attention, FFN, add); a
@@ -62,6 +62,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -447,7 +448,8 @@ def backward_kernel(config: tinylm.ModelConfig, seq_len: int, *, tokens: float, 
     if not isinstance(config, tinylm.ModelConfig):
         raise OptionsError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
     if not (isinstance(tokens, (int, float)) and not isinstance(tokens, bool) and tokens > 0):
-        raise OptionsError(f"tokens={tokens!r}: must be a positive number; pass batch x seq_len, the positions per loss")
+        raise OptionsError(f"tokens={tokens!r}: must be a positive number; pass batch x seq_len, the positions "
+                           "per loss")
     integer("quad_nodes", quad_nodes, low=4, error=OptionsError)
     if forward is None:
         forward = kernel_theory(config, seq_len, scheme=scheme, draws=draws, seed=seed, quad_nodes=quad_nodes,
@@ -473,8 +475,8 @@ def cached_backward_kernel(config: tinylm.ModelConfig, seq_len: int, *, tokens: 
                            coincidence=None) -> BackwardKernel:
     """:func:`backward_kernel` with its defaults and without the kernels, once per process for each
     (config, seq_len, scheme name and function, tokens, coincidence digest); an LRU of 8. Shared: read only."""
-    import hashlib
-
+    if not isinstance(config, tinylm.ModelConfig):
+        raise OptionsError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
     name = scheme or config.init
     fn = tinylm.init.get(name)
     P = None if coincidence is None else np.array(coincidence, dtype=np.float64)
