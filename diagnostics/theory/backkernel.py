@@ -76,7 +76,8 @@ from tinylm.validate import integer
 from ..options import OptionsError
 from .independent import ce_grad_mean_square
 from .prediction import Prediction
-from .tokenkernel import (KernelTheory, _gauss_hermite, _rope_tables, _sqrt_factor, attention_samples, kernel_theory,
+from . import tokenkernel
+from .tokenkernel import (KernelTheory, _gauss_hermite, _rope_tables, _sqrt_factor, attention_samples,
                           silu_cross_moment)
 
 __all__ = ["BackwardKernel", "backward_kernel", "cached_backward_kernel", "norm_backward", "dsilu_cross_moment"]
@@ -452,8 +453,8 @@ def backward_kernel(config: tinylm.ModelConfig, seq_len: int, *, tokens: float, 
                            "per loss")
     integer("quad_nodes", quad_nodes, low=4, error=OptionsError)
     if forward is None:
-        forward = kernel_theory(config, seq_len, scheme=scheme, draws=draws, seed=seed, quad_nodes=quad_nodes,
-                                coincidence=coincidence, keep_kernels=True)
+        forward = tokenkernel.kernel_theory(config, seq_len, scheme=scheme, draws=draws, seed=seed,
+                                            quad_nodes=quad_nodes, coincidence=coincidence, keep_kernels=True)
     elif not forward.kernels:
         raise OptionsError("forward: a KernelTheory without its kernels; pass one computed with keep_kernels=True")
     threads = torch.get_num_threads()
@@ -469,6 +470,7 @@ def backward_kernel(config: tinylm.ModelConfig, seq_len: int, *, tokens: float, 
 
 _CACHE: "OrderedDict[tuple, BackwardKernel]" = OrderedDict()
 _CACHE_SIZE = 8
+tokenkernel.DEPENDENT_CACHES.append(_CACHE)  # tokenkernel.clear_cache() forgets these too
 
 
 def cached_backward_kernel(config: tinylm.ModelConfig, seq_len: int, *, tokens: float, scheme: str | None = None,

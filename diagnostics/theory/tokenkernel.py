@@ -624,6 +624,8 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
 
 _CACHE: "OrderedDict[tuple, KernelTheory]" = OrderedDict()
 _CACHE_SIZE = 16
+#: caches of results built on this theory (the backward kernel's), which :func:`clear_cache` empties too
+DEPENDENT_CACHES: list = []
 
 
 def cached_kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | None = None,
@@ -657,5 +659,7 @@ def cached_kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: st
 
 
 def clear_cache() -> None:
-    """Forget every :func:`cached_kernel_theory` result."""
+    """Forget every :func:`cached_kernel_theory` result, and every cached result built on one."""
     _CACHE.clear()
+    for cache in DEPENDENT_CACHES:
+        cache.clear()
