@@ -255,7 +255,7 @@ class BackwardKernel:
 _SOFTMAX_PATH = ("attn.scores", "attn.q_proj", "attn.k_proj")
 #: blocks a gradient may cross downward, per d_model x num_heads, before the finite-width drift the
 #: expected kernel does not carry can reach 10% (docs/theory.md: ~2/(d H) per block pre-norm,
-#: ~10/(d H) post-norm, measured at d 128 and 256 by benchmarks/backward_accuracy.py)
+#: ~15/(d H) post-norm, measured at d 128 and 256 by benchmarks/backward_accuracy.py)
 _DEPTH_BUDGET = {"pre": 1 / 48, "post": 1 / 256}
 
 
@@ -279,9 +279,13 @@ def _validity(config: tinylm.ModelConfig, plan: tinylm.plan.ModelPlan, name: str
                        "gradient's with it")
     if config.tie_embeddings:
         return False, "tied embeddings: the logits' gradient is correlated with the embeddings it reaches"
-    if name.endswith(_SOFTMAX_PATH) or (config.norm == "post" and name.endswith("attn.probs")):
+    if name.endswith(_SOFTMAX_PATH):
         return False, ("the gradient through the softmax depends on each sequence's spread of keys, whose "
-                       "fluctuation over sequences the expected kernel does not carry (measured up to 1.3x the rule)")
+                       "fluctuation over sequences the expected kernel does not carry (measured up to 1.3x the rule "
+                       "pre-norm, 1.9x post-norm)")
+    if config.norm == "post" and name.endswith("attn.probs"):
+        return False, ("post-norm, the probabilities' gradient (g_o,i . v_j) is measured at 0.6x to 1.0x of the rule, "
+                       "which takes g_o and v independent; the shortfall is not explained")
     L = config.num_layers
     i = tinylm.plan.block_index(name)
     crossed = L - 1 - i if i is not None else (L - 1 if name == plan.embedding else 0)
