@@ -221,8 +221,8 @@ def test_global_forward_rule_is_chosen_by_validity():
         indep = predict(model, "global", seq_len=8, tokens=16, forward="independent")
         assert set(kern) == set(indep)
         for key, p in kern.items():
-            if key[1] == "backward":
-                assert p == indep[key], key
+            if key[1] == "backward":  # the backward kernel's (tests/test_backward_kernel.py), or the one kept
+                assert p == indep[key] or (p.rule.startswith("kernel") and p.independent == indep[key]), key
             elif norm == "none" and indep[key].valid:
                 assert p == indep[key], key
             else:

@@ -5,11 +5,13 @@ Two theories, one :class:`Prediction` type, one :func:`predict` that combines th
 * :mod:`.independent` — per-layer rules that treat the tokens of a sequence as
   independent (forward and backward, global at init or local from measured inputs);
 * :mod:`.tokenkernel` — the token-kernel theory, which carries the T x T covariance
-  between a sequence's positions forward through the blocks (global mode).
+  between a sequence's positions forward through the blocks (global mode);
+* :mod:`.backkernel` — the same theory backward: the T x T covariance of the gradient
+  between positions, carried from the cross-entropy gradient down to the embeddings.
 
 ``predict`` takes every prediction from the independent-token rules and, in global
-mode, replaces the forward ones by the token-kernel theory's, keeping the one it
-replaces in ``Prediction.independent``.
+mode, replaces the forward ones by the token-kernel theory's and the backward ones by
+the backward kernel's, keeping the one it replaces in ``Prediction.independent``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..measure.moments import ProbeStats
 from ..options import OptionsError
 from .independent import ce_grad_mean_square, independent_predictions, silu_moments, softmax_moments
 from .prediction import Prediction, no_variance_left
+from .backkernel import BackwardKernel, backward_kernel, cached_backward_kernel
 from .tokenkernel import KernelTheory, cached_kernel_theory, kernel_theory, token_coincidence
 
 __all__ = [
@@ -34,6 +37,9 @@ __all__ = [
     "kernel_theory",
     "cached_kernel_theory",
     "token_coincidence",
+    "BackwardKernel",
+    "backward_kernel",
+    "cached_backward_kernel",
     "silu_moments",
     "softmax_moments",
     "ce_grad_mean_square",
@@ -42,7 +48,8 @@ __all__ = [
 
 def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq_len: int,
             tokens: float | None = None, scheme: str | None = None, softmax: tuple[float, float] | None = None,
-            forward: str = "kernel", coincidence=None) -> dict[tuple[str, str], Prediction]:
+            forward: str = "kernel", coincidence=None, backward: str | None = None
+            ) -> dict[tuple[str, str], Prediction]:
     """Predicted moments of every instrumented tensor of a tinylm model, keyed (name, direction).
 
     mode "global": analytic at init from the declared distributions of ``scheme``
@@ -50,7 +57,12 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
     predictions from the token-kernel theory (:func:`.tokenkernel.cached_kernel_theory`,
     computed once per process for each config, seq_len, scheme and ``coincidence``), keeping
     the independent-token ones in ``Prediction.independent``; ``forward="independent"``
-    keeps the independent-token rules for every prediction. ``coincidence``: the (T, T)
+    keeps the independent-token rules for every prediction. ``backward`` (default: as
+    ``forward``): "kernel" takes the gradient predictions from the backward kernel
+    (:func:`.backkernel.cached_backward_kernel`, which walks the forward kernels of the same
+    config), keeping the independent-token ones in ``Prediction.independent``; where the
+    cross-entropy rule's premise fails (``softmax=``) every backward kernel prediction is
+    outside validity with that reason. ``coincidence``: the (T, T)
     fraction of sequences holding the same token at positions s and t
     (:func:`.tokenkernel.token_coincidence`), None for uniform random tokens.
     Global predictions describe the model without dropout (eval mode, as ``probe``
@@ -69,6 +81,9 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
         raise OptionsError(f"mode={mode!r}: choose 'local' or 'global'")
     if forward not in ("kernel", "independent"):
         raise OptionsError(f"forward={forward!r}: choose 'kernel' (token-kernel theory) or 'independent'")
+    backward = forward if backward is None else backward
+    if backward not in ("kernel", "independent"):
+        raise OptionsError(f"backward={backward!r}: choose 'kernel' (backward token-kernel theory) or 'independent'")
     if not isinstance(model, tinylm.TransformerLM):
         return {}
     if mode == "local" and stats is None:
@@ -80,17 +95,35 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
     with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         out = independent_predictions(model, mode, stats, seq_len=seq_len, tokens=tokens, scheme=scheme,
                                       softmax=softmax)
+        bk = None
+        if mode == "global" and backward == "kernel":
+            bk = cached_backward_kernel(model.config, int(seq_len), tokens=float(tokens), scheme=scheme,
+                                        coincidence=coincidence)
         if mode == "global" and forward == "kernel":
-            kt = cached_kernel_theory(model.config, int(seq_len), scheme=scheme, coincidence=coincidence)
+            kt = bk.forward if bk is not None else cached_kernel_theory(model.config, int(seq_len), scheme=scheme,
+                                                                        coincidence=coincidence)
             out = _with_kernel(out, kt.predictions(dropout_active=False))
+        if bk is not None:
+            ce = out.get((tinylm.plan.HEAD, "backward"))
+            out = _with_kernel(out, _ce_premise(bk.predictions(dropout_active=False), ce))
     return out
+
+
+def _ce_premise(kernel: dict[tuple[str, str], Prediction], ce: Prediction | None) -> dict[tuple[str, str], Prediction]:
+    """Every backward kernel prediction outside validity when the cross-entropy rule's premise (a near-uniform
+    softmax independent of the targets, checked by the independent-token rule at the logits) fails."""
+    if ce is None or ce.valid:
+        return kernel
+    why = "every gradient starts at the logits, where " + ce.validity
+    return {k: dataclasses.replace(p, valid=False, validity=why) if p.valid else p for k, p in kernel.items()}
 
 
 def _with_kernel(indep: dict[tuple[str, str], Prediction], kernel: dict[tuple[str, str], Prediction]
                  ) -> dict[tuple[str, str], Prediction]:
-    """The kernel theory's forward predictions in place of the independent-token ones, each keeping
-    the one it replaces in ``independent``; except where the kernel's is outside validity and the
-    independent-token one is not (block 0 without a norm): that one stays."""
+    """The kernel theory's predictions (forward or backward) in place of the independent-token ones,
+    each keeping the one it replaces in ``independent``; except where the kernel's is outside
+    validity and the independent-token one is not (block 0 without a norm; the logits' gradient
+    without a norm): that one stays."""
     out = dict(indep)
     for key, k in kernel.items():
         i = indep.get(key)

@@ -10,8 +10,8 @@ One recursion serves both modes; they differ only in where a layer's inputs come
   token-kernel theory (:mod:`diagnostics.theory.tokenkernel`, ``forward="kernel"``, the default),
   which tracks the correlation between a sequence's tokens (accuracy: docs/theory.md);
   each of those predictions
-  keeps the independent-token one in ``Prediction.independent``. The backward
-  predictions stay with the independent-token rules below.
+  keeps the independent-token one in ``Prediction.independent``. So do the backward
+  predictions, from the backward kernel (:mod:`diagnostics.theory.backkernel`).
 * ``local``: each layer from the *measured* moments of its own input (a
   :class:`ProbeStats` of one replicate) and its *actual* weights. Works for a
   trained checkpoint, where measured/predicted shows how far training has aligned

@@ -62,8 +62,9 @@ Approximations (where this theory can break): the kernel of one sequence under o
 random at finite width and with finitely many heads (each head's attention pattern is a
 random draw); the theory propagates its *expectation* through the nonlinear maps (norm,
 softmax, SiLU), which is exact only as d and the number of heads grow. Token coincidences
-enter through their mean over sequences (P_st) only. Dropout is ignored (eval mode). Only the
-forward pass is tracked; gradient variances remain with :mod:`diagnostics.theory.independent`.
+enter through their mean over sequences (P_st) only. Dropout is ignored (eval mode). This is the
+forward pass; :mod:`.backkernel` carries the gradient's kernel back through the same plan, reading
+these kernels and the same attention draws (:func:`attention_samples`).
 
 Use: ``diagnostics.predict(model, "global")`` (hence ``diagnose`` on a fresh model) takes its
 forward predictions from here through :func:`cached_kernel_theory`, once per process for each
@@ -99,8 +100,8 @@ from .independent import ACTIVATIONS, activation_of, layernorm_factors
 from .prediction import Prediction
 
 __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "cached_kernel_theory", "clear_cache", "token_coincidence",
-           "normalize", "layer_normalize", "attention_kernel", "act_cross_moment", "silu_cross_moment",
-           "mean_cosine"]
+           "normalize", "layer_normalize", "attention_kernel", "attention_samples", "act_cross_moment",
+           "silu_cross_moment", "mean_cosine"]
 
 #: Monte Carlo draws of one attention head per block when ``draws`` is not given: about
 #: 2^11 query rows in all (32 draws at T = 64, 16 at T = 128, 8 at T = 256), at least 8. The
@@ -169,6 +170,45 @@ def _sqrt_factor(K: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(_psd_sqrt(K))
 
 
+def attention_samples(K_in: np.ndarray, fq: float, fk: float, d_k: int, *, rope_theta: float | None, draws: int,
+                      seed: int, bq2: float = 0.0, bk2: float = 0.0):
+    """The Monte Carlo draws of one causal attention head given its input kernel ``K_in``, in chunks:
+    yields (Q, K, A), Q and K (b, T, d_k) with rows of covariance ``K_in`` (RoPE applied when
+    ``rope_theta`` is given; the model's q is sqrt(fq) Q, its k sqrt(fk) K) and the attention
+    patterns A = softmax(causal(sqrt(fq fk / d_k) Q K^T)) (b, T, T) in float64, rows summing to 1.
+    ``bq2``, ``bk2``: E[b^2] of q_proj's and k_proj's biases, one Gaussian vector per draw added to
+    every row (a bias is shared by all positions). Deterministic in ``seed``: :func:`attention_kernel`
+    (forward) and the backward kernel (:mod:`.backkernel`) see the same patterns. Sampling precision: :func:`attention_kernel`."""
+    T = K_in.shape[0]
+    R = _sqrt_factor(K_in)  # (T, T), R R^T = K_in, float64
+    # float32 unless the scores (~ sqrt(fq fk) K_tt) could overflow it (a stream exploding without a norm)
+    sample = torch.float32 if math.sqrt(fq * fk) * float(np.abs(np.diag(K_in)).max()) < 1e15 else torch.float64
+    Rs = R.to(sample)
+    gen = torch.Generator().manual_seed(int(seed))
+    causal = torch.zeros(T, T, dtype=sample).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    cos, sin = _rope_tables(rope_theta, d_k, T) if rope_theta is not None else (None, None)
+    if cos is not None:
+        cos, sin = cos.to(sample), sin.to(sample)
+    scale = math.sqrt(fq * fk / d_k)  # scores = (sqrt(fq) Q)(sqrt(fk) K)^T / sqrt(d_k)
+    chunk = max(1, min(draws, int(2**22 // (T * T))))
+    done = 0
+    while done < draws:
+        b = min(chunk, draws - done)
+        Q = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)  # (b, T, d_k): rows with covariance K_in
+        Kk = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)
+        if bq2 > 0 and fq > 0:  # in units of sqrt(fq): Q is scaled by it in the scores
+            Q = Q + math.sqrt(bq2 / fq) * torch.randn(b, 1, d_k, generator=gen, dtype=sample)
+        if bk2 > 0 and fk > 0:
+            Kk = Kk + math.sqrt(bk2 / fk) * torch.randn(b, 1, d_k, generator=gen, dtype=sample)
+        if cos is not None:
+            Q, Kk = tinylm.functional.apply_rope(Q, cos, sin), tinylm.functional.apply_rope(Kk, cos, sin)
+        S = torch.baddbmm(causal.expand(b, T, T), Q, Kk.transpose(-1, -2), alpha=scale)  # (b, T, T), -inf above
+        A = torch.softmax(S, dim=-1).double()
+        A /= A.sum(-1, keepdim=True)  # rows sum to 1 in float64
+        yield Q, Kk, A
+        done += b
+
+
 def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int, *, rope_theta: float | None,
                      draws: int, seed: int, bq2: float = 0.0, bk2: float = 0.0) -> dict[str, np.ndarray | float]:
     """Kernel of one causal attention head's output given the kernel ``K_in`` of its input.
@@ -191,37 +231,13 @@ def attention_kernel(K_in: np.ndarray, fq: float, fk: float, fv: float, d_k: int
         "scores_ms": mean square of the scores over the causal entries (exact, not sampled).
     """
     T = K_in.shape[0]
-    R = _sqrt_factor(K_in)  # (T, T), R R^T = K_in, float64
-    # float32 unless the scores (~ sqrt(fq fk) K_tt) could overflow it (a stream exploding without a norm)
-    sample = torch.float32 if math.sqrt(fq * fk) * float(np.abs(np.diag(K_in)).max()) < 1e15 else torch.float64
-    Rs = R.to(sample)
-    gen = torch.Generator().manual_seed(int(seed))
-    causal = torch.zeros(T, T, dtype=sample).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
-    cos, sin = _rope_tables(rope_theta, d_k, T) if rope_theta is not None else (None, None)
-    if cos is not None:
-        cos, sin = cos.to(sample), sin.to(sample)
     Kt = torch.from_numpy(0.5 * (K_in + K_in.T))  # float64
     acc = torch.zeros(T, T, dtype=torch.float64)  # sum over draws of A K A^T, lower block triangle only
     s2 = torch.zeros(T, dtype=torch.float64)
-    scale = math.sqrt(fq * fk / d_k)  # scores = (sqrt(fq) Q)(sqrt(fk) K)^T / sqrt(d_k)
-    chunk = max(1, min(draws, int(2**22 // (T * T))))
-    done = 0
-    while done < draws:
-        b = min(chunk, draws - done)
-        Q = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)  # (b, T, d_k): rows with covariance K_in
-        Kk = Rs @ torch.randn(b, T, d_k, generator=gen, dtype=sample)
-        if bq2 > 0 and fq > 0:  # in units of sqrt(fq): Q is scaled by it in the scores
-            Q = Q + math.sqrt(bq2 / fq) * torch.randn(b, 1, d_k, generator=gen, dtype=sample)
-        if bk2 > 0 and fk > 0:
-            Kk = Kk + math.sqrt(bk2 / fk) * torch.randn(b, 1, d_k, generator=gen, dtype=sample)
-        if cos is not None:
-            Q, Kk = tinylm.functional.apply_rope(Q, cos, sin), tinylm.functional.apply_rope(Kk, cos, sin)
-        S = torch.baddbmm(causal.expand(b, T, T), Q, Kk.transpose(-1, -2), alpha=scale)  # (b, T, T), -inf above
-        A = torch.softmax(S, dim=-1).double()
-        A /= A.sum(-1, keepdim=True)  # rows sum to 1 in float64
+    for _, _, A in attention_samples(K_in, fq, fk, d_k, rope_theta=rope_theta, draws=draws, seed=seed,
+                                  bq2=bq2, bk2=bk2):
         s2 += (A * A).sum(-1).sum(0)
         _add_causal_sandwich(acc, A, Kt)
-        done += b
     acc = torch.tril(acc) + torch.tril(acc, -1).T  # the upper triangle from the lower (A K A^T is symmetric)
     diag = np.diag(K_in)
     scores_ms = float((np.tril(np.outer(fq * diag + bq2, fk * diag + bk2)).sum()) / (T * (T + 1) / 2))
@@ -692,6 +708,8 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
 
 _CACHE: "OrderedDict[tuple, KernelTheory]" = OrderedDict()
 _CACHE_SIZE = 16
+#: caches of results built on this theory (the backward kernel's), which :func:`clear_cache` empties too
+DEPENDENT_CACHES: list = []
 
 
 def cached_kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | None = None,
@@ -725,5 +743,7 @@ def cached_kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: st
 
 
 def clear_cache() -> None:
-    """Forget every :func:`cached_kernel_theory` result."""
+    """Forget every :func:`cached_kernel_theory` result, and every cached result built on one."""
     _CACHE.clear()
+    for cache in DEPENDENT_CACHES:
+        cache.clear()
