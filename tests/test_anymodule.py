@@ -21,6 +21,7 @@ from torch import nn
 
 import tinylm
 from tinylm import checkpoint
+from benchmarks.verdict_zoo import GeluBlock, GeluLM, hf
 from diagnostics import DiagnoseOptions, DiagnoseResult, OptionsError, diagnose
 from diagnostics.measure import reference
 from diagnostics.measure.blocks import find_blocks
@@ -34,56 +35,12 @@ OPTS = DiagnoseOptions(batch_size=2, seq_len=16, batches=2)
 V = 1000
 
 
-class GeluBlock(nn.Module):
-    """x + fc2(gelu(fc1 x)), no norm: the stream feeds each block's scale."""
-
-    def __init__(self, d: int, gain: float):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-        with torch.no_grad():
-            self.fc1.weight.mul_(gain)
-            self.fc2.weight.mul_(gain)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(x)))
-
-
-class GeluLM(nn.Module):
-    """A plain PyTorch residual LM: embedding, 8 GELU blocks, a linear head; ``gain`` scales the
-    blocks' weights from torch's default init (variance gain 1/3 per Linear) upwards."""
-
-    def __init__(self, gain: float = 1.0, d: int = 64, L: int = 8, vocab: int = 256, head_gain: float = 1.0):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([GeluBlock(d, gain) for _ in range(L)])
-        self.head = nn.Linear(d, vocab)
-        with torch.no_grad():
-            self.head.weight.mul_(head_gain)
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
-
-
 def gpt2(layers: int = 2, std: float | None = None):
-    torch.manual_seed(0)
-    m = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=64, n_layer=layers,
-                                                             n_head=4))
-    if std is not None:
-        with torch.no_grad():
-            for p in m.parameters():
-                p.normal_(0, std)
-    return m
+    return hf("gpt2", std=std, L=layers, V=V)()
 
 
 def llama(layers: int = 2):
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=V, hidden_size=64, intermediate_size=172, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64))
+    return hf("llama", L=layers, V=V)()
 
 
 # ----------------------------------------------------------------------------- the block stack
