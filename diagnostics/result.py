@@ -420,7 +420,10 @@ class DiagnoseResult:
     """Everything ``diagnose`` found; the report draws from it.
 
     ``healthy`` is True when no finding has severity "fail" (``warnings`` lists the ones that
-    warn: the model trains, with care); ``failures`` lists the failing ones. ``thresholds`` holds the
+    warn: the model trains, with care) and something that says whether the model trains was
+    judged (:attr:`status`); ``failures`` lists the failing ones. ``judged``: the
+    :data:`CHECKS` made (None in a document before version "5"); ``not_judged``: (check, why)
+    for each one that could not be. ``thresholds`` holds the
     :class:`diagnostics.judge.verdicts.Thresholds` values used, as a dict.
     ``created`` is the only non-deterministic field (UTC ISO-8601 timestamp).
     """

@@ -147,16 +147,19 @@ _EXIT_NOT_JUDGED = 5
 
 
 def _coverage_lines(result: Any) -> list[Text]:
-    """"checked: ..." and "not checked: check (why); ..." under the verdict (none for a document
-    written before the result recorded them)."""
+    """"checked: ..." and "not checked: checks: why; ..." (the checks that share a reason together)
+    under the verdict (none for a document written before the result recorded them)."""
     judged = getattr(result, "judged", None)
     if judged is None:
         return []
     lines = [Text("checked: ", style="bold dim")]
     lines[0].append(", ".join(judged) or "nothing", style="dim")
     if result.not_judged:
+        by_reason: dict[str, list[str]] = {}
+        for check, why in result.not_judged:
+            by_reason.setdefault(why, []).append(check)
         t = Text("not checked: ", style="bold dim")
-        t.append("; ".join(f"{c} ({why})" for c, why in result.not_judged), style="dim")
+        t.append("; ".join(f"{', '.join(checks)}: {why}" for why, checks in by_reason.items()), style="dim")
         lines.append(t)
     return lines
 
@@ -195,8 +198,8 @@ def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: i
     if not result.findings and not nonfinite and status == "not judged":
         missing = dict(result.not_judged)
         t = Text("? NOT JUDGED", style="bold magenta")
-        t.append(": " + "; ".join(f"{c}: {missing[c]}" for c in _CORE if c in missing)
-                 + f"; nothing says whether this model trains; --check exits {_EXIT_NOT_JUDGED}", style="magenta")
+        reasons = dict.fromkeys(missing[c] for c in _CORE if c in missing)
+        t.append(": " + "; ".join(reasons) + f"; --check exits {_EXIT_NOT_JUDGED}", style="magenta")
         body.append(t)
         title, border = "verdict: not judged", "magenta"
     elif not result.findings and not nonfinite:

@@ -403,11 +403,16 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     """Measure every instrumented tensor forward and backward, predict it, judge it.
 
     Args:
-        model: maps token ids (B, T) to logits (B, T, V); theory, the depth chart and the
-            attention panel need a tinylm.TransformerLM. Left exactly as it was.
+        model: any nn.Module, called on token ids (B, T) (or as ``options.inputs`` builds its
+            arguments); its output is read as next-token logits (B, T, V), a tuple's first
+            tensor, ``.logits`` / ``.loss`` (a Hugging Face ModelOutput) or a 0-d loss. The
+            residual stream is its block stack's (found by structure); theory needs a
+            tinylm.TransformerLM. Left exactly as it was.
         tokens: (N, T+1) windows, a 1-D token stream, or None (uniform random, seeded).
         options: :class:`DiagnoseOptions`.
-    Returns: a :class:`DiagnoseResult` (see diagnostics/API.md).
+    Returns: a :class:`DiagnoseResult` (see diagnostics/API.md), whose ``judged`` and
+        ``not_judged`` say which checks could be made; neither the stream nor the loss
+        judged is status "not judged", never healthy.
     """
     options = options or DiagnoseOptions()
     if not isinstance(options, DiagnoseOptions):

@@ -12,7 +12,11 @@ lm_head's output is the logits), every ``tinylm.Tap`` (``layers.i.resid_mid``,
 for a tinylm model, each block's output (the residual stream; the embedding
 output is block 0's input) and the attention and FFN branches before they are
 added (outputs of ``layers.i.attn`` and ``layers.i.ffn``), and the attention heads
-before ``output_proj`` (``layers.i.attn.heads``, that module's input).
+before ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model:
+each block of the stack :func:`diagnostics.measure.blocks.find_blocks` finds (its output,
+the residual stream) and block 0's input (``{stack}.input``); with ``attention``, each
+``F.scaled_dot_product_attention`` call inside a block is measured on sampled query rows
+(:mod:`diagnostics.measure.sdpa`) as ``{module}.scores`` and the ``{module}.probs`` panel.
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
 the output needs a gradient, puts a hook on that tensor which reduces the
