@@ -242,6 +242,23 @@ def test_the_watch_passes_every_call_on_unchanged():
     assert calls == ["attn"] and torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+def test_a_probe_of_an_hf_model_leaves_no_hook_and_no_mode_behind_even_when_the_step_raises():
+    from diagnostics import probe
+
+    model = gpt2(2)
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    depth = torch._C._len_torch_function_stack()
+    with pytest.raises(RuntimeError, match="boom"):
+        with probe(model) as run:
+            model(torch.randint(0, V, (1, 8)))
+            assert torch._C._len_torch_function_stack() == depth + 1
+            raise RuntimeError("boom")
+    assert sorted(run.stats.attention) == ["transformer.h.0.attn.probs", "transformer.h.1.attn.probs"]
+    assert torch._C._len_torch_function_stack() == depth
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+
+
 # ----------------------------------------------------------------------------- the report and the command line
 
 

@@ -14,7 +14,8 @@ output is block 0's input) and the attention and FFN branches before they are
 added (outputs of ``layers.i.attn`` and ``layers.i.ffn``), and the attention heads
 before ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model:
 each block of the stack :func:`diagnostics.measure.blocks.find_blocks` finds (its output,
-the residual stream) and block 0's input (``{stack}.input``); with ``attention``, each
+the residual stream) and block 0's input (``{stack}.input``); with ``attention`` and the
+default points (``modules`` None), each
 ``F.scaled_dot_product_attention`` call inside a block is measured on sampled query rows
 (:mod:`diagnostics.measure.sdpa`) as ``{module}.scores`` and the ``{module}.probs`` panel.
 
@@ -479,7 +480,7 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
             model.eval()
         for m in explicit:
             m.explicit = True
-        if options.attention and stack is not None and not run._tinylm:
+        if options.attention and options.modules is None and stack is not None and not run._tinylm:
             watch = _watch_attention(run, stack, named, handles)
             watch.__enter__()
         run.active = True
