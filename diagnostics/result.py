@@ -393,7 +393,8 @@ class Header:
     tokens_measured: tokens passed through the model in all (over seeds and batches).
     batch_size, seq_len, batches, seeds: as run; seed: the first seed.
     theory: the theory mode used ("local", "global", or "off" for measurement only).
-    loss: mean next-token loss measured; loss_uniform: ln(vocab_size) (None if unknown).
+    loss: mean loss measured; loss_uniform: ln V of the logits where the loss is their mean next-token
+    cross-entropy (a tinylm model: ln vocab_size), else None (a custom loss_fn, a model returning its loss).
     interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
         documents written before it read "").
     """

@@ -140,6 +140,7 @@ def test_a_custom_loss_is_measured_but_not_judged_against_ln_v_and_an_unreadable
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), label_smoothing=0.1)
     r = diagnose(GeluLM(L=2), options=DiagnoseOptions(batch_size=2, seq_len=8, batches=2, loss_fn=loss_fn))
     assert seen == [(2, 8, 256)] * 2 and LOSS not in r.judged and "loss_fn" in dict(r.not_judged)[LOSS]
+    assert r.header.loss_uniform is None  # a custom loss is not compared with ln V, in the report either
 
     class Hidden(nn.Module):  # returns hidden states (B, T, d) and no loss: nothing to differentiate
         def __init__(self):

@@ -584,7 +584,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         progress(done, total, "verdicts")
 
     config = model.config.to_dict() if tiny else None
-    vocab = _vocab(model)
+    # ln V of the logits where the loss is their next-token cross-entropy (a tinylm model's: its vocabulary)
+    vocab = next(iter(vocabs)) if len(vocabs) == 1 else None
     header = Header(
         model_class=type(model).__name__, config=config,
         parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
