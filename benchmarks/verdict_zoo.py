@@ -295,7 +295,7 @@ CASES: list[Case] = [
     Case("plain GELU residual d64 L8", lambda: GeluLM(), None, None),
     Case("HF GPT-2 d64 L4, its init", hf("gpt2"), None, None),
     Case("HF Llama d64 L4, its init", hf("llama"), None, None),
-    Case("plain GELU residual, weights x4", lambda: GeluLM(gain=4.0), "unclear", F_, "severe"),
+    Case("plain GELU residual, weights x4", lambda: GeluLM(gain=4.0), "no_norm", F_, "severe"),
     Case("HF GPT-2 d64 L4, every weight std 10", hf("gpt2", std=10.0), "init_scale", F_, "severe"),
     Case("plain GELU residual, head x100", lambda: GeluLM(L=2, head_gain=100.0), "logit_scale", W, "mild"),
 ]

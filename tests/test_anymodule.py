@@ -80,6 +80,7 @@ def test_an_exploding_gelu_residual_model_fails_on_its_stream_gain_and_its_ordin
     assert bad.status == "not healthy" and not bad.healthy
     f = next(f for f in bad.failures if f.kind == "exploding" and f.direction == "forward")
     assert f.statistic == "per-block forward variance gain" and f.value > 4 and f.where.startswith("blocks.")
+    assert f.cause == "no_norm"  # its blocks hold no norm module: known from the structure
     assert [d.name for d in bad.depth] == ["blocks.input", *(f"blocks.{i}" for i in range(8))]
     assert bad.header.loss > 2 * bad.header.loss_uniform and "ln V" in f.message  # the loss, as a consequence
     # negative control: the same architecture at torch's default scale is not called exploding

@@ -389,11 +389,17 @@ def _loss_check(loss: float, vocabs: set, options: DiagnoseOptions, tiny: bool, 
     return (loss, math.log(vocab), "fail" if tiny or source == "given" else "warn"), ""
 
 
-def _architecture(model: nn.Module) -> dict | None:
-    """What the verdicts' causes and advice need to know of a tinylm model's build (None for
-    any other module): norm placement, FFN kind, RoPE, depth, head width, init scheme."""
+def _architecture(model: nn.Module, stack=None) -> dict | None:
+    """What the verdicts' causes and advice need to know of a model's build: a tinylm model's
+    norm placement, FFN kind, RoPE, depth, head width and init scheme; of any other module, only
+    {"norm": "none"} when its blocks hold no normalisation module (no class whose name holds
+    "Norm": LayerNorm, RMSNorm, LlamaRMSNorm, ...), else None (unknown)."""
     if not isinstance(model, tinylm.TransformerLM):
-        return None
+        if stack is None:
+            return None
+        named = dict(model.named_modules())
+        normed = any("Norm" in type(m).__name__ for b in stack.names for m in named[b].modules())
+        return None if normed else {"norm": "none"}
     c = model.config
     return {"norm": c.norm, "ffn": c.ffn, "rope": c.rope, "num_layers": c.num_layers, "d_model": c.d_model,
             "d_k": c.head_dim, "init": c.init}
@@ -573,8 +579,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
     findings, tv, pv, av = judge(rows, params, attention, depth, list(pooled.order), thresholds, deliberate,
                                  scale_invariant=tiny and model.config.norm == "pre",
-                                 architecture=_architecture(model), flat=pooled.flat_frac, loss=loss_check)
-    judged, not_judged = coverage(rows, params, attention, depth, _architecture(model), pooled.flat_frac,
+                                 architecture=_architecture(model, stack), flat=pooled.flat_frac, loss=loss_check)
+    judged, not_judged = coverage(rows, params, attention, depth, _architecture(model, stack), pooled.flat_frac,
                                   deliberate, loss_reason, stream_reason)
     rows = [dataclasses.replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows]
     params = [dataclasses.replace(p, verdict=pv.get(p.name, "ok")) for p in params]

@@ -885,7 +885,7 @@ def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[A
     does not apply to a known build (post-norm imbalance of a pre-norm tinylm model) is neither.
     """
     arch = architecture or {}
-    tiny = architecture is not None
+    tiny = "init" in arch  # a tinylm model's build is known from its config; another's only its norms
     ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth)
     fwd = [d for d in depth if d.forward_var is not None]
     bwd = [d for d in depth if d.backward_var is not None]
@@ -912,7 +912,7 @@ def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[A
     }
     if arch.get("norm") == "post":
         reasons["post-norm gradient imbalance"] = "" if ev.imbalance is not None else few
-    elif not tiny:
+    elif not tiny and arch.get("norm") != "none":
         reasons["post-norm gradient imbalance"] = "norm placement unknown (not a tinylm model)"
     order = [c for c in CHECKS if c in reasons]
     return [c for c in order if not reasons[c]], [(c, reasons[c]) for c in order if reasons[c]]
