@@ -4,7 +4,9 @@ Every case is a model built in code with a fixed seed, with the verdict it must 
 healthy (no finding), or the one cause it was built to have (docs/verdicts.md), at the
 severity that cause has at that strength. Healthy cases span the init schemes, depths,
 widths, norm placements, FFN kinds, RoPE or not, sequence lengths, and a short ordinary
-training run; broken cases cover every cause at two strengths (mild and severe).
+training run; broken cases cover every cause at two strengths (mild and severe). Six cases
+are not tinylm models (a plain PyTorch GELU residual LM, Hugging Face GPT-2 and Llama built
+from a config in code), diagnosed through their block stack found by structure.
 
 A case is right when the diagnosis reports exactly the expected set of causes (none for a
 healthy model) and the worst severity expected. The script prints one line per case, the
@@ -172,6 +174,65 @@ def trained(steps: int, lr: float, clip: float = 1.0, **kw) -> Callable[[], nn.M
     return build
 
 
+class GeluBlock(nn.Module):
+    """x + fc2(gelu(fc1 x)), no norm: the stream feeds each block's scale."""
+
+    def __init__(self, d: int, gain: float):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        with torch.no_grad():
+            self.fc1.weight.mul_(gain)
+            self.fc2.weight.mul_(gain)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class GeluLM(nn.Module):
+    """A plain PyTorch residual LM (not tinylm): embedding, L GELU blocks, a linear head. ``gain``
+    scales the blocks' weights from torch's default init (variance gain 1/3 per Linear),
+    ``head_gain`` the head's."""
+
+    def __init__(self, gain: float = 1.0, d: int = 64, L: int = 8, vocab: int = 256, head_gain: float = 1.0,
+                 seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList([GeluBlock(d, gain) for _ in range(L)])
+        self.head = nn.Linear(d, vocab)
+        with torch.no_grad():
+            self.head.weight.mul_(head_gain)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def hf(kind: str, std: float | None = None, L: int = 4, d: int = 64, V: int = 1000) -> Callable[[], nn.Module]:
+    """A Hugging Face GPT2LMHeadModel or LlamaForCausalLM built from a config in code (nothing
+    downloaded), at its own init, or with every parameter redrawn N(0, std^2)."""
+    def build():
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        if kind == "gpt2":
+            m = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_positions=64, n_embd=d,
+                                                                     n_layer=L, n_head=4))
+        else:
+            m = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                vocab_size=V, hidden_size=d, intermediate_size=172, num_hidden_layers=L, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64))
+        if std is not None:
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.normal_(0, std)
+        return m
+    return build
+
+
 H, F_, W = "healthy", "fail", "warn"
 CASES: list[Case] = [
     # healthy: schemes, depths, widths, sequence lengths, norm placements, FFN kinds, RoPE, training
@@ -230,6 +291,13 @@ CASES: list[Case] = [
     Case("many NaN weights", nan_weight(500, d=64, L=4), "non_finite", F_, "severe"),
     Case("diverged training (lr 30, no clip)", trained(12, 30.0, clip=0.0, d=64, L=2, norm="none"), "non_finite",
          F_, "severe"),
+    # any nn.Module: plain PyTorch and Hugging Face models (block stack found by structure)
+    Case("plain GELU residual d64 L8", lambda: GeluLM(), None, None),
+    Case("HF GPT-2 d64 L4, its init", hf("gpt2"), None, None),
+    Case("HF Llama d64 L4, its init", hf("llama"), None, None),
+    Case("plain GELU residual, weights x4", lambda: GeluLM(gain=4.0), "no_norm", F_, "severe"),
+    Case("HF GPT-2 d64 L4, every weight std 10", hf("gpt2", std=10.0), "init_scale", F_, "severe"),
+    Case("plain GELU residual, head x100", lambda: GeluLM(L=2, head_gain=100.0), "logit_scale", W, "mild"),
 ]
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from tinylm.errors import TinyLMError
 from tinylm.validate import boolean, choice, fail, flag_of, integer
@@ -78,6 +78,14 @@ class DiagnoseOptions:
         "off" and stored as "off".
     thresholds: a diagnostics.judge.verdicts.Thresholds (None = the documented defaults).
     progress: progress(done, total, description) callback, or None.
+    inputs: what the model is called with, built from the token ids (B, T): ``inputs(ids)``
+        returns a dict (``model(**d)``, e.g. ``{"input_ids": ids}``), a tuple (``model(*t)``)
+        or one value (``model(x)``); None calls ``model(ids)``.
+    loss_fn: ``loss_fn(logits, targets) -> scalar``, the loss whose gradient is measured, with
+        the model's output read as logits (a tensor, a tuple's first tensor or ``.logits``) and
+        targets (B, T) the next tokens; None: mean next-token cross-entropy of (B, T, V) logits,
+        or the model's own ``.loss`` (or 0-d output) when it returns no logits. A custom loss is
+        not next-token cross-entropy, so the loss is then not judged against ln V.
     """
 
     batch_size: int = 8
@@ -88,8 +96,15 @@ class DiagnoseOptions:
     theory: str = "auto"
     thresholds: object | None = None
     progress: Progress | None = field(default=None, compare=False)
+    inputs: Callable[[Any], Any] | None = field(default=None, compare=False)
+    loss_fn: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("inputs", "loss_fn"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                fail(name, getattr(self, name), "be a callable" + (" ids -> dict, tuple or tensor" if name == "inputs"
+                                                                   else " (logits, targets) -> scalar loss"),
+                     error=OptionsError)
         for name in ("batch_size", "batches", "seeds"):
             integer(name, getattr(self, name), low=1, fix=f"{flag_of(name)} N", error=OptionsError)
         if self.seq_len is not None:

@@ -69,6 +69,11 @@ Schema versions (``SCHEMA_VERSION``, written as ``schema_version``):
   "imbalanced" (a cause's own evidence, before any symptom). :meth:`DiagnoseResult.from_dict`
   reads "2", "3" and "4"; a finding of an older document reads as severity "fail" (every
   finding then failed ``--check``) with cause "".
+* "5": what was judged and what was not: ``judged`` (the :data:`CHECKS` made) and
+  ``not_judged`` ([check, reason] pairs), and ``status`` ("healthy", "healthy, with warnings",
+  "not healthy" or "not judged"); ``healthy`` is False for a model neither whose residual
+  stream nor whose loss could be judged. A document of "2" to "4" reads with ``judged`` None
+  (not recorded: its status follows its findings, as it did).
 """
 
 from __future__ import annotations
@@ -97,9 +102,26 @@ __all__ = [
     "DepthRow",
     "Header",
     "DiagnoseResult",
+    "CHECKS",
+    "STATUSES",
 ]
 
-SCHEMA_VERSION = "4"
+SCHEMA_VERSION = "5"
+
+#: The residual stream's per-block gains forward / backward, and the loss against ln V: a
+#: diagnosis that judged neither of STREAM_FORWARD and LOSS is "not judged".
+STREAM_FORWARD, STREAM_BACKWARD, LOSS = ("residual stream gains (forward)", "residual stream gains (backward)",
+                                         "loss against ln V")
+
+#: Every check a diagnosis makes where it can, in the order a report lists them (docs/verdicts.md).
+CHECKS = (STREAM_FORWARD, STREAM_BACKWARD, LOSS, "non-finite values", "exactly-zero (dead) tensors",
+          "block weight gradients", "attention (saturated rows)", "attention score scaling",
+          "weights' scale (std^2 fan_in)", "weights against the declared init", "SiLU gates in the flat region",
+          "residual branches", "post-norm gradient imbalance")
+
+#: A diagnosis's status: no failing finding (with or without warnings), a failing finding, or
+#: nothing that says whether the model trains was judged.
+STATUSES = ("healthy", "healthy, with warnings", "not healthy", "not judged")
 
 #: The verdict kinds, mildest first. "ok" is never a Finding. "misscaled" (scores or weights off
 #: their rule) and "imbalanced" (gradients across a post-norm stack) name a cause's own evidence.
@@ -371,7 +393,8 @@ class Header:
     tokens_measured: tokens passed through the model in all (over seeds and batches).
     batch_size, seq_len, batches, seeds: as run; seed: the first seed.
     theory: the theory mode used ("local", "global", or "off" for measurement only).
-    loss: mean next-token loss measured; loss_uniform: ln(vocab_size) (None if unknown).
+    loss: mean loss measured; loss_uniform: ln V of the logits where the loss is their mean next-token
+    cross-entropy (a tinylm model: ln vocab_size), else None (a custom loss_fn, a model returning its loss).
     interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
         documents written before it read "").
     """
@@ -398,7 +421,10 @@ class DiagnoseResult:
     """Everything ``diagnose`` found; the report draws from it.
 
     ``healthy`` is True when no finding has severity "fail" (``warnings`` lists the ones that
-    warn: the model trains, with care); ``failures`` lists the failing ones. ``thresholds`` holds the
+    warn: the model trains, with care) and something that says whether the model trains was
+    judged (:attr:`status`); ``failures`` lists the failing ones. ``judged``: the
+    :data:`CHECKS` made (None in a document before version "5"); ``not_judged``: (check, why)
+    for each one that could not be. ``thresholds`` holds the
     :class:`diagnostics.judge.verdicts.Thresholds` values used, as a dict.
     ``created`` is the only non-deterministic field (UTC ISO-8601 timestamp).
     """
@@ -412,10 +438,24 @@ class DiagnoseResult:
     thresholds: dict[str, float]
     created: str = ""
     schema_version: str = field(default=SCHEMA_VERSION)
+    judged: list[str] | None = None
+    not_judged: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """One of :data:`STATUSES`: "not healthy" with a failing finding; else "not judged" when
+        neither the residual stream nor the loss was judged (``judged`` recorded, i.e. a
+        document of version "5"); else "healthy, with warnings" or "healthy"."""
+        if self.failures:
+            return "not healthy"
+        if self.judged is not None and not {STREAM_FORWARD, LOSS} & set(self.judged):
+            return "not judged"
+        return "healthy, with warnings" if self.warnings else "healthy"
 
     @property
     def healthy(self) -> bool:
-        return not self.failures
+        """No failing finding, and the stream or the loss judged (see :attr:`status`)."""
+        return self.status in ("healthy", "healthy, with warnings")
 
     @property
     def failures(self) -> list[Finding]:
@@ -470,6 +510,9 @@ class DiagnoseResult:
             "schema_version": SCHEMA_VERSION,
             "created": self.created,
             "healthy": self.healthy,
+            "status": self.status,
+            "judged": list(self.judged) if self.judged is not None else None,
+            "not_judged": [[c, why] for c, why in self.not_judged],
             "header": asdict(self.header),
             "thresholds": dict(self.thresholds),
             "findings": [asdict(f) for f in self.findings],
@@ -498,7 +541,7 @@ class DiagnoseResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DiagnoseResult":
-        """Rebuild from :meth:`to_dict` output of schema version "4", "3" or "2" (string "nan"/"inf"
+        """Rebuild from :meth:`to_dict` output of schema version "5", "4", "3" or "2" (string "nan"/"inf"
         read back as floats). Version "2" documents carry a "tensors" list, versions "3" and "4" tidy
         "rows" and "theory" notes; either gives the same :class:`TensorRow` list. Findings before "4"
         have no severity or cause: they read as "fail" and "". The rebuilt result keeps
@@ -516,8 +559,8 @@ class DiagnoseResult:
             return kind(**kw)
 
         version = str(data.get("schema_version", "2"))
-        if version not in ("2", "3", "4"):
-            raise ValueError(f"schema_version={version!r}: this reader knows versions '2', '3' and '4'; "
+        if version not in ("2", "3", "4", "5"):
+            raise ValueError(f"schema_version={version!r}: this reader knows versions '2' to '5'; "
                              "write the document with a matching tinylm")
         if version == "2":
             tensors = [build(TensorRow, r) for r in data["tensors"]]
@@ -535,6 +578,8 @@ class DiagnoseResult:
             thresholds={k: num(v) for k, v in data["thresholds"].items()},
             created=data.get("created", ""),
             schema_version=version,
+            judged=list(data["judged"]) if version == "5" and data.get("judged") is not None else None,
+            not_judged=[(str(c), str(why)) for c, why in data.get("not_judged", [])] if version == "5" else [],
         )
 
     def _repr_html_(self) -> str:

@@ -3,7 +3,8 @@
 ``diagnose [CHECKPOINT]`` (also ``tinylm diagnose``). With no checkpoint: a
 freshly initialised default model (``tinystories`` preset, ``cs336`` init,
 seed 0). Exit codes: 0 healthy (or no ``--check``), 1 with ``--check`` a finding
-that fails (``--check=warn``: any finding, warnings too), 2 bad input or usage.
+that fails (``--check=warn``: any finding, warnings too), 2 bad input or usage, 5 with
+``--check`` a model that could not be judged (neither its residual stream nor its loss).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from .progress import progress_bar
 # two bare forward+backward passes of a 2 x 256 batch.
 DEFAULT_BATCH_SIZE, DEFAULT_BATCHES, DEFAULT_SEEDS = 1, 4, 1
 EXPORT_WIDTH = 120  # columns of an --html or --svg report, at least
+#: --check: nothing that says whether the model trains could be judged (DiagnoseResult.status
+#: "not judged"); distinct from 1 (findings), so that CI does not read "unjudged" as "broken" or "fine"
+EXIT_NOT_JUDGED = 5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -212,5 +216,7 @@ def run(args: argparse.Namespace) -> int:
     written = [f"{flag[2:]} {path}" for flag, path in outputs.items() if path]
     if written:
         print(f"wrote {', '.join(written)}", file=sys.stderr)
-    unhealthy = not result.healthy or bool(source.nonfinite) or (level == "warn" and bool(result.findings))
-    return EXIT_FINDINGS if (level and unhealthy) else EXIT_OK
+    unhealthy = bool(result.failures) or bool(source.nonfinite) or (level == "warn" and bool(result.findings))
+    if level and unhealthy:
+        return EXIT_FINDINGS
+    return EXIT_NOT_JUDGED if (level and result.status == "not judged") else EXIT_OK

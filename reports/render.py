@@ -150,6 +150,34 @@ _CAUSE_WORDS = {
 }
 
 
+#: the checks without which a diagnosis is "not judged" (diagnostics.result.STREAM_FORWARD and LOSS),
+#: those the healthy sentence names (it is said only when all were made), and --check's exit code for
+#: "not judged" (reports.cmd_diagnose.EXIT_NOT_JUDGED); repeated here so that drawing a result
+#: document imports neither torch nor the command
+_CORE = ("residual stream gains (forward)", "loss against ln V")
+_SENTENCE = ("residual stream gains (forward)", "exactly-zero (dead) tensors", "attention (saturated rows)",
+             "non-finite values")
+_EXIT_NOT_JUDGED = 5
+
+
+def _coverage_lines(result: Any) -> list[Text]:
+    """"checked: ..." and "not checked: checks: why; ..." (the checks that share a reason together)
+    under the verdict (none for a document written before the result recorded them)."""
+    judged = getattr(result, "judged", None)
+    if judged is None:
+        return []
+    lines = [Text("checked: ", style="bold dim")]
+    lines[0].append(", ".join(judged) or "nothing", style="dim")
+    if result.not_judged:
+        by_reason: dict[str, list[str]] = {}
+        for check, why in result.not_judged:
+            by_reason.setdefault(why, []).append(check)
+        t = Text("not checked: ", style="bold dim")
+        t.append("; ".join(f"{', '.join(checks)}: {why}" for why, checks in by_reason.items()), style="dim")
+        lines.append(t)
+    return lines
+
+
 def _finding_row(f: Any) -> tuple[Text, Text]:
     style = VERDICT_STYLE.get(f.kind, "bold")
     warn = getattr(f, "severity", "fail") == "warn"
@@ -179,9 +207,21 @@ def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: i
     body: list[RenderableType] = []
     # The loader's list of non-finite weights is shown only when no finding already reports them.
     nonfinite = [] if any(f.kind == "non_finite" for f in result.findings) else list(ctx.nonfinite_params)
-    if not result.findings and not nonfinite:
+    judged = getattr(result, "judged", None)
+    status = getattr(result, "status", "")
+    if not result.findings and not nonfinite and status == "not judged":
+        missing = dict(result.not_judged)
+        t = Text("? NOT JUDGED", style="bold magenta")
+        reasons = dict.fromkeys(missing[c] for c in _CORE if c in missing)
+        t.append(": " + "; ".join(reasons) + f"; --check exits {_EXIT_NOT_JUDGED}", style="magenta")
+        body.append(t)
+        title, border = "verdict: not judged", "magenta"
+    elif not result.findings and not nonfinite:
         t = Text("✓ HEALTHY", style="bold green")
-        t.append(": no tensor vanishes, explodes, dies, saturates or turns non-finite", style="green")
+        if judged is None or set(_SENTENCE) <= set(judged):
+            t.append(": no tensor vanishes, explodes, dies, saturates or turns non-finite", style="green")
+        else:
+            t.append(": no finding among the checks below", style="green")
         h = result.header
         if h.loss_uniform is not None:
             t.append(f"; loss {num(h.loss, 4)} vs ln V {num(h.loss_uniform, 4)}", style="dim")
@@ -215,6 +255,7 @@ def verdict_panel(result: Any, ctx: ReportContext | None = None, max_findings: i
             body.append(Text(f"... and {len(result.findings) - max_findings} more (see the table below and --json)",
                              style="dim"))
         title, border = ("verdict: not healthy", "red") if n else ("verdict: healthy, with warnings", "yellow")
+    body += _coverage_lines(result)
     return Panel(Group(*body), title=title, title_align="left", border_style=border, box=box.ROUNDED)
 
 

@@ -54,7 +54,7 @@ def test_findings_keep_severity_and_cause_through_json_and_older_documents_read_
     r = diagnose(model(12, norm="post"), options=OPTS)
     assert [(f.cause, f.severity) for f in r.findings] == [("post_norm_depth", "warn")]
     doc = json.loads(r.to_json())
-    assert doc["schema_version"] == "4" and doc["healthy"] is True
+    assert doc["schema_version"] == "5" and doc["healthy"] is True
     assert doc["findings"][0]["severity"] == "warn" and doc["findings"][0]["cause"] == "post_norm_depth"
     back = DiagnoseResult.from_dict(doc)
     assert back.findings == r.findings and back.healthy and back.warnings == r.findings

@@ -102,11 +102,11 @@ def _check_schema(doc: dict) -> None:
 
     from diagnostics.result import COLUMNS, SCHEMA_VERSION, AttentionRow, DepthRow, Finding, Header, ParamRow
 
-    assert doc["schema_version"] == SCHEMA_VERSION == "4"
+    assert doc["schema_version"] == SCHEMA_VERSION == "5"
     assert isinstance(doc["created"], str) and doc["created"]
     assert isinstance(doc["healthy"], bool) and doc["healthy"] == (not doc["findings"])
     assert set(doc) == {"schema_version", "created", "healthy", "header", "thresholds", "findings", "columns",
-                        "rows", "theory", "params", "attention", "depth"}
+                        "rows", "theory", "params", "attention", "depth", "status", "judged", "not_judged"}
     assert doc["columns"] == list(COLUMNS)
     assert set(doc["header"]) == {f.name for f in fields(Header)}
     for key, kind in (("findings", Finding), ("params", ParamRow), ("attention", AttentionRow), ("depth", DepthRow)):

@@ -79,7 +79,7 @@ def test_json_reads_back_schema_2_documents(result):
 
     _, r = result
     doc = json.loads(r.to_json())
-    assert doc["schema_version"] == "4" and "tensors" not in doc
+    assert doc["schema_version"] == "5" and "tensors" not in doc
     assert doc["columns"] == list(COLUMNS) and len(doc["rows"]) == len(r.tensors) * 11
     assert all(len(row) == len(COLUMNS) for row in doc["rows"])
     assert r.to_json().count("\n") < len(doc["rows"]) + 2000  # one line per row, not one per value
@@ -91,7 +91,7 @@ def test_json_reads_back_schema_2_documents(result):
     old["tensors"] = json.loads(json.dumps([asdict(t) for t in r.tensors]))
     back = DiagnoseResult.from_dict(old)
     assert back.schema_version == "2" and back.tensors == r.tensors and back.depth == r.depth
-    assert json.loads(back.to_json())["schema_version"] == "4"  # written again: the current layout
+    assert json.loads(back.to_json())["schema_version"] == "5"  # written again: the current layout
     with pytest.raises(ValueError, match="schema_version='1'"):
         DiagnoseResult.from_dict({**old, "schema_version": "1"})
 

@@ -34,6 +34,7 @@ import math
 from dataclasses import replace
 from datetime import datetime, timezone
 import warnings
+from collections.abc import Mapping
 from functools import lru_cache
 
 import numpy as np
@@ -46,11 +47,12 @@ from tinylm.init import declare
 
 from ..theory.tokenkernel import token_coincidence
 from ..options import DiagnoseOptions, OptionsError, ProbeOptions
+from ..measure.blocks import find_blocks
 from ..measure.probe import block_index, probe
 from ..result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
 from ..measure.moments import ProbeStats
 from ..theory import Prediction, predict
-from .verdicts import Thresholds, judge
+from .verdicts import Thresholds, coverage, judge
 
 __all__ = ["diagnose", "interval_scope", "log_t_interval", "t_interval"]
 
@@ -140,6 +142,19 @@ def _exp(x: float) -> float:
     return math.exp(x) if x < 709.0 else math.inf
 
 
+def _context(model: nn.Module) -> int | None:
+    """The longest sequence the model takes: a tinylm model's context_length, else a config's
+    ``max_position_embeddings`` or ``n_positions`` (Hugging Face), else None (unknown)."""
+    config = getattr(model, "config", None)
+    if isinstance(model, tinylm.TransformerLM):
+        return config.context_length
+    for key in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return None
+
+
 def _vocab(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
     if isinstance(getattr(config, "vocab_size", None), int):
@@ -194,17 +209,68 @@ def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -
     return [chunks] * draws, "given"
 
 
-def _loss(model: nn.Module, batch: Tensor) -> tuple[Tensor, tuple[float, float]]:
-    """The mean next-token cross-entropy of ``batch`` (B, T+1), and the two softmax moments the
-    theory's cross-entropy-gradient rule rests on, over its B*T positions: (E[sum_c p_c^2], E[p_y]).
+def _call(model: nn.Module, ids: Tensor, options: DiagnoseOptions):
+    """The model's output on token ids (B, T), called as ``options.inputs`` says."""
+    x = options.inputs(ids) if options.inputs is not None else ids
+    if isinstance(x, Mapping):
+        return model(**x)
+    if isinstance(x, tuple):
+        return model(*x)
+    return model(x)
+
+
+def _read(output) -> tuple[Tensor | None, Tensor | None]:
+    """(logits, loss) of a model's output, either None: a tensor (0-d: a loss), a tuple or list
+    (its first tensor), or an object or mapping with ``logits`` / ``loss`` (a Hugging Face ModelOutput)."""
+    if isinstance(output, Tensor):
+        return (output, None) if output.dim() else (None, output)
+    if isinstance(output, (tuple, list)):
+        first = next((o for o in output if isinstance(o, Tensor)), None)
+        return _read(first) if first is not None else (None, None)
+    get = output.get if isinstance(output, Mapping) else (lambda k: getattr(output, k, None))
+    logits, loss = get("logits"), get("loss")
+    return (logits if isinstance(logits, Tensor) else None), (loss if isinstance(loss, Tensor) else None)
+
+
+_HOW = ("diagnose reads next-token logits (B, T, V), a tuple whose first tensor they are, an object with .logits "
+        "or .loss, or a 0-d loss; pass DiagnoseOptions(inputs=ids -> model arguments, loss_fn=(logits, targets) -> "
+        "loss) (diagnostics/API.md)")
+
+
+def _loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None = None
+          ) -> tuple[Tensor, tuple[float, float], int | None]:
+    """The loss of ``batch`` (B, T+1) whose gradient is measured, the two softmax moments the
+    theory's cross-entropy-gradient rule rests on, over its B*T positions: (E[sum_c p_c^2], E[p_y])
+    (NaN without next-token logits), and V when the loss is the mean next-token cross-entropy of
+    (B, T, V) logits (None otherwise: the loss is then not comparable with ln V).
 
     The moments are computed under no_grad from the logits upcast to float32, in chunks of rows
     (memory stays ~16 MB whatever the vocabulary), and summed in float64.
     """
+    options = options or DiagnoseOptions()
     batch = batch.to(next((p.device for p in model.parameters()), batch.device))  # tokens go where the weights are
-    logits = model(batch[:, :-1])
-    targets = batch[:, 1:]
-    loss = tinylm.functional.cross_entropy(logits.float(), targets)
+    ids, targets = batch[:, :-1], batch[:, 1:]
+    output = _call(model, ids, options)
+    logits, own = _read(output)
+    next_token = logits is not None and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) \
+        and logits.is_floating_point() and int(targets.max()) < logits.shape[-1]
+    if options.loss_fn is not None:
+        if logits is None:
+            raise OptionsError(f"model output {type(output).__name__}: holds no logits tensor for loss_fn; {_HOW}")
+        loss = options.loss_fn(logits, targets)
+    elif next_token:
+        loss = tinylm.functional.cross_entropy(logits.float(), targets)
+    elif own is not None:
+        loss = own
+    else:
+        shape = f" of shape {tuple(logits.shape)}" if logits is not None else ""
+        raise OptionsError(f"model output {type(output).__name__}{shape}: not next-token logits for ids of shape "
+                           f"{tuple(ids.shape)}; {_HOW}")
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise OptionsError(f"loss {type(loss).__name__}: must be a one-element float tensor; {_HOW}")
+    loss = loss.reshape(())
+    if not next_token:
+        return loss, (math.nan, math.nan), None
     with torch.no_grad():
         flat = logits.detach().reshape(-1, logits.shape[-1])  # (B*T, V)
         y = targets.reshape(-1, 1).to(flat.device)
@@ -216,7 +282,7 @@ def _loss(model: nn.Module, batch: Tensor) -> tuple[Tensor, tuple[float, float]]
             s2 += p.square().sum(dtype=torch.float64)
             py += p.gather(1, y[i:i + rows]).sum(dtype=torch.float64)
         n = max(flat.shape[0], 1)
-    return loss, (float(s2) / n, float(py) / n)
+    return loss, (float(s2) / n, float(py) / n), None if options.loss_fn is not None else int(logits.shape[-1])
 
 
 def _models(model: nn.Module, options: DiagnoseOptions) -> list[nn.Module]:
@@ -303,11 +369,37 @@ def _predictions(mode, replicates, softmaxes, pooled, models, batches, source, s
     return per_rep, pooled_pred
 
 
-def _architecture(model: nn.Module) -> dict | None:
-    """What the verdicts' causes and advice need to know of a tinylm model's build (None for
-    any other module): norm placement, FFN kind, RoPE, depth, head width, init scheme."""
+def _loss_check(loss: float, vocabs: set, options: DiagnoseOptions, tiny: bool, source: str, fresh: bool
+                ) -> tuple[tuple[float, float, str] | None, str]:
+    """((loss, ln V, severity of a loss far above it), "") where the loss is judged against ln V, else
+    (None, why not). Judged: the mean next-token cross-entropy of (B, T, V) logits, of a tinylm model
+    whose weights follow its declared init or of any other model (whose state is unknown). Severity
+    "fail" where the model is known to be fresh or the tokens are given (a trained model's loss on
+    real tokens is below ln V); "warn" for another model on random tokens, where a trained model's
+    loss is ln V plus how peaked its predictions are."""
+    vocab = next(iter(vocabs)) if len(vocabs) == 1 else None
+    if vocab is None:
+        return None, ("a custom loss_fn is not next-token cross-entropy" if options.loss_fn is not None else
+                      "the model's output holds no next-token logits (B, T, V)")
+    if vocab < 2:
+        return None, f"the logits have V = {vocab} classes"
+    if tiny and not fresh:
+        return None, ("judged at init only: the weights do not follow the declared init (trained?), and on random "
+                      "tokens a trained model's loss is ln V plus how peaked its predictions are")
+    return (loss, math.log(vocab), "fail" if tiny or source == "given" else "warn"), ""
+
+
+def _architecture(model: nn.Module, stack=None) -> dict | None:
+    """What the verdicts' causes and advice need to know of a model's build: a tinylm model's
+    norm placement, FFN kind, RoPE, depth, head width and init scheme; of any other module, only
+    {"norm": "none"} when its blocks hold no normalisation module (no class whose name holds
+    "Norm": LayerNorm, RMSNorm, LlamaRMSNorm, ...), else None (unknown)."""
     if not isinstance(model, tinylm.TransformerLM):
-        return None
+        if stack is None:
+            return None
+        named = dict(model.named_modules())
+        normed = any("Norm" in type(m).__name__ for b in stack.names for m in named[b].modules())
+        return None if normed else {"norm": "none"}
     c = model.config
     return {"norm": c.norm, "ffn": c.ffn, "rope": c.rope, "num_layers": c.num_layers, "d_model": c.d_model,
             "d_k": c.head_dim, "init": c.init}
@@ -317,11 +409,16 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     """Measure every instrumented tensor forward and backward, predict it, judge it.
 
     Args:
-        model: maps token ids (B, T) to logits (B, T, V); theory, the depth chart and the
-            attention panel need a tinylm.TransformerLM. Left exactly as it was.
+        model: any nn.Module, called on token ids (B, T) (or as ``options.inputs`` builds its
+            arguments); its output is read as next-token logits (B, T, V), a tuple's first
+            tensor, ``.logits`` / ``.loss`` (a Hugging Face ModelOutput) or a 0-d loss. The
+            residual stream is its block stack's (found by structure); theory needs a
+            tinylm.TransformerLM. Left exactly as it was.
         tokens: (N, T+1) windows, a 1-D token stream, or None (uniform random, seeded).
         options: :class:`DiagnoseOptions`.
-    Returns: a :class:`DiagnoseResult` (see diagnostics/API.md).
+    Returns: a :class:`DiagnoseResult` (see diagnostics/API.md), whose ``judged`` and
+        ``not_judged`` say which checks could be made; neither the stream nor the loss
+        judged is status "not judged", never healthy.
     """
     options = options or DiagnoseOptions()
     if not isinstance(options, DiagnoseOptions):
@@ -332,7 +429,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     if not isinstance(thresholds, Thresholds):
         raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
     tiny = isinstance(model, tinylm.TransformerLM)
-    context = model.config.context_length if tiny else None
+    context = _context(model)
     seq_len = options.seq_len or (min(context, 128) if context else 128)
     if context and seq_len > context:
         raise OptionsError(f"seq_len={seq_len} > the model's context_length={context}: pass seq_len <= {context}")
@@ -349,13 +446,15 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
 
     replicates: list[tuple[ProbeStats, nn.Module, int]] = []
     losses: list[float] = []
+    vocabs: set[int | None] = set()  # V of the next-token logits per batch (None: no loss against ln V)
     softmaxes: list[tuple[float, float]] = []  # (E[sum p^2], E[p_y]) per replicate
     for mi, m in enumerate(models):
         for bi, batch in enumerate(seed_batches[mi]):
             popts = ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))
             with probe(m, popts) as run:
-                loss, moments = _loss(m, batch)
+                loss, moments, logit_vocab = _loss(m, batch, options)
                 loss.backward()
+            vocabs.add(logit_vocab)
             losses.append(float(loss.detach()))
             softmaxes.append(moments)
             replicates.append((run.stats, m, batch.shape[0] * seq_len))
@@ -397,6 +496,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         progress(done, total, f"theory ({mode})")
 
     # tensor rows
+    stack = find_blocks(model)
+    index = stack.index if stack is not None else block_index  # a tinylm model's: its plan's, tested equal
     rows: list[TensorRow] = []
     names = list(pooled.order)
     for direction in ("forward", "backward"):
@@ -415,7 +516,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
                         rs.append((k // len(batches) if len(models) > 1 else k, mm.var / pp.var))
                 ratio, low, high = log_t_interval(_per_draw(rs))
             rows.append(TensorRow(
-                name=name, block=block_index(name), kind=pooled.kinds.get(name, "module"), direction=direction,
+                name=name, block=index(name), kind=pooled.kinds.get(name, "module"), direction=direction,
                 count=int(mom.count), mean=mom.mean, var=mom.var, mean_square=mom.mean_square, max_abs=mom.max_abs,
                 frac_zero=mom.frac_zero, frac_nonfinite=mom.frac_nonfinite,
                 frac_fp16_underflow=mom.frac_fp16_underflow, frac_fp16_overflow=mom.frac_fp16_overflow,
@@ -427,7 +528,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
             ))
 
     params = [ParamRow(
-        name=n, block=block_index(n), shape=tuple(p.shape), std=p.std, declared_std=p.declared_std,
+        name=n, block=index(n), shape=tuple(p.shape), std=p.std, declared_std=p.declared_std,
         declared=p.declared, drift=p.drift, spectral_norm=p.spectral_norm, stable_rank=p.stable_rank,
         grad_std=p.grad_std, frac_nonfinite=p.frac_nonfinite) for n, p in first_params.items()]
 
@@ -437,26 +538,26 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         sc = pooled.tensors.get((f"{base}.scores", "forward"))
         T = seq_len
         attention.append(AttentionRow(
-            name=base, block=block_index(name) if block_index(name) is not None else -1,
+            name=base, block=index(name) if index(name) is not None else -1,
             score_std=sc.std if sc is not None else math.nan, entropy_mean=am.entropy_mean,
             entropy_min=am.entropy_min, entropy_uniform=float(np.mean(np.log(np.arange(1, T + 1)))),
             saturated_frac=am.saturated_frac))
 
     depth: list[DepthRow] = []
-    if tiny:
-        points = tinylm.plan.build(model.config).block_outputs()
-        for k, name in enumerate(points):
-            f = pooled.tensors.get((name, "forward"))
-            if f is None:
-                continue
-            b = pooled.tensors.get((name, "backward"))
-            pf, pb = pooled_pred.get((name, "forward")), pooled_pred.get((name, "backward"))
-            cos = pooled.cosine.get(name)
-            depth.append(DepthRow(index=k, name=name, forward_var=f.var, forward_predicted=pf.var if pf else None,
-                                  backward_var=b.var if b is not None else None,
-                                  backward_predicted=pb.var if pb else None,
-                                  cosine=cos.mean if cos is not None else math.nan,
-                                  cosine_predicted=pf.cosine if pf is not None else None))
+    points = tinylm.plan.build(model.config).block_outputs() if tiny else \
+        (stack.input, *stack.names) if stack is not None else ()
+    for k, name in enumerate(points):
+        f = pooled.tensors.get((name, "forward"))
+        if f is None:
+            continue
+        b = pooled.tensors.get((name, "backward"))
+        pf, pb = pooled_pred.get((name, "forward")), pooled_pred.get((name, "backward"))
+        cos = pooled.cosine.get(name)
+        depth.append(DepthRow(index=k, name=name, forward_var=f.var, forward_predicted=pf.var if pf else None,
+                              backward_var=b.var if b is not None else None,
+                              backward_predicted=pb.var if pb else None,
+                              cosine=cos.mean if cos is not None else math.nan,
+                              cosine_predicted=pf.cosine if pf is not None else None))
 
     # verdicts
     deliberate: set[str] = set()
@@ -472,9 +573,15 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
                     deliberate.add(mod[: -len(".output_proj")])
                 if mod.endswith("ffn.w2"):
                     deliberate.add(mod[: -len(".w2")])
+    loss_check, loss_reason = _loss_check(float(np.mean(losses)), vocabs, options, tiny, source,
+                                          tiny and _fresh_init(replicates[0][0]))
+    stream_reason = "" if stack is not None else (
+        "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
     findings, tv, pv, av = judge(rows, params, attention, depth, list(pooled.order), thresholds, deliberate,
                                  scale_invariant=tiny and model.config.norm == "pre",
-                                 architecture=_architecture(model), flat=pooled.flat_frac)
+                                 architecture=_architecture(model, stack), flat=pooled.flat_frac, loss=loss_check)
+    judged, not_judged = coverage(rows, params, attention, depth, _architecture(model, stack), pooled.flat_frac,
+                                  deliberate, loss_reason, stream_reason)
     rows = [dataclasses.replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows]
     params = [dataclasses.replace(p, verdict=pv.get(p.name, "ok")) for p in params]
     attention = [dataclasses.replace(a, verdict=av.get(a.name, "ok")) for a in attention]
@@ -483,7 +590,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         progress(done, total, "verdicts")
 
     config = model.config.to_dict() if tiny else None
-    vocab = _vocab(model)
+    # ln V of the logits where the loss is their next-token cross-entropy (a tinylm model's: its vocabulary)
+    vocab = next(iter(vocabs)) if len(vocabs) == 1 else None
     header = Header(
         model_class=type(model).__name__, config=config,
         parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
@@ -494,4 +602,5 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     header = replace(header, interval=interval_scope(header))
     return DiagnoseResult(header=header, tensors=rows, params=params, attention=attention, depth=depth,
                           findings=findings, thresholds=thresholds.to_dict(),
-                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          judged=judged, not_judged=not_judged)

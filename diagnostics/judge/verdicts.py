@@ -41,13 +41,14 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from tinylm.plan import block_index as block_of
-from tinylm.plan import block_name, branch_stream
+from tinylm.plan import block_name as plan_block_name
+from tinylm.plan import branch_stream
 from tinylm.validate import number
 
 from ..options import OptionsError
-from ..result import AttentionRow, DepthRow, Finding, ParamRow, TensorRow
+from ..result import CHECKS, LOSS, STREAM_BACKWARD, STREAM_FORWARD, AttentionRow, DepthRow, Finding, ParamRow, TensorRow
 
-__all__ = ["Thresholds", "judge", "growth", "evidence", "CAUSES", "SEVERITIES"]
+__all__ = ["Thresholds", "judge", "coverage", "growth", "evidence", "CAUSES", "SEVERITIES"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,16 @@ class Thresholds:
         line through the log-variances over the blocks): post-norm stacks of depth <= 6 at
         cs336 measure 1.2-1.9, depth 12 measure 1.7-7.9, 24 about 40, 48 about 300.
     nonfinite_fraction = 0.0: any inf or NaN is a finding.
+    loss_excess = 9.0: the loss is far above a uniform guess when loss - ln V > loss_excess x ln V
+        (loss > 10 ln V), judged where the model is known to be at its init (a tinylm model whose
+        weights follow its declared scheme) or its state is unknown (any other model), and the
+        loss is the mean next-token cross-entropy. At init the logits z barely depend on the
+        target, so loss - ln V is about E[logsumexp z - mean z] - ln V: Var(z)/2 for a small
+        spread, about std(z) sqrt(2 ln V) for a large one. The untied healthy zoo models and
+        Hugging Face GPT-2 and Llama at their init measure loss / ln V = 1.00 to 1.17; cs336
+        with tied embeddings 7.0 (its N(0, 1) embedding as the output layer gives logits of std
+        sqrt(d) = 8 at d 64; it trains); GPT-2 with every weight std 10 measures 527, a plain
+        residual stack exploding 1.8e4.
 
     Over training (the watch, :mod:`diagnostics.judge.watch`), each site against its own
     earlier records; heuristics with a measured margin, not statistical tests (in the
@@ -133,6 +144,7 @@ class Thresholds:
     saturated_rows: float = 0.9
     nonfinite_fraction: float = 0.0
     exploding_run: int = 3
+    loss_excess: float = 9.0
     score_ratio: float = 4.0
     saturated_fail: float = 0.99
     dead_flat: float = 0.5
@@ -229,6 +241,7 @@ CAUSES = {
     "init_scale": "badly scaled weights",
     "no_norm": "no normalisation",
     "post_norm_depth": "deep post-norm",
+    "logit_scale": "logits too large",
     "unclear": "cause unclear",
 }
 
@@ -252,7 +265,7 @@ class _Symptom:
     direction: str | None
     block: int | None
     text: str
-    family: str  # "non_finite", "stream", "branch", "grads", "dead", "saturated"
+    family: str  # "non_finite", "stream", "branch", "grads", "dead", "saturated", "loss"
     severity: str = "fail"
 
 
@@ -372,7 +385,8 @@ def _stream_advice(norm: str | None, up: bool) -> str:
 
 def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
           order: list[str], thresholds: Thresholds, deliberate_zero: set[str] = frozenset(),
-          scale_invariant: bool = False, architecture: dict | None = None, flat: dict[str, float] | None = None
+          scale_invariant: bool = False, architecture: dict | None = None, flat: dict[str, float] | None = None,
+          loss: tuple[float, float, str] | None = None
           ) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
     """All findings (one per cause, fail first), and the verdict of each tensor (name, direction),
     parameter and attention layer.
@@ -386,6 +400,9 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     ``architecture``: what is known of the build ({"norm", "ffn", "rope", "num_layers", "d_model",
     "d_k", "init"}; None for a module that is not a tinylm model): the causes and the advice
     depend on it. ``flat``: {SiLU gate input name: fraction of its entries in the flat region}.
+    ``loss``: (mean next-token cross-entropy, ln V, the severity of a loss far above ln V), where
+    the loss is judged (None: not judged). Block k's output is ``depth`` row k + 1 (row 0: the
+    stream before the blocks); blocks are the tensors' ``block`` fields.
     """
     th = thresholds
     arch = architecture or {}
@@ -409,7 +426,11 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         tv[(r.name, r.direction)] = "non_finite"
     for p in bad_params:
         pv[p.name] = "non_finite"
-    first_block_rank = min((i for n, i in rank.items() if block_of(n) is not None), default=1 << 30)
+    first_block_rank = min((rank[r.name] for r in tensors if r.block is not None and r.name in rank), default=1 << 30)
+    output_of = {d.index - 1: d.name for d in depth}  # block k -> the name of its output
+
+    def block_name(k: int) -> str:
+        return output_of.get(k) or plan_block_name(k)
 
     def block_at(r: TensorRow) -> int:
         """r's block; a tensor outside the blocks counts as before (embedding) or after them (head)."""
@@ -574,6 +595,17 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
                 f"(> {_fmt(100 * th.saturated_rows)}%; score std {_fmt(a.score_std)})", "saturated",
                 "fail" if a.saturated_frac > th.saturated_fail else "warn"))
 
+    # the loss against a uniform guess (a non-finite loss is the non-finite tensors' finding)
+    if loss is not None:
+        value, ln_v, severity = loss
+        if ln_v > 0 and math.isfinite(value) and value - ln_v > th.loss_excess * ln_v:
+            symptoms.append(_Symptom(
+                "misscaled", "loss", value / ln_v, 1 + th.loss_excess,
+                "loss / ln V", None, None,
+                f"the loss {_fmt(value)} is {_fmt(value / ln_v)} times a uniform guess's ln V = {_fmt(ln_v)} "
+                f"(> {_fmt(1 + th.loss_excess)}; a fresh model's logits barely depend on the target, so its loss "
+                "is about ln V + Var(logits)/2)", "loss", severity))
+
     ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth)
     # scores read from a blown-up stream say nothing of their scaling (float32 rounds q k at that size)
     ev.score_ratio = {b: r for b, r in ev.score_ratio.items() if not downstream("forward", b)}
@@ -699,7 +731,7 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
     # attribute the symptoms
     # saturated and dead first: the stream symptoms they cause are attributed to them
     for s in sorted(symptoms, key=lambda s: s.family not in ("saturated", "dead")):
-        if s.family == "non_finite":
+        if s.family in ("non_finite", "loss"):
             continue  # attributed last, to the cause of the explosion it ends (if any)
         if s.family == "saturated":
             if "score_scale" in causes and s.block in ev.score_ratio and ev.score_ratio[s.block] > th.score_ratio:
@@ -791,10 +823,29 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
                       "norms and the weights' scale) or a division by zero / log of zero"))
         causes["non_finite"]["symptoms"].append(s)
 
+    for s in symptoms:
+        if s.family != "loss":
+            continue
+        # logits blown up by an exploding stream or by weights too large are their consequence
+        root = next((n for n, c in causes.items() if any(x.kind in ("exploding", "non_finite")
+                                                           for x in c["symptoms"])), None)
+        if root is None and "init_scale" in causes and (causes["init_scale"]["large"] or causes["init_scale"]["far"]):
+            root = "init_scale"
+        if root is not None:
+            causes[root]["symptoms"].append(s)
+            continue
+        cause("logit_scale", value=s.value, threshold=s.threshold, where="loss", block=None, direction=None,
+              kind="misscaled", statistic=s.statistic, text=s.text, severity=s.severity,
+              advice="the logits are spread far wider than a fresh model's: scale the output layer down (std about "
+                     "1/sqrt(d_model), or 0.02), put a norm before it, and check the weights' scale; on random "
+                     "tokens a trained model's loss is ln V plus how peaked its predictions are (pass real tokens)")
+        causes["logit_scale"]["symptoms"].append(s)
+
     out: list[Finding] = []
     for key, c in causes.items():
         name = key.split("/")[0]
-        own = [s for s in c["symptoms"] if not c["text"].startswith(s.text)]
+        own = sorted((s for s in c["symptoms"] if not c["text"].startswith(s.text)),
+                     key=lambda s: s.family != "loss")  # the loss first: the number a reader knows
         severity = c["severity"]
         if name != "post_norm_depth" and any(s.severity == "fail" for s in c["symptoms"]):
             severity = "fail"
@@ -820,3 +871,48 @@ def _attribute(symptoms: list[_Symptom], ev: _Evidence, th: Thresholds, norm: st
                                     f"({'; '.join(folded[:2])}{more})")
     out.sort(key=lambda f: (SEVERITIES.index(f.severity), list(CAUSES).index(f.cause)))
     return out
+
+
+def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
+             architecture: dict | None = None, flat: dict[str, float] | None = None,
+             deliberate_zero: set[str] = frozenset(), loss_reason: str = "", stream_reason: str = ""
+             ) -> tuple[list[str], list[tuple[str, str]]]:
+    """What :func:`judge` could judge from these records (the check names of
+    :data:`diagnostics.result.CHECKS`, in that order), and each check it could not, with why.
+
+    ``loss_reason``: why the loss was not judged against ln V ("" if it was); ``stream_reason``:
+    why there is no residual stream (no block stack found; "" if there is one). A check that
+    does not apply to a known build (post-norm imbalance of a pre-norm tinylm model) is neither.
+    """
+    arch = architecture or {}
+    tiny = "init" in arch  # a tinylm model's build is known from its config; another's only its norms
+    ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth)
+    fwd = [d for d in depth if d.forward_var is not None]
+    bwd = [d for d in depth if d.backward_var is not None]
+    few = f"only {len(depth)} residual point(s) (before and after the blocks): a run of gains needs 3"
+    reasons: dict[str, str] = {
+        STREAM_FORWARD: (stream_reason or "no block stack found") if not depth else "" if len(fwd) >= 3 else few,
+        STREAM_BACKWARD: (stream_reason or "no block stack found") if not depth else
+        "" if len(bwd) >= 3 else ("no gradient reached the residual stream" if fwd else few),
+        "block weight gradients": "" if any(p.block is not None and p.grad_std is not None for p in params) else
+        "no block holds a weight with a gradient",
+        "weights' scale (std^2 fan_in)": "" if ev.gain_all is not None else "no 2-D weights inside the blocks",
+        "weights against the declared init": "" if ev.drift is not None else
+        "no declared init scheme (a tinylm model declares one)" if not tiny else "the scheme declares no std",
+        "attention (saturated rows)": "" if attention else
+        "no attention seen (no scaled_dot_product_attention call; explicit matmul-softmax attention is not seen)",
+        "attention score scaling": "" if ev.fresh and ev.score_ratio else
+        "judged on weights at their declared init only" if tiny or attention else "no attention seen",
+        "SiLU gates in the flat region": "" if flat else "no SiLU gate known (a tinylm SwiGLU or SiLU FFN)",
+        "residual branches": "" if any(r.kind in ("attn_branch", "ffn_branch") for r in tensors) else
+        "the branches of a block are known for tinylm models only",
+        "exactly-zero (dead) tensors": "" if any(r.direction == "forward" for r in tensors) else "no tensor measured",
+        "non-finite values": "",
+        LOSS: loss_reason,
+    }
+    if arch.get("norm") == "post":
+        reasons["post-norm gradient imbalance"] = "" if ev.imbalance is not None else few
+    elif not tiny and arch.get("norm") != "none":
+        reasons["post-norm gradient imbalance"] = "norm placement unknown (not a tinylm model)"
+    order = [c for c in CHECKS if c in reasons]
+    return [c for c in order if not reasons[c]], [(c, reasons[c]) for c in order if reasons[c]]

@@ -12,7 +12,12 @@ lm_head's output is the logits), every ``tinylm.Tap`` (``layers.i.resid_mid``,
 for a tinylm model, each block's output (the residual stream; the embedding
 output is block 0's input) and the attention and FFN branches before they are
 added (outputs of ``layers.i.attn`` and ``layers.i.ffn``), and the attention heads
-before ``output_proj`` (``layers.i.attn.heads``, that module's input).
+before ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model:
+each block of the stack :func:`diagnostics.measure.blocks.find_blocks` finds (its output,
+the residual stream) and block 0's input (``{stack}.input``); with ``attention`` and the
+default points (``modules`` None), each
+``F.scaled_dot_product_attention`` call inside a block is measured on sampled query rows
+(:mod:`diagnostics.measure.sdpa`) as ``{module}.scores`` and the ``{module}.probs`` panel.
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
 the output needs a gradient, puts a hook on that tensor which reduces the
@@ -37,8 +42,10 @@ import tinylm
 from tinylm.init import declare
 
 from ..options import OptionsError, ProbeOptions
+from .blocks import find_blocks
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
+from .sdpa import SDPAWatch
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats", "FLAT_EDGE"]
 
@@ -60,16 +67,24 @@ def _is_tinylm(model: nn.Module) -> bool:
 
 
 def instrument_points(model: nn.Module) -> dict[str, str]:
-    """The default {module name: kind} a probe instruments, in module order (each tensor once per name)."""
+    """The default {module name: kind} a probe instruments, in module order (each tensor once per name).
+
+    Any model's block stack (:func:`diagnostics.measure.blocks.find_blocks`) gives the residual
+    points: each block's output, and for a model that is not a tinylm model block 0's input
+    (``{stack}.input``, read by a pre-hook; a tinylm model's is its embedding's output)."""
     points: dict[str, str] = {}
     tiny = _is_tinylm(model)
+    stack = find_blocks(model)
+    blocks = set(stack.names) if stack is not None else set()
     for name, mod in model.named_modules():
         if mod is model:
             continue
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(mod, tinylm.Tap):
             points[name] = _TAP_KINDS.get(leaf, "module")
-        elif tiny and isinstance(mod, tinylm.TransformerBlock):
+        elif (tiny and isinstance(mod, tinylm.TransformerBlock)) or name in blocks:
+            if not tiny and name == stack.names[0]:
+                points[stack.input] = "residual"
             points[name] = "residual"
         elif tiny and isinstance(mod, tinylm.MultiHeadSelfAttention):
             points[name] = "attn_branch"
@@ -361,6 +376,47 @@ class ProbeRun:
         return self._stats
 
 
+def _stream_in(run: ProbeRun, name: str, kind: str):
+    """A forward pre-hook that measures a block's input (positional, else ``hidden_states=``) as ``name``."""
+    def pre(module, args, kwargs):
+        t = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+        if run.active and isinstance(t, Tensor) and t.is_floating_point():
+            t0 = time.perf_counter()
+            run._forward(name, kind, t)
+            run.seconds += time.perf_counter() - t0
+        return None
+    return pre
+
+
+def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], handles: list) -> SDPAWatch:
+    """An :class:`SDPAWatch` whose calls are named by the innermost running block or block child
+    (the hooks that keep that stack go into ``handles``); each call adds ``{name}.scores`` moments
+    (kind "attn_scores") and the ``{name}.probs`` attention panel to ``run``."""
+    running: list[str] = []
+    for block in stack.names:
+        for name in (block, *(f"{block}.{c}" for c, _ in named[block].named_children())):
+            def push(module, args, _name=name):
+                running.append(_name)
+
+            def pop(module, args, output, _name=name):
+                if running and running[-1] == _name:
+                    running.pop()
+            handles.append(named[name].register_forward_pre_hook(push))
+            handles.append(named[name].register_forward_hook(pop))
+
+    def record(name: str, scores: Tensor, panel: Tensor) -> None:
+        t0 = time.perf_counter()
+        key = f"{name}.scores"
+        if key not in run.kinds:
+            run.kinds[key] = "attn_scores"
+            run.order.append(key)
+        run._add(run._vec, (key, "forward"), reduce(scores).moments, merge_vectors)
+        run._add(run._attn, f"{name}.probs", panel, merge_attention_vectors)
+        run.seconds += time.perf_counter() - t0
+
+    return SDPAWatch(record, lambda: running[-1] if running and run.active else None)
+
+
 @contextmanager
 def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[ProbeRun]:
     """Instrument ``model`` for the duration of the ``with`` block; yields a :class:`ProbeRun`.
@@ -382,6 +438,7 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
                                f"{', '.join(list(points)[:3])}")
         points = {m: points.get(m, "module") for m in options.modules}
     run = ProbeRun(model, options)
+    stack = find_blocks(model)
     training = {m: m.training for m in named.values()}
     # tinylm attention computes its scores and weights explicitly under any probe (without
     # a hook on them it may take torch's fused kernel): the numbers measured do not depend
@@ -392,6 +449,7 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
     grad_objs = {n: p.grad for n, p in entry}
     handles = []
+    watch = None
     ok = False
     try:
         for name, kind in points.items():
@@ -406,6 +464,10 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
                         run._norm(_name, module, inputs, t)
                 run.seconds += time.perf_counter() - t0
                 return None
+            if stack is not None and name == stack.input:  # not a module: block 0's input
+                handles.append(named[stack.names[0]].register_forward_pre_hook(
+                    _stream_in(run, name, kind), with_kwargs=True))
+                continue
             if kind == "attn_heads":  # not a module: the input of the attention's output_proj
                 def pre(module, inputs, _name=name, _kind=kind):
                     if run.active and inputs and isinstance(inputs[0], Tensor):
@@ -420,11 +482,16 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
             model.eval()
         for m in explicit:
             m.explicit = True
+        if options.attention and options.modules is None and stack is not None and not run._tinylm:
+            watch = _watch_attention(run, stack, named, handles)
+            watch.__enter__()
         run.active = True
         yield run
         ok = True
     finally:
         run.active = False
+        if watch is not None:
+            watch.__exit__(None, None, None)
         for h in handles:
             h.remove()
         params = dict(model.named_parameters())  # as they are now (a parameter may have been replaced)
