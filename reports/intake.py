@@ -1,7 +1,8 @@
 """What the ``diagnose`` and ``compare`` commands take in: a model, token batches, output paths.
 
 Nothing the user gave is modified: checkpoints are read only through
-``tinylm.checkpoint.load`` (``weights_only``), token files through
+``tinylm.checkpoint.load`` (``weights_only``), Hugging Face ``save_pretrained``
+directories through ``tinylm.hf.load_any`` (local only, no remote code), token files through
 ``tinylm.data.load_tokens`` (memory-mapped, read-only), and an output path
 that resolves to the checkpoint or the data file is refused before any work.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "check_suffixes",
     "check_device_name",
     "check_input_file",
+    "check_model_path",
     "measured_tokens",
 ]
 
@@ -43,7 +45,7 @@ DTYPES = ("float32", "bfloat16")
 class ModelSource:
     """The model under examination and what is known about where it came from."""
 
-    model: Any  # tinylm.TransformerLM (eval mode)
+    model: Any  # tinylm.TransformerLM (eval mode); a transformers model for an unmapped HF architecture
     description: str  # one line for the report header
     path: str | None = None  # the checkpoint, None for a fresh model
     format: str = "fresh"  # "fresh" or CheckpointInfo.format
@@ -133,6 +135,9 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
         model.eval()
         return ModelSource(model, f"fresh {DEFAULT_PRESET} preset, {DEFAULT_INIT} init, seed {seed}",
                            scheme=DEFAULT_INIT)
+    if Path(checkpoint).is_dir():
+        return _load_hf_directory(checkpoint, num_heads=num_heads, rope_theta=rope_theta,
+                                  context_length=context_length, unsafe=unsafe)
     try:
         model, info = ckpt.load(checkpoint, unsafe=unsafe, num_heads=num_heads, rope_theta=rope_theta,
                                 context_length=context_length)
@@ -146,6 +151,27 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
     return ModelSource(model, where, path=str(checkpoint), format=info.format, iteration=info.iteration,
                        fresh=False, history=info.history, nonfinite=list(info.nonfinite),
                        train_data=_recorded_data(info))
+
+
+def _load_hf_directory(directory: str, *, num_heads: int | None, rope_theta: float | None,
+                       context_length: int | None, unsafe: bool) -> ModelSource:
+    """A ``save_pretrained`` directory: a Llama (or GPT-2) as the tinylm model that computes the
+    same function, any other causal LM through transformers (``tinylm.hf.load_any``)."""
+    from tinylm import hf
+
+    flags = [f for f, v in (("--num-heads", num_heads), ("--rope-theta", rope_theta),
+                            ("--context-length", context_length)) if v is not None]
+    if flags:
+        raise UsageError(f"{', '.join(flags)}: {directory} is a save_pretrained directory whose config.json gives "
+                         "the whole config; drop the flag(s)")
+    if unsafe:
+        raise UsageError(f"--unsafe-load: {directory} is a save_pretrained directory, which is always read safely "
+                         "(safetensors, or torch.load with weights_only); drop the flag")
+    model, info = hf.load_any(directory)
+    model_type = info.extra.get("model_type")
+    how = "read through transformers" if info.format == "hf-transformers" else "mapped exactly onto tinylm"
+    return ModelSource(model, f"Hugging Face directory {directory} ({model_type}, {how})", path=str(directory),
+                       format=info.format, fresh=False, nonfinite=list(info.nonfinite))
 
 
 #: what a CS336 TinyStories run uses, offered as the example values of a missing flag
@@ -329,6 +355,32 @@ def check_suffixes(outputs: dict[str, str | None]) -> None:
             kinds = " or ".join(s[1:].upper() for s in allowed)
             raise UsageError(f"{flag} {value}: {flag} writes {kinds}, chosen by the suffix; give a path ending in "
                              f"{' or '.join(allowed)}, e.g. {path.with_suffix(allowed[0])}")
+
+
+#: a name the Hugging Face hub would resolve ("gpt2", "meta-llama/Llama-3.2-1B"): owner/name, no suffix of a file
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_model_path(flag: str, value: str | None) -> None:
+    """A model input (``diagnose CHECKPOINT``, ``export CHECKPOINT``): an existing readable file, or a
+    directory with a config.json (a Hugging Face ``save_pretrained`` directory), checked before torch
+    is imported. A path that does not exist and reads like a hub name is told that tinylm reads only
+    local directories (it never downloads)."""
+    if value is None:
+        return
+    path = Path(value)
+    if not path.exists() and _HUB_NAME.fullmatch(value) and path.suffix.lower() not in _KINDS["checkpoint"]:
+        raise UsageError(f"{value}: no such file or directory; tinylm reads only local save_pretrained directories "
+                         "and never downloads (a hub name is not read): fetch the model yourself and pass its directory")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{flag} {value}: is a directory without config.json; pass the checkpoint file inside it, "
+                             "or a save_pretrained directory")
+        if not os.access(path / "config.json", os.R_OK):
+            raise UsageError(f"{flag} {value}: its config.json is not readable (permission denied); fix its "
+                             "permissions (chmod u+r)")
+        return
+    check_input_file(flag, value)
 
 
 def check_input_file(flag: str, value: str | None) -> None:
