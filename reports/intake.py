@@ -273,6 +273,11 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+def _within(path: Path, directory: Path) -> bool:
+    """``path`` lies somewhere under ``directory`` (both resolved: symlinks, ``..``)."""
+    return directory.resolve() in path.resolve().parents
+
+
 def _kind_of(path: Path) -> str:
     suffix = path.suffix.lower()
     return next((kind for kind, suffixes in _KINDS.items() if suffix in suffixes), "other")
@@ -298,7 +303,8 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None],
     by file identity. Refused, each with a one-line UsageError naming the flag: an output
     that is an input (whatever ``--force`` says; ``may_replace`` lists the exceptions,
     e.g. ``{"-o": "--resume checkpoint"}`` for a run written back over the checkpoint it
-    resumed), one given twice, a directory, one under a regular file or in a directory
+    resumed), an existing file inside an input that is a directory (a save_pretrained
+    directory's config.json or weights), one given twice, a directory, one under a regular file or in a directory
     that cannot be written, and an existing file of another kind than the flag writes
     (``--json report.npy`` over a token file). ``force``: for commands whose outputs need
     ``--force`` to replace an existing file (``init``, ``train``), False refuses an
@@ -313,6 +319,10 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None],
         for name, src in inputs.items():
             if src is not None and _same_file(path, Path(src)) and allowed.get(flag) != name:
                 raise UsageError(f"{flag} {value} is the {name} itself; choose another output path "
+                                 "(inputs are never overwritten, even with --force)")
+        for name, src in inputs.items():
+            if src is not None and Path(src).is_dir() and path.exists() and _within(path, Path(src)):
+                raise UsageError(f"{flag} {value} is a file inside the {name} directory; choose another output path "
                                  "(inputs are never overwritten, even with --force)")
         if path.is_dir():
             raise UsageError(f"{flag} {value} is a directory; give a file name such as "

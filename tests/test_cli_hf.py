@@ -58,6 +58,8 @@ def test_directory_flags_and_directories_without_config_are_refused(capsys, tmp_
     assert_one_line_error(code, err, "--num-heads", "config.json", "drop")
     code, _, err = run_cli(capsys, "diagnose", llama_dir, "--unsafe-load", *FAST)
     assert_one_line_error(code, err, "--unsafe-load", "always read safely")
+    code, _, err = run_cli(capsys, "diagnose", llama_dir, "--json", llama_dir / "config.json", *FAST)
+    assert_one_line_error(code, err, "inside the checkpoint directory")
     (tmp_path / "plain").mkdir()
     code, _, err = run_cli(capsys, "diagnose", tmp_path / "plain", *FAST)
     assert_one_line_error(code, err, "is a directory", "config.json")

@@ -433,6 +433,7 @@ def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
         for file in files:
             state.update(_safetensors_tensors(file))
     else:
+        check_model_fits(config, torch.float16, "cpu")  # the least it can take (2 bytes a weight), before reading
         state = {}
         for file in files:
             state.update(_bin_tensors(file))
