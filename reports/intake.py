@@ -56,6 +56,21 @@ class ModelSource:
     nonfinite: list[str] = field(default_factory=list)  # parameters holding NaN or inf
     train_data: str | None = None  # the training data the checkpoint recorded (BUILTIN_CORPUS: the built-in one)
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: tinylm's ``config.vocab_size``, or a transformers config's."""
+        return int(self.model.config.vocab_size)
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model takes: tinylm's ``config.context_length``, a transformers
+        config's ``max_position_embeddings`` or ``n_positions``; None where the config says none."""
+        config = self.model.config
+        for name in ("context_length", "max_position_embeddings", "n_positions"):
+            if isinstance(getattr(config, name, None), int):
+                return int(getattr(config, name))
+        return None
+
 
 def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
     """``"2,8,32"`` -> [2, 8, 32]; a bad entry is a one-line UsageError naming the flag."""
@@ -223,7 +238,7 @@ def measured_tokens(data: str | None, source: ModelSource, seq_len: int) -> tupl
     still there); else uniform random tokens, with a note on what a trained model's loss on
     them means and how to pass real tokens.
     """
-    vocab = source.model.config.vocab_size
+    vocab = source.vocab_size
     if data is not None:
         tokens = load_token_stream(data, vocab, seq_len)
         return tokens, f"{data} ({len(tokens):,} tokens)"

@@ -104,3 +104,17 @@ def test_export_a_preset_and_refuse_what_has_no_hf_equivalent(capsys, tmp_path):
     assert not (tmp_path / "post").exists()
     code, _, err = run_cli(capsys, "export", tmp_path / "post.pt", "--preset", "tiny", "--hf", tmp_path / "x")
     assert_one_line_error(code, err, "--preset")
+
+
+def test_an_unmapped_architecture_is_handed_over_as_the_transformers_model(tmp_path, capsys):
+    from reports.intake import load_model
+
+    config = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=16)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transformers.GPTNeoXForCausalLM(config).save_pretrained(tmp_path / "neox")
+    source = load_model(str(tmp_path / "neox"))
+    assert type(source.model).__name__ == "GPTNeoXForCausalLM" and source.format == "hf-transformers"
+    assert (source.vocab_size, source.context_length, source.fresh) == (256, 16, False)
+    assert "read through transformers" in source.description and str(tmp_path / "neox") in source.description

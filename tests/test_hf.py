@@ -360,3 +360,62 @@ def test_remote_code_is_never_run(tmp_path):
     with pytest.raises(CheckpointError) as e:
         hf.load_any(tmp_path / "m")
     assert "remote code" in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- GPT-2: the same function
+
+
+@needs_gpt2_family
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt2_logits_and_every_gradient_match_transformers(tmp_path, tied):
+    theirs, path = hf_gpt2(tmp_path, tie_word_embeddings=tied, layer_norm_epsilon=1e-6)
+    ours, info = hf.load(path)
+    assert info.format == "hf-safetensors"
+    c = ours.config
+    assert (c.norm_kind, c.ffn, c.positions, c.bias, c.tie_embeddings) == ("layer", "gelu_tanh", "learned", True, tied)
+    assert c.eps == 1e-6 and c.context_length == T and c.d_ff == 4 * D
+    assert_same_function(ours.train(), theirs.train())
+
+
+@needs_gpt2_family
+def test_gpt2_round_trips_are_bit_identical(tmp_path):
+    theirs, path = hf_gpt2(tmp_path)
+    ours, _ = hf.load(path)
+    hf.save_pretrained(ours, tmp_path / "back")
+    before, after = directory_tensors(path), directory_tensors(tmp_path / "back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    back, _ = hf.load(tmp_path / "back")
+    a, b = ours.state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", local_files_only=True)
+    assert type(reloaded).__name__ == "GPT2LMHeadModel"
+    assert_same_function(ours.train(), reloaded.train())
+
+
+@needs_gpt2_family
+def test_gpt2_mask_buffers_in_old_files_are_dropped(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    theirs, path = hf_gpt2(tmp_path)
+    state = load_file(str(path / "model.safetensors"))
+    for i in range(L):
+        state[f"transformer.h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, T, T))
+        state[f"transformer.h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    ours, _ = hf.load(path)
+    assert_same_function(ours, theirs)
+
+
+@needs_gpt2_family
+@pytest.mark.parametrize("changes, phrase", [
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"scale_attn_weights": False}, "scale_attn_weights"),
+    ({"activation_function": "tanh"}, "activation_function"),
+    ({"add_cross_attention": True}, "add_cross_attention"),
+])
+def test_gpt2_configs_that_do_not_map_exactly_are_refused(tmp_path, changes, phrase):
+    _, path = hf_gpt2(tmp_path)
+    edit_config(path, **changes)
+    with pytest.raises(hf.MappingError) as e:
+        hf.load(path)
+    assert phrase in str(e.value) and "\n" not in str(e.value)
