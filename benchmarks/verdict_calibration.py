@@ -37,7 +37,7 @@ SCHEMES = tuple(tinylm.init.SCHEMES)
 def _cfg(d, L, T, norm="pre", init="cs336", ffn="swiglu", rope=True, V=512):
     heads = max(1, d // 64) if d >= 128 else 4
     return tinylm.ModelConfig(vocab_size=V, context_length=max(T, 16), d_model=d, num_layers=L, num_heads=heads,
-                              d_ff=tinylm.default_d_ff(d), norm=norm, init=init, ffn=ffn, rope=rope)
+                              d_ff=tinylm.default_d_ff(d), norm=norm, init=init, ffn=ffn, positions="rope" if rope else "none")
 
 
 def healthy_set(quick: bool):

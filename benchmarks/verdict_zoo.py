@@ -57,7 +57,7 @@ class Case:
 def _config(d=64, L=2, T=32, norm="pre", init="cs336", ffn="swiglu", rope=True, heads=None, tie=False, V=256):
     heads = heads or max(1, d // 32)
     return tinylm.ModelConfig(vocab_size=V, context_length=T, d_model=d, num_layers=L, num_heads=heads,
-                              d_ff=tinylm.default_d_ff(d), norm=norm, init=init, ffn=ffn, rope=rope,
+                              d_ff=tinylm.default_d_ff(d), norm=norm, init=init, ffn=ffn, positions="rope" if rope else "none",
                               tie_embeddings=tie)
 
 

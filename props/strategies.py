@@ -116,7 +116,7 @@ def model_configs(
     max_context: int = 12,
     norms: tuple[str, ...] = ("pre", "post", "none"),
     ffns: tuple[str, ...] = ("swiglu", "silu"),
-    rope: tuple[bool, ...] = (True, False),
+    positions: tuple[str, ...] = ("rope", "none"),
     tie: tuple[bool, ...] = (False, True),
 ) -> ModelConfig:
     """Small :class:`tinylm.ModelConfig` that are always valid (even head dims for RoPE, d divisible by H)."""
@@ -134,6 +134,6 @@ def model_configs(
         rope_theta=draw(st.sampled_from([100.0, 10000.0])),
         norm=draw(st.sampled_from(norms)),
         ffn=draw(st.sampled_from(ffns)),
-        rope=draw(st.sampled_from(rope)),
+        positions=draw(st.sampled_from(positions)),
         tie_embeddings=draw(st.sampled_from(tie)),
     )

@@ -320,8 +320,8 @@ def test_infer_config_from_shapes_and_flags():
     sd = model_of().state_dict()
     assert infer_config(sd, **FLAGS) == SMALL
     assert infer_config(sd, **{**FLAGS, "vocab_size": None, "num_layers": None}) == SMALL  # None: not given
-    no_rope = infer_config(sd, num_heads=2, context_length=6, rope=False)
-    assert no_rope == SMALL.replace(rope=False)
+    no_rope = infer_config(sd, num_heads=2, context_length=6, positions="none")
+    assert no_rope == SMALL.replace(positions="none")
     untied = dict(sd, **{"lm_head.weight": sd["token_embeddings.weight"].clone()})
     assert infer_config(untied, **FLAGS).tie_embeddings is False
     shared = dict(sd, **{"lm_head.weight": sd["token_embeddings.weight"]})

@@ -62,8 +62,9 @@ def test_round_trip(cfg):
 
 def test_defaults_are_the_documented_ones():
     c = ModelConfig(**BASE)
-    assert (c.rope_theta, c.eps, c.norm, c.ffn, c.rope, c.tie_embeddings, c.dropout, c.init) == (
-        10000.0, 1e-5, "pre", "swiglu", True, False, 0.0, "cs336")
+    assert (c.rope_theta, c.eps, c.norm, c.ffn, c.positions, c.tie_embeddings, c.dropout, c.init, c.norm_kind,
+            c.bias) == (10000.0, 1e-5, "pre", "swiglu", "rope", False, 0.0, "cs336", "rms", False)
+    assert c.rope is True and c.replace(positions="learned").rope is False
     assert ModelConfig.from_dict(dict(BASE)) == c  # fields with defaults may be left out
 
 
@@ -82,8 +83,9 @@ def test_heads_divide_width_and_rope_needs_even_head_dim():
     assert_refused(ConfigError, "d_model=10, num_heads=4: d_model must be divisible by num_heads",
             ModelConfig, **{**BASE, "d_model": 10, "num_heads": 4})
     assert_refused(ConfigError, "head dimension d_model/num_heads=3 is odd: RoPE rotates pairs, so it must be even "
-            "(change num_heads, or set rope=False)", ModelConfig, **{**BASE, "d_model": 6, "num_heads": 2})
-    assert ModelConfig(**{**BASE, "d_model": 6, "num_heads": 2, "rope": False}).head_dim == 3
+            "(change num_heads, or set positions='learned' or 'none')", ModelConfig, **{**BASE, "d_model": 6, "num_heads": 2})
+    assert ModelConfig(**{**BASE, "d_model": 6, "num_heads": 2, "positions": "none"}).head_dim == 3
+    assert ModelConfig(**{**BASE, "d_model": 6, "num_heads": 2, "positions": "learned"}).head_dim == 3
     assert ModelConfig(**{**BASE, "d_model": 12, "num_heads": 3}).head_dim == 4
 
 
@@ -96,9 +98,12 @@ def test_heads_divide_width_and_rope_needs_even_head_dim():
     ("eps", math.nan, "eps=nan: must be a finite number >= 0.0"),
     ("eps", "1e-5", "eps='1e-5': must be a finite number >= 0.0"),
     ("norm", "layer", "norm='layer': must be one of pre, post, none"),
-    ("ffn", "gelu", "ffn='gelu': must be one of swiglu, silu"),
-    ("rope", 1, "rope=1: must be True or False"),
-    ("rope", None, "rope=None: must be True or False"),
+    ("norm_kind", "pre", "norm_kind='pre': must be one of rms, layer"),
+    ("ffn", "geglu", "ffn='geglu': must be one of swiglu, silu, gelu, gelu_tanh, relu"),
+    ("positions", True, "positions=True: must be one of rope, learned, none"),
+    ("positions", "absolute", "positions='absolute': must be one of rope, learned, none"),
+    ("bias", 1, "bias=1: must be True or False"),
+    ("bias", None, "bias=None: must be True or False"),
     ("tie_embeddings", "yes", "tie_embeddings='yes': must be True or False"),
     ("tie_embeddings", 0, "tie_embeddings=0: must be True or False"),
     ("dropout", 1.0, "dropout=1.0: must be a number in [0, 1)"),
@@ -115,7 +120,7 @@ def test_fields_refuse_with_the_pattern(field, bad, message):
 def test_fields_accept_the_edges_of_their_range():
     edge = ModelConfig(**BASE, rope_theta=1e-300, eps=0.0, dropout=0, norm="none", ffn="silu", tie_embeddings=True)
     assert edge.dropout == 0 and edge.eps == 0.0
-    assert ModelConfig(**BASE, dropout=0.999999, rope=False, norm="post").dropout == 0.999999
+    assert ModelConfig(**BASE, dropout=0.999999, positions="none", norm="post").dropout == 0.999999
 
 
 def test_replace_validates_again():
@@ -138,12 +143,34 @@ def test_presets_hold_the_documented_shapes():
         "tiny": (10000, 16, 64, 3, 4, 128),             # the CS336 assignment-1 test fixture
         "tinystories": (10000, 256, 512, 4, 16, 1344),  # the CS336 TinyStories model
         "gpt2-small": (50257, 1024, 768, 12, 12, default_d_ff(768)),
+        "gpt2": (50257, 1024, 768, 12, 12, 3072),       # GPT-2 small itself
+        "gpt2-tiny": (10000, 64, 64, 3, 4, 256),
     }
-    assert all(c == ModelConfig(**{f: getattr(c, f) for f in SIZES}) for c in PRESETS.values()), "presets use defaults"
+    cs336 = ("tiny", "tinystories", "gpt2-small")
+    assert all(PRESETS[n] == ModelConfig(**{f: getattr(PRESETS[n], f) for f in SIZES}) for n in cs336), "CS336 block"
+    gpt2 = dict(norm="pre", norm_kind="layer", ffn="gelu_tanh", positions="learned", bias=True, tie_embeddings=True,
+                init="gpt2", eps=1e-5)
+    for name in ("gpt2", "gpt2-tiny"):
+        assert PRESETS[name] == ModelConfig(**{f: getattr(PRESETS[name], f) for f in SIZES}, **gpt2), name
     assert preset("tiny") is PRESETS["tiny"]
-    changed = preset("tinystories", num_layers=2, rope=False)
-    assert changed == PRESETS["tinystories"].replace(num_layers=2, rope=False) and PRESETS["tinystories"].num_layers == 4
-    assert_refused(ConfigError, "unknown preset 'huge'; choose one of tiny, tinystories, gpt2-small", preset, "huge")
+    changed = preset("tinystories", num_layers=2, positions="none")
+    assert changed == PRESETS["tinystories"].replace(num_layers=2, positions="none") and PRESETS["tinystories"].num_layers == 4
+    assert_refused(ConfigError, "unknown preset 'huge'; choose one of tiny, tinystories, gpt2-small, gpt2, gpt2-tiny",
+                   preset, "huge")
+
+
+def test_legacy_rope_key_maps_to_positions():
+    """Configs stored before ``positions`` existed carry a boolean "rope": True is RoPE, False is NoPE."""
+    assert ModelConfig.from_dict({**BASE, "rope": True}) == ModelConfig(**BASE)
+    assert ModelConfig.from_dict({**BASE, "rope": False}) == ModelConfig(**BASE, positions="none")
+    assert ModelConfig.from_dict({**BASE, "rope": False, "positions": "none"}).positions == "none"
+    assert_refused(ConfigError, "rope=False and positions='rope' disagree; drop the legacy 'rope' key",
+                   ModelConfig.from_dict, {**BASE, "rope": False, "positions": "rope"})
+    assert_refused(ConfigError, "rope=1: must be True or False; pass True or False (the legacy field; use positions=)",
+                   ModelConfig.from_dict, {**BASE, "rope": 1})
+    assert "rope" not in ModelConfig(**BASE).to_dict()
+    with pytest.raises(TypeError):
+        ModelConfig(**BASE, rope=False)  # no longer a field: only the legacy dict key is read
 
 
 # ------------------------------------------------------------------ the validation module

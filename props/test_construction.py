@@ -215,8 +215,8 @@ def test_block_arguments(impl):
     assert all(t.device.type == "meta" for t in [*meta.parameters(), *meta.buffers()]), "device='meta' ignored"
     with pytest.raises(ValueError, match=r"^norm='mid': must be 'pre', 'post' or 'none'$"):
         TransformerBlock(8, 2, 12, 6, None, norm="mid")
-    with pytest.raises(ValueError, match=r"^ffn='relu': must be 'swiglu' or 'silu'$"):
-        TransformerBlock(8, 2, 12, 6, None, ffn="relu")
+    with pytest.raises(ValueError, match=r"^ffn='geglu': must be 'swiglu' or one of silu, gelu, gelu_tanh, relu$"):
+        TransformerBlock(8, 2, 12, 6, None, ffn="geglu")
     with pytest.raises(ValueError, match=r"^d_model=9, num_heads=2: d_model must be divisible by num_heads$"):
         impl.layers.MultiHeadSelfAttention(9, 2)
     with pytest.raises(ValueError, match=r"^theta given without max_seq_len: RoPE needs max_seq_len for its tables$"):

@@ -217,7 +217,7 @@ def test_reference_rejects_unit_gains(impl, cfg, seed):
 
 @prop("negative control: with RoPE, positions with gaps change the logits (a dropped token_positions is caught)", needs=("transformer_lm",))
 @settings(max_examples=6)
-@given(cfg=model_configs(max_layers=2, max_vocab=32, max_context=12, rope=(True,)), seed=seeds())
+@given(cfg=model_configs(max_layers=2, max_vocab=32, max_context=12, positions=("rope",)), seed=seeds())
 def test_reference_positions_matter(impl, cfg, seed):
     cfg = cfg.replace(context_length=max(cfg.context_length, 4))
     model, g = _model_with_random_gains(impl, cfg, seed)

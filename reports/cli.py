@@ -50,7 +50,7 @@ VERBS = {
 #: The presets and init schemes the command line offers, named here so that flags are
 #: checked (with "did you mean") before torch is imported; a test holds them equal to
 #: ``tinylm.config.PRESETS`` and ``tinylm.init.SCHEMES``.
-PRESET_NAMES = ("tiny", "tinystories", "gpt2-small")
+PRESET_NAMES = ("tiny", "tinystories", "gpt2-small", "gpt2", "gpt2-tiny")
 SCHEME_NAMES = ("cs336", "kaiming", "torch-default", "gpt2", "small-init", "zero-residual")
 
 

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.no_rope:
-        changes["rope"] = False
+        changes["positions"] = "none"
     config = preset(args.preset, **changes)
     out = Path(args.output)
     model = TransformerLM(config, generator=torch.Generator().manual_seed(args.seed))

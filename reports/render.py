@@ -68,13 +68,23 @@ def _kv(table: Table, key: str, value: str | Text) -> None:
     table.add_row(Text(key, style="bold"), value if isinstance(value, Text) else Text(value))
 
 
+_POSITIONS = {"rope": "RoPE", "learned": "learned positions", "none": "NoPE"}
+
+
+def _positions(cfg: dict[str, Any]) -> str:
+    """The position scheme of a config dict (a legacy boolean "rope" key read too)."""
+    if "positions" in cfg:
+        return cfg["positions"]
+    return "rope" if cfg.get("rope", True) else "none"
+
+
 def _config_line(cfg: dict[str, Any] | None) -> str:
     if not cfg:
         return "(not a tinylm model: no config)"
     parts = [f"V={cfg.get('vocab_size')}", f"ctx={cfg.get('context_length')}", f"d={cfg.get('d_model')}",
              f"L={cfg.get('num_layers')}", f"H={cfg.get('num_heads')}", f"d_ff={cfg.get('d_ff')}"]
     norm = {"pre": "pre-norm", "post": "post-norm", "none": "no norm"}.get(cfg.get("norm", "pre"), str(cfg.get("norm")))
-    variant = [norm, cfg.get("ffn", "swiglu"), "RoPE" if cfg.get("rope", True) else "NoPE"]
+    variant = [norm, cfg.get("ffn", "swiglu"), _POSITIONS.get(_positions(cfg), "?")]
     if cfg.get("tie_embeddings"):
         variant.append("tied embeddings")
     return " ".join(parts) + " · " + ", ".join(variant)

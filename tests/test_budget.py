@@ -17,7 +17,7 @@ from tinylm.memory import MemoryLimitError, check_model_fits, model_bytes
 SMALL = tinylm.ModelConfig(vocab_size=50, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)
 
 
-@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True}, {"norm": "post", "ffn": "silu", "rope": False},
+@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True}, {"norm": "post", "ffn": "silu", "positions": "none"},
                                      {"norm": "none"}])
 def test_model_bytes_counts_every_parameter_and_the_rope_tables(changes):
     config = SMALL.replace(**changes)

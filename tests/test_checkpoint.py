@@ -24,7 +24,7 @@ def same_weights(a, b):
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
-@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True}, {"norm": "post", "ffn": "silu", "rope": False}])
+@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True}, {"norm": "post", "ffn": "silu", "positions": "none"}])
 def test_tinylm_format_round_trip_is_bit_identical(tmp_path, suffix, changes):
     m = model_of(SMALL.replace(**changes))
     path = tmp_path / f"m{suffix}"
@@ -72,9 +72,9 @@ def test_missing_setting_names_its_flag(tmp_path, missing):
 
 
 def test_rope_theta_not_needed_without_rope(tmp_path):
-    torch.save(model_of(SMALL.replace(rope=False)).state_dict(), tmp_path / "bare.pt")
-    m, _ = checkpoint.load(tmp_path / "bare.pt", num_heads=2, context_length=8, rope=False)
-    assert m.config.rope is False
+    torch.save(model_of(SMALL.replace(positions="none")).state_dict(), tmp_path / "bare.pt")
+    m, _ = checkpoint.load(tmp_path / "bare.pt", num_heads=2, context_length=8, positions="none")
+    assert m.config.positions == "none"
 
 
 @pytest.mark.parametrize(

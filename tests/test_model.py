@@ -16,7 +16,7 @@ def tokens(config, shape, seed=0):
     return torch.randint(0, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("changes", [{}, {"ffn": "silu"}, {"rope": False}, {"tie_embeddings": True}])
+@pytest.mark.parametrize("changes", [{}, {"ffn": "silu"}, {"positions": "none"}, {"tie_embeddings": True}])
 def test_matches_builtin_reference_in_float64(changes):
     c = SMALL.replace(**changes)
     model = tinylm.TransformerLM(c, generator=torch.Generator().manual_seed(1)).double()
@@ -161,7 +161,7 @@ def test_config_validation_names_the_field(changes, field):
 
 
 def test_odd_head_dim_is_fine_without_rope():
-    assert SMALL.replace(num_heads=32, d_model=96, rope=False).head_dim == 3
+    assert SMALL.replace(num_heads=32, d_model=96, positions="none").head_dim == 3
 
 
 def test_config_dict_round_trip_and_unknown_field():

@@ -25,7 +25,7 @@ VARIANTS = list(itertools.product(("pre", "post", "none"), ("swiglu", "silu"), (
 
 def _config(norm: str, ffn: str, rope: bool, tied: bool, layers: int = 3) -> tinylm.ModelConfig:
     return tinylm.ModelConfig(vocab_size=53, context_length=8, d_model=16, num_layers=layers, num_heads=2, d_ff=24,
-                              norm=norm, ffn=ffn, rope=rope, tie_embeddings=tied)
+                              norm=norm, ffn=ffn, positions="rope" if rope else "none", tie_embeddings=tied)
 
 
 def _record(model: tinylm.TransformerLM, tokens: torch.Tensor) -> tuple[list[str], dict[str, torch.Tensor], torch.Tensor]:
@@ -71,6 +71,12 @@ def _mismatches(model: tinylm.TransformerLM, plan: tplan.ModelPlan, tokens: torc
             bad.append(f"{name}: the plan writes it, the model records no such output")
         elif not torch.equal(rec[name], value):
             bad.append(f"{name}: the plan's value differs from the model's by {float((rec[name] - value).abs().max()):.3g}")
+
+    if plan.positions is not None:  # learned positions: block 0 reads token + position embeddings
+        if plan.positions not in rec:
+            return bad + [f"{plan.positions}: the plan adds a position table, the model has none"]
+        env[plan.input] = env[plan.embedding] + rec[plan.positions]
+        same(plan.input, env[plan.input])
 
     for block in plan.blocks:
         for step in block.steps:

@@ -60,7 +60,7 @@ def make_result(num_layers=3, gain=1.2, findings=(), nan_block=None, cosine=0.02
         depth.append(DepthRow(i + 1, f"layers.{i}", fv, v, g, g * 1.1, cosine * (i + 1), cp(i + 1)))
     tensors.append(_row("lm_head", None, "logits", "forward", 0.9, 1.0))
     header = Header("TransformerLM", dict(vocab_size=100, context_length=16, d_model=32, num_layers=num_layers,
-                                          num_heads=4, d_ff=64, norm="pre", ffn="swiglu", rope=True),
+                                          num_heads=4, d_ff=64, norm="pre", ffn="swiglu", positions="rope"),
                     12345, "cs336", 256, 4, 16, 2, 2, 0, "global", 4.66, math.log(100), "random")
     return DiagnoseResult(header, tensors, params, attention, depth, list(findings),
                           {"exploding_gain": 4.0, "vanishing_gain": 0.25}, "2026-01-01T00:00:00Z")

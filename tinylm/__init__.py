@@ -1,7 +1,8 @@
 """tinylm: one complete, readable decoder-only Transformer LM (CS336 assignment-1 names and keys).
 
 Pre-norm RMSNorm, SwiGLU, RoPE, causal multi-head attention; ablations (post-norm,
-no norm, NoPE, SiLU FFN) chosen by :class:`ModelConfig`; named init schemes in
+no norm, NoPE, SiLU FFN) and the GPT-2 family (LayerNorm, GELU/ReLU MLPs, learned
+positions, biases) chosen by :class:`ModelConfig`; named init schemes in
 :mod:`tinylm.init`; checkpoints in :mod:`tinylm.checkpoint`; the block plan (the
 model's dataflow as data, with module and tensor names) in :mod:`tinylm.plan`.
 """
@@ -10,7 +11,9 @@ from . import functional, init, plan
 from .config import PRESETS, ModelConfig, default_d_ff, preset
 from .errors import CheckpointError, ConfigError, MissingOptionError, TinyLMError, UnsafeCheckpointError
 from .layers import (
+    MLP,
     Embedding,
+    LayerNorm,
     Linear,
     MultiHeadSelfAttention,
     RMSNorm,
@@ -32,7 +35,9 @@ __all__ = [
     "Linear",
     "Embedding",
     "RMSNorm",
+    "LayerNorm",
     "SwiGLU",
+    "MLP",
     "SiLUFFN",
     "RotaryPositionalEmbedding",
     "MultiHeadSelfAttention",

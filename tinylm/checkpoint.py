@@ -361,8 +361,13 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
 
     Shapes determine vocab_size, d_model, d_ff, num_layers, the FFN kind, tied
     embeddings and norm placement (ln1 and ln_final: pre; ln1 only: post; none:
-    none). num_heads, rope_theta and context_length cannot be seen in the weights
-    and must be given; a missing one raises an error naming its flag.
+    none); keys determine learned positions (``position_embeddings.weight``, whose rows
+    are context_length), biases (``attn.q_proj.bias``) and LayerNorm (a norm bias). A
+    non-gated FFN's activation cannot be seen and defaults to "silu" (pass ffn=...); nor
+    can a bias-free LayerNorm be told from RMSNorm (pass norm_kind=...). num_heads,
+    rope_theta (RoPE models) and context_length (unless learned positions show it)
+    cannot be seen in the weights and must be given; a missing one raises an error
+    naming its flag.
     """
     emb = state.get("token_embeddings.weight")
     if emb is None or emb.dim() != 2:
@@ -396,8 +401,18 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
         norm=norm,
         tie_embeddings=bool(tied),
     )
+    pos = state.get("position_embeddings.weight")
+    if pos is not None and pos.dim() == 2:
+        fields.update(positions="learned", context_length=pos.shape[0])
+    if any_block("attn.q_proj.bias"):
+        fields["bias"] = True
+    if any_block("ln1.bias") or any_block("ln2.bias") or "ln_final.bias" in state:
+        fields["norm_kind"] = "layer"
     fields.update({k: v for k, v in overrides.items() if v is not None})
-    needed = ["num_heads", "context_length"] + (["rope_theta"] if fields.get("rope", True) else [])
+    if "rope" in fields:  # the legacy boolean flag
+        legacy = fields.pop("rope")
+        fields.setdefault("positions", "rope" if legacy else "none")
+    needed = ["num_heads", "context_length"] + (["rope_theta"] if fields.get("positions", "rope") == "rope" else [])
     missing = [name for name in needed if name not in fields]
     if missing:
         raise MissingOptionsError(missing, known=fields, given={k: overrides.get(k) for k in _FLAGS})

@@ -18,7 +18,9 @@ from .validate import boolean, check, choice, fail, integer, number
 __all__ = ["ModelConfig", "default_d_ff", "PRESETS", "preset"]
 
 NORMS = ("pre", "post", "none")
-FFNS = ("swiglu", "silu")
+NORM_KINDS = ("rms", "layer")
+FFNS = ("swiglu", "silu", "gelu", "gelu_tanh", "relu")
+POSITIONS = ("rope", "learned", "none")
 
 
 def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
@@ -36,18 +38,31 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
 class ModelConfig:
     """Sizes and architectural choices of a :class:`tinylm.TransformerLM`.
 
+    One config describes the CS336 block (the defaults: pre-norm RMSNorm, SwiGLU, RoPE, no
+    biases), Llama-style models (the same block) and GPT-2 (pre-norm LayerNorm with bias, a
+    tanh-GELU MLP, learned absolute positions, biases, tied embeddings; preset "gpt2").
+
     Args:
         vocab_size: number of token ids V.
-        context_length: longest sequence the model accepts (RoPE tables are this long).
+        context_length: longest sequence the model accepts (RoPE tables and the learned
+            position table are this long).
         d_model: width of the residual stream d.
         num_layers: number of Transformer blocks L.
         num_heads: attention heads H; d_model must be divisible by H.
         d_ff: hidden width of the feed-forward network.
         rope_theta: RoPE base theta (angles are position * theta^(-2k/d_head)).
-        eps: RMSNorm epsilon, added to the mean square inside the square root.
-        norm: "pre" (x + f(norm(x))), "post" (norm(x + f(x))) or "none".
-        ffn: "swiglu" (w2(silu(w1 x) * w3 x)) or "silu" (w2(silu(w1 x))).
-        rope: False turns rotary embeddings off (NoPE).
+        eps: norm epsilon, added to the mean square (RMSNorm) or the variance (LayerNorm)
+            inside the square root.
+        norm: where the norms sit: "pre" (x + f(norm(x))), "post" (norm(x + f(x))) or "none".
+        norm_kind: which norm: "rms" (RMSNorm, a gain) or "layer" (LayerNorm: mean removed,
+            a gain, and a bias iff ``bias``).
+        ffn: "swiglu" (w2(silu(w1 x) * w3 x)), or a non-gated MLP w2(act(w1 x)) with act
+            "silu", "gelu" (exact, x Phi(x)), "gelu_tanh" (GPT-2's tanh approximation) or "relu".
+        positions: "rope" (rotary, in attention), "learned" (an absolute table
+            ``position_embeddings`` (context_length, d_model) added to the token embedding)
+            or "none" (NoPE).
+        bias: biases on q/k/v/output_proj, on the FFN's linears and on LayerNorm; the
+            lm_head never has one.
         tie_embeddings: lm_head shares the token embedding matrix.
         dropout: residual and attention dropout probability (0 disables).
         init: name of the init scheme a fresh model gets (see ``tinylm.init``).
@@ -63,10 +78,12 @@ class ModelConfig:
     eps: float = 1e-5
     norm: str = "pre"
     ffn: str = "swiglu"
-    rope: bool = True
+    positions: str = "rope"
     tie_embeddings: bool = False
     dropout: float = 0.0
     init: str = "cs336"
+    norm_kind: str = "rms"
+    bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -78,18 +95,25 @@ class ModelConfig:
         if self.rope and self.head_dim % 2:
             raise ConfigError(
                 f"head dimension d_model/num_heads={self.head_dim} is odd: RoPE rotates pairs, so it must be even "
-                "(change num_heads, or set rope=False)"
+                "(change num_heads, or set positions='learned' or 'none')"
             )
         number("rope_theta", self.rope_theta, low=0.0, strict_low=True, error=ConfigError)
         number("eps", self.eps, low=0.0, error=ConfigError)
         choice("norm", self.norm, NORMS, error=ConfigError)
+        choice("norm_kind", self.norm_kind, NORM_KINDS, error=ConfigError)
         choice("ffn", self.ffn, FFNS, error=ConfigError)
-        boolean("rope", self.rope, error=ConfigError)
+        choice("positions", self.positions, POSITIONS, error=ConfigError)
+        boolean("bias", self.bias, error=ConfigError)
         boolean("tie_embeddings", self.tie_embeddings, error=ConfigError)
         check("dropout", self.dropout, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
               and 0.0 <= v < 1.0, "be a number in [0, 1)", error=ConfigError)
         if not isinstance(self.init, str) or not self.init:
             fail("init", self.init, "name an init scheme", "one of tinylm.init.SCHEMES", error=ConfigError)
+
+    @property
+    def rope(self) -> bool:
+        """Whether attention rotates q and k (``positions == "rope"``); read-only."""
+        return self.positions == "rope"
 
     @property
     def head_dim(self) -> int:
@@ -105,9 +129,21 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        """Build from a dict, naming any key that is not a field."""
+        """Build from a dict, naming any key that is not a field.
+
+        A legacy boolean ``"rope"`` key (configs stored before ``positions`` existed) maps to
+        ``positions``: True -> "rope", False -> "none".
+        """
         if not isinstance(data, dict):
             raise ConfigError(f"config must be a dict of fields, got {type(data).__name__}")
+        if "rope" in data:
+            data = dict(data)
+            rope = boolean("rope", data.pop("rope"), fix="True or False (the legacy field; use positions=)",
+                           error=ConfigError)
+            if "positions" in data and data["positions"] != ("rope" if rope else "none"):
+                raise ConfigError(f"rope={rope} and positions={data['positions']!r} disagree; "
+                                  "drop the legacy 'rope' key")
+            data.setdefault("positions", "rope" if rope else "none")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -118,17 +154,29 @@ class ModelConfig:
         return cls(**data)
 
 
+# GPT-2 small itself: pre-norm LayerNorm with bias, tanh-GELU MLP of width 4d, learned positions,
+# biases, tied embeddings, GPT-2 init (the architecture of Hugging Face's "gpt2").
+_GPT2 = ModelConfig(
+    vocab_size=50257, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=3072,
+    eps=1e-5, norm="pre", norm_kind="layer", ffn="gelu_tanh", positions="learned", bias=True,
+    tie_embeddings=True, init="gpt2",
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    # The shape of the CS336 assignment-1 test fixture.
+    # CS336 block (pre-norm RMSNorm, SwiGLU, RoPE, no biases) at the shape of the assignment-1 test fixture.
     "tiny": ModelConfig(vocab_size=10000, context_length=16, d_model=64, num_layers=3, num_heads=4, d_ff=128),
-    # The CS336 TinyStories model.
+    # CS336 block: the TinyStories model.
     "tinystories": ModelConfig(
         vocab_size=10000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344
     ),
-    # GPT-2 small's sizes with SwiGLU (d_ff = 8/3 d rounded to 64) and RoPE.
+    # CS336 block at GPT-2 small's sizes: SwiGLU (d_ff = 8/3 d rounded to 64) and RoPE; not GPT-2's architecture.
     "gpt2-small": ModelConfig(
         vocab_size=50257, context_length=1024, d_model=768, num_layers=12, num_heads=12, d_ff=2048
     ),
+    # GPT-2 small (the architecture above).
+    "gpt2": _GPT2,
+    # GPT-2's architecture at test size.
+    "gpt2-tiny": _GPT2.replace(vocab_size=10000, context_length=64, d_model=64, num_layers=3, num_heads=4, d_ff=256),
 }
 
 

@@ -17,7 +17,10 @@ __all__ = [
     "logsumexp",
     "cross_entropy",
     "silu",
+    "gelu",
+    "relu",
     "rms_norm",
+    "layer_norm",
     "dropout",
     "causal_mask",
     "attention_scores",
@@ -180,6 +183,25 @@ def silu(x: Tensor) -> Tensor:
     return x * torch.sigmoid(x)
 
 
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """gelu(x) = x Phi(x), Phi the standard normal CDF: 0.5 x (1 + erf(x / sqrt(2))).
+
+    ``approximate="tanh"``: GPT-2's approximation ("gelu_new"),
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))); it differs from the exact GELU by
+    less than 5e-4 everywhere.
+    """
+    if approximate == "none":
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+    raise ValueError(f"approximate={approximate!r}: must be 'none' or 'tanh'")
+
+
+def relu(x: Tensor) -> Tensor:
+    """relu(x) = max(x, 0); its derivative is 1 for x > 0 and 0 for x <= 0 (as torch's). NaN stays NaN."""
+    return torch.where(x <= 0, torch.zeros_like(x), x)
+
+
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """x / sqrt(mean(x^2 over the last dim) + eps) * weight, computed in float32.
 
@@ -193,6 +215,23 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     if weight is not None:
         out = out * weight.to(out.dtype)
     return out.to(in_dtype)
+
+
+def layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """(x - mean(x)) / sqrt(var(x) + eps) * weight + bias over the last dim, computed in float32.
+
+    var is the biased (population) variance mean((x - mean(x))^2). Like :func:`rms_norm`,
+    the input is upcast to float32 (at least) and the result cast back to the input dtype.
+    ``weight`` / ``bias`` None: no gain / no shift.
+    """
+    xf = x.to(_compute_dtype(x))
+    centered = xf - xf.mean(dim=-1, keepdim=True)
+    y = centered / torch.sqrt(centered.pow(2).mean(dim=-1, keepdim=True) + eps)  # mean 0, mean square ~1
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype)
 
 
 def dropout(x: Tensor, p: float, training: bool = True, generator: torch.Generator | None = None) -> Tensor:

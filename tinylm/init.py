@@ -11,7 +11,7 @@ The rules of the built-in schemes (d_in, d_out: a Linear's fans; d: d_model;
 L: number of blocks; "residual outputs": attn.output_proj and ffn.w2):
 
 ==============  ==========================================================  ============================
-scheme          Linear weights                                              Embedding / RMSNorm gain
+scheme          Linear weights                                              Embeddings / norm gain
 ==============  ==========================================================  ============================
 cs336           N(0, 2/(d_in+d_out)) truncated at +-3 sigma                 N(0,1) truncated [-3,3] / 1
 kaiming         N(0, 2/d_in) truncated at +-3 sigma                         as cs336
@@ -21,8 +21,14 @@ small-init      N(0, 2/(5d)); residual outputs std 2/(L sqrt(d))            N(0,
 zero-residual   as cs336, but residual outputs are 0 (blocks start as id.)  as cs336
 ==============  ==========================================================  ============================
 
-Biases (only present with ``Linear(bias=True)``) are 0, except torch-default's
-U(-1/sqrt(d_in), 1/sqrt(d_in)).
+"Embeddings" covers both tables: the token embedding and, with learned positions, the
+position embedding (``position_embeddings``), which every scheme draws like the token
+table (gpt2: N(0, 0.02^2), as GPT-2 does; cs336: N(0,1) truncated [-3,3]; and so on).
+The norm gain is RMSNorm's or LayerNorm's ``weight``.
+
+Biases (only present with ``ModelConfig.bias``): every Linear bias is 0, except
+torch-default's U(-1/sqrt(d_in), 1/sqrt(d_in)) (nn.Linear's default); LayerNorm's bias
+is 0 under every scheme.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
-from .layers import Embedding, Linear, RMSNorm
+from .layers import Embedding, LayerNorm, Linear, RMSNorm
 
 __all__ = [
     "Dist",
@@ -189,8 +195,9 @@ def _trunc3(std: float, why: str) -> Dist:
 class ParamSite:
     """Where a parameter sits, all a scheme needs to choose its distribution.
 
-    kind: "linear_weight", "linear_bias", "embedding", "norm_gain" or "other".
-    fan_in / fan_out: d_in / d_out of a Linear (embedding: 1 / d; gain: d / d).
+    kind: "linear_weight", "linear_bias", "embedding" (token or position table), "norm_gain"
+    (RMSNorm's or LayerNorm's weight), "norm_bias" (LayerNorm's bias) or "other".
+    fan_in / fan_out: d_in / d_out of a Linear (embedding: 1 / d; norm gain and bias: d / d).
     residual_output: the parameter is attn.output_proj.weight or ffn.w2.weight.
     num_layers, d_model: of the model (1 and fan_out when not known).
     """
@@ -219,6 +226,8 @@ def _common(scheme: str, site: ParamSite) -> Dist:
         return Dist("constant", value=1.0, why="norm gains start at 1: the norm's output has unit RMS")
     if site.kind == "linear_bias":
         return Dist("constant", value=0.0, why="biases start at 0")
+    if site.kind == "norm_bias":
+        return Dist("constant", value=0.0, why="LayerNorm's bias starts at 0: the norm's output has mean 0")
     raise _unsupported(scheme, site)
 
 
@@ -332,8 +341,9 @@ def sites(model: nn.Module) -> dict[str, tuple[ParamSite, nn.Parameter]]:
             fan_in, fan_out = mod.in_features, mod.out_features
         elif isinstance(mod, Embedding):
             kind, fan_in, fan_out = "embedding", 1, mod.embedding_dim
-        elif isinstance(mod, RMSNorm):
-            kind, fan_in, fan_out = "norm_gain", mod.d_model, mod.d_model
+        elif isinstance(mod, (RMSNorm, LayerNorm)):
+            kind = "norm_gain" if leaf == "weight" else "norm_bias"
+            fan_in, fan_out = mod.d_model, mod.d_model
         else:
             kind = "other"
             fan_in = p.shape[-1] if p.dim() else 1

@@ -19,8 +19,11 @@ __all__ = [
     "Linear",
     "Embedding",
     "RMSNorm",
+    "LayerNorm",
     "SwiGLU",
+    "MLP",
     "SiLUFFN",
+    "ACTIVATIONS",
     "RotaryPositionalEmbedding",
     "MultiHeadSelfAttention",
 ]
@@ -130,20 +133,48 @@ class RMSNorm(nn.Module):
         return f"{self.d_model}, eps={self.eps}"
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm(a) = (a - mean(a)) / sqrt(var(a) + eps) * g + b over the last dimension.
+
+    var is the population variance. Computes in float32 and returns the input dtype.
+    Parameters: ``weight`` (d_model,), init 1; ``bias`` (d_model,), init 0, only if ``bias``.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5, bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.d_model = d_model
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(d_model, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(d_model, device=device, dtype=dtype)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}, bias={self.bias is not None}"
+
+
 class SwiGLU(nn.Module):
     """out = w2(silu(w1 x) * w3 x): a gated feed-forward network.
 
     Shape: (..., d_model) -> hidden (..., d_ff) -> (..., d_model).
-    Parameters: ``w1`` (d_ff, d), ``w3`` (d_ff, d), ``w2`` (d, d_ff); 3 d d_ff in all.
-    The ``hidden`` Tap marks the gated product that w2 reads.
+    Parameters: ``w1`` (d_ff, d), ``w3`` (d_ff, d), ``w2`` (d, d_ff); 3 d d_ff in all
+    (with ``bias``, each linear also has its bias). The ``hidden`` Tap marks the gated
+    product that w2 reads.
     """
 
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, bias: bool = False):
         super().__init__()
         self.d_model, self.d_ff = d_model, d_ff
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
-        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w1 = Linear(d_model, d_ff, bias, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, bias, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, bias, device=device, dtype=dtype)
         self.hidden = Tap()
 
     def reset_parameters(self) -> None:
@@ -157,17 +188,31 @@ class SwiGLU(nn.Module):
         return f"d_model={self.d_model}, d_ff={self.d_ff}"
 
 
-class SiLUFFN(nn.Module):
-    """out = w2(silu(w1 x)): the ungated ablation of SwiGLU.
+#: the activations of the non-gated MLP, by ``ModelConfig.ffn`` name
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
 
-    Parameters: ``w1`` (d_ff, d), ``w2`` (d, d_ff).
+
+class MLP(nn.Module):
+    """out = w2(act(w1 x)): the non-gated feed-forward network.
+
+    act is one of ``ACTIVATIONS``: "silu", "gelu" (exact), "gelu_tanh" (GPT-2's) or "relu".
+    Shape: (..., d_model) -> hidden (..., d_ff) -> (..., d_model).
+    Parameters: ``w1`` (d_ff, d), ``w2`` (d, d_ff), and their biases with ``bias``.
+    The ``hidden`` Tap marks act(w1 x), the tensor w2 reads.
     """
 
-    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
+    def __init__(self, d_model: int, d_ff: int, activation: str = "gelu", bias: bool = False, device=None, dtype=None):
         super().__init__()
-        self.d_model, self.d_ff = d_model, d_ff
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r}: must be one of {', '.join(ACTIVATIONS)}")
+        self.d_model, self.d_ff, self.activation = d_model, d_ff, activation
+        self.w1 = Linear(d_model, d_ff, bias, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, bias, device=device, dtype=dtype)
         self.hidden = Tap()
 
     def reset_parameters(self) -> None:
@@ -175,10 +220,20 @@ class SiLUFFN(nn.Module):
         self.w2.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.hidden(F.silu(self.w1(x))))
+        return self.w2(self.hidden(ACTIVATIONS[self.activation](self.w1(x))))
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, d_ff={self.d_ff}"
+        return f"d_model={self.d_model}, d_ff={self.d_ff}, activation={self.activation!r}"
+
+
+class SiLUFFN(MLP):
+    """out = w2(silu(w1 x)): the ungated ablation of SwiGLU (an :class:`MLP` with activation "silu").
+
+    Parameters: ``w1`` (d_ff, d), ``w2`` (d, d_ff).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, device=None, dtype=None, *, bias: bool = False):
+        super().__init__(d_model, d_ff, "silu", bias, device=device, dtype=dtype)
 
 
 class RotaryPositionalEmbedding(nn.Module):
@@ -229,7 +284,7 @@ class MultiHeadSelfAttention(nn.Module):
     out = output_proj(concat_h softmax(Q_h K_h^T / sqrt(d_k) + causal) V_h), with
     Q = q_proj(x) etc. split into heads along the feature dimension (heads are
     stacked along the rows of each projection's weight). RoPE rotates Q and K when
-    ``theta`` is given.
+    ``theta`` is given. ``bias``: the four projections add a learned bias.
 
     Shape: x (..., T, d_model) -> (..., T, d_model). Taps: ``scores`` (pre-softmax,
     masked entries -inf) and ``probs`` (attention weights), each (..., H, T, T).
@@ -254,16 +309,18 @@ class MultiHeadSelfAttention(nn.Module):
         dropout: float = 0.0,
         device=None,
         dtype=None,
+        *,
+        bias: bool = False,
     ):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model}, num_heads={num_heads}: d_model must be divisible by num_heads")
         self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
         self.dropout = dropout
-        self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+        self.q_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
+        self.output_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
         if theta is not None:
             if max_seq_len is None:
                 raise ValueError("theta given without max_seq_len: RoPE needs max_seq_len for its tables")

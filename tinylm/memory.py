@@ -46,10 +46,16 @@ def estimate_bytes(config: ModelConfig, batch_size: int, seq_len: int, dtype: to
 
 def _params(c: ModelConfig) -> int:
     """The exact parameter count of ``TransformerLM(c)``."""
-    norms = 0 if c.norm == "none" else 2 * c.d_model
-    final = c.d_model if c.norm == "pre" else 0
-    return (c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2) + final
-            + c.num_layers * (4 * c.d_model**2 + (3 if c.ffn == "swiglu" else 2) * c.d_model * c.d_ff + norms))
+    d, b = c.d_model, int(c.bias)
+    norm = d * (1 + b * (c.norm_kind == "layer"))  # gain, and LayerNorm's bias
+    norms = 0 if c.norm == "none" else 2 * norm
+    final = norm if c.norm == "pre" else 0
+    mats = 3 if c.ffn == "swiglu" else 2
+    ffn = mats * d * c.d_ff + b * ((mats - 1) * c.d_ff + d)  # w1 (w3): d_ff biases each; w2: d
+    attn = 4 * d * d + b * 4 * d
+    positions = c.context_length * d if c.positions == "learned" else 0
+    return (c.vocab_size * d * (1 if c.tie_embeddings else 2) + positions + final
+            + c.num_layers * (attn + ffn + norms))
 
 
 def model_bytes(config: ModelConfig, dtype: torch.dtype | None = None) -> tuple[int, int]:

@@ -9,9 +9,28 @@ from . import functional as F
 from .config import ModelConfig
 from .errors import ConfigError
 from .memory import check_model_fits
-from .layers import Embedding, Linear, MultiHeadSelfAttention, RMSNorm, RotaryPositionalEmbedding, SiLUFFN, SwiGLU, Tap
+from .layers import (ACTIVATIONS, MLP, Embedding, LayerNorm, Linear, MultiHeadSelfAttention, RMSNorm,
+                     RotaryPositionalEmbedding, SwiGLU, Tap)
 
 __all__ = ["TransformerBlock", "TransformerLM"]
+
+
+def make_norm(norm_kind: str, d_model: int, eps: float, bias: bool, **kw) -> nn.Module:
+    """The norm a config names: RMSNorm ("rms") or LayerNorm ("layer", with a bias iff ``bias``)."""
+    if norm_kind == "rms":
+        return RMSNorm(d_model, eps, **kw)
+    if norm_kind == "layer":
+        return LayerNorm(d_model, eps, bias, **kw)
+    raise ValueError(f"norm_kind={norm_kind!r}: must be 'rms' or 'layer'")
+
+
+def make_ffn(ffn: str, d_model: int, d_ff: int, bias: bool, **kw) -> nn.Module:
+    """The FFN a config names: SwiGLU ("swiglu") or the non-gated MLP w2(act(w1 x)) of that activation."""
+    if ffn == "swiglu":
+        return SwiGLU(d_model, d_ff, bias=bias, **kw)
+    if ffn in ACTIVATIONS:
+        return MLP(d_model, d_ff, ffn, bias, **kw)
+    raise ValueError(f"ffn={ffn!r}: must be 'swiglu' or one of {', '.join(ACTIVATIONS)}")
 
 
 class TransformerBlock(nn.Module):
@@ -21,8 +40,10 @@ class TransformerBlock(nn.Module):
     post          : h = ln1(x + attn(x));       z = ln2(h + ffn(h))
     none          : h = x + attn(x);            z = h + ffn(h)
 
-    Branch outputs pass through inverted dropout (p = ``dropout``) before they
-    are added. Shape: (..., T, d_model) -> (..., T, d_model). The Tap
+    ln1/ln2 are RMSNorm (``norm_kind="rms"``) or LayerNorm (``"layer"``); the FFN is
+    SwiGLU or a non-gated MLP (``ffn``); ``bias`` gives the attention and FFN linears
+    (and LayerNorm) biases. Branch outputs pass through inverted dropout (p = ``dropout``)
+    before they are added. Shape: (..., T, d_model) -> (..., T, d_model). The Tap
     ``resid_mid`` marks h, the residual stream between the two sublayers.
     """
 
@@ -39,20 +60,22 @@ class TransformerBlock(nn.Module):
         dropout: float = 0.0,
         device=None,
         dtype=None,
+        *,
+        norm_kind: str = "rms",
+        bias: bool = False,
     ):
         super().__init__()
         if norm not in ("pre", "post", "none"):
             raise ValueError(f"norm={norm!r}: must be 'pre', 'post' or 'none'")
-        if ffn not in ("swiglu", "silu"):
-            raise ValueError(f"ffn={ffn!r}: must be 'swiglu' or 'silu'")
         self.norm, self.dropout = norm, dropout
         kw = dict(device=device, dtype=dtype)
+        ffn_module = make_ffn(ffn, d_model, d_ff, bias, **kw)  # checks ffn before anything else is built
         if norm != "none":
-            self.ln1 = RMSNorm(d_model, eps, **kw)
-        self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, dropout=dropout, **kw)
+            self.ln1 = make_norm(norm_kind, d_model, eps, bias, **kw)
+        self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, dropout=dropout, bias=bias, **kw)
         if norm != "none":
-            self.ln2 = RMSNorm(d_model, eps, **kw)
-        self.ffn = (SwiGLU if ffn == "swiglu" else SiLUFFN)(d_model, d_ff, **kw)
+            self.ln2 = make_norm(norm_kind, d_model, eps, bias, **kw)
+        self.ffn = ffn_module
         self.resid_mid = Tap()
 
     def _branch(self, f: nn.Module, x: Tensor, *args) -> Tensor:
@@ -73,9 +96,11 @@ class TransformerBlock(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Decoder-only language model: token_embeddings -> layers -> ln_final -> lm_head.
+    """Decoder-only language model: token_embeddings [+ position_embeddings] -> layers -> ln_final -> lm_head.
 
-    ``ln_final`` exists for pre-norm only (a post-norm block already ends in a
+    With ``positions="learned"`` the block stack reads token_embeddings(ids) +
+    position_embeddings(positions), marked by the Tap ``resid_in``; positions default to
+    0 .. T-1 and must lie in [0, context_length). ``ln_final`` exists for pre-norm only (a post-norm block already ends in a
     norm; a no-norm model has none). With ``tie_embeddings`` the lm_head's weight
     is the token embedding matrix itself, so logits = h E^T.
 
@@ -94,13 +119,19 @@ class TransformerLM(nn.Module):
         # Build on the meta device (no memory, no init), then allocate and initialise once below.
         c, kw = config, dict(device="meta", dtype=dtype)
         self.token_embeddings = Embedding(c.vocab_size, c.d_model, **kw)
+        if c.positions == "learned":
+            self.position_embeddings = Embedding(c.context_length, c.d_model, **kw)
+            self.resid_in = Tap()
+        else:
+            self.position_embeddings = None
         theta = c.rope_theta if c.rope else None
         self.layers = nn.ModuleList(
-            TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.context_length, theta, c.eps, c.norm, c.ffn, c.dropout, **kw)
+            TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.context_length, theta, c.eps, c.norm, c.ffn, c.dropout,
+                             norm_kind=c.norm_kind, bias=c.bias, **kw)
             for _ in range(c.num_layers)
         )
-        self.ln_final = RMSNorm(c.d_model, c.eps, **kw) if c.norm == "pre" else None
-        self.lm_head = Linear(c.d_model, c.vocab_size, **kw)
+        self.ln_final = make_norm(c.norm_kind, c.d_model, c.eps, c.bias, **kw) if c.norm == "pre" else None
+        self.lm_head = Linear(c.d_model, c.vocab_size, **kw)  # never a bias (GPT-2 has none either)
         if c.tie_embeddings:
             self.lm_head.weight = self.token_embeddings.weight
         device = torch.device("cpu" if device is None else device)
@@ -132,11 +163,26 @@ class TransformerLM(nn.Module):
                 "pass at most context_length tokens (or build the model with a longer context)"
             )
         x = self.token_embeddings(token_ids)  # (..., T, d)
+        if self.position_embeddings is not None:
+            x = self.resid_in(x + self.position_embeddings(self._positions(T, token_positions, token_ids.device)))
         for block in self.layers:
             x = block(x, token_positions)
         if self.ln_final is not None:
             x = self.ln_final(x)
         return self.lm_head(x)  # (..., T, V)
+
+    def _positions(self, T: int, token_positions: Tensor | None, device) -> Tensor:
+        """The rows of the learned position table to add: ``token_positions`` or 0 .. T-1, checked."""
+        if token_positions is None:
+            return torch.arange(T, device=device)
+        if token_positions.numel() and (int(token_positions.min()) < 0
+                                        or int(token_positions.max()) >= self.config.context_length):
+            raise ValueError(
+                f"token positions span [{int(token_positions.min())}, {int(token_positions.max())}] but the learned "
+                f"position table has context_length={self.config.context_length} rows: pass positions in "
+                f"[0, {self.config.context_length})"
+            )
+        return token_positions
 
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied matrix counts once)."""

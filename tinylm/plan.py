@@ -3,14 +3,21 @@
 A plan lists what :class:`tinylm.TransformerLM` computes, in order, with the module
 names it computes them in and the names of the tensors each step reads and writes:
 
-    token_embeddings -> block 0 -> ... -> block L-1 -> [ln_final] -> lm_head
+    token_embeddings [+ position_embeddings -> resid_in] -> block 0 -> ... -> block L-1 -> [ln_final] -> lm_head
 
-and inside block i (x the residual point the block reads, ``layers.{i-1}`` or
-``token_embeddings`` for block 0; h = ``layers.{i}.resid_mid``; z = ``layers.{i}``):
+(with learned positions the stream block 0 reads is the sum that the Tap ``resid_in``
+marks; otherwise it is the token embedding itself) and inside block i (x the residual
+point the block reads, ``layers.{i-1}`` or the model's ``input`` for block 0;
+h = ``layers.{i}.resid_mid``; z = ``layers.{i}``):
 
     pre : norm ln1(x); attention(ln1); add x + attn -> h; norm ln2(h); ffn(ln2); add h + ffn -> z
     post: attention(x); add x + attn; norm ln1 -> h; ffn(h); add h + ffn; norm ln2 -> z
     none: attention(x); add x + attn -> h; ffn(h); add h + ffn -> z
+
+Each norm, attention and FFN step also says which function it is (``variant``: the norm kind
+"rms" or "layer"; the FFN kind "swiglu", "silu", "gelu", "gelu_tanh" or "relu"; attention
+"rope" or "nope") and whether its module adds biases (``bias``: the linears' biases, or
+LayerNorm's shift).
 
 A tensor is named by the module whose output it is (the names a probe records: every
 module, every :class:`tinylm.Tap`, ``layers.i.resid_mid`` and the block output
@@ -40,13 +47,15 @@ from dataclasses import dataclass
 from .config import ModelConfig
 from .errors import ConfigError
 
-__all__ = ["Step", "BlockPlan", "ModelPlan", "Branch", "build", "EMBEDDING", "HEAD", "FINAL_NORM",
+__all__ = ["Step", "BlockPlan", "ModelPlan", "Branch", "build", "EMBEDDING", "POSITIONS", "RESID_IN", "HEAD", "FINAL_NORM",
            "block_name", "mid_name", "stream_into", "branch_stream", "block_index", "is_sum", "on_stream"]
 
 #: the kinds of step a block is made of
 STEP_KINDS = ("norm", "attention", "ffn", "add")
 
 EMBEDDING = "token_embeddings"
+POSITIONS = "position_embeddings"
+RESID_IN = "resid_in"
 FINAL_NORM = "ln_final"
 HEAD = "lm_head"
 
@@ -63,18 +72,20 @@ def mid_name(i: int) -> str:
     return f"layers.{i}.resid_mid"
 
 
-def stream_into(i: int) -> str:
-    """The residual point block i reads: the embedding output for block 0, else block i-1's output."""
-    return EMBEDDING if i == 0 else block_name(i - 1)
+def stream_into(i: int, first: str = EMBEDDING) -> str:
+    """The residual point block i reads: ``first`` for block 0 (the embedding output, or
+    ``RESID_IN`` with learned positions: ``ModelPlan.input``), else block i-1's output."""
+    return first if i == 0 else block_name(i - 1)
 
 
-def branch_stream(kind: str, i: int) -> str:
+def branch_stream(kind: str, i: int, first: str = EMBEDDING) -> str:
     """The residual point block i's branch of ``kind`` ("attn" or "ffn") is added to: the block's
     input for attention, its mid point for the FFN, under every norm placement (equal to
-    ``Branch.stream`` of every plan; for code that has names but no config)."""
+    ``Branch.stream`` of every plan whose ``input`` is ``first``; for code that has names but
+    no config)."""
     if kind not in ("attn", "ffn"):
         raise ValueError(f"kind={kind!r}: must be 'attn' or 'ffn'")
-    return stream_into(i) if kind == "attn" else mid_name(i)
+    return stream_into(i, first) if kind == "attn" else mid_name(i)
 
 
 def is_sum(name: str) -> bool:
@@ -83,10 +94,10 @@ def is_sum(name: str) -> bool:
 
 
 def on_stream(name: str) -> bool:
-    """Whether ``name`` is a residual point of a tinylm model (the embedding output, a block's
-    mid point or a block's output), read from the name alone."""
+    """Whether ``name`` is a residual point of a tinylm model (the embedding output, the sum of
+    token and position embeddings, a block's mid point or a block's output), read from the name alone."""
     i = block_index(name)
-    return name == EMBEDDING or (i is not None and name in (block_name(i), mid_name(i)))
+    return name in (EMBEDDING, RESID_IN) or (i is not None and name in (block_name(i), mid_name(i)))
 
 
 def block_index(name: str) -> int | None:
@@ -105,7 +116,9 @@ class Step:
     reads: the tensors it reads (an add: the stream, then the branch). writes: the names of
     the one tensor it writes, the module's own output first, then any residual point that is
     the same tensor. branch: "attn" or "ffn", the branch this step belongs to (its norm, the
-    branch, its add).
+    branch, its add). variant: which function a norm, attention or FFN step is (norm: "rms" or
+    "layer"; attention: "rope" or "nope"; ffn: "swiglu", "silu", "gelu", "gelu_tanh" or
+    "relu"; "" for an add). bias: whether the step's module adds learned biases.
     """
 
     kind: str
@@ -113,6 +126,8 @@ class Step:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     branch: str
+    variant: str = ""
+    bias: bool = False
 
     @property
     def output(self) -> str:
@@ -160,28 +175,39 @@ class BlockPlan:
         return tuple(out)
 
 
-def _block(i: int, norm: str) -> BlockPlan:
-    b, x, h, z = block_name(i), stream_into(i), mid_name(i), block_name(i)
+def _block(i: int, norm: str, first: str = EMBEDDING, *, norm_kind: str = "rms", ffn_kind: str = "swiglu",
+           attention: str = "rope", bias: bool = False) -> BlockPlan:
+    b, x, h, z = block_name(i), stream_into(i, first), mid_name(i), block_name(i)
     attn, ffn, ln1, ln2 = f"{b}.attn", f"{b}.ffn", f"{b}.ln1", f"{b}.ln2"
+
+    def norm_step(module, reads, writes, branch):  # LayerNorm has a bias iff the model has biases
+        return Step("norm", module, reads, writes, branch, norm_kind, bias and norm_kind == "layer")
+
+    def attn_step(reads):
+        return Step("attention", attn, reads, (attn,), "attn", attention, bias)
+
+    def ffn_step(reads):
+        return Step("ffn", ffn, reads, (ffn,), "ffn", ffn_kind, bias)
+
     if norm == "pre":
-        steps = (Step("norm", ln1, (x,), (ln1,), "attn"),
-                 Step("attention", attn, (ln1,), (attn,), "attn"),
+        steps = (norm_step(ln1, (x,), (ln1,), "attn"),
+                 attn_step((ln1,)),
                  Step("add", h, (x, attn), (h,), "attn"),
-                 Step("norm", ln2, (h,), (ln2,), "ffn"),
-                 Step("ffn", ffn, (ln2,), (ffn,), "ffn"),
+                 norm_step(ln2, (h,), (ln2,), "ffn"),
+                 ffn_step((ln2,)),
                  Step("add", b, (h, ffn), (z,), "ffn"))
     elif norm == "post":
         s1, s2 = f"{x}+{attn}", f"{h}+{ffn}"
-        steps = (Step("attention", attn, (x,), (attn,), "attn"),
+        steps = (attn_step((x,)),
                  Step("add", b, (x, attn), (s1,), "attn"),
-                 Step("norm", ln1, (s1,), (ln1, h), "attn"),
-                 Step("ffn", ffn, (h,), (ffn,), "ffn"),
+                 norm_step(ln1, (s1,), (ln1, h), "attn"),
+                 ffn_step((h,)),
                  Step("add", b, (h, ffn), (s2,), "ffn"),
-                 Step("norm", ln2, (s2,), (ln2, z), "ffn"))
+                 norm_step(ln2, (s2,), (ln2, z), "ffn"))
     elif norm == "none":
-        steps = (Step("attention", attn, (x,), (attn,), "attn"),
+        steps = (attn_step((x,)),
                  Step("add", h, (x, attn), (h,), "attn"),
-                 Step("ffn", ffn, (h,), (ffn,), "ffn"),
+                 ffn_step((h,)),
                  Step("add", b, (h, ffn), (z,), "ffn"))
     else:
         raise ConfigError(f"norm={norm!r}: must be 'pre', 'post' or 'none'")
@@ -190,23 +216,35 @@ def _block(i: int, norm: str) -> BlockPlan:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """The dataflow of a TransformerLM: ``embedding`` -> ``blocks`` -> ``final_norm`` (None
-    unless pre-norm) -> ``head``. Built by :func:`build`."""
+    """The dataflow of a TransformerLM: ``embedding`` [+ ``positions`` -> ``input``] -> ``blocks``
+    -> ``final_norm`` (None unless pre-norm) -> ``head``. Built by :func:`build`.
+
+    ``positions`` is the learned position table's module (None unless ``positions="learned"``);
+    ``input`` is the residual point block 0 reads: the token embedding's output, or with learned
+    positions the Tap ``resid_in`` that marks token + position embeddings.
+    """
 
     config: ModelConfig
     blocks: tuple[BlockPlan, ...]
     embedding: str = EMBEDDING
     final_norm: str | None = None
     head: str = HEAD
+    positions: str | None = None
+    input: str = EMBEDDING
+
+    @property
+    def norm_kind(self) -> str:
+        """The kind of every norm of the model, ``final_norm`` included: "rms" or "layer"."""
+        return self.config.norm_kind
 
     def residual_points(self) -> tuple[str, ...]:
-        """The names on the residual stream in order: the embedding output, then per block its
+        """The names on the residual stream in order: the input of block 0, then per block its
         mid point ``layers.i.resid_mid`` and its output ``layers.i``."""
-        return (self.embedding,) + tuple(n for b in self.blocks for n in (b.mid, b.output))
+        return (self.input,) + tuple(n for b in self.blocks for n in (b.mid, b.output))
 
     def block_outputs(self) -> tuple[str, ...]:
-        """The embedding output and every block's output: the stream between blocks."""
-        return (self.embedding,) + tuple(b.output for b in self.blocks)
+        """The input of block 0 and every block's output: the stream between blocks."""
+        return (self.input,) + tuple(b.output for b in self.blocks)
 
     def branches(self) -> tuple[Branch, ...]:
         """Every attention and FFN branch in order."""
@@ -226,6 +264,9 @@ class ModelPlan:
     def describe(self) -> str:
         """The plan as text, one line per step: ``module: kind(reads) -> writes``."""
         lines = [f"{self.embedding}: embedding(token_ids) -> {self.embedding}"]
+        if self.positions:
+            lines += [f"{self.positions}: embedding(positions) -> {self.positions}",
+                      f"{self.input}: add({self.embedding}, {self.positions}) -> {self.input}"]
         for b in self.blocks:
             for s in b.steps:
                 lines.append(f"{s.module}: {s.kind}({', '.join(s.reads)}) -> {' = '.join(s.writes)}")
@@ -242,7 +283,7 @@ class ModelPlan:
         """The named modules the plan runs, in the order they finish (as forward hooks fire): each
         step's module, the ``resid_mid`` Tap where it marks a step's output, then the block itself
         (a residual add no Tap marks is computed in the block's own forward)."""
-        out = [self.embedding]
+        out = [self.embedding] + ([self.positions, self.input] if self.positions else [])
         for b in self.blocks:
             for s in b.steps:
                 if s.module != b.name:
@@ -259,5 +300,10 @@ def build(config: ModelConfig) -> ModelPlan:
     """The plan of ``TransformerLM(config)``: which steps run, in which modules, on which tensors."""
     if not isinstance(config, ModelConfig):
         raise ConfigError(f"config={type(config).__name__}: pass a tinylm.ModelConfig (model.config)")
-    blocks = tuple(_block(i, config.norm) for i in range(config.num_layers))
-    return ModelPlan(config, blocks, final_norm=FINAL_NORM if config.norm == "pre" else None)
+    learned = config.positions == "learned"
+    first = RESID_IN if learned else EMBEDDING
+    blocks = tuple(_block(i, config.norm, first, norm_kind=config.norm_kind, ffn_kind=config.ffn,
+                          attention="rope" if config.rope else "nope", bias=config.bias)
+                   for i in range(config.num_layers))
+    return ModelPlan(config, blocks, final_norm=FINAL_NORM if config.norm == "pre" else None,
+                     positions=POSITIONS if learned else None, input=first)

@@ -47,7 +47,8 @@ __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats
 #: output of its ``w1``) is counted there; a unit whose inputs all sit there is dead.
 FLAT_EDGE = -6.0
 
-_TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden"}
+_TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden",
+              "resid_in": "embedding"}  # token + learned position embeddings: the stream at depth 0
 _CAUSAL_KINDS = ("attn_scores", "attn_probs")
 
 
@@ -73,7 +74,7 @@ def instrument_points(model: nn.Module) -> dict[str, str]:
         elif tiny and isinstance(mod, tinylm.MultiHeadSelfAttention):
             points[name] = "attn_branch"
             points[f"{name}.heads"] = "attn_heads"  # output_proj's input: the heads, concatenated
-        elif tiny and isinstance(mod, (tinylm.SwiGLU, tinylm.SiLUFFN)):
+        elif tiny and isinstance(mod, (tinylm.SwiGLU, tinylm.MLP)):
             points[name] = "ffn_branch"
         elif any(True for _ in mod.parameters(recurse=False)):
             if isinstance(mod, (tinylm.Embedding, nn.Embedding)):
@@ -243,8 +244,9 @@ class ProbeRun:
         self._normb: dict[str, Tensor] = {}
         self._flat: dict[str, Tensor] = {}
         self._tinylm = _is_tinylm(model)
-        #: the SiLU gate inputs (``w1`` of each tinylm SwiGLU / SiLUFFN), counted in the flat region
-        self._gates = {f"{n}.w1" for n, m in model.named_modules() if isinstance(m, (tinylm.SwiGLU, tinylm.SiLUFFN))}
+        #: the SiLU gate inputs (``w1`` of each tinylm SwiGLU / SiLU MLP), counted in the flat region
+        self._gates = {f"{n}.w1" for n, m in model.named_modules()
+                       if isinstance(m, tinylm.SwiGLU) or (isinstance(m, tinylm.MLP) and m.activation == "silu")}
         #: reduces the hooks' tensors; one that reaches two hooks back to back is read once
         self.reducer = Reducer()
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
