@@ -52,7 +52,8 @@ def build(arch: str, context: int, tied: bool):
                                        rms_norm_eps=1e-5, tie_word_embeddings=tied)
         return transformers.LlamaForCausalLM(cfg)
     cfg = transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=context,
-                                  bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied)
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  tie_word_embeddings=tied)
     return transformers.GPT2LMHeadModel(cfg)
 
 

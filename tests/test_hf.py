@@ -70,7 +70,8 @@ def hf_llama(tmp_path: Path, name: str = "llama", **changes) -> tuple[torch.nn.M
 
 
 def hf_gpt2(tmp_path: Path, name: str = "gpt2", **changes) -> tuple[torch.nn.Module, Path]:
-    kw = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=T, bos_token_id=0, eos_token_id=0)
+    kw = dict(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=T, bos_token_id=0, eos_token_id=0,
+              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     kw.update(changes)
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -231,6 +232,13 @@ def test_llama_configs_that_do_not_map_exactly_are_refused(tmp_path, changes, ph
     assert phrase in str(e.value) and "\n" not in str(e.value)
 
 
+def test_llama_with_every_bias_maps_exactly(tmp_path):
+    theirs, path = hf_llama(tmp_path, attention_bias=True, mlp_bias=True)
+    ours, _ = hf.load(path)
+    assert ours.config.bias and ours.layers[0].attn.q_proj.bias is not None
+    assert_same_function(ours.train(), theirs.train())
+
+
 def test_mistral_without_a_window_maps_exactly(tmp_path):
     theirs, path = hf_llama(tmp_path)
     edit_config(path, model_type="mistral", sliding_window=None)
@@ -304,7 +312,11 @@ def test_pytorch_bin_is_read_without_executing_code(tmp_path):
     ({"norm": "post"}, "norm='post'"),
     ({"norm": "none"}, "norm='none'"),
     ({"ffn": "silu"}, "ffn='silu'"),
-    ({"rope": False}, "rope=False"),
+    ({"positions": "none"}, "positions='none'"),
+    ({"positions": "learned"}, "positions='learned'"),
+    ({"norm_kind": "layer", "ffn": "swiglu", "positions": "learned", "bias": True}, "ffn='swiglu'"),
+    ({"norm_kind": "layer", "ffn": "gelu_tanh", "positions": "learned", "bias": False}, "bias=False"),
+    ({"norm_kind": "layer", "ffn": "gelu_tanh", "positions": "rope", "bias": True}, "positions='rope'"),
 ])
 def test_export_refuses_configs_with_no_hf_equivalent(tmp_path, changes, phrase):
     config = tinylm.ModelConfig(vocab_size=V, context_length=T, d_model=D, num_layers=L, num_heads=H, d_ff=FF,
@@ -375,6 +387,26 @@ def test_gpt2_logits_and_every_gradient_match_transformers(tmp_path, tied):
     assert (c.norm_kind, c.ffn, c.positions, c.bias, c.tie_embeddings) == ("layer", "gelu_tanh", "learned", True, tied)
     assert c.eps == 1e-6 and c.context_length == T and c.d_ff == 4 * D
     assert_same_function(ours.train(), theirs.train())
+
+
+@needs_gpt2_family
+def test_untransposed_conv1d_weights_are_caught():
+    """Negative control: GPT-2's Conv1D weights (in, out) copied without the transpose (square
+    c_proj matrices load without a shape error) give logits far outside REL."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        theirs = randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=T, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))).eval()
+    config = hf.config_from_hf(theirs.config.to_dict())
+    state = hf.from_hf_state(theirs.state_dict(), config)
+    ours = tinylm.TransformerLM(config)
+    ours.load_state_dict(state)
+    assert rel(ours.eval()(TOKENS), theirs(TOKENS).logits) <= REL
+    for i in range(L):
+        state[f"layers.{i}.attn.output_proj.weight"] = theirs.state_dict()[f"transformer.h.{i}.attn.c_proj.weight"]
+    ours.load_state_dict(state)
+    assert rel(ours(TOKENS), theirs(TOKENS).logits) > 100 * REL
 
 
 @needs_gpt2_family

@@ -94,6 +94,13 @@ class _Family:
     tied_key: str  # the HF key of the output matrix (absent, or equal to the embedding, when tied)
 
 
+def _tie(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    """A tinylm state dict as ``TransformerLM.state_dict()`` has it: a tied lm_head is the embedding."""
+    if c.tie_embeddings:
+        state["lm_head.weight"] = state["token_embeddings.weight"]
+    return state
+
+
 def _refuse(field: str, value: Any, why: str) -> MappingError:
     return MappingError(f"{field}={value!r}: {why}")
 
@@ -155,9 +162,11 @@ def _llama_config(cfg: dict[str, Any]) -> ModelConfig:
     if head_dim is not None and (d % heads or head_dim != d // heads):
         raise _refuse("head_dim", head_dim, f"differs from hidden_size/num_attention_heads={d}/{heads}; tinylm's "
                       "head width is d_model/num_heads")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise _refuse(flag, cfg[flag], "tinylm's Llama-family projections have no bias")
+    attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        flag = "attention_bias" if attention_bias else "mlp_bias"
+        raise _refuse(flag, True, "tinylm's bias switch gives the attention and the MLP projections biases together; "
+                      "only attention_bias == mlp_bias maps")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise _refuse("hidden_act", act, "tinylm's SwiGLU gates with silu")
@@ -169,18 +178,26 @@ def _llama_config(cfg: dict[str, Any]) -> ModelConfig:
         vocab_size=_field(cfg, "vocab_size"), context_length=_field(cfg, "max_position_embeddings"), d_model=d,
         num_layers=_field(cfg, "num_hidden_layers"), num_heads=heads, d_ff=_field(cfg, "intermediate_size"),
         rope_theta=_llama_theta(cfg), eps=float(_field(cfg, "rms_norm_eps", float)) if "rms_norm_eps" in cfg else 1e-6,
-        norm="pre", ffn="swiglu", rope=True, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        norm="pre", norm_kind="rms", ffn="swiglu", positions="rope", bias=attention_bias,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def _require(c: ModelConfig, arch: str, **wanted: Any) -> None:
+    """Each field of ``c`` as ``arch`` has it, else a MappingError naming the first that differs."""
+    why = {
+        "norm": f"Hugging Face {arch} is pre-norm",
+        "ffn": f"Hugging Face {arch}'s MLP is {'SwiGLU (gate, up, down)' if arch == 'Llama' else 'non-gated'}",
+        "positions": f"Hugging Face {arch} {'rotates q and k (RoPE)' if arch == 'Llama' else 'adds learned positions'}",
+        "bias": f"Hugging Face {arch} has biases on every projection and LayerNorm",
+    }
+    for name, allowed in wanted.items():
+        value = getattr(c, name)
+        if value not in allowed:
+            raise _refuse(name, value, f"{why[name]}; this model has no Hugging Face equivalent")
 
 
 def _llama_hf_config(c: ModelConfig) -> dict[str, Any]:
-    if c.norm != "pre":
-        raise _refuse("norm", c.norm, "Hugging Face Llama is pre-norm; this model has no Hugging Face equivalent")
-    if c.ffn != "swiglu":
-        raise _refuse("ffn", c.ffn, "Hugging Face Llama's MLP is SwiGLU (gate, up, down); this model has no "
-                      "Hugging Face equivalent")
-    if not c.rope:
-        raise _refuse("rope", c.rope, "Hugging Face Llama rotates q and k (RoPE); a NoPE model has no Hugging Face "
-                      "equivalent")
+    _require(c, "Llama", norm=("pre",), ffn=("swiglu",), positions=("rope",))
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
@@ -188,49 +205,133 @@ def _llama_hf_config(c: ModelConfig) -> dict[str, Any]:
         "head_dim": c.head_dim, "hidden_act": "silu", "max_position_embeddings": c.context_length,
         "rms_norm_eps": c.eps, "rope_theta": c.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "tie_word_embeddings": c.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": c.tie_embeddings, "attention_bias": c.bias, "mlp_bias": c.bias,
         "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
     }
 
 
-# tinylm key in block i -> HF key in block i, and whether q/k rows are permuted (RoPE pairing)
-_LLAMA_BLOCK = {
-    "ln1.weight": ("input_layernorm.weight", False),
-    "attn.q_proj.weight": ("self_attn.q_proj.weight", True),
-    "attn.k_proj.weight": ("self_attn.k_proj.weight", True),
-    "attn.v_proj.weight": ("self_attn.v_proj.weight", False),
-    "attn.output_proj.weight": ("self_attn.o_proj.weight", False),
-    "ln2.weight": ("post_attention_layernorm.weight", False),
-    "ffn.w1.weight": ("mlp.gate_proj.weight", False),
-    "ffn.w3.weight": ("mlp.up_proj.weight", False),
-    "ffn.w2.weight": ("mlp.down_proj.weight", False),
-}
-_LLAMA_TOP = {"token_embeddings.weight": "model.embed_tokens.weight", "ln_final.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight"}
+# tinylm name in block i -> (HF name in block i, q/k rows permuted for the RoPE pairing); weights and biases
+_LLAMA_NORMS = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
+_LLAMA_LINEARS = {"attn.q_proj": ("self_attn.q_proj", True), "attn.k_proj": ("self_attn.k_proj", True),
+                  "attn.v_proj": ("self_attn.v_proj", False), "attn.output_proj": ("self_attn.o_proj", False),
+                  "ffn.w1": ("mlp.gate_proj", False), "ffn.w3": ("mlp.up_proj", False),
+                  "ffn.w2": ("mlp.down_proj", False)}
 
 
 def _llama_keys(c: ModelConfig) -> list[tuple[str, str, bool]]:
     """(tinylm key, HF key, permuted) for every tensor; lm_head left out when tied."""
-    keys = [(k, h, False) for k, h in _LLAMA_TOP.items() if not (c.tie_embeddings and k == "lm_head.weight")]
+    keys = [("token_embeddings.weight", "model.embed_tokens.weight", False),
+            ("ln_final.weight", "model.norm.weight", False)]
+    if not c.tie_embeddings:
+        keys.append(("lm_head.weight", "lm_head.weight", False))
     for i in range(c.num_layers):
-        keys += [(f"layers.{i}.{k}", f"model.layers.{i}.{h}", p) for k, (h, p) in _LLAMA_BLOCK.items()]
+        t, h = f"layers.{i}.", f"model.layers.{i}."
+        keys += [(f"{t}{k}.weight", f"{h}{v}.weight", False) for k, v in _LLAMA_NORMS.items()]
+        params = ("weight", "bias") if c.bias else ("weight",)
+        keys += [(f"{t}{k}.{p}", f"{h}{v}.{p}", perm) for k, (v, perm) in _LLAMA_LINEARS.items() for p in params]
     return keys
 
 
 def _llama_from_hf(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
     perm = rope_permutation(c.d_model, c.num_heads)
-    return {k: state[h][perm] if p else state[h] for k, h, p in _llama_keys(c) if h in state}
+    return _tie({k: state[h][perm] if p else state[h] for k, h, p in _llama_keys(c)}, c)
 
 
 def _llama_to_hf(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
     inverse = torch.argsort(rope_permutation(c.d_model, c.num_heads))
-    return {h: state[k][inverse] if p else state[k] for k, h, p in _llama_keys(c) if k in state}
+    return {h: state[k][inverse] if p else state[k] for k, h, p in _llama_keys(c)}
 
 
 _LLAMA = _Family("Llama", ("llama", "mistral"), _llama_config, _llama_hf_config, _llama_from_hf, _llama_to_hf,
                  re.compile(r"(^|\.)rotary_emb\.inv_freq$"), "model.embed_tokens.weight", "lm_head.weight")
 
-_FAMILIES = (_LLAMA,)
+
+# ---- GPT-2
+
+#: HF activation_function -> tinylm ffn (gelu_new and gelu_pytorch_tanh are the same tanh formula)
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+                     "silu": "silu", "swish": "silu"}
+_GPT2_ACTIVATION_OF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+
+
+def _gpt2_config(cfg: dict[str, Any]) -> ModelConfig:
+    for flag, why in (("scale_attn_by_inverse_layer_idx", "scales layer i's scores by 1/(i+1) as well"),
+                      ("add_cross_attention", "adds cross-attention to an encoder")):
+        if cfg.get(flag, False):
+            raise _refuse(flag, cfg[flag], f"{why}; tinylm's attention does not")
+    if not cfg.get("scale_attn_weights", True):
+        raise _refuse("scale_attn_weights", cfg["scale_attn_weights"], "tinylm scales the scores by 1/sqrt(d_k)")
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACTIVATIONS:
+        raise _refuse("activation_function", act, f"tinylm's MLP activations are {', '.join(_GPT2_ACTIVATIONS)}")
+    d = _field(cfg, "n_embd")
+    inner = cfg.get("n_inner")
+    return _model_config(
+        vocab_size=_field(cfg, "vocab_size"), context_length=_field(cfg, "n_positions"), d_model=d,
+        num_layers=_field(cfg, "n_layer"), num_heads=_field(cfg, "n_head"),
+        d_ff=4 * d if inner is None else _field(cfg, "n_inner"),
+        eps=float(_field(cfg, "layer_norm_epsilon", float)) if "layer_norm_epsilon" in cfg else 1e-5,
+        norm="pre", norm_kind="layer", ffn=_GPT2_ACTIVATIONS[act], positions="learned", bias=True,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)), init="gpt2")
+
+
+def _gpt2_hf_config(c: ModelConfig) -> dict[str, Any]:
+    _require(c, "GPT-2", norm=("pre",), ffn=tuple(_GPT2_ACTIVATION_OF), positions=("learned",), bias=(True,))
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": c.vocab_size, "n_positions": c.context_length, "n_embd": c.d_model, "n_layer": c.num_layers,
+        "n_head": c.num_heads, "n_inner": c.d_ff, "activation_function": _GPT2_ACTIVATION_OF[c.ffn],
+        "layer_norm_epsilon": c.eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": c.tie_embeddings, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    }
+
+
+# HF GPT-2's Conv1D stores a weight as (in, out), y = x W + b: tinylm's Linear weight (out, in) is its transpose.
+# c_attn fuses q, k and v along its output dimension: W = [W_q | W_k | W_v] (in, 3 d).
+_GPT2_NORMS = {"ln1": "ln_1", "ln2": "ln_2"}
+_GPT2_LINEARS = {"attn.output_proj": "attn.c_proj", "ffn.w1": "mlp.c_fc", "ffn.w2": "mlp.c_proj"}
+_GPT2_TOP = {"token_embeddings.weight": "transformer.wte.weight", "position_embeddings.weight": "transformer.wpe.weight",
+             "ln_final.weight": "transformer.ln_f.weight", "ln_final.bias": "transformer.ln_f.bias"}
+
+
+def _gpt2_from_hf(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    out = {k: state[h] for k, h in _GPT2_TOP.items()}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(c.num_layers):
+        t, h = f"layers.{i}.", f"transformer.h.{i}."
+        for k, v in _GPT2_NORMS.items():
+            out[f"{t}{k}.weight"], out[f"{t}{k}.bias"] = state[f"{h}{v}.weight"], state[f"{h}{v}.bias"]
+        qkv_w = state[f"{h}attn.c_attn.weight"].t().chunk(3, dim=0)  # 3 x (d, d), (out, in)
+        qkv_b = state[f"{h}attn.c_attn.bias"].chunk(3)  # 3 x (d,)
+        for name, w, b in zip(("q_proj", "k_proj", "v_proj"), qkv_w, qkv_b):
+            out[f"{t}attn.{name}.weight"], out[f"{t}attn.{name}.bias"] = w, b
+        for k, v in _GPT2_LINEARS.items():
+            out[f"{t}{k}.weight"], out[f"{t}{k}.bias"] = state[f"{h}{v}.weight"].t(), state[f"{h}{v}.bias"]
+    return _tie(out, c)
+
+
+def _gpt2_to_hf(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    out = {h: state[k] for k, h in _GPT2_TOP.items()}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(c.num_layers):
+        t, h = f"layers.{i}.", f"transformer.h.{i}."
+        for k, v in _GPT2_NORMS.items():
+            out[f"{h}{v}.weight"], out[f"{h}{v}.bias"] = state[f"{t}{k}.weight"], state[f"{t}{k}.bias"]
+        names = [f"{t}attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]
+        out[f"{h}attn.c_attn.weight"] = torch.cat([state[n + ".weight"] for n in names], dim=0).t()  # (d, 3 d)
+        out[f"{h}attn.c_attn.bias"] = torch.cat([state[n + ".bias"] for n in names])
+        for k, v in _GPT2_LINEARS.items():
+            out[f"{h}{v}.weight"], out[f"{h}{v}.bias"] = state[f"{t}{k}.weight"].t(), state[f"{t}{k}.bias"]
+    return out
+
+
+_GPT2 = _Family("GPT-2", ("gpt2",), _gpt2_config, _gpt2_hf_config, _gpt2_from_hf, _gpt2_to_hf,
+                re.compile(r"\.attn\.(masked_)?bias$"), "transformer.wte.weight", "lm_head.weight")
+
+_FAMILIES = (_LLAMA, _GPT2)
 MAPPED_MODEL_TYPES = tuple(t for f in _FAMILIES for t in f.model_types)
 
 
@@ -244,7 +345,8 @@ def _family_of_hf(cfg: dict[str, Any]) -> _Family:
 
 
 def _family_of(config: ModelConfig) -> _Family:
-    return _LLAMA
+    """The Hugging Face layout a tinylm config is written in: GPT-2 for LayerNorm models, Llama otherwise."""
+    return _GPT2 if config.norm_kind == "layer" else _LLAMA
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -262,9 +364,11 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 
 def from_hf_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """A Hugging Face state dict (or any dict of tensors under HF names, e.g. gradients) under
-    tinylm's names; the q/k rows of a Llama are permuted by :func:`rope_permutation`. Keys that are
-    not HF names of ``config``'s model are left out."""
+    """A Hugging Face state dict (or any complete dict of tensors under HF names) under tinylm's
+    names, as ``TransformerLM(config).state_dict()`` has them (a tied lm_head is the embedding):
+    a Llama's q/k rows permuted by :func:`rope_permutation`, GPT-2's Conv1D weights transposed
+    and its fused c_attn split into q, k and v. Keys that are not HF names of ``config``'s model
+    (derived buffers) are not read."""
     return _family_of(config).from_hf(state, config)
 
 
@@ -443,8 +547,6 @@ def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
             raise CheckpointError(f"{root}: config.json ties the embeddings but {fam.tied_key} differs from "
                                   f"{fam.embed_key}; set tie_word_embeddings to false or save the model again")
     ours = fam.from_hf(state, config)
-    if config.tie_embeddings:
-        ours["lm_head.weight"] = ours["token_embeddings.weight"]
     emb = ours["token_embeddings.weight"]
     model = TransformerLM(config, device="meta", dtype=emb.dtype if emb.is_floating_point() else torch.float32)
     _validate_state(model, ours, str(root))
