@@ -2,9 +2,9 @@
 
 ``tinylm export --hf DIR [CHECKPOINT]``: the checkpoint's model (any file ``diagnose``
 reads), or with no checkpoint a freshly initialised ``--preset`` model, written in the
-Llama layout (the CS336 configuration: pre-norm RMSNorm, SwiGLU, RoPE). A configuration
-with no Hugging Face equivalent (post-norm, no norm, SiLU FFN, NoPE) is refused with the
-reason. Exit codes: 0 written, 2 bad input or usage (a refused configuration, a non-empty
+Llama layout (the CS336 configuration: pre-norm RMSNorm, SwiGLU, RoPE) or the GPT-2 layout
+(the GPT-2 family). A configuration with no Hugging Face equivalent (post-norm, no norm, a
+SiLU FFN with RMSNorm, NoPE) is refused with the reason. Exit codes: 0 written, 2 bad input or usage (a refused configuration, a non-empty
 DIR without ``--force``, DIR being the input), one line on stderr.
 """
 
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write into a non-empty DIR, replacing its config.json and model.safetensors")
     g = p.add_argument_group("fresh model (no CHECKPOINT)")
     g.add_argument("--preset", help=f"model sizes: {', '.join(PRESET_NAMES)} (default tiny)")
-    g.add_argument("--init", help=f"init scheme: {', '.join(SCHEME_NAMES)} (default cs336)")
+    g.add_argument("--init", help=f"init scheme: {', '.join(SCHEME_NAMES)} (default: the preset's own)")
     g.add_argument("--seed", type=int, default=0, help="seed of the init draws (default 0)")
     g = p.add_argument_group("checkpoint without a config")
     g.add_argument("--num-heads", type=positive_int, help="attention heads")
@@ -52,7 +52,8 @@ def check(args: argparse.Namespace) -> None:
         raise UsageError("--preset and --init build a fresh model; with a CHECKPOINT drop them (or drop the "
                          "CHECKPOINT to export a fresh model)")
     choose("--preset", args.preset or "tiny", PRESET_NAMES, "preset")
-    choose("--init", args.init or "cs336", SCHEME_NAMES, "init scheme")
+    if args.init is not None:
+        choose("--init", args.init, SCHEME_NAMES, "init scheme")
     check_model_path("checkpoint", args.checkpoint)
     out = Path(args.hf)
     if _inside(out, args.checkpoint):
@@ -72,9 +73,10 @@ def run(args: argparse.Namespace) -> int:
 
     check(args)
     if args.checkpoint is None:
-        name, scheme = args.preset or "tiny", args.init or "cs336"
-        model = TransformerLM(preset(name, init=scheme), generator=torch.Generator().manual_seed(args.seed))
-        what = f"fresh {name} preset, {scheme} init, seed {args.seed}"
+        name = args.preset or "tiny"
+        config = preset(name) if args.init is None else preset(name, init=args.init)
+        model = TransformerLM(config, generator=torch.Generator().manual_seed(args.seed))
+        what = f"fresh {name} preset, {config.init} init, seed {args.seed}"
     else:
         source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
                             context_length=args.context_length, command="tinylm export --hf DIR")

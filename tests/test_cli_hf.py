@@ -118,3 +118,17 @@ def test_an_unmapped_architecture_is_handed_over_as_the_transformers_model(tmp_p
     assert type(source.model).__name__ == "GPTNeoXForCausalLM" and source.format == "hf-transformers"
     assert (source.vocab_size, source.context_length, source.fresh) == (256, 16, False)
     assert "read through transformers" in source.description and str(tmp_path / "neox") in source.description
+
+
+def test_export_the_gpt2_family_in_the_gpt2_layout_and_diagnose_it(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "export", "--preset", "gpt2-tiny", "--hf", tmp_path / "g")
+    assert code == 0, err
+    assert "GPT2LMHeadModel" in out
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "g", local_files_only=True)
+    capsys.readouterr()  # transformers' progress bar
+    assert type(theirs).__name__ == "GPT2LMHeadModel"
+    ours, _ = hf.load(tmp_path / "g")
+    assert ours.config == tinylm.preset("gpt2-tiny")
+    code, out, err = run_cli(capsys, "diagnose", tmp_path / "g", *FAST)
+    assert code == 0, err
+    assert "gpt2, mapped exactly onto tinylm" in out

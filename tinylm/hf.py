@@ -24,6 +24,15 @@ pairs of a head's dimensions: Hugging Face rotates (i, i + d_k/2) ("rotate_half"
 each head (:func:`rope_permutation`): tinylm's row h d_k + 2k + j is Hugging Face's row
 h d_k + k + j d_k/2 (j = 0, 1). q_i . k_j is a sum over the same products in another order,
 so both models compute the same function; v, the output projection and everything else are copied.
+``attention_bias`` and ``mlp_bias`` map onto ``bias`` when they agree.
+
+GPT-2 (``model_type`` "gpt2") maps onto tinylm's GPT-2 family: pre-norm LayerNorm with bias,
+a non-gated MLP (``gelu_new`` = tinylm's "gelu_tanh"), learned positions, biases, usually tied
+embeddings. Its ``Conv1D`` layers store weights as (in, out) with y = x W + b, so each is
+transposed, and ``c_attn`` fuses q, k and v along its output: W = [W_q | W_k | W_v].
+
+Writing (:func:`save_pretrained`) picks the GPT-2 layout for a LayerNorm model and the Llama
+layout otherwise, and refuses what neither computes.
 """
 
 from __future__ import annotations
@@ -359,7 +368,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config.json (as a dict) of a tinylm config, or a one-line :class:`MappingError`
-    naming the field with no Hugging Face equivalent (post-norm, no norm, SiLU FFN, NoPE)."""
+    naming the field with no Hugging Face equivalent (post-norm, no norm, a non-gated MLP with
+    RMSNorm, NoPE, a LayerNorm model without biases)."""
     return _family_of(config).to_hf_config(config)
 
 
@@ -598,7 +608,8 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, CheckpointInfo]:
 
 def save_pretrained(model: TransformerLM, path: str | os.PathLike, *, force: bool = False) -> Path:
     """Write ``model`` as a Hugging Face directory (config.json and model.safetensors) that
-    ``transformers`` loads as the same function (Llama layout for the CS336 configuration).
+    ``transformers`` loads as the same function (GPT-2 layout for a LayerNorm model, Llama
+    layout for the CS336 configuration).
 
     A configuration with no Hugging Face equivalent is refused (:class:`MappingError`) before
     anything is written. A directory that exists and is not empty is refused unless ``force``;
