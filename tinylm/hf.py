@@ -56,7 +56,7 @@ from .memory import check_model_fits
 from .model import TransformerLM
 
 __all__ = ["MappingError", "rope_permutation", "config_from_hf", "hf_config", "from_hf_state", "to_hf_state",
-           "load", "load_any", "save_pretrained", "MAPPED_MODEL_TYPES"]
+           "read_config", "load", "load_any", "save_pretrained", "MAPPED_MODEL_TYPES"]
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PYTORCH_BIN, PYTORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -117,11 +117,9 @@ def _refuse(field: str, value: Any, why: str) -> MappingError:
 def _field(cfg: dict[str, Any], name: str, kind: type = int) -> Any:
     value = cfg.get(name)
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise MappingError(f"config.json: {name}={value!r} is not an integer; the file is damaged or not a "
-                           f"{cfg.get('model_type')} config")
+        raise CheckpointError(f"{name}={value!r} is not an integer; config.json is damaged, save the model again")
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise MappingError(f"config.json: {name}={value!r} is not a number; the file is damaged or not a "
-                           f"{cfg.get('model_type')} config")
+        raise CheckpointError(f"{name}={value!r} is not a number; config.json is damaged, save the model again")
     return value
 
 
@@ -529,8 +527,14 @@ def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
     """
     root = _local_dir(path)
     cfg = read_config(root)
-    fam = _family_of_hf(cfg)
-    config = fam.to_config(cfg)
+    try:
+        fam = _family_of_hf(cfg)
+        config = fam.to_config(cfg)
+    except MappingError as e:
+        raise MappingError(f"{root / 'config.json'}: {e} (to measure it anyway, load it with transformers and pass "
+                           "the module to diagnostics.diagnose)") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{root / 'config.json'}: {e}") from None
     fmt, files = _weight_files(root)
     if fmt.startswith("hf-safetensors"):
         headers = {}
