@@ -170,7 +170,7 @@ def test_hf_to_tinylm_to_hf_is_bit_identical(tmp_path):
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
 
 
-@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True, "rope_theta": 123.0, "eps": 1e-6}])
+@pytest.mark.parametrize("changes", [{}, {"tie_embeddings": True, "rope_theta": 123.0, "eps": 1e-6}, {"bias": True}])
 def test_tinylm_to_hf_to_tinylm_is_bit_identical_and_transformers_agrees(tmp_path, changes):
     config = tinylm.ModelConfig(vocab_size=V, context_length=T, d_model=D, num_layers=L, num_heads=H, d_ff=FF,
                                 **changes)
@@ -186,6 +186,18 @@ def test_tinylm_to_hf_to_tinylm_is_bit_identical_and_transformers_agrees(tmp_pat
 
 
 # ----------------------------------------------------------------------------- other layouts
+
+
+def test_bfloat16_weights_keep_their_dtype_and_bits(tmp_path):
+    theirs, _ = hf_llama(tmp_path)
+    theirs.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    ours, _ = hf.load(tmp_path / "bf16")
+    assert ours.token_embeddings.weight.dtype == torch.bfloat16
+    hf.save_pretrained(ours, tmp_path / "back")
+    before, after = directory_tensors(tmp_path / "bf16"), directory_tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    assert all(after[k].dtype == torch.bfloat16 and torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_sharded_safetensors_and_pytorch_bin_load_the_same_weights(tmp_path):
