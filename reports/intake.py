@@ -319,8 +319,8 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None],
     that is an input (whatever ``--force`` says; ``may_replace`` lists the exceptions,
     e.g. ``{"-o": "--resume checkpoint"}`` for a run written back over the checkpoint it
     resumed), an existing file inside an input that is a directory (a save_pretrained
-    directory's config.json or weights), one given twice, a directory, one under a regular file or in a directory
-    that cannot be written, and an existing file of another kind than the flag writes
+    directory's config.json or weights), one given twice, a directory, one under a regular
+    file or in a directory that cannot be written, and an existing file of another kind than the flag writes
     (``--json report.npy`` over a token file). ``force``: for commands whose outputs need
     ``--force`` to replace an existing file (``init``, ``train``), False refuses an
     existing one; None (reports) replaces an existing file of the same kind.
