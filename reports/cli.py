@@ -44,6 +44,7 @@ VERBS = {
     "compare": "compare init schemes side by side over depth",
     "props": "run the property-based numerics suite and summarise it",
     "train": "train a small model while watching per-layer statistics",
+    "export": "write a model as a Hugging Face directory that transformers loads",
 }
 
 #: The presets and init schemes the command line offers, named here so that flags are

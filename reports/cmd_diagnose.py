@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError
-from .intake import (check_device_name, check_input_file, check_outputs, check_suffixes, load_model, measured_tokens,
-                     parse_dtype, positive_int, resolve_device)
+from .intake import (check_device_name, check_input_file, check_model_path, check_outputs, check_suffixes, load_model,
+                     measured_tokens, parse_dtype, positive_int, resolve_device)
 from .progress import progress_bar
 
 # Defaults sized so that the no-argument run (the README Quickstart's main job)
@@ -33,7 +33,8 @@ EXIT_NOT_JUDGED = 5
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT",
-                   help="a tinylm, CS336 (bare or training) state dict, or .safetensors file; "
+                   help="a tinylm, CS336 (bare or training) state dict, or .safetensors file, or a local Hugging "
+                        "Face save_pretrained directory; "
                         "none: a fresh tinystories-preset model (cs336 init, seed 0)")
     g = p.add_argument_group("model (where the checkpoint has no config)")
     g.add_argument("--num-heads", type=positive_int, help="attention heads")
@@ -128,7 +129,7 @@ def check(args: argparse.Namespace) -> None:
     """Every flag that can be checked without torch: inputs exist, outputs are writable and
     of a known kind, the device is spelled right, --seeds suits the model."""
     _check_level(args)  # first: a bare --check before the checkpoint gives the checkpoint back
-    check_input_file("checkpoint", args.checkpoint)
+    check_model_path("checkpoint", args.checkpoint)
     check_input_file("--data", args.data)
     check_outputs(_all_outputs(args), {"checkpoint": args.checkpoint, "--data file": args.data})
     check_suffixes(_outputs(args))

@@ -1,7 +1,8 @@
 """What the ``diagnose`` and ``compare`` commands take in: a model, token batches, output paths.
 
 Nothing the user gave is modified: checkpoints are read only through
-``tinylm.checkpoint.load`` (``weights_only``), token files through
+``tinylm.checkpoint.load`` (``weights_only``), Hugging Face ``save_pretrained``
+directories through ``tinylm.hf.load_any`` (local only, no remote code), token files through
 ``tinylm.data.load_tokens`` (memory-mapped, read-only), and an output path
 that resolves to the checkpoint or the data file is refused before any work.
 """
@@ -32,6 +33,7 @@ __all__ = [
     "check_suffixes",
     "check_device_name",
     "check_input_file",
+    "check_model_path",
     "measured_tokens",
 ]
 
@@ -43,7 +45,7 @@ DTYPES = ("float32", "bfloat16")
 class ModelSource:
     """The model under examination and what is known about where it came from."""
 
-    model: Any  # tinylm.TransformerLM (eval mode)
+    model: Any  # tinylm.TransformerLM (eval mode); a transformers model for an unmapped HF architecture
     description: str  # one line for the report header
     path: str | None = None  # the checkpoint, None for a fresh model
     format: str = "fresh"  # "fresh" or CheckpointInfo.format
@@ -53,6 +55,21 @@ class ModelSource:
     history: Any = None  # a training history stored in the checkpoint, if any
     nonfinite: list[str] = field(default_factory=list)  # parameters holding NaN or inf
     train_data: str | None = None  # the training data the checkpoint recorded (BUILTIN_CORPUS: the built-in one)
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: tinylm's ``config.vocab_size``, or a transformers config's."""
+        return int(self.model.config.vocab_size)
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model takes: tinylm's ``config.context_length``, a transformers
+        config's ``max_position_embeddings`` or ``n_positions``; None where the config says none."""
+        config = self.model.config
+        for name in ("context_length", "max_position_embeddings", "n_positions"):
+            if isinstance(getattr(config, name, None), int):
+                return int(getattr(config, name))
+        return None
 
 
 def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
@@ -133,6 +150,9 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
         model.eval()
         return ModelSource(model, f"fresh {DEFAULT_PRESET} preset, {DEFAULT_INIT} init, seed {seed}",
                            scheme=DEFAULT_INIT)
+    if Path(checkpoint).is_dir():
+        return _load_hf_directory(checkpoint, num_heads=num_heads, rope_theta=rope_theta,
+                                  context_length=context_length, unsafe=unsafe)
     try:
         model, info = ckpt.load(checkpoint, unsafe=unsafe, num_heads=num_heads, rope_theta=rope_theta,
                                 context_length=context_length)
@@ -146,6 +166,27 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
     return ModelSource(model, where, path=str(checkpoint), format=info.format, iteration=info.iteration,
                        fresh=False, history=info.history, nonfinite=list(info.nonfinite),
                        train_data=_recorded_data(info))
+
+
+def _load_hf_directory(directory: str, *, num_heads: int | None, rope_theta: float | None,
+                       context_length: int | None, unsafe: bool) -> ModelSource:
+    """A ``save_pretrained`` directory: a Llama (or GPT-2) as the tinylm model that computes the
+    same function, any other causal LM through transformers (``tinylm.hf.load_any``)."""
+    from tinylm import hf
+
+    flags = [f for f, v in (("--num-heads", num_heads), ("--rope-theta", rope_theta),
+                            ("--context-length", context_length)) if v is not None]
+    if flags:
+        raise UsageError(f"{', '.join(flags)}: {directory} is a save_pretrained directory whose config.json gives "
+                         "the whole config; drop the flag(s)")
+    if unsafe:
+        raise UsageError(f"--unsafe-load: {directory} is a save_pretrained directory, which is always read safely "
+                         "(safetensors, or torch.load with weights_only); drop the flag")
+    model, info = hf.load_any(directory)
+    model_type = info.extra.get("model_type")
+    how = "read through transformers" if info.format == "hf-transformers" else "mapped exactly onto tinylm"
+    return ModelSource(model, f"Hugging Face directory {directory} ({model_type}, {how})", path=str(directory),
+                       format=info.format, fresh=False, nonfinite=list(info.nonfinite))
 
 
 #: what a CS336 TinyStories run uses, offered as the example values of a missing flag
@@ -197,7 +238,7 @@ def measured_tokens(data: str | None, source: ModelSource, seq_len: int) -> tupl
     still there); else uniform random tokens, with a note on what a trained model's loss on
     them means and how to pass real tokens.
     """
-    vocab = source.model.config.vocab_size
+    vocab = source.vocab_size
     if data is not None:
         tokens = load_token_stream(data, vocab, seq_len)
         return tokens, f"{data} ({len(tokens):,} tokens)"
@@ -247,6 +288,11 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.resolve() == b.resolve()
 
 
+def _within(path: Path, directory: Path) -> bool:
+    """``path`` lies somewhere under ``directory`` (both resolved: symlinks, ``..``)."""
+    return directory.resolve() in path.resolve().parents
+
+
 def _kind_of(path: Path) -> str:
     suffix = path.suffix.lower()
     return next((kind for kind, suffixes in _KINDS.items() if suffix in suffixes), "other")
@@ -272,8 +318,9 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None],
     by file identity. Refused, each with a one-line UsageError naming the flag: an output
     that is an input (whatever ``--force`` says; ``may_replace`` lists the exceptions,
     e.g. ``{"-o": "--resume checkpoint"}`` for a run written back over the checkpoint it
-    resumed), one given twice, a directory, one under a regular file or in a directory
-    that cannot be written, and an existing file of another kind than the flag writes
+    resumed), an existing file inside an input that is a directory (a save_pretrained
+    directory's config.json or weights), one given twice, a directory, one under a regular
+    file or in a directory that cannot be written, and an existing file of another kind than the flag writes
     (``--json report.npy`` over a token file). ``force``: for commands whose outputs need
     ``--force`` to replace an existing file (``init``, ``train``), False refuses an
     existing one; None (reports) replaces an existing file of the same kind.
@@ -287,6 +334,10 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None],
         for name, src in inputs.items():
             if src is not None and _same_file(path, Path(src)) and allowed.get(flag) != name:
                 raise UsageError(f"{flag} {value} is the {name} itself; choose another output path "
+                                 "(inputs are never overwritten, even with --force)")
+        for name, src in inputs.items():
+            if src is not None and Path(src).is_dir() and path.exists() and _within(path, Path(src)):
+                raise UsageError(f"{flag} {value} is a file inside the {name} directory; choose another output path "
                                  "(inputs are never overwritten, even with --force)")
         if path.is_dir():
             raise UsageError(f"{flag} {value} is a directory; give a file name such as "
@@ -329,6 +380,32 @@ def check_suffixes(outputs: dict[str, str | None]) -> None:
             kinds = " or ".join(s[1:].upper() for s in allowed)
             raise UsageError(f"{flag} {value}: {flag} writes {kinds}, chosen by the suffix; give a path ending in "
                              f"{' or '.join(allowed)}, e.g. {path.with_suffix(allowed[0])}")
+
+
+#: a name the Hugging Face hub would resolve ("gpt2", "meta-llama/Llama-3.2-1B"): owner/name, no suffix of a file
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_model_path(flag: str, value: str | None) -> None:
+    """A model input (``diagnose CHECKPOINT``, ``export CHECKPOINT``): an existing readable file, or a
+    directory with a config.json (a Hugging Face ``save_pretrained`` directory), checked before torch
+    is imported. A path that does not exist and reads like a hub name is told that tinylm reads only
+    local directories (it never downloads)."""
+    if value is None:
+        return
+    path = Path(value)
+    if not path.exists() and _HUB_NAME.fullmatch(value) and path.suffix.lower() not in _KINDS["checkpoint"]:
+        raise UsageError(f"{value}: no such file or directory; tinylm reads only local save_pretrained directories "
+                         "and never downloads (a hub name is not read): fetch the model yourself and pass its directory")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"{flag} {value}: is a directory without config.json; pass the checkpoint file inside it, "
+                             "or a save_pretrained directory")
+        if not os.access(path / "config.json", os.R_OK):
+            raise UsageError(f"{flag} {value}: its config.json is not readable (permission denied); fix its "
+                             "permissions (chmod u+r)")
+        return
+    check_input_file(flag, value)
 
 
 def check_input_file(flag: str, value: str | None) -> None:
