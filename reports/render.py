@@ -107,7 +107,7 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
                      f"{h.batch_size} x {h.seq_len}; {ctx.data or h.token_source}")
     seeds = f"seed {h.seed}" if h.seeds == 1 else f"seeds {h.seed}..{h.seed + h.seeds - 1}"
     init = f", init {h.init}" if h.init else ""
-    rules = " (forward: token-kernel theory; backward: independent-token rules)" if _uses_kernel(result) else ""
+    rules = _theories(result)
     if h.theory == "off":
         _kv(t, "theory", f"off: measurement only, no predictions{init}; {seeds}")
     else:
@@ -136,9 +136,21 @@ def _interval_scope(header: Any) -> str:
     return scope(header)
 
 
-def _uses_kernel(result: Any) -> bool:
-    """Whether any prediction was made by the token-kernel theory (its rules start with "kernel")."""
-    return any(getattr(r, "rule", "").startswith("kernel") for r in result.tensors)
+def _uses_kernel(result: Any, direction: str | None = None) -> bool:
+    """Whether any prediction (of ``direction``, or either) was made by the token-kernel theory (its
+    rules start with "kernel")."""
+    return any(getattr(r, "rule", "").startswith("kernel") for r in result.tensors
+               if direction is None or r.direction == direction)
+
+
+def _theories(result: Any) -> str:
+    """" (forward: ...; backward: ...)": which theory made each direction's predictions, when a kernel
+    theory made any ("" otherwise)."""
+    if not _uses_kernel(result):
+        return ""
+    names = {True: "token-kernel theory", False: "independent-token rules"}
+    return (f" (forward: {names[_uses_kernel(result, 'forward')]}; "
+            f"backward: {names[_uses_kernel(result, 'backward')]})")
 
 
 #: words of each cause a finding can name (diagnostics.judge.verdicts.CAUSES, repeated here so that

@@ -27,6 +27,7 @@ from ..measure.moments import ProbeStats
 from ..options import OptionsError
 from .independent import ce_grad_mean_square, independent_predictions, silu_moments, softmax_moments
 from .prediction import Prediction, no_variance_left
+from . import backkernel
 from .backkernel import BackwardKernel, backward_kernel, cached_backward_kernel
 from .tokenkernel import KernelTheory, cached_kernel_theory, kernel_theory, token_coincidence
 
@@ -60,7 +61,8 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
     keeps the independent-token rules for every prediction. ``backward`` (default: as
     ``forward``): "kernel" takes the gradient predictions from the backward kernel
     (:func:`.backkernel.cached_backward_kernel`, which walks the forward kernels of the same
-    config), keeping the independent-token ones in ``Prediction.independent``; where the
+    config), keeping the independent-token ones in ``Prediction.independent``, for the configurations and
+    lengths it covers (:func:`.backkernel.not_covered`; the others keep the independent-token rules); where the
     cross-entropy rule's premise fails (``softmax=``) every backward kernel prediction is
     outside validity with that reason. ``coincidence``: the (T, T)
     fraction of sequences holding the same token at positions s and t
@@ -96,7 +98,7 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
         out = independent_predictions(model, mode, stats, seq_len=seq_len, tokens=tokens, scheme=scheme,
                                       softmax=softmax)
         bk = None
-        if mode == "global" and backward == "kernel":
+        if mode == "global" and backward == "kernel" and backkernel.not_covered(model.config, int(seq_len)) is None:
             bk = cached_backward_kernel(model.config, int(seq_len), tokens=float(tokens), scheme=scheme,
                                         coincidence=coincidence)
         if mode == "global" and forward == "kernel":

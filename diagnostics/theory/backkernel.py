@@ -80,7 +80,29 @@ from . import tokenkernel
 from .tokenkernel import (KernelTheory, _gauss_hermite, _rope_tables, _sqrt_factor, attention_samples,
                           silu_cross_moment)
 
-__all__ = ["BackwardKernel", "backward_kernel", "cached_backward_kernel", "norm_backward", "dsilu_cross_moment"]
+__all__ = ["BackwardKernel", "backward_kernel", "cached_backward_kernel", "norm_backward", "dsilu_cross_moment",
+           "not_covered", "MAX_SEQ_LEN"]
+
+#: the longest sequence the backward kernel is computed for by :func:`.predict`: its attention products
+#: grow as T^3 (gpt2-small: 4.6 s at T 256, 15.9 s at T 512 beside the forward walk's 1.3 and 3.8 s, on
+#: the 2-core VM), so at a model's full context of 1024 it would cost more than the measurement it sits
+#: beside; longer sequences keep the independent-token rules for their gradients
+MAX_SEQ_LEN = 512
+
+
+def not_covered(config: tinylm.ModelConfig, seq_len: int) -> str | None:
+    """Why the backward kernel does not describe ``config`` at ``seq_len`` (None: it does). Its rules are
+    RMSNorm's Jacobian and the SwiGLU/SiLU derivatives without biases; LayerNorm, the GELU/ReLU MLPs and
+    biases have forward kernel rules but no backward ones yet."""
+    if config.norm_kind != "rms":
+        return f"norm_kind={config.norm_kind!r}: the backward kernel has RMSNorm's Jacobian only"
+    if config.ffn not in ("swiglu", "silu"):
+        return f"ffn={config.ffn!r}: the backward kernel has the SwiGLU and SiLU derivatives only"
+    if config.bias:
+        return "bias=True: the backward kernel has no rules for biases"
+    if seq_len > MAX_SEQ_LEN:
+        return f"seq_len={seq_len} > {MAX_SEQ_LEN}: the backward kernel's cost grows as T^3"
+    return None
 
 #: Monte Carlo draws of (g_o, v) per draw of (q, k), for the query and key gradients
 _INNER = 4
