@@ -278,7 +278,10 @@ def test_layer_norm_without_bias(impl, case):
 @prop("negative control: the formula check rejects the unbiased variance (divides by d - 1)", needs=())
 @given(case=ln_inputs())
 def test_layer_norm_formula_rejects_unbiased_variance(case):
-    ratio = _ln_formula_ratio(_ln_unbiased, case)
+    x, gain, bias, eps = case
+    keep = x.var(-1, unbiased=False) > 1e3 * eps  # where eps swamps the variance both are ~ the bias
+    assume(bool(keep.any()))
+    ratio = _ln_formula_ratio(_ln_unbiased, (x[keep], gain, bias, eps))
     check(1.0 / ratio, 1.0, "negative control", kind="bound/err")
     assert ratio > 1.0
 
@@ -365,7 +368,10 @@ def test_layer_norm_output_moments(impl, case):
 @prop("negative control: the moment check rejects the unbiased variance (mean square (d-1)/d)", needs=())
 @given(case=ln_inputs())
 def test_layer_norm_moments_reject_unbiased_variance(case):
-    ratio = _ln_moment_ratio(_ln_unbiased, case)
+    x, gain, bias, eps = case
+    keep = x.var(-1, unbiased=False) > 1e3 * eps  # where eps swamps the variance both give mean square ~0
+    assume(bool(keep.any()))
+    ratio = _ln_moment_ratio(_ln_unbiased, (x[keep], gain, bias, eps))
     check(1.0 / ratio, 1.0, "negative control", kind="bound/err")
     assert ratio > 1.0
 

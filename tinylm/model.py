@@ -100,9 +100,10 @@ class TransformerLM(nn.Module):
 
     With ``positions="learned"`` the block stack reads token_embeddings(ids) +
     position_embeddings(positions), marked by the Tap ``resid_in``; positions default to
-    0 .. T-1 and must lie in [0, context_length). ``ln_final`` exists for pre-norm only (a post-norm block already ends in a
-    norm; a no-norm model has none). With ``tie_embeddings`` the lm_head's weight
-    is the token embedding matrix itself, so logits = h E^T.
+    0 .. T-1 and must lie in [0, context_length). ``ln_final`` exists for pre-norm only (a
+    post-norm block already ends in a norm; a no-norm model has none). With
+    ``tie_embeddings`` the lm_head's weight is the token embedding matrix itself, so
+    logits = h E^T. The lm_head never has a bias.
 
     Shape: token_ids (..., T) integers, T <= context_length -> logits (..., T, vocab_size).
     A fresh model is initialised by the scheme ``config.init`` (see ``tinylm.init``),
