@@ -20,6 +20,8 @@ Exit codes (also in docs/cli.md):
 3  an internal error: a bug of ours, never expected (rerun with ``--debug``
    and report it)
 4  ``train`` stopped early on a non-finite loss (the checkpoint is written)
+5  ``diagnose --check``: the model could not be judged (no block stack and no
+   next-token logits found; the report says what is missing)
 130 interrupted (Ctrl-C)
 == =====================================================================
 """

@@ -46,7 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data", metavar="PATH", help="token file: .npy, .bin (uint16, CS336) or .txt (bytes); default: the "
                    "data a tinylm train checkpoint recorded, else uniform random tokens")
     g.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE, help=f"sequences per batch (default {DEFAULT_BATCH_SIZE})")
-    g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the context length)")
+    g.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the context length; "
+                   "at most 1024 for a model read through transformers)")
     g.add_argument("--batches", type=positive_int, default=DEFAULT_BATCHES, help=f"batches per seed (default {DEFAULT_BATCHES})")
     g.add_argument("--seeds", type=positive_int,
                    help="fresh model only: re-initialise N copies (seeds --seed..--seed+N-1) as replicates, so "
@@ -137,6 +138,10 @@ def check(args: argparse.Namespace) -> None:
     _seeds(args, fresh=args.checkpoint is None)
 
 
+#: the default --seq-len of a model that is not tinylm's (read through transformers)
+OTHER_SEQ_LEN = 1024
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -151,11 +156,18 @@ def run(args: argparse.Namespace) -> int:
 
     source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
                         context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed)
-    model, config = source.model, source.model.config
-    seq_len = args.seq_len if args.seq_len is not None else config.context_length
-    if seq_len > config.context_length:
-        raise UsageError(f"--seq-len {seq_len} is above the model's context length {config.context_length}; "
-                         f"use --seq-len {config.context_length} or less")
+    import tinylm
+
+    model = source.model
+    own = isinstance(model, tinylm.TransformerLM)
+    context = source.context_length
+    # tinylm's own models are measured at their full context; another architecture (read through
+    # transformers) at its context up to 1024 tokens, its full one only when asked
+    default = context if own else min(context or OTHER_SEQ_LEN, OTHER_SEQ_LEN)
+    seq_len = args.seq_len if args.seq_len is not None else default
+    if context is not None and seq_len > context:
+        raise UsageError(f"--seq-len {seq_len} is above the model's context length {context}; "
+                         f"use --seq-len {context} or less")
     if seq_len < 2:
         raise UsageError(f"--seq-len {seq_len}: need at least 2 tokens to score a next token")
     seeds = _seeds(args, source.fresh)
@@ -163,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     from diagnostics import DiagnoseOptions, diagnose
     from tinylm.memory import check_fits
 
-    check_fits(config, args.batch_size, seq_len, dtype)  # estimate before allocating: a one-line error if too big
+    if own:
+        check_fits(model.config, args.batch_size, seq_len, dtype)  # estimate before allocating: one line if too big
 
     model.to(device=device, dtype=dtype)
     show_progress = False if args.no_progress else None

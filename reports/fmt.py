@@ -107,3 +107,13 @@ def short_name(name: str) -> str:
     ``token_embeddings`` -> ``tok_emb`` (nothing else changes)."""
     name = re.sub(r"^layers\.(\d+)", r"L\1", name)
     return "tok_emb" + name[len("token_embeddings"):] if name.startswith("token_embeddings") else name
+
+
+def verdict_words(result) -> str:
+    """A diagnosis in a few words for a title: "healthy", "not judged" (nothing could be judged), or
+    "N finding(s): kind, kind" (the findings' kinds, sorted)."""
+    if result.status == "not judged":
+        return "not judged"
+    if not result.findings:
+        return "healthy"
+    return f"{len(result.findings)} finding(s): " + ", ".join(sorted({f.kind.replace("_", "-") for f in result.findings}))

@@ -18,6 +18,8 @@ import io
 import math
 from typing import Any, Iterator
 
+from .fmt import verdict_words
+
 __all__ = ["html", "diagnosis_html", "history_html", "comparison_html", "figure_img"]
 
 MAX_ROWS = 20  # verdict and finding rows shown before "... and N more"
@@ -87,8 +89,7 @@ def diagnosis_html(result: Any) -> str:
 
     h = result.header
     cfg = h.config or {}
-    kinds = sorted({f.kind.replace("_", "-") for f in result.findings})
-    verdict = "healthy" if result.healthy else f"{len(result.findings)} finding(s): {', '.join(kinds)}"
+    verdict = verdict_words(result)
     shape = ", ".join(f"{k}={cfg[k]}" for k in ("num_layers", "d_model", "num_heads", "vocab_size") if k in cfg)
     facts = (f"{_e(h.model_class)} ({_e(shape) + ', ' if shape else ''}{h.parameter_count:,} parameters"
              f"{', init ' + _e(h.init) if h.init else ''}); {h.tokens_measured:,} tokens from {_e(h.token_source)}, "

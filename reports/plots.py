@@ -18,6 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from .fmt import verdict_words  # noqa: E402
+
 __all__ = ["PLOT_KINDS", "depth_figure", "compare_figure"]
 
 #: tensor kinds drawn over depth, with their colours; the first (the residual stream, what the
@@ -131,8 +133,7 @@ def depth_figure(result: Any) -> Any:
         ax.set_title(f"{direction}: measured (solid) vs predicted (dashed; x outside validity)", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
     _shared_legend(fig, axes)
-    verdict = "healthy" if result.healthy else f"{len(result.findings)} finding(s): " + ", ".join(
-        sorted({f.kind.replace('_', '-') for f in result.findings}))
+    verdict = verdict_words(result)
     cfg = result.header.config or {}
     fig.suptitle(f"{result.header.model_class} L={cfg.get('num_layers', '?')} d={cfg.get('d_model', '?')} "
                  f"init={result.header.init or '?'}: {verdict}", fontsize=11)

@@ -133,3 +133,29 @@ def test_export_the_gpt2_family_in_the_gpt2_layout_and_diagnose_it(capsys, tmp_p
     code, out, err = run_cli(capsys, "diagnose", tmp_path / "g", *FAST)
     assert code == 0, err
     assert "(gpt2,mappedexactlyontotinylm)" in "".join(out.split())
+
+
+def test_an_architecture_read_through_transformers_is_measured_and_judged(capsys, tmp_path):
+    """A causal LM with no tinylm mapping (GPT-NeoX) is read through transformers and measured by the
+    any-module rules: its context bounds --seq-len, the report names what was and was not checked, and a
+    model scaled to explode fails --check (exit 1) where its healthy twin passes (exit 0)."""
+    config = transformers.GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=16)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.GPTNeoXForCausalLM(config)
+    model.save_pretrained(tmp_path / "neox")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(200.0)
+    model.save_pretrained(tmp_path / "neox_x200")
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "diagnose", tmp_path / "neox", "--check", *FAST)
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert "read through transformers" in flat and "checked:" in flat and "not checked:" in flat
+    code, out, err = run_cli(capsys, "diagnose", tmp_path / "neox_x200", "--check", *FAST)
+    assert code == 1, out + err
+    code, _, err = run_cli(capsys, "diagnose", tmp_path / "neox", "--seq-len", "32", "--no-progress")
+    assert_one_line_error(code, err, "--seq-len 32", "context length 16")

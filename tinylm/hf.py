@@ -593,7 +593,14 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, CheckpointInfo]:
         raise CheckpointError(f"{root}: model_type {model_type!r} is read through transformers, which is not "
                               f"installed; {INSTALL_HF}") from None
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(root, local_files_only=True, trust_remote_code=False)
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # reading a local file: no progress bar on stderr
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(root, local_files_only=True,
+                                                                      trust_remote_code=False)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         if "trust_remote_code" in first or "remote code" in first:

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from tinylm.plan import block_index as block_of
 from tinylm.plan import block_name as plan_block_name
-from tinylm.plan import branch_stream
+from tinylm.plan import EMBEDDING, RESID_IN, branch_stream
 from tinylm.validate import number
 
 from ..options import OptionsError
@@ -525,12 +525,13 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
 
     # vanishing branches (forward) and vanishing weight gradients (backward), per block
     small_branches = []
+    first = RESID_IN if (RESID_IN, "forward") in rows else EMBEDDING  # block 0 reads token + position embeddings
     for r in tensors:
         if r.direction != "forward" or r.kind not in ("attn_branch", "ffn_branch") or r.block is None:
             continue
         if r.name in deliberate_zero:
             continue
-        stream = branch_stream("attn" if r.kind == "attn_branch" else "ffn", r.block)
+        stream = branch_stream("attn" if r.kind == "attn_branch" else "ffn", r.block, first)
         s = rows.get((stream, "forward"))
         if s is None or not s.var > 0 or not math.isfinite(r.var):
             continue
