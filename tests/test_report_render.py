@@ -214,6 +214,11 @@ def test_layer_table_caption_describes_the_ratio_and_the_rules():
     flat = " ".join(render(report(res), width=100).split())
     assert "pred: forward by the token-kernel theory, backward by the independent-token rules" in flat
     assert "global (forward: token-kernel theory; backward: independent-token rules)" in flat
+    k = next(i for i, r in enumerate(res.tensors) if r.direction == "backward")
+    res.tensors[k] = dataclasses.replace(res.tensors[k], rule="kernel stream gradient")
+    flat = " ".join(render(report(res), width=100).split())
+    assert "pred: forward by the token-kernel theory, backward by the token-kernel theory" in flat
+    assert "global (forward: token-kernel theory; backward: token-kernel theory)" in flat
 
 
 def test_progress_bar_draws_on_a_terminal_and_stays_silent_otherwise():
