@@ -390,7 +390,7 @@ class LayerTable:
             parts.append("ratio = measured/predicted, geometric mean over replicates"
                          + (f" ({scope})" if scope else ""))
         if _uses_kernel(result):
-            parts.append("pred:" + _theories(result).strip(" ()").replace(":", " by the").replace(";", ","))
+            parts.append("pred: " + _theories(result).strip(" ()").replace(":", " by the").replace(";", ","))
         if show["w/init"]:
             parts.append("w/init = weight std / declared init std")
         if predicted:
