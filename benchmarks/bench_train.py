@@ -4,11 +4,16 @@ Both arms train the same model (same init seed, same batches) for the same steps
 ``tinylm.train.train``. Every kind of arm first runs once untimed (imports, the probe's
 kernels loaded, the first explicit attention: costs a process pays once, which would
 otherwise land on whichever watched arm ran first). Then, round after round, the arms run
-in an order drawn by a seeded coin, so that neither always follows the other. The headline
-is the median over rounds of the within-round ratio time with the watch / time without it,
-in this process's CPU time (a machine shared with other jobs disturbs it far less than wall
-time), with its quartiles and a distribution-free 95% interval; the same in wall time
-beside it. Target: <= 1.05.
+in an order drawn by a seeded coin (every other round: the previous order reversed), so
+that neither always follows the other. The headline is the median over rounds of the
+within-round ratio time with the watch / time without it, in this process's CPU time (a
+machine shared with other jobs disturbs it far less than wall time), with its quartiles and
+a distribution-free 95% interval; the same in wall time beside it. Target: <= 1.05.
+
+glibc's allocator thresholds are fixed first (:func:`pin_malloc`; ``--system-malloc``
+leaves them dynamic): with them dynamic, how much memory a step gives back to the system
+and faults in again drifts with the process's allocation history, moving an arm's time by
+several percent either way whatever the watch does.
 
 Each step's CPU time is also taken (from the loop's per-step callback), which splits the
 watch's cost into what a recorded step adds and what a step it does not record adds (that
@@ -67,6 +72,17 @@ def pin_malloc() -> str:
     except (OSError, AttributeError):
         ok = False
     return "glibc thresholds fixed (mmap 32 MiB, trim 1 GiB)" if ok else "not glibc: allocator left as it is"
+
+
+def arm_order(previous: list[str], k: int, coin: random.Random) -> list[str]:
+    """The order of the arms in round k: drawn by the seeded coin in even rounds, the previous
+    round's reversed in odd ones, so that over each pair of rounds every arm runs first and
+    last equally often (a coin alone can put one arm first in most rounds of a short run)."""
+    if k % 2:
+        return previous[::-1]
+    order = sorted(previous)
+    coin.shuffle(order)
+    return order
 
 
 def load_text() -> str:
@@ -129,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         arm(every, max(every, 1) + 1)
     runs: dict[str, list[dict]] = {k: [] for k in arms}
     coin = random.Random(args.seed)
+    order = list(arms)
     for k in range(args.rounds):
-        order = list(arms)
-        coin.shuffle(order)
+        order = arm_order(order, k, coin)
         for name in order:
             runs[name].append(arm(arms[name], args.steps))
         print(f"round {k + 1} ({' > '.join(order)}): " + ", ".join(

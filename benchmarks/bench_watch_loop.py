@@ -5,11 +5,13 @@ plain PyTorch loop: no watch; ``Watch(model, every=K)`` (the history only); the 
 ``log_dir`` (CSV, JSONL and, when installed, TensorBoard); recording every step without
 and with ``log_dir`` (a record's own cost, and the writers' worst case). Every arm first
 runs once untimed (imports, the probe's kernels, first calls). Then, round after round,
-the arms run in an order drawn by a seeded coin. Each figure is the median over rounds of
-this process's CPU seconds per step (less disturbed by other jobs than wall time); each
-ratio is the median over rounds of the within-round ratio to the no-watch arm, with its
-quartiles and a distribution-free 95% interval (target for ``every=K``: <= 1.05). The
-steps the watch does not record are also timed alone against the plain loop's steps.
+the arms run in an order drawn by a seeded coin (every other round: the previous order
+reversed), with glibc's allocator thresholds fixed as in ``bench_train.py``. Each figure is
+the median over rounds of this process's CPU seconds per step (less disturbed by other jobs
+than wall time); each ratio is the median over rounds of the within-round ratio to the
+no-watch arm, with its quartiles and a distribution-free 95% interval (target for
+``every=K``: <= 1.05). The steps the watch does not record are also timed alone against the
+plain loop's steps.
 
     python benchmarks/bench_watch_loop.py                 # the figure to quote
     python benchmarks/bench_watch_loop.py --rounds 15 --steps 100 --threads 2
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-from bench_train import TARGET, load_text, pin_malloc, ratio_line
+from bench_train import TARGET, arm_order, load_text, pin_malloc, ratio_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {k: [] for k in arms}
     steps: dict[str, list[list[tuple[bool, float]]]] = {k: [] for k in arms}
     coin = random.Random(args.seed)
+    order = list(arms)
     for r in range(args.rounds):
-        order = list(arms)
-        coin.shuffle(order)
+        order = arm_order(order, r, coin)
         for name in order:
             per, each = arm(*arms[name], args.steps)
             times[name].append(per)
