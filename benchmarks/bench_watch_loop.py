@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=50, help="steps per arm and round (a multiple of the interval)")
-    p.add_argument("--rounds", type=int, default=9, help="rounds (9 or more give a 95%% interval)")
+    p.add_argument("--rounds", type=int, default=9, help="rounds (6 or more give a 95%% interval)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--every", type=int, default=25, help="the watch's interval (default 25)")
