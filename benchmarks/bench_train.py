@@ -1,78 +1,187 @@
-"""Training throughput with the watch at its default interval against without it, in one process.
+"""Training with the watch at its default interval against training without it, in one process.
 
-Both arms train the same model (same init seed, same batches) for the same steps;
-the arms alternate, round after round, so that a slow spell of a shared machine
-hits both; each arm's figure is its median over the rounds, and the time ratio
-with/without the watch is also given within each round, with its spread. Two clocks: wall
-time (tokens/s) and this process's CPU time (tokens per CPU-second, which a
-machine shared with other jobs disturbs far less). Target: the watch costs <= 5%.
-A third arm records every step: its extra cost per step, divided by the interval,
-estimates the overhead with K times the signal of the direct comparison.
+Both arms train the same model (same init seed, same batches) for the same steps with
+``tinylm.train.train``. Every kind of arm first runs once untimed (imports, the probe's
+kernels loaded, the first explicit attention: costs a process pays once, which would
+otherwise land on whichever watched arm ran first). Then, round after round, the arms run
+in an order drawn by a seeded coin (every other round: the previous order reversed), so
+that neither always follows the other. The headline is the median over rounds of the
+within-round ratio time with the watch / time without it, in this process's CPU time (a
+machine shared with other jobs disturbs it far less than wall time), with its quartiles and
+a distribution-free 95% interval; the same in wall time beside it. Target: <= 1.05.
 
-    python benchmarks/bench_train.py                    # tiny preset, built-in corpus
-    python benchmarks/bench_train.py --rounds 5 --steps 200
+glibc's allocator thresholds are fixed first (:func:`pin_malloc`; ``--system-malloc``
+leaves them dynamic): with them dynamic, how much memory a step gives back to the system
+and faults in again drifts with the process's allocation history, moving an arm's time by
+several percent either way whatever the watch does.
+
+Each step's CPU time is also taken (from the loop's per-step callback), which splits the
+watch's cost into what a recorded step adds and what a step it does not record adds (that
+should be nothing: such a step runs the fused attention and the same tensor work as a step
+without a watch, see ``tests/test_watch_fast.py``). ``--every-step`` adds a third arm that
+records every step. The load average at the start and the end is printed with the figures.
+
+    python benchmarks/bench_train.py                       # the figure to quote
+    python benchmarks/bench_train.py --threads 2 --rounds 15 --every-step
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
+import resource
 import statistics
 import sys
+import time
 
 import torch
+
+from bench_overhead import _median_interval, _quartiles
+
+TARGET = 1.05
+
+
+def ratio_line(label: str, xs: list[float], target: float | None = TARGET) -> str:
+    """The median of within-round ratios with quartiles, its distribution-free interval and
+    whether that interval settles ``ratio <= target`` (None: no target)."""
+    ci = _median_interval(xs)
+    if ci is None:
+        where = "too few rounds for a 95% interval"
+    else:
+        lo, hi, cover = ci
+        where = f"{cover:.1%} interval {lo:.3f}-{hi:.3f}"
+        if target is not None:
+            verdict = "met" if hi <= target else ("not met" if lo > target else "not resolved by this run")
+            where += f": target <= {target} {verdict}"
+    return f"{label}{statistics.median(xs):.3f} median over {len(xs)} rounds; quartiles {_quartiles(xs)}; {where}"
+
+
+def pin_malloc() -> str:
+    """Fix glibc's mmap and trim thresholds (``mallopt``) so that freed memory stays with the
+    process: by default glibc moves both thresholds as the process frees large blocks, and on
+    the ``tiny`` preset it hands some 40 MB back to the system and faults it in again on most
+    steps (about a tenth of a step's CPU time), by an amount that drifts with the allocation
+    history: a noise that a slow arm carries into the next. Returns what was done, in words."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30)
+    except (OSError, AttributeError):
+        ok = False
+    return "glibc thresholds fixed (mmap 32 MiB, trim 1 GiB)" if ok else "not glibc: allocator left as it is"
+
+
+def arm_order(previous: list[str], k: int, coin: random.Random) -> list[str]:
+    """The order of the arms in round k: drawn by the seeded coin in even rounds, the previous
+    round's reversed in odd ones, so that over each pair of rounds every arm runs first and
+    last equally often (a coin alone can put one arm first in most rounds of a short run)."""
+    if k % 2:
+        return previous[::-1]
+    order = sorted(previous)
+    coin.shuffle(order)
+    return order
+
+
+def load_text() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=100, help="steps per arm and round (a multiple of the interval)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=9, help="rounds (6 or more give a 95%% interval)")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--watch-every", type=int, default=25, help="the watch's interval (default: the CLI's default, 25)")
+    p.add_argument("--every-step", action="store_true", help="also time an arm that records every step")
+    p.add_argument("--seed", type=int, default=0, help="seeds the coin that orders the arms in each round")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc's allocator thresholds dynamic (default: fixed, see pin_malloc)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.steps < 2 * args.watch_every:
+        p.error(f"--steps {args.steps}: must be at least twice --watch-every ({args.watch_every}), so that a step "
+                "other than the first is recorded")
+    torch.set_num_threads(args.threads)
+    allocator = "glibc's dynamic thresholds" if args.system_malloc else pin_malloc()
 
     import tinylm
+    from diagnostics.judge.watch import train_watched
     from tinylm.data import stdlib_corpus
     from tinylm.train import TrainOptions
-    from diagnostics.judge.watch import train_watched as train
 
     tokens = stdlib_corpus()
     config = tinylm.preset(args.preset)
 
-    def arm(every: int) -> tuple[float, float]:
+    def arm(every: int, steps: int) -> dict:
+        """One training run; its wall and CPU seconds and each step's (recorded, CPU seconds,
+        minor page faults)."""
         model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
-        r = train(model, tokens, TrainOptions(steps=args.steps, batch_size=args.batch_size, watch_every=every))
-        assert len(r.history["records"]) == (0 if every == 0 else -(-args.steps // every))
-        return r.tokens_per_s, r.tokens / r.cpu_seconds
+        per_step: list[tuple[bool, float, int]] = []
+        last = [time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt]
 
-    arm(0)  # warm-up: imports, allocator, first-call costs
-    off, on, every1 = [], [], []
-    for k in range(args.rounds):
-        order = [(0, off), (args.watch_every, on), (1, every1)]
-        for every, sink in (order if k % 2 == 0 else order[::-1]):
-            sink.append(arm(every))
-        print(f"round {k + 1}: without watch {off[-1][0]:,.0f} tok/s ({off[-1][1]:,.0f} tok/CPU-s), "
-              f"with watch (every {args.watch_every}) {on[-1][0]:,.0f} tok/s ({on[-1][1]:,.0f} tok/CPU-s), "
-              f"watch on every step {every1[-1][0]:,.0f} tok/s ({every1[-1][1]:,.0f} tok/CPU-s)", flush=True)
+        def on_step(info) -> None:
+            now, faults = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            per_step.append((info.recorded, now - last[0], faults - last[1]))
+            last[:] = [now, faults]
+
+        r = train_watched(model, tokens, TrainOptions(steps=steps, batch_size=args.batch_size, watch_every=every),
+                          on_step=on_step)
+        assert len(r.history["records"]) == (0 if every == 0 else -(-steps // every))
+        return {"wall": r.seconds, "cpu": r.cpu_seconds, "tokens": r.tokens, "steps": per_step}
+
+    arms = {"no watch": 0, f"watch every {args.watch_every}": args.watch_every}
+    if args.every_step:
+        arms["watch every step"] = 1
+    off, on = list(arms)[:2]
     print(f"preset {args.preset}, batch {args.batch_size} x {config.context_length} tokens, {args.steps} steps per arm, "
-          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}")
-    for i, clock in ((0, "tokens/s (wall)"), (1, "tokens per CPU-second")):
-        m_off, m_on = statistics.median(x[i] for x in off), statistics.median(x[i] for x in on)
-        m_1 = statistics.median(x[i] for x in every1)
-        # a recorded step costs (1/m_1 - 1/m_off) more per token; at 1 record in K steps that is
-        # (1/m_1 - 1/m_off) / K over 1/m_off: the overhead estimated with K times the signal
-        per_record = m_off / m_1 - 1.0
-        print(f"median {clock}: without watch {m_off:,.0f}; with watch every {args.watch_every} steps {m_on:,.0f}; "
-              f"ratio with/without {m_on / m_off:.3f} ({100 * (1 - m_on / m_off):+.1f}% slower; target <= 5%)")
-        print(f"   watch on every step {m_1:,.0f}: a recorded step costs {100 * per_record:.0f}% more than a plain one, "
-              f"so 1 in {args.watch_every} costs {100 * per_record / args.watch_every:.1f}% (target <= 5%)")
-        # time with the watch over time without it, within each round (both arms of a round ran back to back)
-        within = [a[i] / b[i] for a, b in zip(off, on)]
-        print(f"   time with/without the watch within a round: median {statistics.median(within):.3f}, "
-              f"spread {min(within):.3f}-{max(within):.3f} over {len(within)} rounds (target <= 1.05)")
+          f"{args.rounds} rounds, torch {torch.__version__}, torch threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} CPUs, allocator: {allocator}; at the start: {load_text()}", flush=True)
+    for every in arms.values():  # warm-up, untimed: every kind of arm once, records included
+        arm(every, max(every, 1) + 1)
+    runs: dict[str, list[dict]] = {k: [] for k in arms}
+    coin = random.Random(args.seed)
+    order = list(arms)
+    for k in range(args.rounds):
+        order = arm_order(order, k, coin)
+        for name in order:
+            runs[name].append(arm(arms[name], args.steps))
+        print(f"round {k + 1} ({' > '.join(order)}): " + ", ".join(
+            f"{name} {runs[name][-1]['cpu']:.2f} CPU-s ({runs[name][-1]['tokens'] / runs[name][-1]['wall']:,.0f} tok/s)"
+            for name in arms) + f"; {load_text()}", flush=True)
+
+    print(f"at the end: {load_text()}")
+    for name in arms:
+        print(f"{name:22s} median {statistics.median(r['tokens'] / r['wall'] for r in runs[name]):8,.0f} tokens/s, "
+              f"{statistics.median(r['tokens'] / r['cpu'] for r in runs[name]):8,.0f} tokens per CPU-second")
+
+    # where the time goes, from each step's CPU time (step 0 also holds the loop's setup: left out)
+    def step_median(runs_: list[dict], recorded: bool, what: int = 1) -> list[float]:
+        return [statistics.median(s[what] for i, s in enumerate(r["steps"]) if i > 0 and s[0] == recorded)
+                for r in runs_]
+
+    plain, quiet, recorded = step_median(runs[off], False), step_median(runs[on], False), step_median(runs[on], True)
+    between = [q / p for q, p in zip(quiet, plain)]
+    extra = [r / p - 1 for r, p in zip(recorded, plain)]
+    faults = [statistics.median(step_median(runs[off], False, 2)), statistics.median(step_median(runs[on], False, 2))]
+    print(f"per step (CPU, medians): without the watch {statistics.median(plain) * 1e3:.1f} ms; with it, a step it "
+          f"does not record {statistics.median(quiet) * 1e3:.1f} ms, a recorded step {statistics.median(recorded) * 1e3:.1f} ms; "
+          f"minor page faults per step {faults[0]:,.0f} without, {faults[1]:,.0f} on a step not recorded")
+    print(ratio_line("   a step the watch does not record / a step without the watch = ", between, None))
+    print(f"   a recorded step costs {100 * statistics.median(extra):.0f}% more than a plain one (quartiles "
+          f"{_quartiles([100 * e for e in extra])} %): at 1 record in {args.watch_every} steps, "
+          f"{100 * statistics.median(extra) / args.watch_every:.1f}%")
+    if args.every_step:
+        every1 = [a["cpu"] / b["cpu"] for a, b in zip(runs["watch every step"], runs[off])]
+        print(ratio_line("   recording every step / without the watch (CPU) = ", every1, target=None))
+    print(ratio_line("wall time with/without the watch, within a round        = ",
+                     [a["wall"] / b["wall"] for a, b in zip(runs[on], runs[off])]))
+    print(ratio_line(f"RESULT watch every {args.watch_every} / no watch, CPU time within a round = ",
+                     [a["cpu"] / b["cpu"] for a, b in zip(runs[on], runs[off])]))
     return 0
 
 
