@@ -70,6 +70,7 @@ import tinylm
 from tinylm.errors import TinyLMError
 from torch import nn
 
+from ..measure.blocks import find_blocks
 from ..integrations.writers import WatchWriter, _json_safe
 from ..result import Row, frame
 from .verdicts import Thresholds
@@ -232,23 +233,16 @@ def default_sites(model: nn.Module) -> list[str]:
 def find_sites(model: nn.Module) -> list[str]:
     """The sites of a module that is not a tinylm model, found from its structure alone.
 
-    The embedding tables (every ``nn.Embedding``, in module order); each element of the
-    longest ``nn.ModuleList`` / ``nn.Sequential`` whose elements share one class and hold
-    parameters (the blocks: each one's output is the residual stream of a decoder such as
-    GPT-2 or Llama); the head: a module named ``lm_head``, else the last ``nn.Linear``
-    outside the blocks. A module with none of these yields an empty list (pass ``sites=``).
+    The embedding tables (every ``nn.Embedding``, in module order); each block of the model's
+    block stack (:func:`diagnostics.measure.blocks.find_blocks`, the rule ``diagnose`` uses:
+    each block's output is the residual stream of a decoder such as GPT-2 or Llama); the head:
+    a module named ``lm_head``, else the last ``nn.Linear`` outside the blocks. A module with
+    none of these yields an empty list (pass ``sites=``).
     """
     named = [(n, m) for n, m in model.named_modules() if m is not model]
     embeddings = [n for n, m in named if isinstance(m, (nn.Embedding, tinylm.Embedding))]
-    best: tuple[str, int] | None = None
-    containers = [("", model)] + named
-    for n, m in containers:
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1:
-            kids = list(m.children())
-            if len({type(k) for k in kids}) == 1 and any(True for _ in kids[0].parameters()):
-                if best is None or len(kids) > best[1]:
-                    best = (n, len(kids))
-    blocks = [f"{best[0]}.{i}" if best[0] else str(i) for i in range(best[1])] if best else []
+    stack = find_blocks(model)
+    blocks = list(stack.names) if stack is not None else []
     names = {n for n, _ in named}
     inside = tuple(b + "." for b in blocks)
     if tinylm.plan.HEAD in names:
