@@ -142,3 +142,23 @@ def test_gpt2_block_backward_beside_measurement():
         wrong = bk.grads[f"{p}.w1"] / dact_cross_moment(Ka, "gelu_tanh") * dact_cross_moment(Ka, "silu")
         ratio = np.asarray(var[f"{p}.w1"]) / float(np.mean(np.diag(wrong)))
         assert rejects(ratio, 1.0, DELTA, ALPHA / (2 * L)), (p, ratio.mean())
+
+
+def test_validity_marks_of_the_gpt2_family():
+    """Tied embeddings are inside validity where each position's own input token gets a small expected share of
+    the softmax (the gpt2 init: its row is a small part of the stream) and outside, with the reason, where it
+    does not (the cs336 init's N(0, 1) rows give logits of variance d); heads of dimension 64 put the attention's
+    input norm outside (pre-norm); only T > 512 is left to not_covered()."""
+    base = tinylm.preset("gpt2").replace(vocab_size=1000, context_length=16, d_model=128, num_layers=2, num_heads=2,
+                                         d_ff=512)
+    glob = predict(tinylm.TransformerLM(base, device="meta"), "global", seq_len=16, tokens=64)
+    assert glob[("layers.1", "backward")].valid and glob[("layers.1", "backward")].rule.startswith("kernel")
+    assert glob[("position_embeddings", "backward")].valid
+    ln1 = glob[("layers.1.ln1", "backward")]
+    assert not ln1.valid and "heads of dimension 64" in ln1.validity
+    assert glob[("layers.1.ln2", "backward")].valid
+    cs = predict(tinylm.TransformerLM(base.replace(init="cs336"), device="meta"), "global", seq_len=16, tokens=64)
+    out = cs[("layers.1", "backward")]
+    assert not out.valid and out.validity.startswith("tied embeddings")
+    assert backkernel.not_covered(base, 512) is None
+    assert "seq_len=513" in backkernel.not_covered(base.replace(context_length=1024), 513)
