@@ -7,7 +7,8 @@ For each norm placement, width and depth: a model of the chosen architecture (V 
 initialised with seeds 0..n-1 and run forward and backward on uniform random tokens (one batch
 of B x (T+1) per seed, next-token cross-entropy as ``diagnose`` computes it). Every gradient the
 probe measures is divided by the prediction of ``diagnostics.predict(model, "global")`` (the
-backward kernel, with its validity mark), averaged over the seeds with a 99% t interval. Then every
+backward kernel, with its validity mark; the cross-entropy rule's premise checked against the measured
+softmax, as ``diagnose`` does), averaged over the seeds with a 99% t interval. Then every
 registered init scheme at one size (``--schemes-at WIDTH DEPTH``, pre-norm).
 
 --arch cs336 (default): RMSNorm, SwiGLU (d_ff = 8/3 d), RoPE, no biases, heads = d/32, init cs336.
@@ -64,8 +65,10 @@ def config(width: int, depth: int, seq: int, norm: str = "pre", scheme: str | No
 
 
 def measure(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int):
-    """{tensor name: [gradient variance per seed]} and the last model."""
+    """{tensor name: [gradient variance per seed]}, the last model and the softmax's (E[sum_c p_c^2], E[p_y])
+    over every position and seed (the cross-entropy rule's premise, checked as ``diagnose`` does)."""
     var: dict[str, list[float]] = {}
+    s2, py = [], []
     opts = ProbeOptions(backward=True, attention=False, params=False, cosine=False)
     for s in range(seeds):
         gen = torch.Generator().manual_seed(s)
@@ -74,10 +77,13 @@ def measure(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int):
         with probe(model, opts) as run:
             logits = model(data[:, :-1])
             tinylm.functional.cross_entropy(logits.float(), data[:, 1:]).backward()
+        p = torch.softmax(logits.detach().double(), dim=-1)
+        s2.append(float((p * p).sum(-1).mean()))
+        py.append(float(p.gather(-1, data[:, 1:, None]).mean()))
         for (name, direction), m in run.stats.tensors.items():
             if direction == "backward":
                 var.setdefault(name, []).append(m.var)
-    return var, model
+    return var, model, (float(np.mean(s2)), float(np.mean(py)))
 
 
 def ratio(values: list[float], predicted: float, level: float = 0.99) -> tuple[float, float]:
@@ -93,9 +99,9 @@ def names(block: tinylm.BlockPlan) -> dict[str, str]:
 
 def report(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int, rows: bool) -> dict[str, int]:
     t0 = time.perf_counter()
-    var, model = measure(cfg, seeds, batch, seq)
+    var, model, softmax = measure(cfg, seeds, batch, seq)
     t1 = time.perf_counter()
-    pred = predict(model, "global", seq_len=seq, tokens=batch * seq)
+    pred = predict(model, "global", seq_len=seq, tokens=batch * seq, softmax=softmax)
     t2 = time.perf_counter()
     print(f"\n{cfg.norm}-norm {cfg.norm_kind}-norm {cfg.ffn} {cfg.init}{' tied' if cfg.tie_embeddings else ''}, d_model {cfg.d_model}, depth {cfg.num_layers}, heads {cfg.num_heads}, "
           f"T {seq}, batch {batch}, {seeds} seeds (measure {t1 - t0:.1f} s, predict {t2 - t1:.1f} s)")
