@@ -103,7 +103,9 @@ def report(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int, rows: bool
     t1 = time.perf_counter()
     pred = predict(model, "global", seq_len=seq, tokens=batch * seq, softmax=softmax)
     t2 = time.perf_counter()
-    print(f"\n{cfg.norm}-norm {cfg.norm_kind}-norm {cfg.ffn} {cfg.init}{' tied' if cfg.tie_embeddings else ''}, d_model {cfg.d_model}, depth {cfg.num_layers}, heads {cfg.num_heads}, "
+    tied = " tied" if cfg.tie_embeddings else ""
+    print(f"\n{cfg.norm}-norm {cfg.norm_kind}-norm {cfg.ffn} {cfg.init}{tied}, d_model {cfg.d_model}, "
+          f"depth {cfg.num_layers}, heads {cfg.num_heads}, "
           f"T {seq}, batch {batch}, {seeds} seeds (measure {t1 - t0:.1f} s, predict {t2 - t1:.1f} s)")
     counts = dict.fromkeys(("valid_in", "valid_out", "invalid_in", "invalid_out", "zero"), 0)
     indep: list[float] = []

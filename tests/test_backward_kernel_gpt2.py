@@ -147,8 +147,8 @@ def test_gpt2_block_backward_beside_measurement():
 def test_validity_marks_of_the_gpt2_family():
     """Tied embeddings are inside validity where each position's own input token gets a small expected share of
     the softmax (the gpt2 init: its row is a small part of the stream) and outside, with the reason, where it
-    does not (the cs336 init's N(0, 1) rows give logits of variance d); heads of dimension 64 put the values' and the attention's
-    input norm outside (pre-norm); only T > 512 is left to not_covered()."""
+    does not (the cs336 init's N(0, 1) rows give logits of variance d); heads of dimension 64 put the values'
+    and the attention's input norm outside (pre-norm); only T > 512 is left to not_covered()."""
     base = tinylm.preset("gpt2").replace(vocab_size=1000, context_length=16, d_model=128, num_layers=2, num_heads=2,
                                          d_ff=512)
     glob = predict(tinylm.TransformerLM(base, device="meta"), "global", seq_len=16, tokens=64)

@@ -139,7 +139,8 @@ def layer_norm_backward(G: np.ndarray, K: np.ndarray, gain2: float, eps: float, 
     to 1) and rho = v/(v + eps). For a gradient w = gain * g_y isotropic over the d directions with
     E[w_s . w_t]/d = E[gain^2] G_st:
 
-        E[g_x,s . g_x,t]/d = E[gain^2] G_st E[(d - 1 - rho_s - rho_t + rho_s rho_t (uh_s . uh_t)^2) / (d sigma_s sigma_t)]
+        E[g_x,s . g_x,t]/d
+            = E[gain^2] G_st E[(d - 1 - rho_s - rho_t + rho_s rho_t (uh_s . uh_t)^2) / (d sigma_s sigma_t)]
 
     (a rank d-2 projection at eps = 0: on the diagonal the trace is d - 2). Off the diagonal
     (uh_s . uh_t)^2 ~ r_st^2 (r_st = K_st/sqrt(K_ss K_tt), the centred tokens' correlation),
