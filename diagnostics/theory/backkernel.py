@@ -33,9 +33,9 @@ backward factor; f = d_in E[w^2]: its forward factor; N positions per loss, V cl
   (SiLU, GELU exact and tanh, ReLU): G_a = G_h * E[f'(a_s) f'(a_t)] (:func:`dact_cross_moment`;
   ReLU in closed form, P(a_s > 0, a_t > 0) = 1/4 + arcsin(rho_st)/(2 pi)).
 * Biases do not change a Linear's Jacobian; they enter through the forward kernels the rules read
-  (Ka = f1 K + E[b1^2], the attention draws' q and k, E[v^2] in the probabilities' gradient). The
-  probe measures module outputs, so a bias's own gradient (the sum over positions of its output's)
-  is not a separate prediction.
+  (Ka = f1 K + E[b1^2], the attention draws' q and k, E[v^2] in the probabilities' gradient). What
+  is predicted are gradients at module outputs; a bias's own gradient (the sum over positions of its
+  output's) is only in the probe's per-parameter statistics, which no theory predicts.
 * Learned positions: token + position embeddings (``resid_in``) pass their gradient to both tables'
   outputs; the position table's output is one (T, d) tensor broadcast over the batch, so its
   gradient sums the B = N/T sequences': B mean_t G_tt (different sequences' gradients are
