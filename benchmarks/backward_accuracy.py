@@ -1,14 +1,19 @@
 """Accuracy of the backward token-kernel theory (diagnostics.theory.backkernel) against measurement.
 
-    python benchmarks/backward_accuracy.py [--widths 128 256] [--depths 2 8 24] [--norms pre post none]
-        [--schemes-at 128 8] [--seeds 8] [--seq 64] [--batch 8] [--rows]
+    python benchmarks/backward_accuracy.py [--arch cs336|gpt2] [--untied] [--widths 128 256] [--depths 2 8 24]
+        [--norms pre post none] [--schemes-at 128 8] [--seeds 8] [--seq 64] [--batch 8] [--rows]
 
-For each norm placement, width and depth: a cs336 model (heads = d/32, d_ff = 8/3 d, V = 10000)
-is initialised with seeds 0..n-1 and run forward and backward on uniform random tokens (one batch
+For each norm placement, width and depth: a model of the chosen architecture (V = 10000) is
+initialised with seeds 0..n-1 and run forward and backward on uniform random tokens (one batch
 of B x (T+1) per seed, next-token cross-entropy as ``diagnose`` computes it). Every gradient the
 probe measures is divided by the prediction of ``diagnostics.predict(model, "global")`` (the
-backward kernel, with its validity mark), averaged over the seeds with a 99% t interval. Then every
+backward kernel, with its validity mark; the cross-entropy rule's premise checked against the measured
+softmax, as ``diagnose`` does), averaged over the seeds with a 99% t interval. Then every
 registered init scheme at one size (``--schemes-at WIDTH DEPTH``, pre-norm).
+
+--arch cs336 (default): RMSNorm, SwiGLU (d_ff = 8/3 d), RoPE, no biases, heads = d/32, init cs336.
+--arch gpt2: GPT-2's block (LayerNorm with bias, tanh-GELU MLP of width 4d, learned positions,
+biases, tied embeddings), heads of dimension 64, init gpt2; ``--untied`` unties its embeddings.
 
 Per block it prints one line: measured/predicted for each tensor (``*`` marks a prediction outside
 validity), and per configuration the counts: valid and within 10% (|mean ratio - 1| <= 0.10), valid
@@ -43,14 +48,27 @@ SHORT = {"ln1": "ln1", "attn.q_proj": "q", "attn.k_proj": "k", "attn.v_proj": "v
 DELTA = 0.10
 
 
-def config(width: int, depth: int, seq: int, norm: str = "pre", scheme: str = "cs336") -> tinylm.ModelConfig:
-    return tinylm.ModelConfig(vocab_size=10000, context_length=seq, d_model=width, num_layers=depth,
-                              num_heads=max(1, width // 32), d_ff=tinylm.default_d_ff(width), norm=norm, init=scheme)
+ARCHS = ("cs336", "gpt2")
+
+
+def config(width: int, depth: int, seq: int, norm: str = "pre", scheme: str | None = None, arch: str = "cs336",
+           untied: bool = False) -> tinylm.ModelConfig:
+    """The benchmark's model of architecture ``arch`` (module doc); ``scheme`` None: the architecture's own."""
+    if arch == "gpt2":
+        cfg = tinylm.preset("gpt2").replace(vocab_size=10000, context_length=seq, d_model=width, num_layers=depth,
+                                            num_heads=max(1, width // 64), d_ff=4 * width, norm=norm,
+                                            tie_embeddings=not untied)
+    else:
+        cfg = tinylm.ModelConfig(vocab_size=10000, context_length=seq, d_model=width, num_layers=depth,
+                                 num_heads=max(1, width // 32), d_ff=tinylm.default_d_ff(width), norm=norm)
+    return cfg if scheme is None else cfg.replace(init=scheme)
 
 
 def measure(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int):
-    """{tensor name: [gradient variance per seed]} and the last model."""
+    """{tensor name: [gradient variance per seed]}, the last model and the softmax's (E[sum_c p_c^2], E[p_y])
+    over every position and seed (the cross-entropy rule's premise, checked as ``diagnose`` does)."""
     var: dict[str, list[float]] = {}
+    s2, py = [], []
     opts = ProbeOptions(backward=True, attention=False, params=False, cosine=False)
     for s in range(seeds):
         gen = torch.Generator().manual_seed(s)
@@ -59,10 +77,13 @@ def measure(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int):
         with probe(model, opts) as run:
             logits = model(data[:, :-1])
             tinylm.functional.cross_entropy(logits.float(), data[:, 1:]).backward()
+        p = torch.softmax(logits.detach().double(), dim=-1)
+        s2.append(float((p * p).sum(-1).mean()))
+        py.append(float(p.gather(-1, data[:, 1:, None]).mean()))
         for (name, direction), m in run.stats.tensors.items():
             if direction == "backward":
                 var.setdefault(name, []).append(m.var)
-    return var, model
+    return var, model, (float(np.mean(s2)), float(np.mean(py)))
 
 
 def ratio(values: list[float], predicted: float, level: float = 0.99) -> tuple[float, float]:
@@ -78,11 +99,13 @@ def names(block: tinylm.BlockPlan) -> dict[str, str]:
 
 def report(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int, rows: bool) -> dict[str, int]:
     t0 = time.perf_counter()
-    var, model = measure(cfg, seeds, batch, seq)
+    var, model, softmax = measure(cfg, seeds, batch, seq)
     t1 = time.perf_counter()
-    pred = predict(model, "global", seq_len=seq, tokens=batch * seq)
+    pred = predict(model, "global", seq_len=seq, tokens=batch * seq, softmax=softmax)
     t2 = time.perf_counter()
-    print(f"\n{cfg.norm}-norm {cfg.init}, d_model {cfg.d_model}, depth {cfg.num_layers}, heads {cfg.num_heads}, "
+    tied = " tied" if cfg.tie_embeddings else ""
+    print(f"\n{cfg.norm}-norm {cfg.norm_kind}-norm {cfg.ffn} {cfg.init}{tied}, d_model {cfg.d_model}, "
+          f"depth {cfg.num_layers}, heads {cfg.num_heads}, "
           f"T {seq}, batch {batch}, {seeds} seeds (measure {t1 - t0:.1f} s, predict {t2 - t1:.1f} s)")
     counts = dict.fromkeys(("valid_in", "valid_out", "invalid_in", "invalid_out", "zero"), 0)
     indep: list[float] = []
@@ -120,9 +143,11 @@ def report(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int, rows: bool
         cells = [cell(n) for n in names(block).values()]
         if not rows:
             print(f"{block.index:3d} " + "".join(cells))
-    line = cell("token_embeddings")
-    if not rows and line.strip():
-        print(f"{'embeddings':>12}{line}")
+    plan = tinylm.plan.build(cfg)
+    for extra in (plan.input, plan.positions, plan.embedding):
+        line = cell(extra) if extra else ""
+        if not rows and line.strip():
+            print(f"{extra[:18]:>18}{line}")
     total = sum(counts.values())
     print(f"{total} backward tensors: valid within 10% {counts['valid_in']}, valid outside 10% {counts['valid_out']}, "
           f"invalid within 10% {counts['invalid_in']}, invalid outside 10% {counts['invalid_out']}, exact zeros "
@@ -133,6 +158,8 @@ def report(cfg: tinylm.ModelConfig, seeds: int, batch: int, seq: int, rows: bool
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", choices=ARCHS, default="cs336")
+    ap.add_argument("--untied", action="store_true", help="gpt2: untie the embeddings")
     ap.add_argument("--widths", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 8, 24])
     ap.add_argument("--norms", nargs="+", default=["pre", "post", "none"], choices=["pre", "post", "none"])
@@ -147,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread")
     total = dict.fromkeys(("valid_in", "valid_out", "invalid_in", "invalid_out", "zero"), 0)
-    grid = [(n, w, L, "cs336") for n in args.norms for w in args.widths for L in args.depths]
+    own = config(8, 1, 8, arch=args.arch).init
+    grid = [(n, w, L, None) for n in args.norms for w in args.widths for L in args.depths]
     if args.schemes_at[0] > 0:
-        grid += [("pre", args.schemes_at[0], args.schemes_at[1], s) for s in tinylm.init.SCHEMES if s != "cs336"]
+        grid += [("pre", args.schemes_at[0], args.schemes_at[1], s) for s in tinylm.init.SCHEMES if s != own]
     for norm, width, depth, scheme in grid:
-        counts = report(config(width, depth, args.seq, norm, scheme), args.seeds, args.batch, args.seq, args.rows)
+        counts = report(config(width, depth, args.seq, norm, scheme, args.arch, args.untied), args.seeds, args.batch,
+                        args.seq, args.rows)
         for k, v in counts.items():
             total[k] += v
     print(f"\nall: valid within 10% {total['valid_in']}, valid outside 10% {total['valid_out']}, invalid within 10% "

@@ -106,18 +106,21 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
                                                                         coincidence=coincidence)
             out = _with_kernel(out, kt.predictions(dropout_active=False))
         if bk is not None:
-            ce = out.get((tinylm.plan.HEAD, "backward"))
-            out = _with_kernel(out, _ce_premise(bk.predictions(dropout_active=False), ce))
+            out = _with_kernel(out, bk.predictions(dropout_active=False))
+        if mode == "global":  # every global gradient starts from the cross-entropy rule at the logits
+            out = _ce_premise(out, out.get((tinylm.plan.HEAD, "backward")))
     return out
 
 
-def _ce_premise(kernel: dict[tuple[str, str], Prediction], ce: Prediction | None) -> dict[tuple[str, str], Prediction]:
-    """Every backward kernel prediction outside validity when the cross-entropy rule's premise (a near-uniform
-    softmax independent of the targets, checked by the independent-token rule at the logits) fails."""
+def _ce_premise(preds: dict[tuple[str, str], Prediction], ce: Prediction | None) -> dict[tuple[str, str], Prediction]:
+    """Every global backward prediction (the backward kernel's or the independent-token one) outside validity when
+    the cross-entropy rule's premise (a near-uniform softmax independent of the targets, checked by the
+    independent-token rule at the logits) fails: each is that rule carried down."""
     if ce is None or ce.valid:
-        return kernel
+        return preds
     why = "every gradient starts at the logits, where " + ce.validity
-    return {k: dataclasses.replace(p, valid=False, validity=why) if p.valid else p for k, p in kernel.items()}
+    return {k: dataclasses.replace(p, valid=False, validity=why) if p.valid and k[1] == "backward" else p
+            for k, p in preds.items()}
 
 
 def _with_kernel(indep: dict[tuple[str, str], Prediction], kernel: dict[tuple[str, str], Prediction]
