@@ -113,6 +113,7 @@ def not_covered(config: tinylm.ModelConfig, seq_len: int) -> str | None:
         return f"seq_len={seq_len} > {MAX_SEQ_LEN}: the backward kernel's cost grows as T^3"
     return None
 
+
 #: Monte Carlo draws of (g_o, v) per draw of (q, k), for the query and key gradients
 _INNER = 4
 
