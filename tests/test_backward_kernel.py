@@ -9,9 +9,10 @@ import torch
 from scipy import stats
 
 import tinylm
-from diagnostics import OptionsError, ProbeOptions, predict, probe
+from diagnostics import OptionsError, predict
 from diagnostics.theory.backkernel import attention_backward, backward_kernel, norm_backward
 from diagnostics.theory.tokenkernel import _psd_sqrt
+from kernelhelp import backward_variances
 
 ALPHA = 1e-6  # family-wise false-alarm probability of each test's statistical checks (Bonferroni within it)
 
@@ -133,18 +134,7 @@ def _config(norm, d=D, layers=L):
 
 
 def _measure(cfg):
-    var = {}
-    opts = ProbeOptions(backward=True, attention=False, params=False, cosine=False)
-    for s in range(SEEDS):
-        gen = torch.Generator().manual_seed(s)
-        model = tinylm.TransformerLM(cfg, generator=gen)
-        data = torch.randint(0, V, (B, T + 1), generator=gen)
-        with probe(model, opts) as run:
-            tinylm.functional.cross_entropy(model(data[:, :-1]).float(), data[:, 1:]).backward()
-        for (name, direction), m in run.stats.tensors.items():
-            if direction == "backward":
-                var.setdefault(name, []).append(m.var)
-    return var, model
+    return backward_variances(cfg, SEEDS, B, T)
 
 
 @pytest.mark.parametrize("norm", ["pre", "post"])

@@ -9,10 +9,11 @@ import torch
 from scipy import integrate, stats
 
 import tinylm
-from diagnostics import ProbeOptions, predict, probe
+from diagnostics import predict
 from diagnostics.theory import backkernel
 from diagnostics.theory.backkernel import dact_cross_moment, layer_norm_backward, norm_backward
 from diagnostics.theory.independent import ACTIVATIONS
+from kernelhelp import backward_variances
 
 ALPHA = 1e-6  # family-wise false-alarm probability of each test's statistical checks (Bonferroni within it)
 
@@ -115,17 +116,7 @@ def test_gpt2_block_backward_beside_measurement():
     GELU's (G_h E[silu'(a_s) silu'(a_t)]) is rejected by the same check in both blocks."""
     cfg = _config("cs336")
     assert backkernel.not_covered(cfg, T) is None
-    var = {}
-    opts = ProbeOptions(backward=True, attention=False, params=False, cosine=False)
-    for s in range(SEEDS):
-        gen = torch.Generator().manual_seed(s)
-        model = tinylm.TransformerLM(cfg, generator=gen)
-        data = torch.randint(0, V, (B, T + 1), generator=gen)
-        with probe(model, opts) as run:
-            tinylm.functional.cross_entropy(model(data[:, :-1]).float(), data[:, 1:]).backward()
-        for (name, direction), m in run.stats.tensors.items():
-            if direction == "backward":
-                var.setdefault(name, []).append(m.var)
+    var, model = backward_variances(cfg, SEEDS, B, T)
     glob = predict(model, "global", seq_len=T, tokens=B * T)
     valid = [(n, p) for (n, d), p in glob.items() if d == "backward" and p.valid and n in var]
     assert len(valid) >= 25 and any(n == "position_embeddings" for n, _ in valid)

@@ -8,9 +8,10 @@ import torch
 from scipy import integrate, stats
 
 import tinylm
-from diagnostics import OptionsError, ProbeOptions, predict, probe
+from diagnostics import OptionsError, predict
 from diagnostics.theory.tokenkernel import attention_kernel, kernel_theory, mean_cosine, normalize, silu_cross_moment
 from diagnostics.theory import silu_moments
+from kernelhelp import forward_moments
 
 ALPHA = 1e-6  # family-wise false-alarm probability of the statistical checks below
 D, L, T, B, V, SEEDS = 128, 4, 32, 4, 1024, 32
@@ -29,19 +30,7 @@ def kt():
 @pytest.fixture(scope="module")
 def measured():
     """Per seed (fresh init and fresh uniform random tokens): forward variance per tensor, cosine per residual point."""
-    cfg, var, cos = config(), {}, {}
-    opts = ProbeOptions(backward=False, attention=False, params=False)
-    for s in range(SEEDS):
-        gen = torch.Generator().manual_seed(s)
-        model = tinylm.TransformerLM(cfg, generator=gen)
-        tokens = torch.randint(0, V, (B, T), generator=gen)
-        with torch.no_grad(), probe(model, opts) as run:
-            model(tokens)
-        for (name, direction), m in run.stats.tensors.items():
-            var.setdefault(name, []).append(m.var)
-        for name, m in run.stats.cosine.items():
-            cos.setdefault(name, []).append(m.mean)
-    return var, cos, model
+    return forward_moments(config(), SEEDS, B, T)
 
 
 # ---------------------------------------------------------------- exact identities

@@ -9,9 +9,10 @@ import torch
 from scipy import integrate, stats
 
 import tinylm
-from diagnostics import ProbeOptions, predict, probe
+from diagnostics import predict
 from diagnostics.theory.independent import ACTIVATIONS, layernorm_moments
 from diagnostics.theory.tokenkernel import act_cross_moment, kernel_theory, layer_normalize
+from kernelhelp import forward_moments
 
 ALPHA = 1e-6  # family-wise false-alarm probability of the statistical checks of each test
 D, L, T, B, V, SEEDS = 128, 4, 32, 4, 1024, 20
@@ -120,19 +121,7 @@ def rejects(values, claim, delta, alpha):
 
 def measure(cfg):
     """Per seed (fresh init and uniform random tokens): forward variance per tensor, cosine per residual point."""
-    var, cos = {}, {}
-    opts = ProbeOptions(backward=False, attention=False, params=False)
-    for s in range(SEEDS):
-        gen = torch.Generator().manual_seed(s)
-        model = tinylm.TransformerLM(cfg, generator=gen)
-        tokens = torch.randint(0, V, (B, T), generator=gen)
-        with torch.no_grad(), probe(model, opts) as run:
-            model(tokens)
-        for (name, direction), m in run.stats.tensors.items():
-            var.setdefault(name, []).append(m.var)
-        for name, m in run.stats.cosine.items():
-            cos.setdefault(name, []).append(m.mean)
-    return var, cos, model
+    return forward_moments(cfg, SEEDS, B, T)
 
 
 @pytest.mark.parametrize("init", ["cs336", "gpt2"])

@@ -98,10 +98,11 @@ from .tokenkernel import (KernelTheory, _act_pair, _rope_tables, _sqrt_factor, a
 __all__ = ["BackwardKernel", "backward_kernel", "cached_backward_kernel", "norm_backward", "layer_norm_backward",
            "dact_cross_moment", "dsilu_cross_moment", "not_covered", "MAX_SEQ_LEN"]
 
-#: the longest sequence the backward kernel is computed for by :func:`.predict`: its attention products
-#: grow as T^3 (gpt2-small: 4.6 s at T 256, 15.9 s at T 512 beside the forward walk's 1.3 and 3.8 s, on
-#: the 2-core VM), so at a model's full context of 1024 it would cost more than the measurement it sits
-#: beside; longer sequences keep the independent-token rules for their gradients
+#: the longest sequence the backward kernel is computed for by :func:`.predict`: its attention
+#: products grow as T^3 (gpt2-small: 4.6 s at T 256, 15.9 s at T 512 beside the forward walk's 1.3
+#: and 3.8 s, on the 2-core VM at a load average of about 5), so at a model's full context of 1024
+#: it would cost more than the measurement it sits beside; longer sequences keep the
+#: independent-token rules for their gradients
 MAX_SEQ_LEN = 512
 
 
