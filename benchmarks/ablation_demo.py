@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     import tinylm
     from tinylm.data import stdlib_corpus
     from tinylm.train import TrainOptions
-    from diagnostics.judge.watch import train_watched as train
-    from diagnostics.judge.watch import first_departure, write_json
+    from diagnostics.jobs.watch import train_watched as train
+    from diagnostics.jobs.watch import first_departure, write_json
     from reports.watch_view import plot_histories
 
     tokens = stdlib_corpus()

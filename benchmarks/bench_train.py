@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     allocator = "glibc's dynamic thresholds" if args.system_malloc else pin_malloc()
 
     import tinylm
-    from diagnostics.judge.watch import train_watched
+    from diagnostics.jobs.watch import train_watched
     from tinylm.data import stdlib_corpus
     from tinylm.train import TrainOptions
 

@@ -91,7 +91,7 @@ def measure(build, T, batch):
     """Diagnose one model; the numbers each threshold reads, and its findings."""
     import importlib
 
-    dmod = importlib.import_module("diagnostics.judge.diagnose")  # the module (its name is shadowed by the function)
+    dmod = importlib.import_module("diagnostics.jobs.diagnose")  # the module (its name is shadowed by the function)
     seen = {}
     real = dmod.judge
 

@@ -1,11 +1,12 @@
 """diagnostics: measurement, prediction and judgement of per-layer variance, for any nn.Module.
 
-Three sub-packages, one concept each:
+Four sub-packages, one concept each:
 
 * :mod:`diagnostics.measure` — ``probe`` and the mergeable moments it records;
 * :mod:`diagnostics.theory` — ``predict``: theory's moments beside every measured one;
-* :mod:`diagnostics.judge` — verdicts and thresholds, and the jobs built on them:
-  ``diagnose`` (one model), ``compare`` (init schemes side by side), ``Watch`` (training).
+* :mod:`diagnostics.judge` — verdicts, causes and thresholds; it judges and does nothing else;
+* :mod:`diagnostics.jobs` — pipelines over the three: ``diagnose`` (one model), ``compare``
+  (init schemes side by side), ``Watch`` (training).
 
 The results of those jobs share one schema (:mod:`diagnostics.result`); their options
 are :mod:`diagnostics.options`. See diagnostics/API.md.
@@ -16,7 +17,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .judge import History, Thresholds, Watch, WatchEvent, WatchFailure, WatchStop, compare, diagnose
+from .jobs import History, Watch, WatchEvent, WatchFailure, WatchStop, compare, diagnose
+from .judge import Thresholds
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .options import DiagnoseOptions, OptionsError, ProbeOptions
 from .result import (
@@ -78,7 +80,7 @@ def __getattr__(name: str) -> Any:
     if name == "train":
         warnings.warn("diagnostics.train moved to tinylm.train.train; pass monitor=diagnostics.Watch(model, ...)",
                       DeprecationWarning, stacklevel=2)
-        from .judge.watch import train_watched
+        from .jobs.watch import train_watched
 
         return train_watched
     if name in _MOVED:

@@ -45,7 +45,7 @@ def _tokens(data: str | None, vocab_size: int | None) -> tuple[Any, int | None]:
     """The ``--data`` file's tokens (memory-mapped, never written) and the vocabulary for them; one-line errors."""
     if data is None:
         return None, vocab_size
-    from diagnostics.judge.compare import DEFAULT_SEQ_LEN, data_vocab
+    from diagnostics.jobs.compare import DEFAULT_SEQ_LEN, data_vocab
     from tinylm.data import load_tokens
 
     from .cli import UsageError
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import tinylm
-    from diagnostics.judge.compare import compare
+    from diagnostics.jobs.compare import compare
 
     from . import export
     from .cli import UsageError

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     """Train; exit 0, or EXIT_NONFINITE (4) when the run stopped on a non-finite loss."""
     from rich.console import Console
 
-    from diagnostics.judge import watch as watchmod
+    from diagnostics.jobs import watch as watchmod
     from tinylm.train import load_training
 
     out = Path(args.output)
@@ -216,7 +216,7 @@ class _Display:
 
 
 def _summary(console, result, options, out: Path) -> None:
-    from diagnostics.judge.watch import first_departure, loss_summary
+    from diagnostics.jobs.watch import first_departure, loss_summary
 
     from .fmt import verdict_text
 

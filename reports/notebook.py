@@ -1,8 +1,8 @@
 """Results drawn in a Jupyter notebook: the HTML behind ``_repr_html_``.
 
 :func:`html` takes a :class:`diagnostics.DiagnoseResult`, a watch history (a
-:class:`diagnostics.judge.watch.History`, a :class:`diagnostics.Watch` or the history dict)
-or a :class:`diagnostics.judge.comparison.Comparison`, and returns one self-contained
+:class:`diagnostics.jobs.watch.History`, a :class:`diagnostics.Watch` or the history dict)
+or a :class:`diagnostics.jobs.comparison.Comparison`, and returns one self-contained
 ``<div>``: the verdict in a heading, the key numbers, a table of what is not ok, and the
 figure the command line would write (``reports.plots`` / ``reports.watch_view``) embedded as
 a PNG. Nothing here computes a statistic; it lays out what diagnostics measured and judged.
@@ -113,7 +113,7 @@ def diagnosis_html(result: Any) -> str:
 
 def history_html(history: dict[str, Any]) -> str:
     """A watch history: first verdict other than ok, loss over the run, verdicts, alarms, the plot."""
-    from diagnostics.judge.watch import first_departure, loss_summary, verdicts
+    from diagnostics.jobs.watch import first_departure, loss_summary, verdicts
 
     from .watch_view import histories_figure
 
@@ -195,8 +195,8 @@ def html(obj: Any) -> str:
 
 
 def _html_of(obj: Any) -> str:
-    from diagnostics.judge.comparison import Comparison
-    from diagnostics.judge.watch import History, Watch
+    from diagnostics.jobs.comparison import Comparison
+    from diagnostics.jobs.watch import History, Watch
     from diagnostics.result import DiagnoseResult
 
     if isinstance(obj, DiagnoseResult):

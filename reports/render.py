@@ -127,11 +127,11 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
 
 
 def _interval_scope(header: Any) -> str:
-    """What the 99% intervals cover (:func:`diagnostics.judge.diagnose.interval_scope`; imported here, when
+    """What the 99% intervals cover (:func:`diagnostics.jobs.diagnose.interval_scope`; imported here, when
     a report is drawn, so that importing this module does not import torch)."""
     if getattr(header, "interval", ""):
         return header.interval
-    from diagnostics.judge.diagnose import interval_scope as scope  # a document written before the field
+    from diagnostics.jobs.diagnose import interval_scope as scope  # a document written before the field
 
     return scope(header)
 

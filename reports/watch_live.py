@@ -1,6 +1,6 @@
 """The watch's live panel: the "during training" panel of ``reports.watch_view`` redrawn as a run goes.
 
-A :class:`diagnostics.judge.watch.WatchWriter`, handed to a watch:
+A :class:`diagnostics.jobs.watch.WatchWriter`, handed to a watch:
 ``Watch(model, every=50, writers=[LivePanel()])``.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diagnostics.judge.watch import WatchWriter
+from diagnostics.jobs.watch import WatchWriter
 
 from .watch_view import render_history
 

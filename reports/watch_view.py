@@ -1,4 +1,4 @@
-"""The "during training" panel: a watch history (``diagnostics.judge.watch``) drawn in the terminal and as a plot.
+"""The "during training" panel: a watch history (``diagnostics.jobs.watch``) drawn in the terminal and as a plot.
 
 ``render_history(history)`` returns a rich renderable: per block, the residual
 stream's activation and gradient variance over the recorded steps as a line of
@@ -6,9 +6,9 @@ block characters on one shared log scale, the first and last values, and the
 first step at which any verdict left ok. ``plot_history(history, path)`` draws
 the same with matplotlib (Agg); ``plot_histories({label: history}, path)`` puts
 several runs side by side (docs/ablation.png). Every series is read
-from the history's tidy frame (``diagnostics.judge.watch.to_frame``, the one result
+from the history's tidy frame (``diagnostics.jobs.watch.to_frame``, the one result
 schema); nothing here computes a statistic: the numbers and verdicts come from
-``diagnostics.judge.watch``.
+``diagnostics.jobs.watch``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _is_watch(history: Any) -> bool:
 
 
 def _frame(history: dict[str, Any]) -> Any:
-    from diagnostics.judge.watch import to_frame
+    from diagnostics.jobs.watch import to_frame
 
     return to_frame(history)
 
@@ -106,7 +106,7 @@ def render_history(history: dict[str, Any]):
     from rich.table import Table
     from rich.text import Text
 
-    from diagnostics.judge.watch import first_departure, loss_summary, verdicts
+    from diagnostics.jobs.watch import first_departure, loss_summary, verdicts
 
     from .fmt import verdict_text
 
@@ -166,7 +166,7 @@ def render_history(history: dict[str, Any]):
 
 
 def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
-    from diagnostics.judge.watch import first_departure
+    from diagnostics.jobs.watch import first_departure
 
     from .fmt import verdict_text
 

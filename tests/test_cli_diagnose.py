@@ -239,7 +239,7 @@ def test_end_to_end_default_run_no_argument(tmp_path):
 
 
 def test_checkpoint_with_training_history_gets_the_during_training_panel_and_plot(capsys, tmp_path):
-    from diagnostics.judge.watch import Watch
+    from diagnostics.jobs.watch import Watch
     from tinylm.functional import cross_entropy
 
     model = small_model()

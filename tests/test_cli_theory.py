@@ -53,7 +53,7 @@ def test_theory_never_changes_the_exit_code(tmp_path, capsys, monkeypatch):
     """An exploding model (no norm) with --check: exit 1 with theory, without it, and when theory fails."""
     ckpt = save(tmp_path / "x.pt", norm="none", init="kaiming")
     codes = {word: run(capsys, ckpt, "--check", "--theory", word, *SMALL)[0] for word in ("auto", "off")}
-    D = importlib.import_module("diagnostics.judge.diagnose")
+    D = importlib.import_module("diagnostics.jobs.diagnose")
 
     def broken(*a, **k):
         raise ValueError("a failure inside theory")

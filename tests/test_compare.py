@@ -9,7 +9,7 @@ import torch
 import tinylm
 from diagnostics import OptionsError, compare
 from tinylm.data import DataError
-from diagnostics.judge.compare import SUMMARY_COLUMNS, stream_slope
+from diagnostics.jobs.compare import SUMMARY_COLUMNS, stream_slope
 from diagnostics.result import COLUMNS, DTYPES
 
 
@@ -109,7 +109,7 @@ def test_data_feeds_the_measured_batch_and_the_training_steps():
 def test_stdlib_bytes_as_data_train_exactly_as_the_default_does():
     """Without data the steps train on the standard library's bytes: the same bytes given as data give
     the same early loss, while the loss at init is now measured on text instead of random tokens."""
-    from diagnostics.judge.compare import _corpus
+    from diagnostics.jobs.compare import _corpus
 
     kw = dict(TINY, seeds=1, steps=3)
     _, default = compare(["cs336"], **kw)

@@ -6,7 +6,7 @@ import torch
 
 import tinylm
 from diagnostics import ProbeOptions, compare, probe
-from diagnostics.judge.compare import _config
+from diagnostics.jobs.compare import _config
 
 
 def fresh_measurement(config, seed, batch_size, seq_len, steps_before=0):

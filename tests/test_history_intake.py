@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinylm
-from diagnostics.judge import watch as W
+from diagnostics.jobs import watch as W
 from reports.cli import main
 from tinylm import checkpoint
 from tinylm.train import TrainOptions

@@ -119,7 +119,7 @@ def test_moved_training_loop_still_runs_the_watch():
 
     with pytest.warns(DeprecationWarning, match="tinylm.train"):
         train = diagnostics.train
-    from diagnostics.judge.watch import train_watched
+    from diagnostics.jobs.watch import train_watched
 
     assert train is train_watched
 

@@ -13,8 +13,8 @@ import torch
 
 import tinylm
 from diagnostics import OptionsError, Watch, compare, diagnose
-from diagnostics.judge.comparison import Comparison
-from diagnostics.judge.watch import History, first_departure, loss_summary, verdicts
+from diagnostics.jobs.comparison import Comparison
+from diagnostics.jobs.watch import History, first_departure, loss_summary, verdicts
 from tinylm import functional as F
 
 SMALL = dict(vocab_size=32, context_length=8, d_model=16, num_layers=4, num_heads=2, d_ff=32)

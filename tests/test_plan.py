@@ -201,7 +201,7 @@ def test_the_watch_records_and_judges_what_the_plan_names():
     import torch
 
     import tinylm
-    from diagnostics.judge import watch as W
+    from diagnostics.jobs import watch as W
 
     for norm in ("pre", "post", "none"):
         config = tinylm.ModelConfig(vocab_size=20, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32,

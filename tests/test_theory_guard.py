@@ -35,7 +35,7 @@ def test_a_badly_scaled_model_gets_a_report_not_a_crash(std):
 def test_a_theory_that_fails_leaves_the_measurement_and_says_so(monkeypatch):
     import importlib
 
-    D = importlib.import_module("diagnostics.judge.diagnose")  # the module (the package re-exports the function)
+    D = importlib.import_module("diagnostics.jobs.diagnose")  # the module (the package re-exports the function)
 
     def broken(*a, **k):
         raise OverflowError("math range error")

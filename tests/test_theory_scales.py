@@ -143,7 +143,7 @@ def test_none_is_an_alias_of_off():
 @pytest.mark.parametrize("error", [OverflowError("math range error"), ValueError("cannot convert float NaN to integer"),
                                    RuntimeError("a bug inside theory")])
 def test_any_failure_inside_theory_leaves_the_measurement_and_the_verdict(monkeypatch, error):
-    D = importlib.import_module("diagnostics.judge.diagnose")  # the module (the package re-exports the function)
+    D = importlib.import_module("diagnostics.jobs.diagnose")  # the module (the package re-exports the function)
 
     def broken(*a, **k):
         raise error

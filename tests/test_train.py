@@ -11,7 +11,7 @@ import torch
 import tinylm
 from tinylm.data import DataError
 from tinylm.train import TrainError, TrainOptions, load_training, lr_schedule
-from diagnostics.judge.watch import train_watched as train
+from diagnostics.jobs.watch import train_watched as train
 from reports.cli import main
 
 SMALL = dict(vocab_size=32, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)

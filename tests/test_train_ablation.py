@@ -17,8 +17,8 @@ import torch
 import tinylm
 from tinylm.data import stdlib_corpus
 from tinylm.train import TrainOptions
-from diagnostics.judge.watch import train_watched as train
-from diagnostics.judge.watch import first_departure, verdicts
+from diagnostics.jobs.watch import train_watched as train
+from diagnostics.jobs.watch import first_departure, verdicts
 
 
 def _run(norm: str, d: int, T: int, steps: int, lr: float, batch: int, every: int, tokens):

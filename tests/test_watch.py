@@ -16,9 +16,9 @@ import torch
 import tinylm
 from diagnostics import Thresholds
 from diagnostics.result import COLUMNS, DTYPES
-from diagnostics.judge import watch as W
+from diagnostics.jobs import watch as W
 from tinylm.train import TrainOptions
-from diagnostics.judge.watch import train_watched as train
+from diagnostics.jobs.watch import train_watched as train
 from tinylm import functional as F
 
 TH = Thresholds()  # the defaults: the one set of thresholds diagnose reads too

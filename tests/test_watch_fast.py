@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tinylm
 from diagnostics import Watch
-from diagnostics.judge.watch import train_watched
+from diagnostics.jobs.watch import train_watched
 from tinylm import functional as F
 from tinylm.train import TrainOptions, train
 

@@ -82,7 +82,7 @@ def test_stop_signal_ends_the_run_at_a_nonfinite_loss(tmp_path):
 
 
 def test_the_sites_of_a_llama_are_its_embedding_blocks_and_head():
-    from diagnostics.judge.watch import default_sites
+    from diagnostics.jobs.watch import default_sites
 
     cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=2 * D, num_hidden_layers=3,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=T)

@@ -15,7 +15,7 @@ from torch import nn
 
 import tinylm
 from diagnostics import OptionsError, Watch
-from diagnostics.judge import watch as W
+from diagnostics.jobs import watch as W
 from tinylm import functional as F
 
 SMALL = dict(vocab_size=32, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)

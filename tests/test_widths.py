@@ -16,7 +16,7 @@ from rich.console import Console
 
 import tinylm
 from diagnostics import DiagnoseOptions, diagnose
-from diagnostics.judge.compare import compare
+from diagnostics.jobs.compare import compare
 from props.runner import PropertyResult, SuiteRun
 from reports.cli import main
 from tinylm import checkpoint

@@ -21,7 +21,7 @@ On a recorded step (every ``every`` optimizer steps, and the step after a spike)
 runs over all of the step's micro-batches (forward and backward), the parameters are
 copied before the optimizer step and the update ratios taken after it. ``stop="signal"``
 sets ``control.should_training_stop`` at the first fail (the Trainer ends the run
-cleanly); ``stop="raise"`` raises :class:`diagnostics.judge.watch.WatchStop`.
+cleanly); ``stop="raise"`` raises :class:`diagnostics.jobs.watch.WatchStop`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('the Hugging Face callback needs transformers: pip install "tinylm[hf]" '
                       "(or pip install transformers)") from e
 
-from ..judge.watch import Watch, WatchFailure, WatchStop
+from ..jobs.watch import Watch, WatchFailure, WatchStop
 
 __all__ = ["WatchCallback"]
 

@@ -1,7 +1,7 @@
 """Writers that send a watch's steps, records and alarms to files beside the run.
 
 * :class:`CSVWriter` — ``watch.csv``: tidy rows of the one result schema (columns
-  :data:`diagnostics.result.COLUMNS`; the rows ``diagnostics.judge.watch.to_rows`` gives,
+  :data:`diagnostics.result.COLUMNS`; the rows ``diagnostics.jobs.watch.to_rows`` gives,
   written as they happen, so a run that dies leaves what it had);
 * :class:`JSONLWriter` — ``watch.jsonl``: one JSON object a line, ``{"type": "step", "step",
   "loss", "lr", "grad_norm"}``, ``{"type": "record", ...the history's record..., "verdicts":

@@ -118,7 +118,7 @@ class Thresholds:
         sqrt(d) = 8 at d 64; it trains); GPT-2 with every weight std 10 measures 527, a plain
         residual stack exploding 1.8e4.
 
-    Over training (the watch, :mod:`diagnostics.judge.watch`), each site against its own
+    Over training (the watch, :mod:`diagnostics.jobs.watch`), each site against its own
     earlier records; heuristics with a measured margin, not statistical tests (in the
     README's ablation runs at lr 1e-2, d=128, 200 steps, the judged variances of the
     pre-norm baseline rose at most 129x above their lowest earlier value and its gradient

@@ -73,7 +73,7 @@ from torch import nn
 from ..measure.blocks import find_blocks
 from ..integrations.writers import WatchWriter, _json_safe
 from ..result import Row, frame
-from .verdicts import Thresholds
+from ..judge.verdicts import Thresholds
 
 __all__ = [
     "Watch",
@@ -547,7 +547,7 @@ class Watch:
         for w in writers:
             if not isinstance(w, WatchWriter):
                 raise OptionsError(f"writers: {type(w).__name__} is not a diagnostics WatchWriter; subclass "
-                                   "diagnostics.judge.watch.WatchWriter")
+                                   "diagnostics.jobs.watch.WatchWriter")
             self.writers.append(w)
         self._writer_names = [type(w).__name__ for w in self.writers]
         for w in self.writers:
