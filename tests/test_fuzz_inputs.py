@@ -70,6 +70,7 @@ def states(draw):
         how = draw(st.sampled_from(["drop", "shape", "int", "nan", "sparse", "half", "scalar", "notensor"]))
         base = state.get(key)
         base = base if isinstance(base, torch.Tensor) else torch.zeros(3, 3)
+        base = base.to_dense() if base.is_sparse else base  # an earlier draw may have made this key sparse
         if how == "drop":
             state.pop(key, None)
         elif how == "shape":
