@@ -97,7 +97,7 @@ def _head(named: list[tuple[str, nn.Module]], tables: list[nn.Module], stack: Bl
             continue
         w = getattr(mod, "weight", None)
         tied = isinstance(w, Tensor) and any(w is t for t in weights)
-        if tied or (_out_width(mod) is not None and _out_width(mod) in vocab):
+        if tied or _out_width(mod) in vocab:
             head = name
     return head
 
@@ -117,6 +117,8 @@ def _token_embedding(named: dict[str, nn.Module], tables: tuple[str, ...], head:
 
 def _kind(name: str, mod: nn.Module, tiny: bool, head: str | None) -> str | None:
     """The kind of a module that is not a block, or None when it is not a default point."""
+    if name == head:
+        return "logits"
     if isinstance(mod, tinylm.Tap):
         return _TAP_KINDS.get(name.rsplit(".", 1)[-1], "module")
     if tiny and isinstance(mod, tinylm.MultiHeadSelfAttention):
@@ -127,8 +129,6 @@ def _kind(name: str, mod: nn.Module, tiny: bool, head: str | None) -> str | None
         return None
     if isinstance(mod, _EMBEDDINGS):
         return "embedding"
-    if name == head:
-        return "logits"
     if isinstance(mod, _LINEARS):
         return "linear"
     if isinstance(mod, _NORMS) or type(mod).__name__ in ("RMSNorm", "LayerNorm"):
