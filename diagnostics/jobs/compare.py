@@ -62,6 +62,7 @@ from tinylm.validate import check, choice, fail, integer
 from .diagnose import t_interval
 from ..options import OptionsError, Progress, ProbeOptions
 from ..measure.probe import block_index, probe
+from ..measure.sites import model_sites
 from ..result import DepthRow, Row, frame
 from .comparison import Comparison
 from ..judge.verdicts import Thresholds, judge
@@ -248,7 +249,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                             x, y = batch[:, :-1], batch[:, 1:]
                         else:
                             x, y = get_batch(tokens, batch_size, seq_len, gen)
-                        opts = ProbeOptions(modules=tuple(stream + ["lm_head"]) if tensors == "stream" else None,
+                        opts = ProbeOptions(modules=tuple(stream + [model_sites(model).head]) if tensors == "stream" else None,
                                             attention=tensors == "all", params=False)
                         with probe(model, opts) as measured:
                             loss = tinylm.functional.cross_entropy(model(x), y)
@@ -274,7 +275,7 @@ def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8,
                         for (name, direction), m in stats.tensors.items():
                             kind = stats.kinds.get(name, "module")
                             if tensors == "stream":
-                                kind = "embedding" if name == "token_embeddings" else ("logits" if name == "lm_head" else "residual")
+                                kind = "embedding" if name == "token_embeddings" else ("logits" if kind == "logits" else "residual")
                             verdict = found.get((name, direction), "ok") if name in stream else None
                             for stat, value in (("var", m.var), ("mean", m.mean), ("max_abs", m.max_abs),
                                                 ("frac_zero", m.frac_zero)):

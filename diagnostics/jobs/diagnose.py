@@ -47,7 +47,7 @@ from tinylm.init import declare
 
 from ..theory.tokenkernel import token_coincidence
 from ..options import DiagnoseOptions, OptionsError, ProbeOptions
-from ..measure.blocks import find_blocks
+from ..measure.sites import model_sites
 from ..measure.probe import block_index, probe
 from ..result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
 from ..measure.moments import ProbeStats
@@ -496,7 +496,8 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         progress(done, total, f"theory ({mode})")
 
     # tensor rows
-    stack = find_blocks(model)
+    sites = model_sites(model)
+    stack = sites.blocks
     index = stack.index if stack is not None else block_index  # a tinylm model's: its plan's, tested equal
     rows: list[TensorRow] = []
     names = list(pooled.order)
@@ -544,9 +545,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
             saturated_frac=am.saturated_frac))
 
     depth: list[DepthRow] = []
-    points = tinylm.plan.build(model.config).block_outputs() if tiny else \
-        (stack.input, *stack.names) if stack is not None else ()
-    for k, name in enumerate(points):
+    for k, name in enumerate(sites.depth):
         f = pooled.tensors.get((name, "forward"))
         if f is None:
             continue

@@ -70,7 +70,7 @@ import tinylm
 from tinylm.errors import TinyLMError
 from torch import nn
 
-from ..measure.blocks import find_blocks
+from ..measure.sites import model_sites
 from ..integrations.writers import WatchWriter, _json_safe
 from ..result import Row, frame
 from ..judge.verdicts import Thresholds
@@ -210,49 +210,28 @@ def check_history(history: Any) -> tuple[dict[str, Any] | None, str | None]:
 
 
 def default_sites(model: nn.Module) -> list[str]:
-    """The tensors the watch records, in forward order, for a tinylm ``TransformerLM``.
+    """The tensors the watch records, in forward order: ``model_sites(model).watch``.
 
-    token_embeddings; per block i: attn.scores (pre-softmax logits, causal
-    entries), attn.probs (also gives the attention entropy and saturation), attn
-    (the attention branch), resid_mid, ffn (the FFN branch) and the block's output
-    ``layers.i`` (the residual stream); lm_head (the logits). Any other module: :func:`find_sites`.
+    A tinylm ``TransformerLM``: token_embeddings; per block i: attn.scores (pre-softmax logits,
+    causal entries), attn.probs (also gives the attention entropy and saturation), attn (the
+    attention branch), resid_mid, ffn (the FFN branch) and the block's output ``layers.i`` (the
+    residual stream); the head (the logits). Any other module: :func:`find_sites`.
     """
-    names = {name for name, _ in model.named_modules()}
-    config = getattr(model, "config", None)
-    if not isinstance(config, tinylm.ModelConfig):
-        return find_sites(model)
-    p = tinylm.plan.build(config)
-    sites = [p.embedding]
-    for b in p.blocks:
-        attn, ffn = b.branches()
-        sites += [f"{attn.name}.scores", f"{attn.name}.probs", attn.name, b.mid, ffn.name, b.output]
-    sites.append(p.head)
-    return [s for s in sites if s in names]
+    return list(model_sites(model).watch)
 
 
 def find_sites(model: nn.Module) -> list[str]:
-    """The sites of a module that is not a tinylm model, found from its structure alone.
+    """The sites of any module, found from its structure alone (:mod:`diagnostics.measure.sites`).
 
     The embedding tables (every ``nn.Embedding``, in module order); each block of the model's
-    block stack (:func:`diagnostics.measure.blocks.find_blocks`, the rule ``diagnose`` uses:
-    each block's output is the residual stream of a decoder such as GPT-2 or Llama); the head:
-    a module named ``lm_head``, else the last ``nn.Linear`` outside the blocks. A module with
+    block stack (each block's output is the residual stream of a decoder such as GPT-2 or
+    Llama); the head (the module whose output is the logits: the last linear module outside
+    the blocks whose output width is the vocabulary, or tied to the embedding). A module with
     none of these yields an empty list (pass ``sites=``).
     """
-    named = [(n, m) for n, m in model.named_modules() if m is not model]
-    embeddings = [n for n, m in named if isinstance(m, (nn.Embedding, tinylm.Embedding))]
-    stack = find_blocks(model)
-    blocks = list(stack.names) if stack is not None else []
-    names = {n for n, _ in named}
-    inside = tuple(b + "." for b in blocks)
-    if tinylm.plan.HEAD in names:
-        head = [tinylm.plan.HEAD]
-    else:
-        linears = [n for n, m in named if isinstance(m, (nn.Linear, tinylm.Linear)) and n not in blocks
-                   and not n.startswith(inside)]
-        head = linears[-1:]
-    sites = [s for s in embeddings + blocks + head if s in names]
-    return list(dict.fromkeys(sites))
+    s = model_sites(model)
+    found = [*s.embeddings, *(s.blocks.names if s.blocks is not None else ()), *([s.head] if s.head else [])]
+    return list(dict.fromkeys(found))
 
 
 def describe_sites(sites: list[str]) -> str:

@@ -2,6 +2,8 @@
 
 * :mod:`.probe` — hooks on any ``nn.Module`` that reduce each tensor at once (forward
   activations, backward gradients, attention panels, parameters) and leave no trace;
+* :mod:`.sites` — which tensors of a model are measured (embeddings, block stack, attention,
+  head, the default points), found once for every job by ``model_sites``;
 * :mod:`.reducer` — ``reduce``, the one reduction of a tensor to every statistic the probe
   takes, ``Reducer`` (that reduction, remembering the tensors it just read), and the merge of
   the vectors it gives;
@@ -16,6 +18,7 @@ from .distributed import merge_distributed
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .probe import ProbeRun, block_index, instrument_points, probe
 from .reducer import Reducer, Reduction, reduce
+from .sites import Sites, model_sites
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "Moments", "AttnMoments", "ParamStats",
-           "ProbeStats", "merge_distributed", "reduce", "Reduction", "Reducer"]
+           "ProbeStats", "merge_distributed", "reduce", "Reduction", "Reducer", "Sites", "model_sites"]

@@ -14,6 +14,7 @@ Hugging Face ``transformer.h`` (GPT-2) and ``model.layers`` (Llama), a user's ``
 
 Each block's output (the first tensor of a tuple output) is taken as the residual stream
 after it, and block 0's input as the stream before the blocks (named ``{stack}.input``).
+:func:`diagnostics.measure.sites.model_sites` takes its ``blocks`` from here.
 """
 
 from __future__ import annotations

@@ -5,17 +5,16 @@
         loss.backward()
     stats = run.stats
 
-Which tensors (the default ``instrument_points``): every module that holds
-parameters of its own (for tinylm: each Linear, RMSNorm and the Embedding; the
-lm_head's output is the logits), every ``tinylm.Tap`` (``layers.i.resid_mid``,
-``layers.i.attn.scores``, ``layers.i.attn.probs``, ``layers.i.ffn.hidden``) and,
-for a tinylm model, each block's output (the residual stream; the embedding
-output is block 0's input) and the attention and FFN branches before they are
-added (outputs of ``layers.i.attn`` and ``layers.i.ffn``), and the attention heads
-before ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model:
-each block of the stack :func:`diagnostics.measure.blocks.find_blocks` finds (its output,
-the residual stream) and block 0's input (``{stack}.input``); with ``attention`` and the
-default points (``modules`` None), each
+Which tensors: by default the points :func:`diagnostics.measure.sites.model_sites` chooses
+(``Sites.points``, also :func:`instrument_points`): every module that holds parameters of its
+own (for tinylm: each Linear, RMSNorm and the Embedding; the head's output is the logits),
+every ``tinylm.Tap`` (``layers.i.resid_mid``, ``layers.i.attn.scores``, ``layers.i.attn.probs``,
+``layers.i.ffn.hidden``) and, for a tinylm model, each block's output (the residual stream; the
+embedding output is block 0's input) and the attention and FFN branches before they are added
+(outputs of ``layers.i.attn`` and ``layers.i.ffn``), and the attention heads before
+``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model: each block of
+its block stack (its output, the residual stream) and block 0's input (``{stack}.input``);
+with ``attention`` and the default points (``modules`` None), each
 ``F.scaled_dot_product_attention`` call inside a block is measured on sampled query rows
 (:mod:`diagnostics.measure.sdpa`) as ``{module}.scores`` and the ``{module}.probs`` panel.
 
@@ -42,10 +41,10 @@ import tinylm
 from tinylm.init import declare
 
 from ..options import OptionsError, ProbeOptions
-from .blocks import find_blocks
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
 from .sdpa import SDPAWatch
+from .sites import model_sites
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats", "FLAT_EDGE"]
 
@@ -54,8 +53,6 @@ __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats
 #: output of its ``w1``) is counted there; a unit whose inputs all sit there is dead.
 FLAT_EDGE = -6.0
 
-_TAP_KINDS = {"resid_mid": "resid_mid", "scores": "attn_scores", "probs": "attn_probs", "hidden": "ffn_hidden",
-              "resid_in": "embedding"}  # token + learned position embeddings: the stream at depth 0
 _CAUSAL_KINDS = ("attn_scores", "attn_probs")
 
 
@@ -67,42 +64,9 @@ def _is_tinylm(model: nn.Module) -> bool:
 
 
 def instrument_points(model: nn.Module) -> dict[str, str]:
-    """The default {module name: kind} a probe instruments, in module order (each tensor once per name).
-
-    Any model's block stack (:func:`diagnostics.measure.blocks.find_blocks`) gives the residual
-    points: each block's output, and for a model that is not a tinylm model block 0's input
-    (``{stack}.input``, read by a pre-hook; a tinylm model's is its embedding's output)."""
-    points: dict[str, str] = {}
-    tiny = _is_tinylm(model)
-    stack = find_blocks(model)
-    blocks = set(stack.names) if stack is not None else set()
-    for name, mod in model.named_modules():
-        if mod is model:
-            continue
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(mod, tinylm.Tap):
-            points[name] = _TAP_KINDS.get(leaf, "module")
-        elif (tiny and isinstance(mod, tinylm.TransformerBlock)) or name in blocks:
-            if not tiny and name == stack.names[0]:
-                points[stack.input] = "residual"
-            points[name] = "residual"
-        elif tiny and isinstance(mod, tinylm.MultiHeadSelfAttention):
-            points[name] = "attn_branch"
-            points[f"{name}.heads"] = "attn_heads"  # output_proj's input: the heads, concatenated
-        elif tiny and isinstance(mod, (tinylm.SwiGLU, tinylm.MLP)):
-            points[name] = "ffn_branch"
-        elif any(True for _ in mod.parameters(recurse=False)):
-            if isinstance(mod, (tinylm.Embedding, nn.Embedding)):
-                points[name] = "embedding"
-            elif tiny and name == "lm_head":
-                points[name] = "logits"
-            elif isinstance(mod, (tinylm.Linear, nn.Linear)):
-                points[name] = "linear"
-            elif isinstance(mod, (tinylm.RMSNorm, nn.LayerNorm)) or type(mod).__name__ in ("RMSNorm", "LayerNorm"):
-                points[name] = "norm"
-            else:
-                points[name] = "module"
-    return points
+    """The default {module name: kind} a probe instruments, in module order (each tensor once per
+    name): ``model_sites(model).points`` (:mod:`diagnostics.measure.sites`), as a new dict."""
+    return dict(model_sites(model).points)
 
 
 def _first_tensor(output) -> Tensor | None:
@@ -429,7 +393,8 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     if not isinstance(model, nn.Module):
         raise OptionsError(f"model={type(model).__name__}: probe needs a torch.nn.Module")
     options = options or ProbeOptions()
-    points = instrument_points(model)
+    sites = model_sites(model)
+    points, stack = dict(sites.points), sites.blocks
     named = dict(model.named_modules())
     if options.modules is not None:
         missing = [m for m in options.modules if m not in named and m not in points]
@@ -438,7 +403,6 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
                                f"{', '.join(list(points)[:3])}")
         points = {m: points.get(m, "module") for m in options.modules}
     run = ProbeRun(model, options)
-    stack = find_blocks(model)
     training = {m: m.training for m in named.values()}
     # tinylm attention computes its scores and weights explicitly under any probe (without
     # a hook on them it may take torch's fused kernel): the numbers measured do not depend
