@@ -64,7 +64,7 @@ from ..options import OptionsError, Progress, ProbeOptions
 from ..measure.probe import block_index, probe
 from ..result import DepthRow, Row, frame
 from .comparison import Comparison
-from ..judge.verdicts import Thresholds, judge
+from ..judge import Thresholds, judge
 
 __all__ = ["compare", "stream_slope", "data_vocab", "SUMMARY_COLUMNS"]
 
