@@ -25,7 +25,7 @@ class Thresholds:
 
     exploding_gain = 4.0: exploding stream, exploding_run blocks in a row each with gain > 4.
     exploding_run = 3: that run's length in blocks (every block of a shallower stack, at least 2).
-    exploding_total = 1e4: exploding stream, total gain over the stack > 1e4 with geometric growth (symptoms.growth).
+    exploding_total = 1e4: exploding stream, total gain over the stack > 1e4 and geometric (:func:`.symptoms.growth`).
     vanishing_gain = 0.25: vanishing stream, exploding_run blocks in a row each with gain < 0.25.
     vanishing_branch = 1e-8: vanishing branch, Var(branch) / Var(the stream it is added to) < 1e-8.
     vanishing_grad = 1e-4: starved block, median weight-gradient std in it / the model's largest < 1e-4.
