@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 import tinylm  # noqa: E402
 from diagnostics import DiagnoseOptions, Thresholds, diagnose  # noqa: E402
-from diagnostics.judge.verdicts import evidence  # noqa: E402
+from diagnostics.judge.evidence import evidence  # noqa: E402
 from tinylm.plan import branch_stream  # noqa: E402
 
 SCHEMES = tuple(tinylm.init.SCHEMES)

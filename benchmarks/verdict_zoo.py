@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 import tinylm  # noqa: E402
 from tinylm import functional as F  # noqa: E402
 from diagnostics import DiagnoseOptions, diagnose  # noqa: E402
-from diagnostics.judge.verdicts import CAUSES, SEVERITIES  # noqa: E402
+from diagnostics.judge.causes import CAUSES, SEVERITIES  # noqa: E402
 
 __all__ = ["Case", "CASES", "run_case", "main"]
 

@@ -76,7 +76,7 @@ class DiagnoseOptions:
         init within 5%, else local) or "off" (measurement only: no predictions, ratios or
         intervals; the verdicts do not depend on theory). "none" is accepted as an alias of
         "off" and stored as "off".
-    thresholds: a diagnostics.judge.verdicts.Thresholds (None = the documented defaults).
+    thresholds: a diagnostics.judge.Thresholds (None = the documented defaults).
     progress: progress(done, total, description) callback, or None.
     inputs: what the model is called with, built from the token ids (B, T): ``inputs(ids)``
         returns a dict (``model(**d)``, e.g. ``{"input_ids": ids}``), a tuple (``model(*t)``)

@@ -229,7 +229,7 @@ class Finding:
     message: one sentence naming the number and the threshold (and the readings it explains).
     suggestion: the fix for ``cause``, worded for the model's build.
     severity: "fail" (broken: will not train, or already diverged) or "warn" (trains, with
-    care). cause: what the evidence supports (a key of diagnostics.judge.verdicts.CAUSES:
+    care). cause: what the evidence supports (a key of diagnostics.judge.causes.CAUSES:
     "non_finite", "score_scale", "saturated_attention", "dead_units", "init_scale", "no_norm",
     "post_norm_depth", or "unclear" where the evidence does not single one out; "" in
     documents written before causes existed).
@@ -425,7 +425,7 @@ class DiagnoseResult:
     judged (:attr:`status`); ``failures`` lists the failing ones. ``judged``: the
     :data:`CHECKS` made (None in a document before version "5"); ``not_judged``: (check, why)
     for each one that could not be. ``thresholds`` holds the
-    :class:`diagnostics.judge.verdicts.Thresholds` values used, as a dict.
+    :class:`diagnostics.judge.Thresholds` values used, as a dict.
     ``created`` is the only non-deterministic field (UTC ISO-8601 timestamp).
     """
 

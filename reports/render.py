@@ -153,7 +153,7 @@ def _theories(result: Any) -> str:
             f"backward: {names[_uses_kernel(result, 'backward')]})")
 
 
-#: words of each cause a finding can name (diagnostics.judge.verdicts.CAUSES, repeated here so that
+#: words of each cause a finding can name (diagnostics.judge.causes.CAUSES, repeated here so that
 #: the report reads a result document without importing the judge)
 _CAUSE_WORDS = {
     "non_finite": "non-finite values", "score_scale": "attention scores not scaled by 1/sqrt(d_k)",

@@ -8,7 +8,8 @@ import torch
 
 import tinylm
 from diagnostics import DepthRow, DiagnoseOptions, OptionsError, TensorRow, Thresholds, diagnose
-from diagnostics.judge.verdicts import growth, judge
+from diagnostics.judge import judge
+from diagnostics.judge.symptoms import growth
 
 OPTS = DiagnoseOptions(batch_size=2, seq_len=16, batches=1)
 OPTS48 = DiagnoseOptions(batch_size=1, seq_len=16, batches=1)

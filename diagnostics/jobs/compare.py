@@ -65,7 +65,7 @@ from ..measure.probe import block_index, probe
 from ..measure.sites import model_sites
 from ..result import DepthRow, Row, frame
 from .comparison import Comparison
-from ..judge.verdicts import Thresholds, judge
+from ..judge import Thresholds, judge
 
 __all__ = ["compare", "stream_slope", "data_vocab", "SUMMARY_COLUMNS"]
 

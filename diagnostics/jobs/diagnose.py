@@ -52,7 +52,7 @@ from ..measure.probe import block_index, probe
 from ..result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
 from ..measure.moments import ProbeStats
 from ..theory import Prediction, predict
-from ..judge.verdicts import Thresholds, coverage, judge
+from ..judge import Thresholds, coverage, judge
 
 __all__ = ["diagnose", "interval_scope", "log_t_interval", "t_interval"]
 

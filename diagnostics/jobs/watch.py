@@ -34,7 +34,7 @@ with kind, scheme, depth and width None in its rows and the default thresholds.
 Verdicts over time (:func:`verdicts`) compare each site with its own earlier
 records (not with the first alone: a badly initialised model starts far from
 healthy, and a healthy one's statistics move while it learns), with the watch
-thresholds of :class:`diagnostics.judge.verdicts.Thresholds` (the one set diagnose
+thresholds of :class:`diagnostics.judge.Thresholds` (the one set diagnose
 uses too; their defaults and margins are documented there):
 
     non_finite   a NaN or inf in the tensor or its gradient (any site)
@@ -73,7 +73,7 @@ from torch import nn
 from ..measure.sites import model_sites
 from ..integrations.writers import WatchWriter, _json_safe
 from ..result import Row, frame
-from ..judge.verdicts import Thresholds
+from ..judge.thresholds import Thresholds
 
 __all__ = [
     "Watch",
