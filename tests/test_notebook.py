@@ -16,13 +16,17 @@ import math
 import re
 import subprocess
 import sys
-import tomllib
 from html.parser import HTMLParser
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 import torch
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency reads TOML there
+    import tomli as tomllib
 
 import tinylm
 from diagnostics import History, OptionsError, Watch, compare, diagnose

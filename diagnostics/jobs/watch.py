@@ -65,7 +65,6 @@ class WatchEvent:
                 "moved_at": self.moved_at, "message": self.message}
 
 
-
 @dataclass
 class WatchFailure:
     """The first ``fail`` the watch saw: at ``step``, ``site`` (None for the loss) gave
@@ -87,7 +86,6 @@ class WatchStop(RuntimeError):
     def __init__(self, failure: WatchFailure):
         self.failure = failure
         super().__init__(failure.message)
-
 
 
 def default_sites(model: nn.Module) -> list[str]:
