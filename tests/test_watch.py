@@ -293,6 +293,22 @@ def test_json_export_turns_nonfinite_into_valid_json(tmp_path):
     assert json.loads(text)["records"][1]["stats"]["layers.0"]["fwd_var"] == "inf"
 
 
+def test_write_atomic_leaves_the_old_file_whole_when_writing_fails(tmp_path):
+    path = tmp_path / "w.json"
+    writers.write_atomic(path, "old\n")
+
+    def half(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        writers.write_atomic(path, half)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["w.json"]
+    writers.write_atomic(path, "new\n")  # negative control: a write that succeeds replaces it
+    assert path.read_text() == "new\n"
+
+
 def _render(renderable) -> str:
     from rich.console import Console
 

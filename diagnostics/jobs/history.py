@@ -18,9 +18,8 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
                   "update_ratio": {parameter: r}}, ...],
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
-"kinds", "model" and "thresholds" are optional: a history without them (as older
-checkpoints stored it) reads the same, with kind, scheme, depth and width None in its rows
-and the default thresholds.
+"kinds", "model" and "thresholds" are optional: a history without them reads the same,
+with kind, scheme, depth and width None in its rows and the default thresholds.
 
 The history as tidy rows of the one result schema (:func:`to_rows`, :func:`to_frame`):
 per record and site, the moments in each direction (statistics "count", "mean", "var",
