@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from tinylm.data import stdlib_corpus
     from tinylm.train import TrainOptions
     from diagnostics.jobs.watch import train_watched as train
-    from diagnostics.jobs.watch import first_departure, write_json
+    from diagnostics.integrations.writers import write_json
+    from diagnostics.judge.over_time import first_departure
     from reports.watch_view import plot_histories
 
     tokens = stdlib_corpus()

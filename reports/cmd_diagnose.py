@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = ReportContext(source=source.description, data=data_text, dtype=args.dtype, device=str(device),
                         nonfinite_params=source.nonfinite, all_tensors=args.all,
                         random_trained=tokens is None and not source.fresh)
-    from diagnostics.jobs.watch import check_history
+    from diagnostics.jobs import check_history
 
     history, problem = check_history(source.history)
     if problem:

@@ -124,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
     """Train; exit 0, or EXIT_NONFINITE (4) when the run stopped on a non-finite loss."""
     from rich.console import Console
 
-    from diagnostics.jobs import watch as watchmod
+    from diagnostics import History
+    from diagnostics.integrations.writers import write_json
+    from diagnostics.jobs import check_history, train_watched
     from tinylm.train import load_training
 
     out = Path(args.output)
@@ -159,18 +161,19 @@ def run(args: argparse.Namespace) -> int:
     )
     if resume is not None:
         console.print(f"resuming from {args.resume} at iteration {resume['iteration']}")
-        _, problem = watchmod.check_history(resume.get("history"))
+        _, problem = check_history(resume.get("history"))
         if problem:  # the watch starts a new history rather than build on a damaged one
             console.print(f"note: the checkpoint's training history is skipped ({problem}); the watch starts a new one")
     display = _Display(console, options.steps, quiet=args.quiet)
     with display:
-        result = watchmod.train_watched(model, tokens, options, output=out, resume=resume, on_step=display.step,
-                       on_event=display.event, data=None if args.data is None else str(Path(args.data).resolve()))
-    _summary(console, result, options, out)
+        result = train_watched(model, tokens, options, output=out, resume=resume, on_step=display.step,
+                               on_event=display.event, data=None if args.data is None else str(Path(args.data).resolve()))
+    history = History(result.history)  # its verdicts, judged once for the summary and the CSV
+    _summary(console, result, history, options, out)
     from . import export
 
-    writers = {"watch_json": lambda path: watchmod.write_json(result.history, path),
-               "watch_csv": lambda path: export.write_csv(path, watchmod.to_frame(result.history, run=str(out)))}
+    writers = {"watch_json": lambda path: write_json(result.history, path),
+               "watch_csv": lambda path: export.write_csv(path, history.to_frame(run=str(out)))}
     for flag, write in writers.items():
         target = getattr(args, flag)
         if target is not None:
@@ -215,19 +218,19 @@ class _Display:
         self.console.print(f"[bold red]watch:[/] {event.message}")
 
 
-def _summary(console, result, options, out: Path) -> None:
-    from diagnostics.jobs.watch import first_departure, loss_summary
-
+def _summary(console, result, history, options, out: Path) -> None:
+    """The lines after a run: steps, time, loss, where it went, why it stopped, the watch's
+    first verdict other than ok (``history``: the run's ``diagnostics.History``)."""
     from .fmt import verdict_text
 
-    k, first, last = loss_summary(result.history)
+    k, first, last = history.loss_summary()
     console.print(
         f"{result.iteration} steps, {result.seconds:.1f} s, {result.tokens_per_s:,.0f} tokens/s; "
         f"loss {first:.4f} -> {last:.4f} (mean of the first and last {k} steps); wrote {out}"
     )
     if result.stopped:
         console.print(f"[bold red]stopped:[/] {result.stopped}")
-    dep = first_departure(result.history)
+    dep = history.first_departure()
     if options.watch_every:
         if dep is None:
             console.print(f"watch: {len(result.history['records'])} records, every verdict ok")

@@ -1,7 +1,7 @@
 """Writing reports to files: JSON, CSV, HTML, SVG and PNG, each atomically.
 
-Every writer goes through ``tinylm.checkpoint.atomic_write`` (write a temporary
-file beside the target, then rename), so an interrupted run never leaves a
+Every writer goes through ``diagnostics.integrations.writers.write_atomic`` (write a
+temporary file beside the target, then rename), so an interrupted run never leaves a
 half-written report. The callers refuse output paths that are inputs
 (``reports.intake.check_outputs``) before any work starts.
 """
@@ -23,16 +23,9 @@ AA_CONTRAST = 4.5
 
 def write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` (UTF-8, newline-terminated) to ``path`` atomically."""
-    from tinylm.checkpoint import atomic_write
+    from diagnostics.integrations.writers import write_atomic
 
-    if not text.endswith("\n"):
-        text += "\n"
-
-    def _write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-
-    atomic_write(path, _write)
+    write_atomic(path, text if text.endswith("\n") else text + "\n")
 
 
 def write_json(path: str | os.PathLike, result: Any) -> None:
@@ -54,9 +47,9 @@ def write_json(path: str | os.PathLike, result: Any) -> None:
 def write_csv(path: str | os.PathLike, frame: Any) -> None:
     """A tidy pandas DataFrame (the one result schema: diagnose, the watch, compare) as CSV
     (no index column; missing entries empty), written atomically."""
-    from tinylm.checkpoint import atomic_write
+    from diagnostics.integrations.writers import write_atomic
 
-    atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False, lineterminator="\n"))
+    write_atomic(path, lambda tmp: frame.to_csv(tmp, index=False, lineterminator="\n"))
 
 
 def write_console(path: str | os.PathLike, console: Console, kind: str, title: str = "tinylm diagnose") -> None:
@@ -77,10 +70,10 @@ def write_console(path: str | os.PathLike, console: Console, kind: str, title: s
 
 def write_figure(path: str | os.PathLike, fig: Any, dpi: int = 120) -> None:
     """A matplotlib figure saved atomically (format from the suffix of ``path``, PNG by default)."""
-    from tinylm.checkpoint import atomic_write
+    from diagnostics.integrations.writers import write_atomic
 
     fmt = os.path.splitext(str(path))[1].lstrip(".").lower() or "png"
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight"))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight"))
 
 
 # ---------------------------------------------------------------- contrast (WCAG 2)

@@ -1,11 +1,13 @@
 """Results drawn in a Jupyter notebook: the HTML behind ``_repr_html_``.
 
 :func:`html` takes a :class:`diagnostics.DiagnoseResult`, a watch history (a
-:class:`diagnostics.jobs.watch.History`, a :class:`diagnostics.Watch` or the history dict)
+:class:`diagnostics.History`, a :class:`diagnostics.Watch` or the history dict)
 or a :class:`diagnostics.jobs.comparison.Comparison`, and returns one self-contained
 ``<div>``: the verdict in a heading, the key numbers, a table of what is not ok, and the
 figure the command line would write (``reports.plots`` / ``reports.watch_view``) embedded as
-a PNG. Nothing here computes a statistic; it lays out what diagnostics measured and judged.
+a PNG. Nothing here computes a statistic or a verdict; it lays out what diagnostics measured
+and judged (a watch's verdicts are its History's). diagnostics finds :func:`html` through the
+``tinylm.renderers`` entry point (``pyproject.toml``).
 Text is dark on light (contrast above WCAG AA's 4.5:1) and every value is HTML-escaped.
 """
 
@@ -111,34 +113,37 @@ def diagnosis_html(result: Any) -> str:
 # --------------------------------------------------------------------------- watch
 
 
-def history_html(history: dict[str, Any]) -> str:
-    """A watch history: first verdict other than ok, loss over the run, verdicts, alarms, the plot."""
-    from diagnostics.jobs.watch import first_departure, loss_summary, verdicts
+def history_html(history: Any) -> str:
+    """A watch history (a ``diagnostics.History`` or its dict): first verdict other than ok, loss
+    over the run, verdicts, alarms, the plot."""
+    from diagnostics import History
 
     from .watch_view import histories_figure
 
-    records = history.get("records") or []
-    steps = (history.get("series") or {}).get("step") or []
-    dep = first_departure(history)
+    h = history if isinstance(history, History) else History(history)
+    data = h.data
+    records = data.get("records") or []
+    steps = (data.get("series") or {}).get("step") or []
+    dep = h.first_departure()
     if dep is None:
         verdict = f"ok at all {len(records)} records" if records else "no records yet"
     else:
         verdict = f"{dep['verdict'].replace('_', '-')} at step {dep['step']} ({dep['site']})"
-    k, first, last = loss_summary(history)
-    facts = (f"{len(steps):,} steps, {len(records)} records (every {_e(history.get('watch_every'))} steps), "
-             f"{len(history.get('sites') or [])} sites watched")
+    k, first, last = h.loss_summary()
+    facts = (f"{len(steps):,} steps, {len(records)} records (every {_e(data.get('watch_every'))} steps), "
+             f"{len(data.get('sites') or [])} sites watched")
     if steps:
         facts += f"; loss {_num(first)} → {_num(last)} (means of the first and last {k} steps)"
-    rows = verdicts(history)
+    rows = h.verdicts()
     table = _table(["step", "site", "verdict", "statistic", "value", "threshold"],
                    [[r["step"], r["site"], r["verdict"], r["stat"], r["value"], r["threshold"]] for r in rows],
                    "verdicts")
-    events = history.get("events") or []
+    events = data.get("events") or []
     alarms = "".join(f"<li>{_e(e.get('message'))}</li>" for e in events[:MAX_ROWS])
     parts = [_heading("watch", verdict, dep is None), f"<p>{facts}</p>", table,
              f'<ul class="alarms">{alarms}</ul>' if alarms else ""]
     if records:
-        parts.append(figure_img(histories_figure({"": history}, height=6.5), f"the run over steps: {verdict}"))
+        parts.append(figure_img(histories_figure({"": h}, height=6.5), f"the run over steps: {verdict}"))
     return _wrap("watch", parts)
 
 
@@ -195,19 +200,18 @@ def html(obj: Any) -> str:
 
 
 def _html_of(obj: Any) -> str:
+    from diagnostics import DiagnoseResult, History, Watch
     from diagnostics.jobs.comparison import Comparison
-    from diagnostics.jobs.watch import History, Watch
-    from diagnostics.result import DiagnoseResult
 
     if isinstance(obj, DiagnoseResult):
         return diagnosis_html(obj)
     if isinstance(obj, Comparison):
         return comparison_html(obj)
     if isinstance(obj, History):
-        return history_html(obj.data)
+        return history_html(obj)
     if isinstance(obj, Watch):
-        return history_html(obj.history)
+        return history_html(History(obj.history))
     if isinstance(obj, dict) and obj.get("format") == "tinylm-watch":
-        return history_html(History(obj).data)
+        return history_html(History(obj))
     raise TypeError(f"reports.notebook.html: cannot draw a {type(obj).__name__}; pass a DiagnoseResult, a "
                     "watch History or a Comparison")

@@ -1,6 +1,6 @@
 """The watch's live panel: the "during training" panel of ``reports.watch_view`` redrawn as a run goes.
 
-A :class:`diagnostics.jobs.watch.WatchWriter`, handed to a watch:
+A :class:`diagnostics.integrations.writers.WatchWriter`, handed to a watch:
 ``Watch(model, every=50, writers=[LivePanel()])``.
 """
 
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from diagnostics.jobs.watch import WatchWriter
+from diagnostics import History
+from diagnostics.integrations.writers import WatchWriter
 
 from .watch_view import render_history
 
@@ -27,19 +28,21 @@ class LivePanel(WatchWriter):
         self.console = console
         self.live = None
         self.watch = None
+        self.history = None  # the watch's History: its verdicts judged once per record, however often drawn
         self._last = ""
 
     def _view(self):
         from rich.console import Group
         from rich.text import Text
 
-        return Group(render_history(self.watch.history), Text(self._last))
+        return Group(render_history(self.history), Text(self._last))
 
     def open(self, watch: Any) -> None:
         from rich.console import Console
         from rich.live import Live
 
         self.watch = watch
+        self.history = History(watch.history)
         self.live = Live(self._view(), console=self.console or Console(), auto_refresh=False, transient=False)
         self.live.start()
 

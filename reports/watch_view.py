@@ -1,14 +1,15 @@
-"""The "during training" panel: a watch history (``diagnostics.jobs.watch``) drawn in the terminal and as a plot.
+"""The "during training" panel: a watch history drawn in the terminal and as a plot.
 
 ``render_history(history)`` returns a rich renderable: per block, the residual
 stream's activation and gradient variance over the recorded steps as a line of
 block characters on one shared log scale, the first and last values, and the
 first step at which any verdict left ok. ``plot_history(history, path)`` draws
 the same with matplotlib (Agg); ``plot_histories({label: history}, path)`` puts
-several runs side by side (docs/ablation.png). Every series is read
-from the history's tidy frame (``diagnostics.jobs.watch.to_frame``, the one result
-schema); nothing here computes a statistic: the numbers and verdicts come from
-``diagnostics.jobs.watch``.
+several runs side by side (docs/ablation.png). Each takes a ``diagnostics.History``
+or the history dict (wrapped in one). Every series is read from the history's tidy
+frame (``History.to_frame``, the one result schema), every verdict from the History
+(``verdicts``, ``departures``, ``first_departure``): nothing here computes a statistic
+or judges.
 """
 
 from __future__ import annotations
@@ -39,14 +40,16 @@ def block_sites(history: dict[str, Any]) -> list[str]:
             if s != "lm_head" and kinds.get(s, "residual") not in ("embedding", "logits", "linear")]
 
 
-def _is_watch(history: Any) -> bool:
-    return isinstance(history, dict) and history.get("format") == "tinylm-watch" and isinstance(history.get("records"), list)
+def _as_history(history: Any) -> Any:
+    """``history`` as a ``diagnostics.History`` (a dict of the watch's format is wrapped), or None
+    when it is not a watch history."""
+    from diagnostics import History
+    from diagnostics.jobs import check_history
 
-
-def _frame(history: dict[str, Any]) -> Any:
-    from diagnostics.jobs.watch import to_frame
-
-    return to_frame(history)
+    if isinstance(history, History):
+        return history
+    checked, _ = check_history(history)
+    return None if checked is None else History(checked)
 
 
 def _series(frame: Any, site: str | None, direction: str | None, statistic: str = "var"
@@ -99,37 +102,36 @@ def _fmt(v: float | None) -> str:
     return f"{v:.3g}"
 
 
-def render_history(history: dict[str, Any]):
-    """A rich renderable of a watch history (see the module docstring); an empty history says so."""
+def render_history(history: Any):
+    """A rich renderable of a watch history (a ``diagnostics.History`` or its dict; see the module
+    docstring); an empty history says so, and anything else that it is not a watch history."""
     from rich.console import Group
     from rich.panel import Panel
     from rich.table import Table
     from rich.text import Text
 
-    from diagnostics.jobs.watch import first_departure, loss_summary, verdicts
-
     from .fmt import verdict_text
 
-    if not _is_watch(history):
+    h = _as_history(history)
+    if h is None:
         return Panel(Text(f"the checkpoint's history ({type(history).__name__}) is not a tinylm watch history; "
                           "nothing to draw"), title="during training", expand=False)
-    records = history.get("records") or []
-    losses = (history.get("series") or {}).get("loss") or []
+    data = h.data
+    records = data.get("records") or []
+    losses = (data.get("series") or {}).get("loss") or []
     lines: list[Any] = []
     if losses:
-        k, first, last = loss_summary(history)
+        k, first, last = h.loss_summary()
         lines.append(Text(f"{len(losses)} steps trained (loss {first:.4g} -> {last:.4g}, "
                           f"means of the first and last {k}); {len(records)} watch records, "
-                          f"every {history.get('watch_every')} steps"))
+                          f"every {data.get('watch_every')} steps"))
     if not records:
         lines.append(Text("no watch records (trained with --watch-every 0)"))
         return Panel(Group(*lines), title="during training", expand=False)
 
-    bad = {}
-    for row in verdicts(history):
-        bad.setdefault(row["site"], row)
-    sites = chart_sites(history)
-    frame = _frame(history)
+    bad = h.departures()
+    sites = chart_sites(data)
+    frame = h.to_frame()
     for direction, label in (("forward", "activation variance"), ("backward", "gradient variance")):
         rows = [_thin(_series(frame, s, direction)[1], MAX_COLUMNS) for s in sites]
         lo, hi = _log_range(rows)
@@ -148,7 +150,7 @@ def render_history(history: dict[str, Any]):
             table.add_row(site, _spark(vals, lo, hi), _fmt(vals[0] if vals else None), _fmt(vals[-1] if vals else None),
                           Text(verdict, style=style))
         lines.append(table)
-    dep = first_departure(history)
+    dep = h.first_departure()
     if dep is None:
         lines.append(Text(f"every verdict stayed ok over all {len(records)} records", style="green"))
     else:
@@ -156,7 +158,7 @@ def render_history(history: dict[str, Any]):
         what = verdict_text(dep["verdict"])
         lines.append(Text(f"first verdict other than ok: step {dep['step']}, {dep['site']} {what} "
                           f"({dep['stat']} = {_fmt(dep['value'])}{thr})", style="bold red"))
-    events = history.get("events") or []
+    events = data.get("events") or []
     for ev in events[:MAX_EVENTS]:
         lines.append(Text(f"watch: {ev['message']}", style="yellow"))
     if len(events) > MAX_EVENTS:
@@ -165,20 +167,18 @@ def render_history(history: dict[str, Any]):
     return Panel(Group(*lines), title="during training", expand=False)
 
 
-def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
-    from diagnostics.jobs.watch import first_departure
-
+def _plot_run(axes, h: Any, label: str | None) -> None:
+    """One run's column: loss, residual variance per block, gradient variance per block (``h``: a History)."""
     from .fmt import verdict_text
 
-    frame = _frame(history)
-    sites = chart_sites(history)
+    frame = h.to_frame()
     ax_loss, ax_fwd, ax_grad = axes
     steps, losses = _series(frame, None, None, "loss")
     ax_loss.plot(steps, losses, lw=0.8, color="black")
     ax_loss.set_yscale("log")
     ax_loss.set_ylabel("training loss (nats)")
-    dep = first_departure(history)
-    blocks = block_sites(history)
+    dep = h.first_departure()
+    blocks = block_sites(h.data)
     n_blocks = max(1, len(blocks))
     cmap = __import__("matplotlib").colormaps["viridis"]
     for direction, ax in (("forward", ax_fwd), ("backward", ax_grad)):
@@ -201,14 +201,15 @@ def _plot_run(axes, history: dict[str, Any], label: str | None) -> None:
     ax_fwd.legend(fontsize=7, loc="upper left")
 
 
-def histories_figure(histories: dict[str, dict[str, Any]], height: float = 8.5) -> Any:
-    """The Figure of :func:`plot_histories` (one column per run), not written anywhere."""
+def histories_figure(histories: dict[str, Any], height: float = 8.5) -> Any:
+    """The Figure of :func:`plot_histories` (one column per run: label -> History or history dict;
+    what is not a watch history is left out), not written anywhere."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    histories = {k: h for k, h in histories.items() if _is_watch(h)}
+    histories = {k: h for k, h in ((k, _as_history(v)) for k, v in histories.items()) if h is not None}
     n = max(1, len(histories))
     fig, axes = plt.subplots(3, n, figsize=(4.2 * n, height), sharex="col", sharey="row", squeeze=False)
     for j, (label, history) in enumerate(histories.items()):
@@ -217,22 +218,22 @@ def histories_figure(histories: dict[str, dict[str, Any]], height: float = 8.5) 
     return fig
 
 
-def plot_histories(histories: dict[str, dict[str, Any]], path: str) -> None:
+def plot_histories(histories: dict[str, Any], path: str) -> None:
     """One column per run (label -> history): loss, residual variance per block, gradient variance per block.
 
     Rows share their y axis across runs so magnitudes compare directly. Written atomically (PNG/SVG/PDF by suffix).
     """
     import matplotlib.pyplot as plt
 
-    from tinylm.checkpoint import atomic_write
+    from diagnostics.integrations.writers import write_atomic
 
     fig = histories_figure(histories)
     suffix = str(path).rsplit(".", 1)[-1] if "." in str(path) else "png"
-    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=110, format=suffix))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110, format=suffix))
     plt.close(fig)
 
 
-def plot_history(history: dict[str, Any], path: str) -> None:
+def plot_history(history: Any, path: str) -> None:
     """The "during training" plot of one run: loss, residual variance per block, gradient variance per block."""
     plot_histories({"": history}, path)
 

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinylm
+from diagnostics.jobs import history as H
 from diagnostics.jobs import watch as W
+from diagnostics.judge import over_time as V
 from reports.cli import main
 from tinylm import checkpoint
 from tinylm.train import TrainOptions
@@ -28,8 +30,8 @@ def real_history():
 
 
 def test_a_real_history_passes_and_reads(real_history):
-    h, why = W.check_history(real_history)
-    assert why is None and h is real_history and W.to_rows(h)
+    h, why = H.check_history(real_history)
+    assert why is None and h is real_history and H.to_rows(h)
 
 
 DAMAGE = [
@@ -45,14 +47,14 @@ DAMAGE = [
 def test_a_damaged_history_is_named_and_skipped(real_history, key, value, why):
     h = copy.deepcopy(real_history)
     h[key] = value
-    assert W.check_history(h)[0] is None and why in W.check_history(h)[1]
+    assert H.check_history(h)[0] is None and why in H.check_history(h)[1]
 
 
 def test_a_damaged_record_deep_inside_is_found(real_history):
     h = copy.deepcopy(real_history)
     site = next(iter(h["records"][0]["stats"]))
     h["records"][0]["stats"][site]["fwd_var"] = "big"
-    assert W.check_history(h) == (None, "records[0].stats is not {site: {count, fwd_mean, ...: number}}")
+    assert H.check_history(h) == (None, "records[0].stats is not {site: {count, fwd_mean, ...: number}}")
 
 
 json_value = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=5)),
@@ -75,18 +77,18 @@ def test_whatever_passes_the_check_reads_without_error(real_history, data):
             h["records"][0][path] = value
     else:
         h[path] = value
-    accepted, why = W.check_history(h)
+    accepted, why = H.check_history(h)
     assert (accepted is None) == (why is not None or h is None)
     if accepted is not None:
-        W.to_rows(accepted)
-        W.verdicts(accepted)
-        W.first_departure(accepted)
+        H.to_rows(accepted)
+        V.verdicts(accepted)
+        V.first_departure(accepted)
 
 
 def test_diagnose_reports_a_damaged_history_and_goes_on(tmp_path, capsys):
     model = tinylm.TransformerLM(SMALL, generator=torch.Generator().manual_seed(0))
     path = tmp_path / "m.pt"
-    checkpoint.save(path, model, history={"format": W.FORMAT, "version": 1, "records": [1, 2]})
+    checkpoint.save(path, model, history={"format": H.FORMAT, "version": 1, "records": [1, 2]})
     code = main(["diagnose", str(path), *FAST])
     err = capsys.readouterr().err
     assert code == 0 and "training history is skipped" in err
@@ -94,14 +96,14 @@ def test_diagnose_reports_a_damaged_history_and_goes_on(tmp_path, capsys):
 
 def test_resume_from_a_damaged_history_starts_a_new_one(tmp_path):
     model = tinylm.TransformerLM(SMALL, generator=torch.Generator().manual_seed(0))
-    watch = W.Watch(model, every=1, history={"format": W.FORMAT, "version": 1, "series": "x"})
+    watch = W.Watch(model, every=1, history={"format": H.FORMAT, "version": 1, "series": "x"})
     assert watch.history_problem and watch.history["records"] == []
 
 
 def test_train_resume_says_a_damaged_history_is_skipped(tmp_path, capsys):
     model = tinylm.TransformerLM(tinylm.preset("tiny"), generator=torch.Generator().manual_seed(0))
     path = tmp_path / "run.pt"
-    checkpoint.save(path, model, iteration=1, history={"format": W.FORMAT, "version": 1, "records": "x"})
+    checkpoint.save(path, model, iteration=1, history={"format": H.FORMAT, "version": 1, "records": "x"})
     data = tmp_path / "d.npy"
     np.save(data, np.arange(400, dtype=np.int64) % 256)
     code = main(["train", "--resume", str(path), "--data", str(data), "-o", str(path), "--steps", "2", "--quiet"])

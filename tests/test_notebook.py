@@ -1,23 +1,75 @@
 """Results drawn in a notebook: ``_repr_html_`` of a diagnosis, a watch history and a
 comparison, parsed as HTML: the verdict in the heading, the key numbers, the table of what
-is not ok and an inline PNG that decodes; a healthy result as the negative control."""
+is not ok and an inline PNG that decodes; a healthy result as the negative control.
+
+diagnostics finds the renderer through the ``tinylm.renderers`` entry point that
+pyproject.toml declares; the tests read that declaration and serve it as the installed entry
+points (so they hold whether or not the checkout was reinstalled since), and check the lookup,
+the ``use`` override, the repr fallback when nothing is registered, and that diagnostics
+never imports the drawing package itself."""
 
 from __future__ import annotations
 
+import ast
 import base64
 import math
+import re
+import subprocess
+import sys
 from html.parser import HTMLParser
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency reads TOML there
+    import tomli as tomllib
+
 import tinylm
-from diagnostics import OptionsError, Watch, compare, diagnose
+from diagnostics import History, OptionsError, Watch, compare, diagnose
 from diagnostics.jobs.comparison import Comparison
-from diagnostics.jobs.watch import History, first_departure, loss_summary, verdicts
+from diagnostics.jobs.history import loss_summary
+from diagnostics.judge.over_time import first_departure, verdicts
 from tinylm import functional as F
 
 SMALL = dict(vocab_size=32, context_length=8, d_model=16, num_layers=4, num_heads=2, d_ff=32)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def declared_renderers() -> list[metadata.EntryPoint]:
+    """The entry points of the group diagnostics.display reads, as pyproject.toml declares them."""
+    from diagnostics import display
+
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][display.GROUP]
+    return [metadata.EntryPoint(name=name, value=value, group=display.GROUP) for name, value in table.items()]
+
+
+def serve_entry_points(monkeypatch, points: list[metadata.EntryPoint]) -> None:
+    """Make ``points`` the installed entry points of diagnostics.display's group, looked up afresh."""
+    from diagnostics import display
+
+    real = metadata.entry_points
+
+    def entry_points(**params):
+        if params.get("group") == display.GROUP:
+            return metadata.EntryPoints(points)
+        return real(**params)
+
+    monkeypatch.setattr(display.metadata, "entry_points", entry_points)
+    display.use(None)
+
+
+@pytest.fixture(autouse=True)
+def installed_renderer(monkeypatch):
+    """The renderer registered as an installed copy of this checkout registers it."""
+    from diagnostics import display
+
+    serve_entry_points(monkeypatch, declared_renderers())
+    yield
+    display.use(None)
 
 
 class Parsed(HTMLParser):
@@ -183,3 +235,74 @@ def test_drawing_leaves_the_notebooks_matplotlib_backend_as_it_was():
         assert "data:image/png;base64," in html
     finally:
         plt.switch_backend(before)
+
+
+# --------------------------------------------------------------------------- the renderer registry
+
+
+def test_pyproject_registers_the_notebook_renderer_and_the_lookup_finds_it():
+    from diagnostics import display
+    from reports import notebook
+
+    assert [(p.name, p.value) for p in declared_renderers()] == [("notebook", "reports.notebook:html")]
+    assert display.renderer() is notebook.html  # found through the entry point, not imported by name
+
+
+def test_with_nothing_registered_a_result_has_no_html_and_shows_its_repr(monkeypatch):
+    serve_entry_points(monkeypatch, [])
+    h = History(_watched(blow_up_at=2).history)
+    assert h._repr_html_() is None and Watch(model())._repr_html_() is None  # IPython then shows the repr
+    assert repr(h).startswith("History(4 steps, 4 records")
+    # negative control: the same history with the renderer registered draws
+    serve_entry_points(monkeypatch, declared_renderers())
+    assert Parsed(h._repr_html_()).verdict.startswith("exploding at step 2")
+
+
+def test_use_overrides_the_registered_renderer_and_none_restores_it():
+    from diagnostics import display
+    from reports import notebook
+
+    h = History(_watched(blow_up_at=None).history)
+    seen = []
+    display.use(lambda obj: seen.append(obj) or "<b>mine</b>")
+    assert h._repr_html_() == "<b>mine</b>" and seen == [h]
+    display.use(None)
+    assert display.renderer() is notebook.html and Parsed(h._repr_html_()).verdict == "ok at all 4 records"
+
+
+def test_display_never_imports_the_drawing_package():
+    """Drawing a history in a fresh interpreter with no renderer registered loads no module of
+    reports; and no string in diagnostics' code (docstrings aside) names it, so no importlib
+    call can reach it by name."""
+    code = (
+        "import sys\n"
+        "from importlib import metadata\n"
+        "metadata.entry_points = lambda **params: metadata.EntryPoints([])\n"
+        "import torch, tinylm\n"
+        "from diagnostics import History, Watch\n"
+        "m = tinylm.TransformerLM(tinylm.ModelConfig(vocab_size=32, context_length=8, d_model=16, num_layers=1,"
+        " num_heads=2, d_ff=32))\n"
+        "w = Watch(m, every=1)\n"
+        "x = torch.randint(0, 32, (2, 9))\n"
+        "with w.step(0):\n"
+        "    m(x[:, :-1]).logsumexp(-1).mean().backward()\n"
+        "w.record(1.0)\n"
+        "assert w._repr_html_() is None and History(w.history)._repr_html_() is None\n"
+        "print(sorted(n for n in sys.modules if n == 'reports' or n.startswith('reports.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    named = re.compile(r"\breports(\.\w+)*")
+    found = []
+    for path in (ROOT / "diagnostics").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if named.search(node.value):
+                    found.append((path.name, node.value))
+    display_text = (ROOT / "diagnostics" / "display.py").read_text()
+    assert not found and not named.search(display_text), (found, named.findall(display_text))

@@ -202,6 +202,7 @@ def test_the_watch_records_and_judges_what_the_plan_names():
 
     import tinylm
     from diagnostics.jobs import watch as W
+    from diagnostics.judge import over_time as V
 
     for norm in ("pre", "post", "none"):
         config = tinylm.ModelConfig(vocab_size=20, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32,
@@ -211,6 +212,6 @@ def test_the_watch_records_and_judges_what_the_plan_names():
         sites = W.default_sites(model)
         assert set(p.residual_points()) <= set(sites) and {b.name for b in p.branches()} <= set(sites)
         assert sites[0] == p.embedding and sites[-1] == p.head
-        judged = {s for s in sites if W.judged(s, norm)}
+        judged = {s for s in sites if V.judged(s, norm)}
         stream = set(p.residual_points()) if norm != "pre" else set()
         assert judged == stream | {p.head} | {f"{b.name}.scores" for b in p.branches() if b.kind == "attn"}

@@ -18,7 +18,7 @@ import tinylm
 from tinylm.data import stdlib_corpus
 from tinylm.train import TrainOptions
 from diagnostics.jobs.watch import train_watched as train
-from diagnostics.jobs.watch import first_departure, verdicts
+from diagnostics.judge.over_time import first_departure, verdicts
 
 
 def _run(norm: str, d: int, T: int, steps: int, lr: float, batch: int, every: int, tokens):

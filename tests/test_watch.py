@@ -4,6 +4,7 @@ negative controls, exports, and the "during training" panel and plot."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
@@ -16,7 +17,10 @@ import torch
 import tinylm
 from diagnostics import Thresholds
 from diagnostics.result import COLUMNS, DTYPES
+from diagnostics.integrations import writers
+from diagnostics.jobs import history as H
 from diagnostics.jobs import watch as W
+from diagnostics.judge import over_time as V
 from tinylm.train import TrainOptions
 from diagnostics.jobs.watch import train_watched as train
 from tinylm import functional as F
@@ -188,14 +192,14 @@ def test_nonfinite_loss_stops_and_names_the_layer_that_moved_first():
     assert r.history["records"][-1]["reason"] == "nonfinite" and r.history["records"][-1]["step"] == 6
     stats = r.history["records"][-1]["stats"]
     assert stats["layers.1.resid_mid"]["fwd_nonfinite"] == 0.0 and stats["layers.1.ffn"]["fwd_nonfinite"] > 0
-    dep = W.first_departure(r.history)
+    dep = V.first_departure(r.history)
     assert dep["step"] == 6 and dep["verdict"] == "non_finite"
 
 
 def test_negative_control_healthy_training_raises_no_alarm_and_no_verdict():
     r = train(small_model(), tokens(), TrainOptions(steps=12, batch_size=2, watch_every=3, lr=1e-3))
     assert r.history["events"] == []
-    assert W.first_departure(r.history) is None
+    assert V.first_departure(r.history) is None
 
 
 # --------------------------------------------------------------------------- verdicts on synthetic histories
@@ -220,46 +224,46 @@ def _history(values: dict[str, list[float]], grads: dict[str, list[float]] | Non
 
 def test_exploding_is_growth_beyond_the_threshold_over_the_lowest_earlier_value():
     h = _history({"layers.0": [5.0, 1.0, 500.0, 1.5e3]})
-    dep = W.first_departure(h)
+    dep = V.first_departure(h)
     assert dep == {"step": 30, "site": "layers.0", "verdict": "exploding", "stat": "fwd_var", "value": 1.5e3,
                    "threshold": TH.watch_growth * 1.0}
 
 
 def test_exploding_negative_control_growth_below_the_threshold_is_ok():
-    assert W.first_departure(_history({"layers.0": [1.0, 10.0, 100.0, 0.99 * TH.watch_growth]})) is None
+    assert V.first_departure(_history({"layers.0": [1.0, 10.0, 100.0, 0.99 * TH.watch_growth]})) is None
 
 
 def test_branch_outputs_are_not_judged_for_growth_but_for_nonfinite():
-    assert W.first_departure(_history({"layers.0.ffn": [1e-6, 1.0]})) is None
-    dep = W.first_departure(_history({"layers.0.ffn": [1.0, math.nan]}))
+    assert V.first_departure(_history({"layers.0.ffn": [1e-6, 1.0]})) is None
+    dep = V.first_departure(_history({"layers.0.ffn": [1.0, math.nan]}))
     assert dep["verdict"] == "non_finite"
 
 
 def test_pre_norm_residual_scale_is_not_judged_but_its_attention_scores_are():
     h = _history({"layers.0": [1.0, 1e6], "layers.0.attn.scores": [1.0, 1.0]})
     h["norm"] = "pre"  # every read of the residual stream is normalised: its scale reaches nothing
-    assert W.first_departure(h) is None
+    assert V.first_departure(h) is None
     h["norm"] = "post"  # negative control: without pre-norm the same growth is judged
-    assert W.first_departure(h)["site"] == "layers.0"
+    assert V.first_departure(h)["site"] == "layers.0"
     s = _history({"layers.0.attn.scores": [1.0, 2 * TH.watch_growth]})
     s["norm"] = "pre"
-    assert W.first_departure(s)["verdict"] == "exploding"
+    assert V.first_departure(s)["verdict"] == "exploding"
 
 
 def test_vanishing_gradient_and_its_negative_control():
     h = _history({"layers.0": [1.0, 1.0, 1.0]}, grads={"layers.0": [1e-6, 1e-8, 0.5e-6 / TH.watch_shrink]})
-    assert W.first_departure(h)["verdict"] == "vanishing" and W.first_departure(h)["step"] == 20
+    assert V.first_departure(h)["verdict"] == "vanishing" and V.first_departure(h)["step"] == 20
     h = _history({"layers.0": [1.0, 1.0, 1.0]}, grads={"layers.0": [1e-6, 1e-8, 2e-6 / TH.watch_shrink]})
-    assert W.first_departure(h) is None
+    assert V.first_departure(h) is None
 
 
 def test_first_mover_prefers_the_upstream_site_at_the_earliest_record():
     h = _history({"layers.0": [1.0, 1.0, 1.0, 50.0], "layers.1": [1.0, 1.0, 20.0, 1e6]})
-    m = W.first_mover(h)
+    m = V.first_mover(h)
     assert m["site"] == "layers.1" and m["step"] == 20 and m["factor"] == pytest.approx(20.0)
     h = _history({"layers.0": [1.0, 1.0, 30.0], "layers.1": [1.0, 1.0, 1e6]})
-    assert W.first_mover(h)["site"] == "layers.0"  # same record: the upstream one
-    assert W.first_mover(_history({"layers.0": [1.0, 2.0, 9.0]})) is None  # below watch_move = 10x
+    assert V.first_mover(h)["site"] == "layers.0"  # same record: the upstream one
+    assert V.first_mover(_history({"layers.0": [1.0, 2.0, 9.0]})) is None  # below watch_move = 10x
 
 
 # --------------------------------------------------------------------------- exports and the panel
@@ -267,8 +271,8 @@ def test_first_mover_prefers_the_upstream_site_at_the_earliest_record():
 
 def test_json_and_csv_exports(tmp_path):
     r = train(small_model(), tokens(), TrainOptions(steps=4, batch_size=2, watch_every=2))
-    W.write_json(r.history, tmp_path / "w.json")
-    W.write_csv(r.history, tmp_path / "w.csv")
+    writers.write_json(r.history, tmp_path / "w.json")
+    writers.write_csv(r.history, tmp_path / "w.csv")
     back = json.loads((tmp_path / "w.json").read_text())
     assert back["records"][1]["stats"]["layers.0"]["fwd_var"] == r.history["records"][1]["stats"]["layers.0"]["fwd_var"]
     rows = list(csv.DictReader(io.StringIO((tmp_path / "w.csv").read_text())))
@@ -283,10 +287,26 @@ def test_json_and_csv_exports(tmp_path):
 
 def test_json_export_turns_nonfinite_into_valid_json(tmp_path):
     h = _history({"layers.0": [1.0, math.inf, math.nan]})
-    W.write_json(h, tmp_path / "w.json")
+    writers.write_json(h, tmp_path / "w.json")
     text = (tmp_path / "w.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text)["records"][1]["stats"]["layers.0"]["fwd_var"] == "inf"
+
+
+def test_write_atomic_leaves_the_old_file_whole_when_writing_fails(tmp_path):
+    path = tmp_path / "w.json"
+    writers.write_atomic(path, "old\n")
+
+    def half(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        writers.write_atomic(path, half)
+    assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["w.json"]
+    writers.write_atomic(path, "new\n")  # negative control: a write that succeeds replaces it
+    assert path.read_text() == "new\n"
 
 
 def _render(renderable) -> str:
@@ -335,13 +355,48 @@ def test_render_history_of_a_foreign_history_says_so(tmp_path):
     assert (tmp_path / "p.png").exists()
 
 
+def test_a_history_judges_once_however_often_it_is_drawn(monkeypatch, tmp_path):
+    """The renderers draw a History's verdicts: the verdict function runs once for the terminal
+    panel (twice), the notebook HTML, the plot and every question asked, and the renderers call
+    no verdict function themselves; a grown history is judged again, once."""
+    from diagnostics import History
+    from reports.notebook import history_html
+    from reports.watch_view import plot_history, render_history
+
+    calls = []
+    judge = H.verdicts
+    monkeypatch.setattr(H, "verdicts", lambda *a, **k: calls.append(a) or judge(*a, **k))
+
+    def forbidden(*a, **k):
+        raise AssertionError("a renderer judged")
+
+    for name in ("verdicts", "first_departure", "first_mover"):
+        monkeypatch.setattr(V, name, forbidden)
+    h = History(_history({"token_embeddings": [1.0] * 4, "layers.0": [1.0, 2.0, 4.0, 8.0],
+                          "layers.1": [1.0, 1.0, 3e3, math.nan], "lm_head": [1.0] * 4}))
+    texts = [_render(render_history(h)) for _ in range(2)]
+    assert texts[0] == texts[1] and "first verdict other than ok: step 20, layers.1 exploding" in texts[0]
+    assert "exploding at step 20 (layers.1)" in history_html(h)
+    plot_history(h, tmp_path / "p.png")
+    h.to_frame(), h.verdicts(), h.first_departure(), h.departures(), h.first_mover()
+    assert len(calls) == 1
+    assert h.departures()["layers.1"]["step"] == 20 and h.first_departure() == h.verdicts()[0]
+    History(h.data).verdicts()  # negative control: a new History judges
+    assert len(calls) == 2
+    rec = copy.deepcopy(h.data["records"][-1])
+    rec["step"] = 40
+    h.data["records"].append(rec)  # the dict grew (a running watch appends): judged again, once
+    assert [v["step"] for v in h.verdicts()][-1] == 40 and h.verdicts() == h.verdicts()
+    assert len(calls) == 3
+
+
 # --------------------------------------------------------------------------- the one schema and the one set of thresholds
 
 
 def test_frame_is_the_one_schema_with_each_verdict_on_its_direction():
     h = _history({"layers.0": [1.0, 1.0, 2 * TH.watch_growth]}, grads={"layers.0": [1.0, 1.0, 1.0]})
     h["series"] = {"step": [0, 10, 20], "loss": [3.0, 2.5, 9.0], "lr": [1e-3] * 3, "grad_norm": [1.0] * 3}
-    df = W.to_frame(h, run="demo")
+    df = H.to_frame(h, run="demo")
     assert list(df.columns) == list(COLUMNS) and df.dtypes.astype(str).to_dict() == DTYPES
     assert set(df["run"]) == {"demo"}
     site = df[(df["name"] == "layers.0") & (df["statistic"] == "var")]
@@ -375,13 +430,13 @@ def test_a_history_stored_in_the_old_format_reads_the_same():
     old = {k: v for k, v in new.items() if k not in ("kinds", "model", "thresholds")}
     assert set(old) == {"format", "version", "watch_every", "spike_factor", "sites", "norm", "series", "records",
                         "events"}
-    a, b = W.to_frame(new), W.to_frame(old)
+    a, b = H.to_frame(new), H.to_frame(old)
     assert len(a) == len(b) and b["scheme"].isna().all() and b["depth"].isna().all()
     assert b[b["statistic"] == "var"]["kind"].isna().all()  # the site kinds were not stored
     assert set(a["kind"].dropna()) >= {"residual", "attn_scores", "embedding"} and set(a["scheme"]) == {"cs336"}
     same = ["step", "name", "block", "direction", "statistic", "value", "verdict"]
     assert a[same].equals(b[same])
-    assert W.verdicts(old) == W.verdicts(new) and W.thresholds_of(old) == Thresholds()
+    assert V.verdicts(old) == V.verdicts(new) and V.thresholds_of(old) == Thresholds()
     assert "every verdict stayed ok over all 2 records" in _render(render_history(old))
     resumed = W.Watch(small_model(), every=1, history=old)  # a resumed run continues an old history
     assert resumed.history is old and resumed.history["thresholds"] == Thresholds().to_dict()
@@ -401,10 +456,10 @@ def test_diagnose_and_the_watch_read_the_same_thresholds():
     assert result.thresholds == th.to_dict() == w.history["thresholds"]
     assert Thresholds.from_dict(result.thresholds) == th
     rise = _history({"layers.0": [1.0, 50.0]})
-    assert W.first_departure(rise) is None  # defaults: 50x < 1e3x
-    assert W.first_departure(rise, th)["verdict"] == "exploding"
+    assert V.first_departure(rise) is None  # defaults: 50x < 1e3x
+    assert V.first_departure(rise, th)["verdict"] == "exploding"
     rise["thresholds"] = th.to_dict()  # the history's own thresholds are the default reading
-    assert W.first_departure(rise)["threshold"] == 20.0
+    assert V.first_departure(rise)["threshold"] == 20.0
     # the spike settings: warmup 2 and factor 3 instead of 10 and 1.5
     assert [w.alarm(2.0), w.alarm(2.0), w.alarm(5.0), w.alarm(7.0)] == [None, None, None, "spike"]
     d = W.Watch(small_model())

@@ -15,7 +15,9 @@ from torch import nn
 
 import tinylm
 from diagnostics import OptionsError, Watch
+from diagnostics.jobs import history as H
 from diagnostics.jobs import watch as W
+from diagnostics.judge import over_time as V
 from tinylm import functional as F
 
 SMALL = dict(vocab_size=32, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)
@@ -104,7 +106,7 @@ def test_incremental_verdicts_equal_the_verdicts_of_the_whole_history(tmp_path):
     watch.close()
     lines = [json.loads(x) for x in (tmp_path / "watch.jsonl").read_text().splitlines()]
     streamed = [v for x in lines if x["type"] == "record" for v in x["verdicts"]]
-    whole = W.verdicts(watch.history)
+    whole = V.verdicts(watch.history)
     assert whole  # the blow-up is judged ...
     assert [(v["step"], v["site"], v["verdict"]) for v in streamed] == [
         (v["step"], v["site"], v["verdict"]) for v in whole]
@@ -127,7 +129,7 @@ def test_negative_control_no_signal_without_the_blow_up():
     model = small_model()
     watch = Watch(model, every=1)
     returned, _ = run_loop(watch, model, 6)
-    assert returned == [None] * 6 and watch.failure is None and W.verdicts(watch.history) == []
+    assert returned == [None] * 6 and watch.failure is None and V.verdicts(watch.history) == []
 
 
 def test_stop_raise_raises_watchstop_at_the_fail_and_removes_the_hooks():
@@ -191,7 +193,7 @@ def test_csv_and_jsonl_beside_the_run_hold_the_history(tmp_path):
     run_loop(watch, model, 4)
     watch.close()
     got = pd.read_csv(tmp_path / "run" / "watch.csv")
-    want = W.to_frame(watch.history)
+    want = H.to_frame(watch.history)
     key = ["step", "name", "direction", "statistic"]
     got = got.sort_values(key, na_position="first", kind="stable").reset_index(drop=True)
     want = want.sort_values(key, na_position="first", kind="stable").reset_index(drop=True)

@@ -9,7 +9,7 @@ Needs the ``hf`` extra (``pip install "tinylm[hf]"``); this module is the only o
 imports ``transformers``. Step t is the Trainer's optimizer step (``state.global_step``
 before it, from 0). Per step the watch keeps:
 
-* loss: the step's loss as the Trainer reports it, from the model output's ``loss`` on each
+* loss: the step's loss as the Trainer computes it, from the model output's ``loss`` on each
   micro-batch (a forward hook on the model, in training mode only): summed when the Trainer
   normalised it by the step's token count (``num_items_in_batch``), else averaged; NaN where
   the output carries no loss (a custom ``compute_loss``);
@@ -87,7 +87,7 @@ class WatchCallback(TrainerCallback):
             self._losses.append((loss.detach(), kwargs.get("num_items_in_batch") is not None))
 
     def _step_loss(self) -> float | None:
-        """The step's loss as the Trainer reports it (None: the model's outputs carried none)."""
+        """The step's loss as the Trainer computes it (None: the model's outputs carried none)."""
         import torch
 
         if not self._losses:
@@ -164,5 +164,5 @@ class WatchCallback(TrainerCallback):
         if self.watch is not None:
             self.watch.close()
 
-    def _repr_html_(self) -> str:
+    def _repr_html_(self) -> str | None:
         return "" if self.watch is None else self.watch._repr_html_()

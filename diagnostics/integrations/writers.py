@@ -1,11 +1,15 @@
-"""Writers that send a watch's steps, records and alarms to files beside the run.
+"""Where a watch's steps, records and alarms go: the :class:`WatchWriter` protocol and its writers.
+
+A writer is any object with the five methods of :class:`WatchWriter` (``open``, ``step``,
+``record``, ``event``, ``close``); subclassing it gives each a default that does nothing.
+The writers here:
 
 * :class:`CSVWriter` — ``watch.csv``: tidy rows of the one result schema (columns
-  :data:`diagnostics.result.COLUMNS`; the rows ``diagnostics.jobs.watch.to_rows`` gives,
+  :data:`diagnostics.result.COLUMNS`; the rows ``diagnostics.jobs.history.to_rows`` gives,
   written as they happen, so a run that dies leaves what it had);
 * :class:`JSONLWriter` — ``watch.jsonl``: one JSON object a line, ``{"type": "step", "step",
   "loss", "lr", "grad_norm"}``, ``{"type": "record", ...the history's record..., "verdicts":
-  [...]}`` and ``{"type": "event", ...}`` (NaN as null, infinities as "inf"/"-inf");
+  [...]}`` and ``{"type": "event", ...}`` (:func:`json_safe`: NaN as null, infinities as "inf"/"-inf");
 * :class:`TensorBoardWriter` — TensorBoard event files through ``torch.utils.tensorboard``
   (the ``tensorboard`` package: ``pip install "tinylm[tensorboard]"``). Scalars
   ``train/loss``, ``train/lr``, ``train/grad_norm`` every step (lr and grad_norm when known);
@@ -13,6 +17,10 @@
   ``watch/max_abs/<site>``, ``watch/update_ratio/<parameter>``,
   ``watch/attention_entropy/<site>`` and ``watch/not_ok`` (how many sites are not ok); text
   ``watch/verdicts`` (each verdict other than ok) and ``watch/alarms`` (spikes, non-finite losses).
+
+A whole history is written at once by :func:`write_json` and :func:`write_csv`; every file
+written whole goes through :func:`write_atomic` (a temporary file in the same folder, then a
+rename onto the target), so an interrupted run never leaves a half-written file.
 """
 
 from __future__ import annotations
@@ -22,20 +30,31 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..result import COLUMNS
 
-__all__ = ["WatchWriter", "CSVWriter", "JSONLWriter", "TensorBoardWriter", "default_writers", "tensorboard_available"]
+__all__ = ["WatchWriter", "CSVWriter", "JSONLWriter", "TensorBoardWriter", "default_writers", "tensorboard_available",
+           "json_safe", "write_atomic", "write_json", "write_csv"]
 
 
-class WatchWriter:
-    """Where a watch sends what it sees (subclass and override what you need; each does nothing here).
+@runtime_checkable
+class WatchWriter(Protocol):
+    """Where a watch sends what it sees: any object with these five methods.
 
-    ``open(watch)`` once before the first write; ``step(t, loss, lr, grad_norm)`` every logged
-    step; ``record(record, verdicts)`` every record (the history's record dict and its
-    non-ok verdict rows, as :func:`verdicts` gives them); ``event(event)`` on a spike or a
-    non-finite loss; ``close()`` at :meth:`Watch.close`.
+    The watch calls, in this order:
+
+    * ``open(watch)`` once, when the :class:`diagnostics.Watch` is built (``watch.history`` is
+      the history dict it fills; ``watch.step_rows`` / ``watch.record_rows`` give tidy rows);
+    * ``step(t, loss, lr, grad_norm)`` after every logged step (NaN where not known);
+    * ``record(record, verdicts)`` after every record: the history's record dict and its
+      non-ok verdict rows ({step, site, verdict, stat, value, threshold}, as
+      :func:`diagnostics.judge.over_time.verdicts` gives them);
+    * ``event(event)`` on a spike or a non-finite loss (a :class:`diagnostics.WatchEvent`);
+    * ``close()`` at :meth:`diagnostics.Watch.close`.
+
+    Subclass it to inherit a do-nothing default for each method and override what you need,
+    or write a class with all five (the watch checks for them).
     """
 
     def open(self, watch: Any) -> None:
@@ -54,14 +73,52 @@ class WatchWriter:
         pass
 
 
-def _json_safe(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
+    """``x`` with every non-finite float made JSON-safe: NaN as None (null), infinities as the
+    strings "inf" / "-inf"; dicts, lists and tuples (as lists) converted all the way down."""
     if isinstance(x, float) and not math.isfinite(x):
         return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
     if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
+
+
+def write_atomic(path: str | os.PathLike, content: str | Callable[[str], None]) -> None:
+    """Write ``path`` whole or not at all: into a temporary file in the same folder, then renamed
+    onto ``path`` (``os.replace``; the folder is created if missing).
+
+    Args:
+        path: the file to write.
+        content: the text (written as UTF-8, newlines as "\\n"), or a function that writes the
+            file at the temporary path it is given (``df.to_csv``, ``fig.savefig``).
+    """
+    from tinylm.checkpoint import atomic_write
+
+    if callable(content):
+        atomic_write(path, content)
+        return
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.write(content)
+
+    atomic_write(path, write)
+
+
+def write_json(history: dict[str, Any], path: str | os.PathLike) -> None:
+    """A watch history as JSON (:func:`json_safe`: NaN as null, infinities as "inf"/"-inf"), written atomically."""
+    write_atomic(path, json.dumps(json_safe(history), indent=1, allow_nan=False))
+
+
+def write_csv(history: dict[str, Any], path: str | os.PathLike, run: str | None = None) -> None:
+    """A watch history's tidy frame (``diagnostics.jobs.history.to_frame``) as CSV (no index column),
+    written atomically."""
+    from ..jobs.history import to_frame
+
+    df = to_frame(history, run)
+    write_atomic(path, lambda tmp: df.to_csv(tmp, index=False, lineterminator="\n"))
 
 
 def tensorboard_available() -> bool:
@@ -151,7 +208,7 @@ class JSONLWriter(_File):
     """One JSON object a line: steps, records (with their verdicts) and alarms."""
 
     def _line(self, obj: dict[str, Any]) -> None:
-        self._write(json.dumps(_json_safe(obj), allow_nan=False) + "\n")
+        self._write(json.dumps(json_safe(obj), allow_nan=False) + "\n")
 
     def step(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
         self._line({"type": "step", "step": t, "loss": loss, "lr": lr, "grad_norm": grad_norm})

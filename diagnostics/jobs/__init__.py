@@ -2,11 +2,16 @@
 
 * :mod:`.diagnose` — probe + theory + verdicts on one model;
 * :mod:`.compare` — init schemes side by side over depth and width;
-* :mod:`.watch` — per-step records and verdicts during training (a training loop's monitor).
+* :mod:`.watch` — per-step records during training (a training loop's monitor), judged as
+  they come by :mod:`diagnostics.judge.over_time`;
+* :mod:`.history` — the watch's history: its format, its checks, its tidy rows, and
+  :class:`History`, which holds its verdicts for whatever draws it.
 """
 
 from .compare import compare
 from .diagnose import diagnose
-from .watch import History, Watch, WatchEvent, WatchFailure, WatchStop
+from .history import History, check_history
+from .watch import Watch, WatchEvent, WatchFailure, WatchStop, train_watched
 
-__all__ = ["diagnose", "compare", "Watch", "WatchEvent", "WatchFailure", "WatchStop", "History"]
+__all__ = ["diagnose", "compare", "Watch", "WatchEvent", "WatchFailure", "WatchStop", "History", "check_history",
+           "train_watched"]
