@@ -59,7 +59,7 @@ import tinylm
 from tinylm.data import DataError, get_batch, load_tokens
 from tinylm.memory import check_fits
 from tinylm.validate import check, choice, fail, integer
-from .diagnose import t_interval
+from ..measure.intervals import t_interval
 from ..options import OptionsError, Progress, ProbeOptions
 from ..measure.probe import block_index, probe
 from ..result import DepthRow, Row, frame
