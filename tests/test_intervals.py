@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from diagnostics.jobs.diagnose import CONFIDENCE, log_t_interval, t_interval
+from diagnostics import CONFIDENCE, log_t_interval, t_interval
 
 ALPHA = 1e-6  # false-alarm probability of each statistical assertion
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics import OptionsError, Watch, compare, diagnose
+from diagnostics import CompareOptions, OptionsError, Watch, compare, diagnose
 from diagnostics.jobs.comparison import Comparison
 from diagnostics.jobs.watch import History, first_departure, loss_summary, verdicts
 from tinylm import functional as F
@@ -157,8 +157,8 @@ def test_a_healthy_watch_history_says_ok_and_its_dict_still_works():
 
 
 def test_a_comparison_is_still_a_tuple_and_shows_its_cells_and_plot():
-    c = compare(schemes=["cs336", "kaiming"],
-                depths=(2, 6), widths=(32,), seeds=1, seq_len=8, norm="none")
+    c = compare(CompareOptions(schemes=["cs336", "kaiming"],
+                               depths=(2, 6), widths=(32,), seeds=1, seq_len=8, norm="none"))
     tidy, summary = c  # as before
     assert isinstance(c, Comparison) and c.tidy is tidy and c.summary is summary
     p = Parsed(c._repr_html_())
