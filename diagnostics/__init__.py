@@ -9,7 +9,8 @@ Four sub-packages, one concept each:
   (init schemes side by side), ``Watch`` (training).
 
 The results of those jobs share one schema (:mod:`diagnostics.result`); their options
-are :mod:`diagnostics.options`. See diagnostics/API.md.
+are :mod:`diagnostics.options` (``DiagnoseOptions``, ``CompareOptions``); their intervals over
+replicates are :mod:`diagnostics.measure.intervals`. See diagnostics/API.md.
 """
 
 from __future__ import annotations
