@@ -87,7 +87,7 @@ def test_options_are_checked_when_made(kwargs, match):
 
 
 def test_compare_takes_one_options_object():
-    """The grid is given as CompareOptions; the old keyword call is refused with the way to write it."""
+    """compare takes one CompareOptions; anything else is refused with the way to write it."""
     options = CompareOptions(schemes=["cs336"], depths=[2], widths=(32,))
     assert options.schemes == ("cs336",) and options.depths == (2,)  # sequences are kept as tuples
     with pytest.raises(OptionsError, match=r"options=\['cs336'\]: must be a diagnostics.CompareOptions"):
