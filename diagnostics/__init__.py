@@ -9,7 +9,8 @@ Four sub-packages, one concept each:
   (init schemes side by side), ``Watch`` (training).
 
 The results of those jobs share one schema (:mod:`diagnostics.result`); their options
-are :mod:`diagnostics.options`. See diagnostics/API.md.
+are :mod:`diagnostics.options` (``DiagnoseOptions``, ``CompareOptions``); their intervals over
+replicates are :mod:`diagnostics.measure.intervals`. See diagnostics/API.md.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Any
 from .jobs import History, Watch, WatchEvent, WatchFailure, WatchStop, compare, diagnose
 from .judge import Thresholds
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
-from .options import DiagnoseOptions, OptionsError, ProbeOptions
+from .measure.intervals import CONFIDENCE, interval_scope, log_t_interval, t_interval
+from .options import CompareOptions, DiagnoseOptions, OptionsError, ProbeOptions
 from .result import (
     SCHEMA_VERSION,
     AttentionRow,
@@ -48,6 +50,7 @@ __all__ = [
     "ParamStats",
     "ProbeStats",
     "DiagnoseOptions",
+    "CompareOptions",
     "ProbeOptions",
     "OptionsError",
     "SCHEMA_VERSION",
@@ -63,6 +66,10 @@ __all__ = [
     "WatchFailure",
     "WatchStop",
     "History",
+    "CONFIDENCE",
+    "t_interval",
+    "log_t_interval",
+    "interval_scope",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tinylm.errors import TinyLMError
-from tinylm.validate import boolean, choice, fail, flag_of, integer
+from tinylm.validate import boolean, check, choice, fail, flag_of, integer, number
 
-__all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "Progress", "THEORY_MODES"]
+__all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "CompareOptions", "Progress", "THEORY_MODES"]
 
 #: progress(done, total, description): called as work advances (the CLI draws a bar).
 Progress = Callable[[int, int, str], None]
@@ -115,3 +115,86 @@ class DiagnoseOptions:
             object.__setattr__(self, "theory", "off")
         if self.progress is not None and not callable(self.progress):
             fail("progress", self.progress, "be a callable (done, total, description)", error=OptionsError)
+
+
+def _sizes(name: str, values: Any) -> tuple[int, ...]:
+    """``values`` as a non-empty tuple of positive integers."""
+    values = (values,) if isinstance(values, (int, str)) else tuple(values)
+    return check(name, values, lambda vs: bool(vs) and all(not isinstance(v, bool) and isinstance(v, int) and v > 0
+                                                           for v in vs),
+                 "be a non-empty list of positive integers", fix=f"{name}=(2, 8, 32)", error=OptionsError)
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """Everything :func:`diagnostics.compare` needs: the grid, the tokens and the measurement.
+
+    schemes: init scheme names (``tinylm.init.SCHEMES``); None = every scheme registered when
+        compare runs.
+    depths, widths: num_layers and d_model of the grid's models (each a non-empty sequence of
+        positive integers, stored as a tuple).
+    seeds: models per grid cell, initialised with seed, seed+1, ...: the replicates of the 99%
+        intervals. seed: the first of them (it also draws each model's batch and training batches).
+    steps: AdamW steps per model after the measurement (0: none), for the early loss; lr: their
+        learning rate.
+    data: None (uniform random tokens; the steps train on the standard library's bytes), a 1-D
+        integer token array, or the path of a token file (.npy, .bin, .txt; see tinylm.data).
+    data_name: what the summary's ``data`` column calls the tokens (default: the path, or "given tokens").
+    vocab_size: None sizes it (256, or to the data); an int is used as given.
+    seq_len, batch_size: the shape of each measured (and training) batch.
+    norm: the models' norm placement ("pre", "post" or "none").
+    tensors: "stream" (the residual stream and the logits) or "all" (every default probe point).
+    thresholds: a diagnostics.Thresholds (None = the documented defaults).
+    progress: progress(done, total, description), called after each model, or None.
+    run: the tidy frame's ``run`` column (a label for concatenating comparisons; None by default).
+    """
+
+    schemes: tuple[str, ...] | None = None
+    depths: tuple[int, ...] = (2, 8, 32)
+    widths: tuple[int, ...] = (128,)
+    seeds: int = 3
+    steps: int = 0
+    data: Any = field(default=None, compare=False)
+    data_name: str | None = None
+    vocab_size: int | None = None
+    seq_len: int = 32
+    batch_size: int = 2
+    norm: str = "pre"
+    tensors: str = "stream"
+    lr: float = 1e-3
+    seed: int = 0
+    thresholds: object | None = None
+    progress: Progress | None = field(default=None, compare=False)
+    run: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schemes is not None:
+            import tinylm.init
+
+            schemes = (self.schemes,) if isinstance(self.schemes, str) else tuple(self.schemes)
+            for s in schemes:
+                tinylm.init.get(s)  # an unknown name: ConfigError listing the registered ones
+            object.__setattr__(self, "schemes", schemes)
+        object.__setattr__(self, "depths", _sizes("depths", self.depths))
+        object.__setattr__(self, "widths", _sizes("widths", self.widths))
+        integer("seeds", self.seeds, low=1, fix="seeds=N", error=OptionsError)
+        integer("steps", self.steps, low=0, fix="steps=N", error=OptionsError)
+        choice("tensors", self.tensors, ("stream", "all"), error=OptionsError)
+        if self.progress is not None and not callable(self.progress):
+            fail("progress", self.progress, "be a callable (done, total, description)", error=OptionsError)
+        integer("seq_len", self.seq_len, low=1, fix="seq_len=N", error=OptionsError)
+        if self.vocab_size is not None:
+            integer("vocab_size", self.vocab_size, low=1, fix="vocab_size=N, or None to size it to the data",
+                    error=OptionsError)
+        integer("batch_size", self.batch_size, low=1, fix="batch_size=N", error=OptionsError)
+        choice("norm", self.norm, ("pre", "post", "none"), error=OptionsError)
+        number("lr", self.lr, low=0, strict_low=True, fix="lr=1e-3", error=OptionsError)
+        integer("seed", self.seed, fix="seed=N", error=OptionsError)
+        if self.data_name is not None and not isinstance(self.data_name, str):
+            fail("data_name", self.data_name, "be a string or None", error=OptionsError)
+        if self.thresholds is not None:
+            from .judge.verdicts import Thresholds
+
+            if not isinstance(self.thresholds, Thresholds):
+                fail("thresholds", self.thresholds, "be a diagnostics.Thresholds (or None for the defaults)",
+                     error=OptionsError)

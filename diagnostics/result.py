@@ -51,29 +51,9 @@ Conventions used by all rows:
   always positive), never over the elements of one tensor. ``None`` where there is
   no prediction (the interval also with fewer than two replicates).
 
-Schema versions (``SCHEMA_VERSION``, written as ``schema_version``):
-
-* "1": ratio the arithmetic mean of the replicates' ratios, with a symmetric t interval.
-* "2": ratio the geometric mean with the interval on ln(ratio) (above); the global
-  forward predictions of a tinylm model from the token-kernel theory
-  (:mod:`diagnostics.theory.tokenkernel`); new fields ``TensorRow.rule``,
-  ``TensorRow.predicted_independent`` and ``DepthRow.cosine_predicted``.
-* "3": the per-tensor numbers are serialised as the tidy rows of :data:`COLUMNS`
-  ("columns": :data:`COLUMNS`; "rows": one list of values per row, in that order, one
-  row per line of the document: the frame of :meth:`DiagnoseResult.to_frame`), with the
-  prediction notes of each (name, direction) beside them ("theory": name, direction,
-  theory, rule, validity, predicted_independent) instead of the "tensors" list;
-  thresholds include the watch's.
-* "4": each finding carries its ``severity`` ("fail" or "warn") and its ``cause``; ``healthy``
-  is True when no finding fails (warnings allowed); the verdict kinds add "misscaled" and
-  "imbalanced" (a cause's own evidence, before any symptom). :meth:`DiagnoseResult.from_dict`
-  reads "2", "3" and "4"; a finding of an older document reads as severity "fail" (every
-  finding then failed ``--check``) with cause "".
-* "5": what was judged and what was not: ``judged`` (the :data:`CHECKS` made) and
-  ``not_judged`` ([check, reason] pairs), and ``status`` ("healthy", "healthy, with warnings",
-  "not healthy" or "not judged"); ``healthy`` is False for a model neither whose residual
-  stream nor whose loss could be judged. A document of "2" to "4" reads with ``judged`` None
-  (not recorded: its status follows its findings, as it did).
+The document's version is :data:`SCHEMA_VERSION` (written as ``schema_version``);
+:meth:`DiagnoseResult.from_dict` reads versions "2" to "5". What each version changed is in
+diagnostics/API.md ("Schema versions").
 """
 
 from __future__ import annotations
@@ -269,7 +249,7 @@ class TensorRow:
         around ratio, always > 0). ratio is None when there is no prediction; the
         interval is None with fewer than 2 replicates, and when a replicate's ratio is 0
         (ratio is then 0) or not finite (ratio None too): see
-        diagnostics.diagnose.log_t_interval.
+        :func:`diagnostics.log_t_interval`.
     theory: "local", "global" or "" (no prediction).
     valid: whether the prediction is inside its stated validity; validity: why not
     (empty when valid).

@@ -41,21 +41,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def _tokens(data: str | None, vocab_size: int | None) -> tuple[Any, int | None]:
+def _tokens(data: str | None, vocab_size: int | None, seq_len: int) -> tuple[Any, int | None]:
     """The ``--data`` file's tokens (memory-mapped, never written) and the vocabulary for them; one-line errors."""
     if data is None:
         return None, vocab_size
-    from diagnostics.jobs.compare import DEFAULT_SEQ_LEN, data_vocab
+    from diagnostics.jobs.compare import data_vocab
     from tinylm.data import load_tokens
 
     from .cli import UsageError
 
     tokens = load_tokens(data)
     vocab_size = data_vocab(tokens, vocab_size, f"--data {data}", name="--vocab-size")
-    if len(tokens) < DEFAULT_SEQ_LEN + 1:
-        raise UsageError(f"--data {data}: {len(tokens)} tokens are fewer than the {DEFAULT_SEQ_LEN + 1} of one "
-                         f"sequence ({DEFAULT_SEQ_LEN} inputs and the next token); use a file with at least "
-                         f"{DEFAULT_SEQ_LEN + 1} tokens")
+    if len(tokens) < seq_len + 1:
+        raise UsageError(f"--data {data}: {len(tokens)} tokens are fewer than the {seq_len + 1} of one "
+                         f"sequence ({seq_len} inputs and the next token); use a file with at least "
+                         f"{seq_len + 1} tokens")
     return tokens, vocab_size
 
 
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     import tinylm
-    from diagnostics.jobs.compare import compare
+    from diagnostics import CompareOptions, compare
 
     from . import export
     from .cli import UsageError
@@ -101,11 +101,12 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 0:
         raise UsageError(f"--steps {args.steps}: must be 0 or more")
     check_outputs({"--plot": args.plot, "--csv": args.csv}, {"--data file": args.data})
-    tokens, vocab_size = _tokens(args.data, args.vocab_size)
+    tokens, vocab_size = _tokens(args.data, args.vocab_size, CompareOptions.seq_len)
     with progress_bar("compare", enabled=False if args.no_progress else None) as update:
-        tidy, summary = compare(schemes, depths, widths, args.seeds, args.steps, seed=args.seed, data=tokens,
-                                data_name=args.data, vocab_size=vocab_size,
-                                progress=lambda done, total, what: update(done, total, what))
+        options = CompareOptions(schemes=schemes, depths=depths, widths=widths, seeds=args.seeds, steps=args.steps,
+                                 seed=args.seed, data=tokens, data_name=args.data, vocab_size=vocab_size,
+                                 progress=update)
+        tidy, summary = compare(options)
     console = Console(width=args.width, highlight=False)
     console.print(CompareTable(summary))
     if args.csv:

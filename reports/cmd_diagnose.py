@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -142,18 +143,45 @@ def check(args: argparse.Namespace) -> None:
 OTHER_SEQ_LEN = 1024
 
 
+@dataclass
+class _Inputs:
+    """Everything read before measuring: the model and where it came from, the device and dtype, the
+    sequence length, the seeds, the tokens and the words for them, and the checkpoint's training
+    history (None: none, or one that cannot be drawn)."""
+
+    source: Any
+    device: Any
+    dtype: Any
+    seq_len: int
+    seeds: int
+    tokens: Any
+    data_text: str
+    history: Any
+
+
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from . import export
-    from .render import ReportContext, report
-
+    """Gather the inputs, call :func:`diagnostics.diagnose` once, then draw and write the result."""
     check(args)  # also when run() is called without the command line's main()
     level = _check_level(args)
-    outputs = _all_outputs(args)
+    inputs = _gather(args)
+    result = _diagnose(inputs, args)
+    doc = _document(result, inputs, args)
+    _write(result, doc, inputs, args)
+    unhealthy = bool(result.failures) or bool(inputs.source.nonfinite) or (level == "warn" and bool(result.findings))
+    if level and unhealthy:
+        return EXIT_FINDINGS
+    return EXIT_NOT_JUDGED if (level and result.status == "not judged") else EXIT_OK
+
+
+def _gather(args: argparse.Namespace) -> _Inputs:
+    """The model (loaded, its size checked, moved to the device), the tokens, and the checkpoint's
+    training history (a damaged one is skipped, with a note on stderr)."""
+    from rich.console import Console
+
+    from diagnostics.jobs import check_history
+
     dtype = parse_dtype(args.dtype)
     device = resolve_device(args.device)
-
     source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
                         context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed)
     import tinylm
@@ -172,39 +200,52 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq-len {seq_len}: need at least 2 tokens to score a next token")
     seeds = _seeds(args, source.fresh)
     tokens, data_text = measured_tokens(args.data, source, seq_len)
-    from diagnostics import DiagnoseOptions, diagnose
-    from tinylm.memory import check_fits
-
     if own:
+        from tinylm.memory import check_fits
+
         check_fits(model.config, args.batch_size, seq_len, dtype)  # estimate before allocating: one line if too big
-
     model.to(device=device, dtype=dtype)
-    show_progress = False if args.no_progress else None
-    with progress_bar("diagnose", enabled=show_progress) as update:
-        options = DiagnoseOptions(batch_size=args.batch_size, seq_len=seq_len, batches=args.batches, seeds=seeds,
-                                  seed=args.seed, theory=args.theory,
-                                  progress=lambda done, total, what: update(done, total, what))
-        result = diagnose(model, tokens, options)
-
-    ctx = ReportContext(source=source.description, data=data_text, dtype=args.dtype, device=str(device),
-                        nonfinite_params=source.nonfinite, all_tensors=args.all,
-                        random_trained=tokens is None and not source.fresh)
-    from diagnostics.jobs import check_history
-
     history, problem = check_history(source.history)
     if problem:
         Console(stderr=True, highlight=False).print(f"note: the checkpoint's training history is skipped ({problem})")
     source.history = history
-    watch_view = _watch_view(source.history)
-    doc = report(result, ctx, extra=[watch_view.render_history(source.history)] if watch_view else [])
+    return _Inputs(source, device, dtype, seq_len, seeds, tokens, data_text, history)
 
-    console = Console(width=args.width, highlight=False)
-    console.print(doc)
+
+def _diagnose(inputs: _Inputs, args: argparse.Namespace) -> Any:
+    """The one library call, with a progress bar on stderr."""
+    from diagnostics import DiagnoseOptions, diagnose
+
+    with progress_bar("diagnose", enabled=False if args.no_progress else None) as update:
+        options = DiagnoseOptions(batch_size=args.batch_size, seq_len=inputs.seq_len, batches=args.batches,
+                                  seeds=inputs.seeds, seed=args.seed, theory=args.theory, progress=update)
+        return diagnose(inputs.source.model, inputs.tokens, options)
+
+
+def _document(result: Any, inputs: _Inputs, args: argparse.Namespace) -> Any:
+    """The report: the result drawn, with the training history's panel when the checkpoint holds one."""
+    from .render import ReportContext, report
+
+    source = inputs.source
+    ctx = ReportContext(source=source.description, data=inputs.data_text, dtype=args.dtype,
+                        device=str(inputs.device), nonfinite_params=source.nonfinite, all_tensors=args.all,
+                        random_trained=inputs.tokens is None and not source.fresh)
+    watch_view = _watch_view(inputs.history)
+    return report(result, ctx, extra=[watch_view.render_history(inputs.history)] if watch_view else [])
+
+
+def _write(result: Any, doc: Any, inputs: _Inputs, args: argparse.Namespace) -> None:
+    """The report on the terminal, then each file asked for, and one line on stderr naming them."""
+    from rich.console import Console
+
+    from . import export
+
+    outputs = _all_outputs(args)
+    Console(width=args.width, highlight=False).print(doc)
     if args.html or args.svg:  # exports are laid out for a wide page whatever the terminal's width
         export_console = Console(width=max(args.width or 0, EXPORT_WIDTH), record=True, highlight=False,
                                  file=io.StringIO(), color_system="truecolor")
         export_console.print(doc)
-
     if args.json:
         export.write_json(args.json, result)
     if args.csv:
@@ -214,23 +255,26 @@ def run(args: argparse.Namespace) -> int:
     if args.svg:
         export.write_console(args.svg, export_console, "svg")
     if args.plot:
-        from .plots import depth_figure
-
-        fig = depth_figure(result)
-        try:
-            export.write_figure(args.plot, fig)
-        finally:
-            import matplotlib.pyplot as plt
-
-            plt.close(fig)
-        if watch_view:
-            watch_view.plot_history(source.history, str(_training_plot_path(args.plot)))
-        else:
-            outputs.pop("--plot (training history)", None)
+        _write_plots(result, inputs, args, outputs)
     written = [f"{flag[2:]} {path}" for flag, path in outputs.items() if path]
     if written:
         print(f"wrote {', '.join(written)}", file=sys.stderr)
-    unhealthy = bool(result.failures) or bool(source.nonfinite) or (level == "warn" and bool(result.findings))
-    if level and unhealthy:
-        return EXIT_FINDINGS
-    return EXIT_NOT_JUDGED if (level and result.status == "not judged") else EXIT_OK
+
+
+def _write_plots(result: Any, inputs: _Inputs, args: argparse.Namespace, outputs: dict[str, str | None]) -> None:
+    """--plot: variance over depth, and beside it the training history's figure when there is one."""
+    import matplotlib.pyplot as plt
+
+    from . import export
+    from .plots import depth_figure
+
+    fig = depth_figure(result)
+    try:
+        export.write_figure(args.plot, fig)
+    finally:
+        plt.close(fig)
+    watch_view = _watch_view(inputs.history)
+    if watch_view:
+        watch_view.plot_history(inputs.history, str(_training_plot_path(args.plot)))
+    else:
+        outputs.pop("--plot (training history)", None)

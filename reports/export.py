@@ -32,9 +32,7 @@ def write_json(path: str | os.PathLike, result: Any) -> None:
     """The result's versioned JSON (``result.to_json()``) written atomically.
 
     The schema is diagnostics/API.md's; its version, ``schema_version``, is
-    ``diagnostics.SCHEMA_VERSION`` ("4": the per-tensor numbers as the tidy rows of
-    ``diagnostics.result.COLUMNS``, findings with severity and cause; the versions are listed in
-    :mod:`diagnostics.result`).
+    ``diagnostics.SCHEMA_VERSION`` (what each version changed: diagnostics/API.md, "Schema versions").
     """
     text = result.to_json()
     if not isinstance(text, str):  # a dict: serialise it the same way every time

@@ -127,13 +127,14 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
 
 
 def _interval_scope(header: Any) -> str:
-    """What the 99% intervals cover (:func:`diagnostics.jobs.diagnose.interval_scope`; imported here, when
-    a report is drawn, so that importing this module does not import torch)."""
+    """What the 99% intervals cover: the header's words, or for a document written before the header
+    held them :func:`diagnostics.interval_scope` (imported here, so that importing this module does
+    not import torch)."""
     if getattr(header, "interval", ""):
         return header.interval
-    from diagnostics.jobs.diagnose import interval_scope as scope  # a document written before the field
+    from diagnostics import interval_scope
 
-    return scope(header)
+    return interval_scope(header)
 
 
 def _uses_kernel(result: Any, direction: str | None = None) -> bool:

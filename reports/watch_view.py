@@ -28,8 +28,9 @@ def chart_sites(history: dict[str, Any]) -> list[str]:
     """The sites charted: the embedding output, each block's output (residual stream), and the logits
     (for another model: every site the watch found, its embeddings, blocks and head)."""
     sites = history.get("sites") or []
+    kinds = history.get("kinds") or {}
     tiny = [s for s in sites if s == "token_embeddings" or (s.startswith("layers.") and s.count(".") == 1)
-            or s == "lm_head"]
+            or kinds.get(s) == "logits" or s == "lm_head"]
     return tiny if "token_embeddings" in tiny else list(sites)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics import OptionsError, compare
+from diagnostics import CompareOptions, OptionsError, compare
 from tinylm.data import DataError
 from diagnostics.jobs.compare import SUMMARY_COLUMNS, stream_slope
 from diagnostics.result import COLUMNS, DTYPES
@@ -16,8 +16,8 @@ from diagnostics.result import COLUMNS, DTYPES
 @pytest.fixture(scope="module")
 def frames():
     calls = []
-    tidy, summary = compare(["cs336", "zero-residual"], depths=(2, 4), widths=(32,), seeds=2, seq_len=8,
-                            progress=lambda d, t, s: calls.append((d, t, s)))
+    tidy, summary = compare(CompareOptions(schemes=["cs336", "zero-residual"], depths=(2, 4), widths=(32,), seeds=2,
+                                           seq_len=8, progress=lambda d, t, s: calls.append((d, t, s))))
     return tidy, summary, calls
 
 
@@ -48,7 +48,8 @@ def test_summary_per_scheme_and_depth(frames):
 
 
 def test_no_norm_summary_says_exploding():
-    tidy, summary = compare(["cs336"], depths=(6,), widths=(64,), seeds=1, seq_len=8, norm="none", run="no-norm")
+    tidy, summary = compare(CompareOptions(schemes=["cs336"], depths=(6,), widths=(64,), seeds=1, seq_len=8, norm="none",
+                                           run="no-norm"))
     assert summary.verdict.iloc[0] == "exploding" and summary.slope_forward.iloc[0] > 1
     # the tidy rows carry the same verdict on the stream tensors the finding names
     bad = tidy[tidy.verdict == "exploding"]
@@ -56,7 +57,7 @@ def test_no_norm_summary_says_exploding():
 
 
 def test_steps_give_an_early_loss():
-    _, summary = compare(["cs336"], depths=(1,), widths=(32,), seeds=1, steps=3, seq_len=8)
+    _, summary = compare(CompareOptions(schemes=["cs336"], depths=(1,), widths=(32,), seeds=1, steps=3, seq_len=8))
     assert summary.steps.iloc[0] == 3 and math.isfinite(summary.early_loss.iloc[0])
     assert summary.vocab_size.iloc[0] == 256
 
@@ -72,7 +73,27 @@ def test_stream_slope():
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(tinylm.TinyLMError, match=match):
-        compare(**kwargs)
+        compare(CompareOptions(**kwargs))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_size=0), "batch_size=0"), (dict(norm="sandwich"), "norm='sandwich'"), (dict(lr=0.0), "lr=0.0"),
+    (dict(progress="bar"), "progress='bar'"), (dict(thresholds={"exploding_gain": 2}), "thresholds="),
+    (dict(widths=[]), "widths="),
+])
+def test_options_are_checked_when_made(kwargs, match):
+    with pytest.raises(OptionsError, match=match):
+        CompareOptions(**kwargs)
+
+
+def test_compare_takes_one_options_object():
+    """compare takes one CompareOptions; anything else is refused with the way to write it."""
+    options = CompareOptions(schemes=["cs336"], depths=[2], widths=(32,))
+    assert options.schemes == ("cs336",) and options.depths == (2,)  # sequences are kept as tuples
+    with pytest.raises(OptionsError, match=r"options=\['cs336'\]: must be a diagnostics.CompareOptions"):
+        compare(["cs336"])
+    with pytest.raises(TypeError):
+        compare(schemes=["cs336"])
 
 
 @pytest.mark.slow
@@ -91,8 +112,8 @@ def test_data_feeds_the_measured_batch_and_the_training_steps():
     """One repeated token is learnt in five steps; uniform random tokens cannot be learnt at all."""
     kw = dict(TINY, seeds=2, steps=5, lr=1e-2)
     sevens = np.full(100, 7, dtype=np.int64)
-    tidy, const = compare(["cs336"], data=sevens, data_name="sevens", **kw)
-    _, rand = compare(["cs336"], data=np.random.default_rng(0).integers(0, 256, 2000), **kw)
+    tidy, const = compare(CompareOptions(schemes=["cs336"], data=sevens, data_name="sevens", **kw))
+    _, rand = compare(CompareOptions(schemes=["cs336"], data=np.random.default_rng(0).integers(0, 256, 2000), **kw))
     assert const.data.iloc[0] == "sevens (100 tokens)" and rand.data.iloc[0] == "given tokens (2,000 tokens)"
     ln_v = math.log(256)
     assert const.early_loss.iloc[0] < ln_v - 2  # measured 2.38
@@ -112,8 +133,8 @@ def test_stdlib_bytes_as_data_train_exactly_as_the_default_does():
     from diagnostics.jobs.compare import _corpus
 
     kw = dict(TINY, seeds=1, steps=3)
-    _, default = compare(["cs336"], **kw)
-    _, given = compare(["cs336"], data=_corpus(), data_name="stdlib", **kw)
+    _, default = compare(CompareOptions(schemes=["cs336"], **kw))
+    _, given = compare(CompareOptions(schemes=["cs336"], data=_corpus(), data_name="stdlib", **kw))
     assert default.data.iloc[0] == "uniform random tokens; steps on the standard library's bytes"
     assert given.early_loss.iloc[0] == default.early_loss.iloc[0]
     assert given.initial_loss.iloc[0] != default.initial_loss.iloc[0]
@@ -121,26 +142,26 @@ def test_stdlib_bytes_as_data_train_exactly_as_the_default_does():
 
 def test_vocabulary_is_sized_to_the_data_unless_given(tmp_path):
     ids = np.arange(2000) % 1000  # largest id 999
-    _, sized = compare(["cs336"], data=ids, seeds=1, **TINY)
+    _, sized = compare(CompareOptions(schemes=["cs336"], data=ids, seeds=1, **TINY))
     assert sized.vocab_size.iloc[0] == 1000 and sized.ln_vocab.iloc[0] == pytest.approx(math.log(1000))
     assert abs(sized.initial_loss.iloc[0] - math.log(1000)) < 0.5  # ln V of the vocabulary actually built
     text = tmp_path / "t.txt"
     text.write_bytes(b"abc def\n" * 8)  # ids below 256 keep the byte vocabulary
-    _, bytes_ = compare(["cs336"], data=text, seeds=1, **TINY)
+    _, bytes_ = compare(CompareOptions(schemes=["cs336"], data=text, seeds=1, **TINY))
     assert bytes_.vocab_size.iloc[0] == 256 and bytes_.data.iloc[0] == f"{text} (64 tokens)"
-    _, given = compare(["cs336"], data=ids, vocab_size=1200, seeds=1, **TINY)
+    _, given = compare(CompareOptions(schemes=["cs336"], data=ids, vocab_size=1200, seeds=1, **TINY))
     assert given.vocab_size.iloc[0] == 1200 and given.ln_vocab.iloc[0] == pytest.approx(math.log(1200))
     with pytest.raises(DataError, match=r"token id 999 is outside .*use vocab_size 1000 or more"):
-        compare(["cs336"], data=ids, vocab_size=999, seeds=1, **TINY)
-    _, random_ = compare(["cs336"], vocab_size=1000, seeds=1, **TINY)
+        compare(CompareOptions(schemes=["cs336"], data=ids, vocab_size=999, seeds=1, **TINY))
+    _, random_ = compare(CompareOptions(schemes=["cs336"], vocab_size=1000, seeds=1, **TINY))
     assert random_.ln_vocab.iloc[0] == pytest.approx(math.log(1000)) and random_.data.iloc[0] == "uniform random tokens"
 
 
 def test_data_exactly_one_sequence_long_is_enough():
-    _, s = compare(["cs336"], data=np.arange(9), seeds=1, **TINY)  # seq_len + 1 = 9 tokens
+    _, s = compare(CompareOptions(schemes=["cs336"], data=np.arange(9), seeds=1, **TINY))  # seq_len + 1 = 9 tokens
     assert math.isfinite(s.initial_loss.iloc[0])
     with pytest.raises(DataError, match=r"8 tokens are fewer than seq_len \+ 1 = 9"):
-        compare(["cs336"], data=np.arange(8), seeds=1, **TINY)
+        compare(CompareOptions(schemes=["cs336"], data=np.arange(8), seeds=1, **TINY))
 
 
 @pytest.mark.parametrize("data, match", [
@@ -152,11 +173,11 @@ def test_data_exactly_one_sequence_long_is_enough():
 ])
 def test_bad_data_is_named(data, match):
     with pytest.raises(DataError, match=match):
-        compare(["cs336"], data=data, seeds=1, **TINY)
+        compare(CompareOptions(schemes=["cs336"], data=data, seeds=1, **TINY))
 
 
 def test_missing_data_file_and_bad_vocab_size(tmp_path):
     with pytest.raises(DataError, match="no such file"):
-        compare(["cs336"], data=tmp_path / "missing.npy", seeds=1, **TINY)
+        compare(CompareOptions(schemes=["cs336"], data=tmp_path / "missing.npy", seeds=1, **TINY))
     with pytest.raises(OptionsError, match="vocab_size=0"):
-        compare(["cs336"], vocab_size=0, seeds=1, **TINY)
+        compare(CompareOptions(schemes=["cs336"], vocab_size=0, seeds=1, **TINY))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics import ProbeOptions, compare, probe
+from diagnostics import CompareOptions, ProbeOptions, compare, probe
 from diagnostics.jobs.compare import _config
 
 
@@ -30,7 +30,7 @@ def fresh_measurement(config, seed, batch_size, seq_len, steps_before=0):
 
 @pytest.mark.parametrize("scheme", ["cs336", "small-init"])
 def test_every_seed_measures_what_a_new_model_from_it_measures(scheme):
-    tidy, _ = compare([scheme], depths=(2,), widths=(32,), seeds=3, steps=3, seq_len=8, seed=5)
+    tidy, _ = compare(CompareOptions(schemes=[scheme], depths=(2,), widths=(32,), seeds=3, steps=3, seq_len=8, seed=5))
     config = _config(256, 8, 32, 2, "pre", scheme)
     var = tidy[tidy.statistic == "var"]
     for seed in (5, 6, 7):
@@ -49,8 +49,8 @@ def test_compare_runs_on_one_thread_and_gives_the_callers_threads_back(monkeypat
     torch.set_num_threads(2)
     try:
         seen = []
-        compare(["cs336"], depths=(1,), widths=(32,), seeds=1, seq_len=4,
-                progress=lambda d, t, s: seen.append(torch.get_num_threads()))
+        compare(CompareOptions(schemes=["cs336"], depths=(1,), widths=(32,), seeds=1, seq_len=4,
+                               progress=lambda d, t, s: seen.append(torch.get_num_threads())))
         assert seen == [1] and torch.get_num_threads() == 2
 
         def boom(*args, **kwargs):
@@ -58,7 +58,7 @@ def test_compare_runs_on_one_thread_and_gives_the_callers_threads_back(monkeypat
 
         monkeypatch.setattr(tinylm.functional, "cross_entropy", boom)
         with pytest.raises(RuntimeError, match="inside the grid"):
-            compare(["cs336"], depths=(1,), widths=(32,), seeds=1, seq_len=4)
+            compare(CompareOptions(schemes=["cs336"], depths=(1,), widths=(32,), seeds=1, seq_len=4))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -20,8 +20,7 @@ import torch
 from scipy import stats
 
 import tinylm
-from diagnostics import DiagnoseOptions, diagnose
-from diagnostics.jobs.diagnose import interval_scope
+from diagnostics import DiagnoseOptions, diagnose, interval_scope
 
 ALPHA = 1e-6
 CONFIG = tinylm.ModelConfig(vocab_size=64, context_length=32, d_model=16, num_layers=1, num_heads=2, d_ff=32)

@@ -13,7 +13,8 @@ import pytest
 import torch
 from scipy import stats
 
-from diagnostics.jobs.diagnose import CONFIDENCE, log_t_interval, t_interval
+from diagnostics import CONFIDENCE, log_t_interval, t_interval
+from diagnostics.measure.intervals import group_geometric_means
 
 ALPHA = 1e-6  # false-alarm probability of each statistical assertion
 
@@ -97,3 +98,14 @@ def test_negative_control_symmetric_interval_fails_the_same_check():
     sigma = 1.5
     hits = coverage(t_interval, math.exp(sigma**2 / 2), sigma, 4, trials, 1)
     assert not lo <= hits <= hi, hits
+
+
+def test_one_ratio_per_group_is_the_geometric_mean_of_its_ratios():
+    """The batches of one weight draw share its deviation: one replicate per draw, exp(mean ln r)."""
+    got = group_geometric_means([(0, 0.5), (1, 3.0), (0, 2.0), (1, 3.0)])
+    assert got == pytest.approx([1.0, 3.0], rel=1e-12)
+    # negative control: the arithmetic mean of 0.5 and 2 is 1.25, not what a replicate of ratios gives
+    assert got[0] != pytest.approx(1.25)
+    # a ratio that is not finite and positive is passed on for log_t_interval to report
+    assert group_geometric_means([(0, 1.0), (0, 0.0), (1, 2.0)]) == [0.0, 2.0]
+    assert math.isnan(group_geometric_means([(0, float("nan")), (0, 1.0)])[0])

@@ -29,7 +29,7 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own dependency reads TOML t
     import tomli as tomllib
 
 import tinylm
-from diagnostics import History, OptionsError, Watch, compare, diagnose
+from diagnostics import CompareOptions, History, OptionsError, Watch, compare, diagnose
 from diagnostics.jobs.comparison import Comparison
 from diagnostics.jobs.history import loss_summary
 from diagnostics.judge.over_time import first_departure, verdicts
@@ -209,8 +209,8 @@ def test_a_healthy_watch_history_says_ok_and_its_dict_still_works():
 
 
 def test_a_comparison_is_still_a_tuple_and_shows_its_cells_and_plot():
-    c = compare(schemes=["cs336", "kaiming"],
-                depths=(2, 6), widths=(32,), seeds=1, seq_len=8, norm="none")
+    c = compare(CompareOptions(schemes=["cs336", "kaiming"],
+                               depths=(2, 6), widths=(32,), seeds=1, seq_len=8, norm="none"))
     tidy, summary = c  # as before
     assert isinstance(c, Comparison) and c.tidy is tidy and c.summary is summary
     p = Parsed(c._repr_html_())

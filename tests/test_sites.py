@@ -182,3 +182,14 @@ def test_a_module_with_nothing_to_find():
     assert s.head is None and s.embedding is None and set(s.points.values()) == {"linear"}
     with pytest.raises(TypeError):
         s.points["0"] = "logits"  # read-only: a caller takes a copy (instrument_points)
+
+
+def test_watch_judges_growth_of_a_head_by_kind_not_name():
+    """A head named ``output`` (kind "logits") is judged for growth like tinylm's ``lm_head``; a
+    branch output of the same history is not (its growth is learning)."""
+    from diagnostics.judge.over_time import judged
+
+    assert judged("output", norm="pre", kind="logits")
+    assert judged("lm_head", norm="pre")
+    assert not judged("output", norm="pre", kind="linear")
+    assert not judged("layers.0.attn", norm="pre", kind="attn")

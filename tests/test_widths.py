@@ -16,7 +16,7 @@ from rich.console import Console
 
 import tinylm
 from diagnostics import DiagnoseOptions, diagnose
-from diagnostics.jobs.compare import compare
+from diagnostics import CompareOptions, compare
 from props.runner import PropertyResult, SuiteRun
 from reports.cli import main
 from tinylm import checkpoint
@@ -85,7 +85,8 @@ def test_the_check_catches_a_cut_number(exploding):
 
 @pytest.fixture(scope="module")
 def summary():
-    _, summary = compare(["cs336", "small-init", "zero-residual"], [2, 4], [16, 32], 2, 1, seed=0)
+    _, summary = compare(CompareOptions(schemes=["cs336", "small-init", "zero-residual"], depths=[2, 4], widths=[16, 32],
+                                        seeds=2, steps=1, seed=0))
     return summary
 
 

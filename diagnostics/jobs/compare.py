@@ -13,7 +13,7 @@ DataFrames:
   "mean", "max_abs", "frac_zero" of each measured tensor; verdict: for the residual
   stream, "ok" or the kind of the finding diagnostics.judge.verdicts made on that
   (tensor, direction) of that model; None for the logits (not judged). No predictions
-  (predicted, ratio and its interval, valid: None); run: the ``run`` argument.
+  (predicted, ratio and its interval, valid: None); run: the ``run`` option.
 * summary, beside it: one row per (scheme, depth, width): initial loss (mean over seeds) against
   ln(vocab); the slope of log(variance) of the residual stream over depth, forward and
   backward, with its 99% t interval over seeds (slope per block of the least-squares fit
@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Iterator, Sequence
 
@@ -58,20 +59,20 @@ import tinylm
 
 from tinylm.data import DataError, get_batch, load_tokens
 from tinylm.memory import check_fits
-from tinylm.validate import check, choice, fail, integer
-from .diagnose import t_interval
-from ..options import OptionsError, Progress, ProbeOptions
-from ..measure.probe import block_index, probe
+from tinylm.validate import fail
+from ..judge import Thresholds, judge
 from ..measure.sites import model_sites
+from ..measure.intervals import t_interval
+from ..measure.probe import block_index, probe
+from ..options import CompareOptions, OptionsError, ProbeOptions
 from ..result import DepthRow, Row, frame
 from .comparison import Comparison
-from ..judge import Thresholds, judge
 
 __all__ = ["compare", "stream_slope", "data_vocab", "SUMMARY_COLUMNS"]
 
 #: the largest vocabulary compare sizes to data by itself (above any real tokenizer's); larger ids are refused.
 MAX_DATA_VOCAB = 1 << 20
-DEFAULT_VOCAB, DEFAULT_SEQ_LEN = 256, 32
+DEFAULT_VOCAB, DEFAULT_SEQ_LEN = 256, CompareOptions.seq_len
 RANDOM_SOURCE = "uniform random tokens"
 STDLIB_STEPS = "steps on the standard library's bytes"
 
@@ -89,13 +90,6 @@ def stream_slope(variances: Sequence[float]) -> float:
         return math.nan
     x = np.arange(v.size, dtype=np.float64)
     return float(np.polyfit(x, np.log(v), 1)[0])
-
-
-def _check(name: str, values, kind=int) -> tuple:
-    values = tuple(values)
-    return check(name, values, lambda vs: bool(vs) and all(not isinstance(v, bool) and isinstance(v, kind) and v > 0
-                                                           for v in vs),
-                 "be a non-empty list of positive integers", fix=f"--{name} 2,8,32", error=OptionsError)
 
 
 @lru_cache(maxsize=1)
@@ -183,120 +177,174 @@ def _config(vocab_size: int, seq_len: int, width: int, depth: int, norm: str, sc
                               num_heads=heads, d_ff=tinylm.default_d_ff(width), norm=norm, init=scheme)
 
 
-def compare(schemes: Sequence[str] | None = None, depths: Sequence[int] = (2, 8, 32), widths: Sequence[int] = (128,),
-            seeds: int = 3, steps: int = 0, *, data: np.ndarray | str | os.PathLike | None = None,
-            data_name: str | None = None, vocab_size: int | None = None, seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = 2,
-            norm: str = "pre", tensors: str = "stream", lr: float = 1e-3, seed: int = 0,
-            thresholds: Thresholds | None = None, progress: Progress | None = None, run: str | None = None
-            ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def compare(options: CompareOptions | None = None) -> Comparison:
     """Measure every scheme at every depth and width; returns (tidy, summary) DataFrames (see module doc).
 
-    Seeds are seed, seed+1, ...: seed s initialises the model and draws its batch (random tokens,
-    or a window of ``data``) and the batches of its ``steps`` training steps.
-    data: None (uniform random tokens; training on the standard library's bytes), a 1-D integer
-        token array, or the path of a token file (.npy, .bin, .txt; see tinylm.data).
-    data_name: what the summary's ``data`` column calls the tokens (default: the path, or "given tokens").
-    run: the tidy frame's ``run`` column (a label for concatenating comparisons; None by default).
-    vocab_size: None sizes it (256, or to the data: see the module doc); an int is used as given.
+    Args:
+        options: a :class:`diagnostics.CompareOptions` (None: the defaults). Seeds are seed,
+            seed+1, ...: seed s initialises the model and draws its batch (random tokens, or a
+            window of ``data``) and the batches of its ``steps`` training steps.
+    Returns: a :class:`Comparison` (tidy, summary).
+    Raises: OptionsError for an argument that is not CompareOptions; DataError for data that
+        cannot be read as tokens (module doc); MemoryLimitError when the grid's largest model does not fit.
     """
-    schemes = tuple(schemes) if schemes is not None else tuple(tinylm.init.SCHEMES)
-    for s in schemes:
-        tinylm.init.get(s)
-    depths, widths = _check("depths", depths), _check("widths", widths)
-    integer("seeds", seeds, low=1, fix="--seeds N", error=OptionsError)
-    integer("steps", steps, low=0, fix="--steps N", error=OptionsError)
-    choice("tensors", tensors, ("stream", "all"), error=OptionsError)
-    if progress is not None and not callable(progress):
-        fail("progress", progress, "be a callable (done, total, description)", error=OptionsError)
-    integer("seq_len", seq_len, low=1, fix="seq_len=N", error=OptionsError)
-    if vocab_size is not None:
-        integer("vocab_size", vocab_size, low=1, fix="--vocab-size N, or None to size it to the data", error=OptionsError)
-    tokens = None
-    if data is None:
-        vocab_size = DEFAULT_VOCAB if vocab_size is None else vocab_size
-        source = RANDOM_SOURCE + (f"; {STDLIB_STEPS}" if steps else "")
-    else:
-        tokens, label = _as_tokens(data, data_name)
-        vocab_size = data_vocab(tokens, vocab_size, label)
-        if len(tokens) < seq_len + 1:
-            raise DataError(f"{label}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}; "
-                            "use more data or a smaller seq_len")
-        source = f"{label} ({len(tokens):,} tokens)"
-    thresholds = thresholds or Thresholds()
-    for depth in depths:  # the largest model of the grid must fit, with its batch, before any is built
-        for width in widths:
-            check_fits(_config(vocab_size, seq_len, width, depth, norm, schemes[0]), batch_size, seq_len)
-    total, done = len(schemes) * len(depths) * len(widths) * seeds, 0
+    options = CompareOptions() if options is None else options
+    if not isinstance(options, CompareOptions):
+        fail("options", options, "be a diagnostics.CompareOptions",
+             "compare(CompareOptions(schemes=[...], depths=(2, 8, 32), ...))", error=OptionsError)
+    grid = _grid(options)
+    total, done = len(grid.schemes) * len(options.depths) * len(options.widths) * options.seeds, 0
     tidy: list[Row] = []
     summary: list[dict] = []
     with _one_thread():
-        for scheme in schemes:
-            for depth in depths:
-                for width in widths:
-                    config = _config(vocab_size, seq_len, width, depth, norm, scheme)
-                    stream = list(tinylm.plan.build(config).block_outputs())
-                    losses, early, fslopes, bslopes, ratios, verdicts = [], [], [], [], [], []
-                    model = None
-                    for s in range(seed, seed + seeds):
-                        gen = torch.Generator().manual_seed(s)
-                        if model is None:
-                            model = tinylm.TransformerLM(config, generator=gen)
-                        else:  # the cell's model, initialised afresh: the same values a new model from gen holds
-                            tinylm.init.apply(model, scheme, generator=gen)
-                            model.zero_grad(set_to_none=True)
-                        if tokens is None:
-                            batch = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
-                            x, y = batch[:, :-1], batch[:, 1:]
-                        else:
-                            x, y = get_batch(tokens, batch_size, seq_len, gen)
-                        opts = ProbeOptions(modules=tuple(stream + [model_sites(model).head]) if tensors == "stream" else None,
-                                            attention=tensors == "all", params=False)
-                        with probe(model, opts) as measured:
-                            loss = tinylm.functional.cross_entropy(model(x), y)
-                            loss.backward()
-                        stats = measured.stats
-                        losses.append(float(loss.detach()))
-                        fwd = [stats.tensors[(n, "forward")].var for n in stream]
-                        bwd = [stats.tensors[(n, "backward")].var for n in stream if (n, "backward") in stats.tensors]
-                        fslopes.append(stream_slope(fwd))
-                        bslopes.append(stream_slope(bwd) if len(bwd) == len(fwd) else math.nan)
-                        finite = [v for v in fwd if math.isfinite(v) and v > 0]
-                        ratios.append(max(finite) / min(finite) if finite else math.nan)
-                        depth_rows = [DepthRow(index=k, name=n, forward_var=fwd[k], forward_predicted=None,
-                                               backward_var=bwd[k] if len(bwd) == len(fwd) else None,
-                                               backward_predicted=None, cosine=math.nan) for k, n in enumerate(stream)]
-                        findings = judge([], [], [], depth_rows, stream, thresholds, scale_invariant=norm == "pre")[0]
-                        verdicts.append(findings[0].kind if findings else "ok")
-                        found: dict[tuple[str, str], str] = {}
-                        for f in findings:
-                            for d in ((f.direction,) if f.direction else ("forward", "backward")):
-                                key = (f.where, d)
-                                found[key] = min(found.get(key, "ok"), f.kind, key=_WORST_FIRST.index)
-                        for (name, direction), m in stats.tensors.items():
-                            kind = stats.kinds.get(name, "module")
-                            if tensors == "stream":
-                                kind = "embedding" if name == "token_embeddings" else ("logits" if kind == "logits" else "residual")
-                            verdict = found.get((name, direction), "ok") if name in stream else None
-                            for stat, value in (("var", m.var), ("mean", m.mean), ("max_abs", m.max_abs),
-                                                ("frac_zero", m.frac_zero)):
-                                tidy.append(Row(run=run, step=0, seed=s, scheme=scheme, depth=depth, width=width, name=name,
-                                                kind=kind, block=block_index(name), direction=direction, statistic=stat,
-                                                value=value, verdict=verdict))
-                        if steps:
-                            early.append(_train_steps(model, steps, batch_size, seq_len, s, lr, tokens))
+        for scheme in grid.schemes:
+            for depth in options.depths:
+                for width in options.widths:
+                    config = _config(grid.vocab_size, options.seq_len, width, depth, options.norm, scheme)
+                    cell = _Cell(scheme, depth, width, config, list(tinylm.plan.build(config).block_outputs()))
+                    for s in range(options.seed, options.seed + options.seeds):
+                        tidy += _measure_seed(cell, s, grid, options)
                         done += 1
-                        if progress:
-                            progress(done, total, f"{scheme} L={depth} d={width} seed {s}")
-                    f, flo, fhi = t_interval(fslopes)
-                    b, blo, bhi = t_interval(bslopes)
-                    summary.append({
-                        "scheme": scheme, "depth": depth, "width": width, "seeds": seeds, "data": source,
-                        "vocab_size": vocab_size,
-                        "initial_loss": float(np.mean(losses)), "ln_vocab": math.log(vocab_size),
-                        "slope_forward": f, "slope_forward_low": flo, "slope_forward_high": fhi,
-                        "slope_backward": b, "slope_backward_low": blo, "slope_backward_high": bhi,
-                        "max_min_ratio": float(np.nanmax(ratios)) if not all(math.isnan(r) for r in ratios) else math.nan,
-                        "verdict": min(verdicts, key=_WORST_FIRST.index),
-                        "early_loss": float(np.mean(early)) if early else None, "steps": steps,
-                    })
+                        if options.progress:
+                            options.progress(done, total, f"{scheme} L={depth} d={width} seed {s}")
+                    summary.append(_summary_row(cell, grid, options))
     return Comparison(frame(tidy), pd.DataFrame.from_records(summary, columns=SUMMARY_COLUMNS))
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """What every cell shares: the schemes, the tokens (None: uniform random), the vocabulary the
+    models are built with, the words for where the tokens came from, and the thresholds."""
+
+    schemes: tuple[str, ...]
+    tokens: np.ndarray | None
+    vocab_size: int
+    source: str
+    thresholds: Thresholds
+
+
+@dataclass
+class _Cell:
+    """One (scheme, depth, width): its config, its residual stream's points, the model its seeds
+    reuse, and each seed's readings."""
+
+    scheme: str
+    depth: int
+    width: int
+    config: tinylm.ModelConfig
+    stream: list[str] = field(default_factory=list)
+    model: tinylm.TransformerLM | None = None
+    losses: list[float] = field(default_factory=list)
+    early: list[float] = field(default_factory=list)
+    fslopes: list[float] = field(default_factory=list)
+    bslopes: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    verdicts: list[str] = field(default_factory=list)
+
+
+def _grid(options: CompareOptions) -> _Grid:
+    """The schemes, the tokens and their vocabulary; the largest model of the grid must fit, with its
+    batch, before any is built."""
+    schemes = options.schemes if options.schemes is not None else tuple(tinylm.init.SCHEMES)
+    vocab_size, steps = options.vocab_size, options.steps
+    tokens = None
+    if options.data is None:
+        vocab_size = DEFAULT_VOCAB if vocab_size is None else vocab_size
+        source = RANDOM_SOURCE + (f"; {STDLIB_STEPS}" if steps else "")
+    else:
+        tokens, label = _as_tokens(options.data, options.data_name)
+        vocab_size = data_vocab(tokens, vocab_size, label)
+        if len(tokens) < options.seq_len + 1:
+            raise DataError(f"{label}: {len(tokens)} tokens are fewer than seq_len + 1 = {options.seq_len + 1}; "
+                            "use more data or a smaller seq_len")
+        source = f"{label} ({len(tokens):,} tokens)"
+    for depth in options.depths:
+        for width in options.widths:
+            check_fits(_config(vocab_size, options.seq_len, width, depth, options.norm, schemes[0]),
+                       options.batch_size, options.seq_len)
+    return _Grid(schemes, tokens, vocab_size, source, options.thresholds or Thresholds())
+
+
+def _measure_seed(cell: _Cell, s: int, grid: _Grid, options: CompareOptions) -> list[Row]:
+    """Seed ``s`` of the cell: the model initialised from it, probed on one batch (its readings kept
+    in the cell), judged over depth, then trained ``steps`` steps; returns its tidy rows."""
+    gen = torch.Generator().manual_seed(s)
+    if cell.model is None:
+        cell.model = tinylm.TransformerLM(cell.config, generator=gen)
+    else:  # the cell's model, initialised afresh: the same values a new model from gen holds
+        tinylm.init.apply(cell.model, cell.scheme, generator=gen)
+        cell.model.zero_grad(set_to_none=True)
+    if grid.tokens is None:
+        batch = torch.randint(0, grid.vocab_size, (options.batch_size, options.seq_len + 1), generator=gen)
+        x, y = batch[:, :-1], batch[:, 1:]
+    else:
+        x, y = get_batch(grid.tokens, options.batch_size, options.seq_len, gen)
+    stream = cell.stream
+    opts = ProbeOptions(modules=tuple(stream + [model_sites(cell.model).head]) if options.tensors == "stream" else None,
+                        attention=options.tensors == "all", params=False)
+    with probe(cell.model, opts) as measured:
+        loss = tinylm.functional.cross_entropy(cell.model(x), y)
+        loss.backward()
+    stats = measured.stats
+    cell.losses.append(float(loss.detach()))
+    found = _stream_verdicts(cell, stats, stream, grid, options)
+    rows = _tidy_rows(cell, s, stats, stream, found, options)
+    if options.steps:
+        cell.early.append(_train_steps(cell.model, options.steps, options.batch_size, options.seq_len, s,
+                                       options.lr, grid.tokens))
+    return rows
+
+
+def _stream_verdicts(cell: _Cell, stats, stream: list[str], grid: _Grid, options: CompareOptions
+                     ) -> dict[tuple[str, str], str]:
+    """The residual stream's slopes, max/min ratio and verdict of one seed (kept in the cell), and the
+    worst verdict of each (tensor, direction) the findings name."""
+    fwd = [stats.tensors[(n, "forward")].var for n in stream]
+    bwd = [stats.tensors[(n, "backward")].var for n in stream if (n, "backward") in stats.tensors]
+    cell.fslopes.append(stream_slope(fwd))
+    cell.bslopes.append(stream_slope(bwd) if len(bwd) == len(fwd) else math.nan)
+    finite = [v for v in fwd if math.isfinite(v) and v > 0]
+    cell.ratios.append(max(finite) / min(finite) if finite else math.nan)
+    depth_rows = [DepthRow(index=k, name=n, forward_var=fwd[k], forward_predicted=None,
+                           backward_var=bwd[k] if len(bwd) == len(fwd) else None,
+                           backward_predicted=None, cosine=math.nan) for k, n in enumerate(stream)]
+    findings = judge([], [], [], depth_rows, stream, grid.thresholds, scale_invariant=options.norm == "pre")[0]
+    cell.verdicts.append(findings[0].kind if findings else "ok")
+    found: dict[tuple[str, str], str] = {}
+    for f in findings:
+        for d in ((f.direction,) if f.direction else ("forward", "backward")):
+            key = (f.where, d)
+            found[key] = min(found.get(key, "ok"), f.kind, key=_WORST_FIRST.index)
+    return found
+
+
+def _tidy_rows(cell: _Cell, s: int, stats, stream: list[str], found: dict[tuple[str, str], str],
+               options: CompareOptions) -> list[Row]:
+    """The tidy rows of one seed: four statistics of every measured tensor and direction."""
+    rows = []
+    for (name, direction), m in stats.tensors.items():
+        kind = stats.kinds.get(name, "module")
+        if options.tensors == "stream":
+            kind = "embedding" if name == "token_embeddings" else ("logits" if kind == "logits" else "residual")
+        verdict = found.get((name, direction), "ok") if name in stream else None
+        for stat, value in (("var", m.var), ("mean", m.mean), ("max_abs", m.max_abs), ("frac_zero", m.frac_zero)):
+            rows.append(Row(run=options.run, step=0, seed=s, scheme=cell.scheme, depth=cell.depth, width=cell.width,
+                            name=name, kind=kind, block=block_index(name), direction=direction, statistic=stat,
+                            value=value, verdict=verdict))
+    return rows
+
+
+def _summary_row(cell: _Cell, grid: _Grid, options: CompareOptions) -> dict:
+    """The cell's summary row (module doc): means and 99% t intervals over its seeds, the worst verdict."""
+    f, flo, fhi = t_interval(cell.fslopes)
+    b, blo, bhi = t_interval(cell.bslopes)
+    return {
+        "scheme": cell.scheme, "depth": cell.depth, "width": cell.width, "seeds": options.seeds, "data": grid.source,
+        "vocab_size": grid.vocab_size,
+        "initial_loss": float(np.mean(cell.losses)), "ln_vocab": math.log(grid.vocab_size),
+        "slope_forward": f, "slope_forward_low": flo, "slope_forward_high": fhi,
+        "slope_backward": b, "slope_backward_low": blo, "slope_backward_high": bhi,
+        "max_min_ratio": float(np.nanmax(cell.ratios)) if not all(math.isnan(r) for r in cell.ratios) else math.nan,
+        "verdict": min(cell.verdicts, key=_WORST_FIRST.index),
+        "early_loss": float(np.mean(cell.early)) if cell.early else None, "steps": options.steps,
+    }

@@ -1,13 +1,24 @@
 """``diagnose``: probe + theory + verdicts in one call, returning a :class:`DiagnoseResult`.
 
+A pipeline of named stages, read top to bottom in :func:`diagnose`:
+
+1. ``_sample``: the models (the one given, or one re-initialised copy per seed) and each one's batches;
+2. ``_measure``: one probe per (seed, batch) replicate, forward and backward, with its loss;
+3. ``_pool``: the replicates' moments merged into one record (exact, by Chan's rule);
+4. ``_predict``: theory's prediction of every measured moment, per replicate and pooled;
+5. ``_rows``: the result's tensor, parameter, attention and depth rows;
+6. ``_judge``: the verdicts, the findings and what could and could not be judged;
+7. ``_header``: the facts about what was measured.
+
 Each (seed, batch) pair is measured by its own probe and predicted by its own theory,
 giving one ratio r = measured/predicted variance per pair. The independent replicates
 are the weight draws when there are several seeds (a draw's batches share its deviation
 from the expectation, so each draw's ratio is the geometric mean over its batches), else
 the batches of the one draw, which cover batch noise but not the draw
-(:func:`interval_scope` says which in words). A ratio of variances is positive and
-multiplicative (2x over and 2x under are equally far from 1), so its 99% interval is a
-Student-t interval on ln r over the replicates, exponentiated (:func:`log_t_interval`):
+(:func:`diagnostics.measure.intervals.interval_scope` says which in words). A ratio of
+variances is positive and multiplicative (2x over and 2x under are equally far from 1), so
+its 99% interval is a Student-t interval on ln r over the replicates, exponentiated
+(:func:`diagnostics.measure.intervals.log_t_interval`):
 
     ratio = exp(m),  [exp(m - h), exp(m + h)],  m = mean_r ln r,  h = t_{0.995, R-1} sd_r(ln r) / sqrt(R)
 
@@ -28,302 +39,300 @@ independent-token rules.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
-from dataclasses import replace
-from datetime import datetime, timezone
 import warnings
-from collections.abc import Mapping
-from functools import lru_cache
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
 
 import numpy as np
 import torch
-from scipy import stats as sstats
 from torch import Tensor, nn
 
 import tinylm
 from tinylm.init import declare
 
-from ..theory.tokenkernel import token_coincidence
-from ..options import DiagnoseOptions, OptionsError, ProbeOptions
-from ..measure.sites import model_sites
-from ..measure.probe import block_index, probe
-from ..result import AttentionRow, DepthRow, DiagnoseResult, Header, ParamRow, TensorRow
-from ..measure.moments import ProbeStats
-from ..theory import Prediction, predict
 from ..judge import Thresholds, coverage, judge
+from ..measure.blocks import BlockStack
+from ..measure.intervals import interval_scope
+from ..measure.moments import ProbeStats
+from ..measure.probe import block_index, probe
+from ..measure.sites import Sites, model_sites
+from ..options import DiagnoseOptions, OptionsError, Progress, ProbeOptions
+from ..result import AttentionRow, DepthRow, DiagnoseResult, Finding, Header, ParamRow, TensorRow
+from ..theory import Prediction, predict
+from ..theory.tokenkernel import token_coincidence
+from .diagnose_rows import attention_rows, depth_rows, param_rows, tensor_rows
+from .diagnose_sample import batch_loss, model_context, seed_batches, seed_models
 
-__all__ = ["diagnose", "interval_scope", "log_t_interval", "t_interval"]
+__all__ = ["diagnose"]
 
-CONFIDENCE = 0.99
-
-
-@lru_cache(maxsize=256)
-def _t_quantile(q: float, df: int) -> float:
-    return float(sstats.t.ppf(q, df))
+Predictions = dict[tuple[str, str], Prediction]
 
 
-def t_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float, float | None, float | None]:
-    """(mean, low, high): symmetric Student-t interval of the mean of independent replicates
-    (None, None if fewer than 2 finite values; non-finite values are dropped).
+def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = None) -> DiagnoseResult:
+    """Measure every instrumented tensor forward and backward, predict it, judge it.
 
-    For quantities on a linear scale that may be negative (slopes of log-variance over
-    depth, in :mod:`diagnostics.compare`). A positive ratio takes :func:`log_t_interval`.
+    Args:
+        model: any nn.Module, called on token ids (B, T) (or as ``options.inputs`` builds its
+            arguments); its output is read as next-token logits (B, T, V), a tuple's first
+            tensor, ``.logits`` / ``.loss`` (a Hugging Face ModelOutput) or a 0-d loss
+            (:func:`diagnostics.measure.outputs.read_output`). The residual stream is its block
+            stack's (found by structure); theory needs a tinylm.TransformerLM. Left exactly as it was.
+        tokens: (N, T+1) windows, a 1-D token stream, or None (uniform random, seeded).
+        options: :class:`DiagnoseOptions`.
+    Returns: a :class:`DiagnoseResult` (see diagnostics/API.md), whose ``judged`` and
+        ``not_judged`` say which checks could be made; neither the stream nor the loss
+        judged is status "not judged", never healthy.
     """
-    v = np.asarray([x for x in values if math.isfinite(x)], dtype=np.float64)
-    if v.size == 0:
-        return math.nan, None, None
-    m = float(v.mean())
-    if v.size < 2:
-        return m, None, None
-    half = _t_quantile(0.5 + confidence / 2, int(v.size - 1)) * float(v.std(ddof=1)) / math.sqrt(v.size)
-    return m, m - half, m + half
+    options, thresholds = _checked(model, options)
+    sample = _sample(model, tokens, options)
+    steps = _Steps(options.progress, total=len(sample.models) * len(sample.batches[0]) + 2)
+    measured = _measure(sample, options, steps)
+    pooled = _pool(measured)
+    theory = _predict(model, sample, measured, pooled, options, steps)
+    rows = _rows(model, sample, measured, pooled, theory)
+    verdicts = _judge(model, sample, measured, pooled, rows, thresholds, options, steps)
+    return DiagnoseResult(header=_header(model, sample, measured, theory, options), tensors=verdicts.rows.tensors,
+                          params=verdicts.rows.params, attention=verdicts.rows.attention, depth=verdicts.rows.depth,
+                          findings=verdicts.findings, thresholds=thresholds.to_dict(),
+                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                          judged=verdicts.judged, not_judged=verdicts.not_judged)
 
 
-def log_t_interval(values: list[float], confidence: float = CONFIDENCE
-                   ) -> tuple[float | None, float | None, float | None]:
-    """(geometric mean, low, high) of positive ratios from independent replicates: the
-    Student-t interval of the mean of ln r, exponentiated.
-
-    With m = mean ln r, s = sd(ln r) (ddof 1) over R replicates and h = t_{(1+c)/2, R-1} s / sqrt(R):
-    point exp(m), interval [exp(m - h), exp(m + h)]: asymmetric around the point, always
-    positive, exact coverage when ln r is normal (lognormal replicates).
-
-    Replicates that are not finite and positive are not dropped (dropping them would
-    bias the estimate silently); the interval is then None, None because ln r is
-    undefined (r < 0, nan), -inf (r = 0) or inf (r = inf), and:
-
-    * any r = 0 (a replicate measured zero variance), the others finite and positive:
-      point 0, the geometric mean of a set holding 0;
-    * any r negative, nan or inf: point None (a ratio of variances is never negative,
-      and an overflowed or undefined variance has no meaningful ratio; the non-finite
-      verdict reports it).
-
-    Fewer than 2 replicates: the point alone (None for none).
-    """
-    v = np.asarray(list(values), dtype=np.float64)
-    if v.size == 0:
-        return None, None, None
-    if not np.all(np.isfinite(v)) or np.any(v < 0):
-        return None, None, None
-    if np.any(v == 0):
-        return 0.0, None, None
-    logs = np.log(v)
-    m = float(logs.mean())
-    if v.size < 2:
-        return _exp(m), None, None
-    half = _t_quantile(0.5 + confidence / 2, int(v.size - 1)) * float(logs.std(ddof=1)) / math.sqrt(v.size)
-    return _exp(m), _exp(m - half), _exp(m + half)
+# ----------------------------------------------------------------------------- what the stages hand on
 
 
-def interval_scope(header) -> str:
-    """What the 99% intervals of a result's ratios cover, in words, from its :class:`Header`
-    (seeds, batches, theory); "" when there are no ratios (theory off or none).
+@dataclass
+class _Sample:
+    """What is measured: the models (one per seed), each one's batches (B, seq_len + 1), where the
+    tokens came from ("random" or "given"), and the model's sites (:func:`~diagnostics.measure.sites.model_sites`:
+    its block stack, None when none is found, and the residual stream's depth points)."""
 
-    The replicates are the (seed, batch) pairs. With several seeds each replicate is its own
-    weight draw, so the interval covers the draw and the batches. With one seed the replicates
-    are batches of one draw: the interval covers batch noise only. Global theory predicts the
-    expectation over draws, so there it says so (a draw's own deviation, a few percent at small
-    width, is not covered: pass seeds > 1); local theory predicts from the actual weights, so
-    batch noise is all there is to cover.
-    """
-    if header.theory not in ("local", "global"):
-        return ""
-    if header.seeds > 1:
-        return f"{header.seeds} weight draws x {header.batches} batch(es)"
-    if header.theory == "global":
-        return f"{header.batches} batches of one weight draw (batch noise, not the draw)"
-    return f"{header.batches} batches of these weights"
+    models: list[nn.Module]
+    batches: list[list[Tensor]]
+    source: str
+    seq_len: int
+    sites: Sites
+
+    @property
+    def stack(self) -> BlockStack | None:
+        return self.sites.blocks
 
 
-def _exp(x: float) -> float:
-    """e^x, inf beyond the float64 range instead of OverflowError."""
-    return math.exp(x) if x < 709.0 else math.inf
+@dataclass
+class _Replicate:
+    """One (seed, batch) pair measured: its probe's statistics, the model it measured, and the
+    positions (B * T) its mean loss is taken over."""
+
+    stats: ProbeStats
+    model: nn.Module
+    tokens: int
 
 
-def _context(model: nn.Module) -> int | None:
-    """The longest sequence the model takes: a tinylm model's context_length, else a config's
-    ``max_position_embeddings`` or ``n_positions`` (Hugging Face), else None (unknown)."""
-    config = getattr(model, "config", None)
-    if isinstance(model, tinylm.TransformerLM):
-        return config.context_length
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
-    return None
+@dataclass
+class _Measured:
+    """Every replicate, in (seed, batch) order, with its loss, the V of its next-token logits (None:
+    no loss against ln V) and its softmax moments (E[sum p^2], E[p_y])."""
+
+    replicates: list[_Replicate] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    vocabs: set[int | None] = field(default_factory=set)
+    softmaxes: list[tuple[float, float]] = field(default_factory=list)
 
 
-def _vocab(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    if isinstance(getattr(config, "vocab_size", None), int):
-        return config.vocab_size
-    for m in model.modules():
-        if isinstance(m, (nn.Embedding, tinylm.Embedding)):
-            return m.num_embeddings
-    return None
+@dataclass
+class _Theory:
+    """The theory mode used ("local", "global", "off" or "none") and its predictions, per replicate and pooled."""
+
+    mode: str
+    per_rep: list[Predictions]
+    pooled: Predictions
 
 
-def _batches(model: nn.Module, tokens, options: DiagnoseOptions, seq_len: int) -> tuple[list[list[Tensor]], str]:
-    """The measured batches of each seed, each (B, seq_len + 1) int64. Random tokens and windows of a
-    1-D stream are drawn afresh for every seed (the first seed's are those of a one-seed run), so
-    that the seeds are independent replicates; given (N, T+1) windows are the same for every seed."""
-    draws = options.seeds
-    if tokens is None:
-        vocab = _vocab(model)
-        if vocab is None:
-            raise OptionsError("tokens=None: cannot draw random tokens for a model without a vocabulary "
-                               "(no config.vocab_size, no Embedding); pass tokens=")
-        gen = torch.Generator().manual_seed(options.seed)
-        return [[torch.randint(0, vocab, (options.batch_size, seq_len + 1), generator=gen)
-                 for _ in range(options.batches)] for _ in range(draws)], "random"
-    if not isinstance(tokens, Tensor):
-        arr = np.asarray(tokens)  # a memory-mapped token file stays mapped: only the sampled windows are read
-        if arr.dtype.kind not in "iu":
-            raise OptionsError(f"tokens dtype {arr.dtype}: token ids must be integers")
-        stream = arr if arr.ndim == 1 else None
-        t = None if stream is not None else torch.from_numpy(np.array(arr, dtype=np.int64))
-    else:
-        if tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise OptionsError(f"tokens dtype {tokens.dtype}: token ids must be integers")
-        t = tokens.long()
-        stream = t.numpy() if t.dim() == 1 else None
-    if stream is not None:
-        from tinylm.data import get_batch
-
-        gen = torch.Generator().manual_seed(options.seed)
-        out = []
-        for _ in range(draws):
-            out.append([])
-            for _ in range(options.batches):
-                x, y = get_batch(stream, options.batch_size, seq_len, gen)
-                out[-1].append(torch.cat([x, y[:, -1:]], dim=1))
-        return out, "given"
-    if t.dim() != 2 or t.shape[1] < 3:
-        raise OptionsError(f"tokens shape {tuple(t.shape)}: pass (N, T+1) windows with T >= 2, or a 1-D token stream")
-    b = options.batch_size
-    chunks = [t[i:i + b] for i in range(0, t.shape[0], b)]
-    if len(chunks) > 1 and chunks[-1].shape[0] < b:
-        chunks = chunks[:-1]
-    return [chunks] * draws, "given"
+@dataclass
+class _Rows:
+    tensors: list[TensorRow]
+    params: list[ParamRow]
+    attention: list[AttentionRow]
+    depth: list[DepthRow]
 
 
-def _call(model: nn.Module, ids: Tensor, options: DiagnoseOptions):
-    """The model's output on token ids (B, T), called as ``options.inputs`` says."""
-    x = options.inputs(ids) if options.inputs is not None else ids
-    if isinstance(x, Mapping):
-        return model(**x)
-    if isinstance(x, tuple):
-        return model(*x)
-    return model(x)
+@dataclass
+class _Verdicts:
+    """The rows with their verdicts, the findings, and the checks made and not made (with why)."""
+
+    rows: _Rows
+    findings: list[Finding]
+    judged: list[str]
+    not_judged: list[tuple[str, str]]
 
 
-def _read(output) -> tuple[Tensor | None, Tensor | None]:
-    """(logits, loss) of a model's output, either None: a tensor (0-d: a loss), a tuple or list
-    (its first tensor), or an object or mapping with ``logits`` / ``loss`` (a Hugging Face ModelOutput)."""
-    if isinstance(output, Tensor):
-        return (output, None) if output.dim() else (None, output)
-    if isinstance(output, (tuple, list)):
-        first = next((o for o in output if isinstance(o, Tensor)), None)
-        return _read(first) if first is not None else (None, None)
-    get = output.get if isinstance(output, Mapping) else (lambda k: getattr(output, k, None))
-    logits, loss = get("logits"), get("loss")
-    return (logits if isinstance(logits, Tensor) else None), (loss if isinstance(loss, Tensor) else None)
+class _Steps:
+    """Calls ``progress(done, total, what)`` as each step of the pipeline ends."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, total, 0
+
+    def advance(self, what: str) -> None:
+        self.done += 1
+        if self.progress:
+            self.progress(self.done, self.total, what)
 
 
-_HOW = ("diagnose reads next-token logits (B, T, V), a tuple whose first tensor they are, an object with .logits "
-        "or .loss, or a 0-d loss; pass DiagnoseOptions(inputs=ids -> model arguments, loss_fn=(logits, targets) -> "
-        "loss) (diagnostics/API.md)")
+# ----------------------------------------------------------------------------- the stages
 
 
-def _loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None = None
-          ) -> tuple[Tensor, tuple[float, float], int | None]:
-    """The loss of ``batch`` (B, T+1) whose gradient is measured, the two softmax moments the
-    theory's cross-entropy-gradient rule rests on, over its B*T positions: (E[sum_c p_c^2], E[p_y])
-    (NaN without next-token logits), and V when the loss is the mean next-token cross-entropy of
-    (B, T, V) logits (None otherwise: the loss is then not comparable with ln V).
-
-    The moments are computed under no_grad from the logits upcast to float32, in chunks of rows
-    (memory stays ~16 MB whatever the vocabulary), and summed in float64.
-    """
+def _checked(model: nn.Module, options: DiagnoseOptions | None) -> tuple[DiagnoseOptions, Thresholds]:
+    """The options (default ones for None) and the thresholds, each checked."""
     options = options or DiagnoseOptions()
-    batch = batch.to(next((p.device for p in model.parameters()), batch.device))  # tokens go where the weights are
-    ids, targets = batch[:, :-1], batch[:, 1:]
-    output = _call(model, ids, options)
-    logits, own = _read(output)
-    next_token = logits is not None and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) \
-        and logits.is_floating_point() and int(targets.max()) < logits.shape[-1]
-    if options.loss_fn is not None:
-        if logits is None:
-            raise OptionsError(f"model output {type(output).__name__}: holds no logits tensor for loss_fn; {_HOW}")
-        loss = options.loss_fn(logits, targets)
-    elif next_token:
-        loss = tinylm.functional.cross_entropy(logits.float(), targets)
-    elif own is not None:
-        loss = own
-    else:
-        shape = f" of shape {tuple(logits.shape)}" if logits is not None else ""
-        raise OptionsError(f"model output {type(output).__name__}{shape}: not next-token logits for ids of shape "
-                           f"{tuple(ids.shape)}; {_HOW}")
-    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        raise OptionsError(f"loss {type(loss).__name__}: must be a one-element float tensor; {_HOW}")
-    loss = loss.reshape(())
-    if not next_token:
-        return loss, (math.nan, math.nan), None
-    with torch.no_grad():
-        flat = logits.detach().reshape(-1, logits.shape[-1])  # (B*T, V)
-        y = targets.reshape(-1, 1).to(flat.device)
-        rows = max(1, (1 << 22) // flat.shape[1])
-        s2 = torch.zeros((), dtype=torch.float64, device=flat.device)
-        py = torch.zeros((), dtype=torch.float64, device=flat.device)
-        for i in range(0, flat.shape[0], rows):
-            p = torch.softmax(flat[i:i + rows].float(), dim=-1)
-            s2 += p.square().sum(dtype=torch.float64)
-            py += p.gather(1, y[i:i + rows]).sum(dtype=torch.float64)
-        n = max(flat.shape[0], 1)
-    return loss, (float(s2) / n, float(py) / n), None if options.loss_fn is not None else int(logits.shape[-1])
+    if not isinstance(options, DiagnoseOptions):
+        raise OptionsError(f"options={type(options).__name__}: pass a diagnostics.DiagnoseOptions")
+    if not isinstance(model, nn.Module):
+        raise OptionsError(f"model={type(model).__name__}: diagnose needs a torch.nn.Module")
+    thresholds = options.thresholds or Thresholds()
+    if not isinstance(thresholds, Thresholds):
+        raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
+    return options, thresholds
 
 
-def _models(model: nn.Module, options: DiagnoseOptions) -> list[nn.Module]:
-    if options.seeds == 1:
-        return [model]
-    if not isinstance(model, tinylm.TransformerLM):
-        raise OptionsError(f"seeds={options.seeds}: re-initialising needs a tinylm.TransformerLM; use seeds=1")
-    out = []
-    for i in range(options.seeds):
-        m = copy.deepcopy(model)
-        tinylm.init.apply(m, model.config.init, generator=torch.Generator().manual_seed(options.seed + i))
-        m.zero_grad(set_to_none=True)
-        out.append(m)
+def _sample(model: nn.Module, tokens, options: DiagnoseOptions) -> _Sample:
+    """The models and their batches: ``seq_len`` tokens each (default min(context, 128)), never above the context."""
+    context = model_context(model)
+    seq_len = options.seq_len or (min(context, 128) if context else 128)
+    if context and seq_len > context:
+        raise OptionsError(f"seq_len={seq_len} > the model's context_length={context}: pass seq_len <= {context}")
+    batches, source = seed_batches(model, tokens, options, seq_len)
+    seq_len = batches[0][0].shape[1] - 1
+    if context and seq_len > context:
+        raise OptionsError(f"tokens of length {seq_len} + 1 > the model's context_length={context} + 1: "
+                           "cut the windows")
+    return _Sample(models=seed_models(model, options), batches=batches, source=source, seq_len=seq_len,
+                   sites=model_sites(model))
+
+
+def _measure(sample: _Sample, options: DiagnoseOptions, steps: _Steps) -> _Measured:
+    """One probe per (seed, batch): forward, loss, backward. Parameters are measured on each seed's
+    first batch, their spectra once (the first seed's)."""
+    out = _Measured()
+    n = len(sample.batches[0])
+    for mi, m in enumerate(sample.models):
+        for bi, batch in enumerate(sample.batches[mi]):
+            with probe(m, ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))) as run:
+                loss, moments, logit_vocab = batch_loss(m, batch, options)
+                loss.backward()
+            out.vocabs.add(logit_vocab)
+            out.losses.append(float(loss.detach()))
+            out.softmaxes.append(moments)
+            out.replicates.append(_Replicate(run.stats, m, batch.shape[0] * sample.seq_len))
+            steps.advance(f"measured seed {options.seed + mi}, batch {bi + 1}/{n}")
     return out
+
+
+def _pool(measured: _Measured) -> ProbeStats:
+    """Every replicate's moments merged: the statistics of all their elements together."""
+    pooled = measured.replicates[0].stats
+    for r in measured.replicates[1:]:
+        pooled = pooled.merge(r.stats)
+    return pooled
+
+
+def _predict(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats,
+             options: DiagnoseOptions, steps: _Steps) -> _Theory:
+    """Theory's predictions in the mode asked ("auto": global for a fresh tinylm model, else local;
+    "none" for any other model). A theory that fails warns and leaves the measurement without
+    predictions (mode "none"); a global theory whose premise the weights contradict is kept but
+    marked outside validity."""
+    mode = options.theory
+    if mode == "off":
+        pass  # measurement only, as asked
+    elif not isinstance(model, tinylm.TransformerLM):
+        mode = "none"
+    elif mode == "auto":
+        mode = "global" if _fresh_init(measured.replicates[0].stats) else "local"
+    per_rep: list[Predictions] = []
+    pooled_pred: Predictions = {}
+    if mode in ("local", "global"):
+        try:
+            per_rep, pooled_pred = _predictions(mode, sample, measured, pooled)
+            mismatch = _init_mismatch(measured.replicates[0].stats) \
+                if mode == "global" and len(sample.models) == 1 else ""
+            if mismatch:
+                per_rep, pooled_pred = _outside_all(per_rep, pooled_pred, mismatch)
+        except Exception as e:  # noqa: BLE001 - theory never takes the measurement, the verdict or the exit code down
+            warnings.warn(f"theory ({mode}) could not be computed for this model ({type(e).__name__}: {e}); "
+                          "the measurements and verdicts stand without predictions", RuntimeWarning, stacklevel=3)
+            mode, per_rep, pooled_pred = "none", [], {}
+    steps.advance(f"theory ({mode})")
+    return _Theory(mode, per_rep, pooled_pred)
+
+
+def _rows(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats, theory: _Theory) -> _Rows:
+    """The tensor rows (with ratios over the independent replicates: the draws when there are several
+    seeds, else the batches), the parameter rows (the model as given), attention and depth rows."""
+    stack = sample.stack
+    index = stack.index if stack is not None else block_index  # a tinylm model's: its plan's, tested equal
+    per_seed = len(sample.batches[0])
+    several = len(sample.models) > 1
+    replicates = [r.stats for r in measured.replicates]
+    tensors = tensor_rows(pooled, theory.pooled, replicates, theory.per_rep,
+                          lambda k: k // per_seed if several else k, theory.mode, index)
+    return _Rows(tensors=tensors, params=param_rows(replicates[0], index),
+                 attention=attention_rows(pooled, sample.seq_len, index),
+                 depth=depth_rows(sample.sites.depth, pooled, theory.pooled))
+
+
+def _judge(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats, rows: _Rows,
+           thresholds: Thresholds, options: DiagnoseOptions, steps: _Steps) -> _Verdicts:
+    """Every verdict (:func:`diagnostics.judge.verdicts.judge`) with the evidence it needs, and the
+    checks made (:func:`~diagnostics.judge.verdicts.coverage`); the rows get their verdicts."""
+    tiny = isinstance(model, tinylm.TransformerLM)
+    deliberate = _deliberate_zeros(model)
+    loss_check, loss_reason = _loss_check(float(np.mean(measured.losses)), measured.vocabs, options, tiny,
+                                          sample.source, tiny and _fresh_init(measured.replicates[0].stats))
+    stream_reason = "" if sample.stack is not None else (
+        "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
+    findings, tv, pv, av = judge(rows.tensors, rows.params, rows.attention, rows.depth, list(pooled.order),
+                                 thresholds, deliberate, scale_invariant=tiny and model.config.norm == "pre",
+                                 architecture=_architecture(model, sample.stack), flat=pooled.flat_frac,
+                                 loss=loss_check)
+    judged, not_judged = coverage(rows.tensors, rows.params, rows.attention, rows.depth,
+                                  _architecture(model, sample.stack), pooled.flat_frac, deliberate, loss_reason,
+                                  stream_reason)
+    judged_rows = _Rows(tensors=[replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows.tensors],
+                        params=[replace(p, verdict=pv.get(p.name, "ok")) for p in rows.params],
+                        attention=[replace(a, verdict=av.get(a.name, "ok")) for a in rows.attention],
+                        depth=rows.depth)
+    steps.advance("verdicts")
+    return _Verdicts(judged_rows, findings, judged, not_judged)
+
+
+def _header(model: nn.Module, sample: _Sample, measured: _Measured, theory: _Theory,
+            options: DiagnoseOptions) -> Header:
+    """What was measured, how, and the mean loss beside ln V of the logits where the loss is their
+    next-token cross-entropy (a tinylm model's: its vocabulary)."""
+    tiny = isinstance(model, tinylm.TransformerLM)
+    vocab = next(iter(measured.vocabs)) if len(measured.vocabs) == 1 else None
+    loss = float(np.mean(measured.losses))
+    header = Header(
+        model_class=type(model).__name__, config=model.config.to_dict() if tiny else None,
+        parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        init=model.config.init if tiny else "",
+        tokens_measured=sum(b.shape[0] for bs in sample.batches for b in bs) * sample.seq_len,
+        batch_size=options.batch_size, seq_len=sample.seq_len, batches=len(sample.batches[0]),
+        seeds=len(sample.models), seed=options.seed, theory=theory.mode, loss=loss,
+        loss_uniform=math.log(vocab) if vocab else None, token_source=sample.source)
+    return replace(header, interval=interval_scope(header))
+
+
+# ----------------------------------------------------------------------------- theory's helpers
 
 
 def _fresh_init(stats: ProbeStats) -> bool:
+    """Whether every parameter's std is within 5% of its declared init std (a constant one exactly 0)."""
     drifts = [p.drift for p in stats.params.values() if p.drift is not None]
     consts = [p for p in stats.params.values() if p.declared_std == 0]
     return bool(drifts) and all(abs(d - 1) < 0.05 for d in drifts) and all(p.std == 0 for p in consts)
-
-
-def _per_draw(ratios: list[tuple[int, float]]) -> list[float]:
-    """One ratio per independent replicate from (group, ratio) pairs: the geometric mean of each group's
-    ratios (a group holding a ratio that is not finite and positive passes that one on, for
-    :func:`log_t_interval` to report). The group is the weight draw when there are several (the
-    batches of one draw share its deviation, so they are not independent of each other), else the
-    batch."""
-    groups: dict[int, list[float]] = {}
-    for g, r in ratios:
-        groups.setdefault(g, []).append(r)
-    out = []
-    for values in groups.values():
-        bad = [r for r in values if not (math.isfinite(r) and r > 0)]
-        out.append(bad[0] if bad else _exp(float(np.mean(np.log(values)))))
-    return out
-
-
-def _comparable(p: Prediction) -> bool:
-    """Whether a predicted variance can divide a measured one: finite and positive."""
-    return math.isfinite(p.var) and p.var > 0
 
 
 #: A parameter whose std is outside [1/x, x] times its declared init std breaks global theory's
@@ -343,30 +352,65 @@ def _init_mismatch(stats: ProbeStats) -> str:
             f"{drift:.3g}x its declared std); use theory 'local'")
 
 
-def _outside_all(per_rep: list[dict], pooled: dict, why: str) -> tuple[list[dict], dict]:
+def _outside_all(per_rep: list[Predictions], pooled: Predictions, why: str) -> tuple[list[Predictions], Predictions]:
     """Every prediction marked outside validity with reason ``why`` (a premise the measurement contradicts)."""
-    def mark(preds: dict) -> dict:
+    def mark(preds: Predictions) -> Predictions:
         return {k: dataclasses.replace(p, valid=False, validity=why if p.valid else f"{why}; {p.validity}")
                 for k, p in preds.items()}
     marked = [mark(pr) for pr in per_rep]
     return marked, (marked[0] if per_rep and pooled is per_rep[0] else mark(pooled))
 
 
-def _predictions(mode, replicates, softmaxes, pooled, models, batches, source, seq_len, pooled_softmax):
-    """(per-replicate predictions, pooled predictions) of ``mode`` (see :func:`diagnose`)."""
-    per_rep: list[dict[tuple[str, str], Prediction]] = []
+def _predictions(mode: str, sample: _Sample, measured: _Measured, pooled: ProbeStats
+                 ) -> tuple[list[Predictions], Predictions]:
+    """(per-replicate predictions, pooled predictions) of ``mode``.
+
+    Every loss is a mean over one batch's positions, so each prediction is for that count
+    (``tokens``), the pooled one included (its moments hold all the batches' positions). The
+    measured softmax moments check the premises of the cross-entropy rule (theory.predict): each
+    replicate's own in local mode, their mean in global mode and for the pooled prediction. Global
+    predictions are seed-independent: one serves every replicate.
+    """
+    softmaxes = measured.softmaxes
+    pooled_softmax = (float(np.mean([s for s, _ in softmaxes])), float(np.mean([p for _, p in softmaxes])))
     # which positions of a sequence hold the same token: all the kernel theory needs of given tokens
-    coincidence = None if source == "random" or mode != "global" else \
-        token_coincidence(torch.cat([b[:, :-1] for b in batches]))  # the first seed's: all are alike in law
-    for (st, m, n_tok), sm in zip(replicates, softmaxes):
+    coincidence = None if sample.source == "random" or mode != "global" else \
+        token_coincidence(torch.cat([b[:, :-1] for b in sample.batches[0]]))  # the first seed's: all are alike in law
+    per_rep: list[Predictions] = []
+    for rep, sm in zip(measured.replicates, softmaxes):
         if mode == "global" and per_rep:
             per_rep.append(per_rep[0])
             continue
-        per_rep.append(predict(m, mode, st, seq_len=seq_len, tokens=n_tok,
+        per_rep.append(predict(rep.model, mode, rep.stats, seq_len=sample.seq_len, tokens=rep.tokens,
                                softmax=pooled_softmax if mode == "global" else sm, coincidence=coincidence))
-    pooled_pred = per_rep[0] if mode == "global" else predict(models[0], mode, pooled, seq_len=seq_len,
-                                                                  tokens=replicates[0][2], softmax=pooled_softmax)
+    pooled_pred = per_rep[0] if mode == "global" else predict(
+        sample.models[0], mode, pooled, seq_len=sample.seq_len, tokens=measured.replicates[0].tokens,
+        softmax=pooled_softmax)
     return per_rep, pooled_pred
+
+
+# ----------------------------------------------------------------------------- the verdicts' evidence
+
+
+def _deliberate_zeros(model: nn.Module) -> set[str]:
+    """The modules a tinylm model's init scheme declares exactly zero and that are still all zero (a
+    zero-initialised output projection or w2, and the attention or FFN branch it ends): their zero
+    output is by design, not dead."""
+    deliberate: set[str] = set()
+    if not isinstance(model, tinylm.TransformerLM):
+        return deliberate
+    decl = declare(model, model.config.init) if model.config.init in tinylm.init.SCHEMES else {}
+    named = dict(model.named_parameters())
+    for pname, dist in decl.items():
+        if dist.family == "constant" and dist.value == 0 and pname.endswith(".weight") \
+                and not bool(named[pname].detach().any()):
+            mod = pname[: -len(".weight")]
+            deliberate.add(mod)
+            if mod.endswith("attn.output_proj"):
+                deliberate.add(mod[: -len(".output_proj")])
+            if mod.endswith("ffn.w2"):
+                deliberate.add(mod[: -len(".w2")])
+    return deliberate
 
 
 def _loss_check(loss: float, vocabs: set, options: DiagnoseOptions, tiny: bool, source: str, fresh: bool
@@ -403,203 +447,3 @@ def _architecture(model: nn.Module, stack=None) -> dict | None:
     c = model.config
     return {"norm": c.norm, "ffn": c.ffn, "rope": c.rope, "num_layers": c.num_layers, "d_model": c.d_model,
             "d_k": c.head_dim, "init": c.init}
-
-
-def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = None) -> DiagnoseResult:
-    """Measure every instrumented tensor forward and backward, predict it, judge it.
-
-    Args:
-        model: any nn.Module, called on token ids (B, T) (or as ``options.inputs`` builds its
-            arguments); its output is read as next-token logits (B, T, V), a tuple's first
-            tensor, ``.logits`` / ``.loss`` (a Hugging Face ModelOutput) or a 0-d loss. The
-            residual stream is its block stack's (found by structure); theory needs a
-            tinylm.TransformerLM. Left exactly as it was.
-        tokens: (N, T+1) windows, a 1-D token stream, or None (uniform random, seeded).
-        options: :class:`DiagnoseOptions`.
-    Returns: a :class:`DiagnoseResult` (see diagnostics/API.md), whose ``judged`` and
-        ``not_judged`` say which checks could be made; neither the stream nor the loss
-        judged is status "not judged", never healthy.
-    """
-    options = options or DiagnoseOptions()
-    if not isinstance(options, DiagnoseOptions):
-        raise OptionsError(f"options={type(options).__name__}: pass a diagnostics.DiagnoseOptions")
-    if not isinstance(model, nn.Module):
-        raise OptionsError(f"model={type(model).__name__}: diagnose needs a torch.nn.Module")
-    thresholds = options.thresholds or Thresholds()
-    if not isinstance(thresholds, Thresholds):
-        raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
-    tiny = isinstance(model, tinylm.TransformerLM)
-    context = _context(model)
-    seq_len = options.seq_len or (min(context, 128) if context else 128)
-    if context and seq_len > context:
-        raise OptionsError(f"seq_len={seq_len} > the model's context_length={context}: pass seq_len <= {context}")
-    seed_batches, source = _batches(model, tokens, options, seq_len)
-    batches = seed_batches[0]
-    seq_len = batches[0].shape[1] - 1
-    if context and seq_len > context:
-        raise OptionsError(f"tokens of length {seq_len} + 1 > the model's context_length={context} + 1: "
-                           "cut the windows")
-    models = _models(model, options)
-    progress = options.progress
-    total = len(models) * len(batches) + 2
-    done = 0
-
-    replicates: list[tuple[ProbeStats, nn.Module, int]] = []
-    losses: list[float] = []
-    vocabs: set[int | None] = set()  # V of the next-token logits per batch (None: no loss against ln V)
-    softmaxes: list[tuple[float, float]] = []  # (E[sum p^2], E[p_y]) per replicate
-    for mi, m in enumerate(models):
-        for bi, batch in enumerate(seed_batches[mi]):
-            popts = ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))
-            with probe(m, popts) as run:
-                loss, moments, logit_vocab = _loss(m, batch, options)
-                loss.backward()
-            vocabs.add(logit_vocab)
-            losses.append(float(loss.detach()))
-            softmaxes.append(moments)
-            replicates.append((run.stats, m, batch.shape[0] * seq_len))
-            done += 1
-            if progress:
-                progress(done, total, f"measured seed {options.seed + mi}, batch {bi + 1}/{len(batches)}")
-    pooled = replicates[0][0]
-    for st, _, _ in replicates[1:]:
-        pooled = pooled.merge(st)
-    first_params = replicates[0][0].params
-
-    # theory
-    mode = options.theory
-    if mode == "off":
-        pass  # measurement only, as asked
-    elif not tiny:
-        mode = "none"
-    elif mode == "auto":
-        mode = "global" if _fresh_init(replicates[0][0]) else "local"
-    # Every loss is a mean over one batch's positions, so each prediction is for that count
-    # (``tokens``), the pooled one included (its moments hold all the batches' positions). The
-    # measured softmax moments check the premises of the cross-entropy rule (theory.predict).
-    per_rep: list[dict[tuple[str, str], Prediction]] = []
-    pooled_pred: dict[tuple[str, str], Prediction] = {}
-    pooled_softmax = (float(np.mean([s for s, _ in softmaxes])), float(np.mean([p for _, p in softmaxes])))
-    if mode in ("local", "global"):
-        try:
-            per_rep, pooled_pred = _predictions(mode, replicates, softmaxes, pooled, models, batches, source,
-                                                seq_len, pooled_softmax)
-            mismatch = _init_mismatch(replicates[0][0]) if mode == "global" and len(models) == 1 else ""
-            if mismatch:
-                per_rep, pooled_pred = _outside_all(per_rep, pooled_pred, mismatch)
-        except Exception as e:  # noqa: BLE001 - theory never takes the measurement, the verdict or the exit code down
-            warnings.warn(f"theory ({mode}) could not be computed for this model ({type(e).__name__}: {e}); "
-                          "the measurements and verdicts stand without predictions", RuntimeWarning, stacklevel=2)
-            mode, per_rep, pooled_pred = "none", [], {}
-    done += 1
-    if progress:
-        progress(done, total, f"theory ({mode})")
-
-    # tensor rows
-    sites = model_sites(model)
-    stack = sites.blocks
-    index = stack.index if stack is not None else block_index  # a tinylm model's: its plan's, tested equal
-    rows: list[TensorRow] = []
-    names = list(pooled.order)
-    for direction in ("forward", "backward"):
-        seq = names if direction == "forward" else list(reversed(names))
-        for name in seq:
-            mom = pooled.tensors.get((name, direction))
-            if mom is None:
-                continue
-            pred = pooled_pred.get((name, direction))
-            ratio = low = high = None
-            if pred is not None and _comparable(pred):
-                rs = []
-                for k, ((st, _, _), pr) in enumerate(zip(replicates, per_rep)):
-                    mm, pp = st.tensors.get((name, direction)), pr.get((name, direction))
-                    if mm is not None and pp is not None and _comparable(pp) and mm.count:
-                        rs.append((k // len(batches) if len(models) > 1 else k, mm.var / pp.var))
-                ratio, low, high = log_t_interval(_per_draw(rs))
-            rows.append(TensorRow(
-                name=name, block=index(name), kind=pooled.kinds.get(name, "module"), direction=direction,
-                count=int(mom.count), mean=mom.mean, var=mom.var, mean_square=mom.mean_square, max_abs=mom.max_abs,
-                frac_zero=mom.frac_zero, frac_nonfinite=mom.frac_nonfinite,
-                frac_fp16_underflow=mom.frac_fp16_underflow, frac_fp16_overflow=mom.frac_fp16_overflow,
-                frac_bf16_underflow=mom.frac_bf16_underflow, frac_bf16_overflow=mom.frac_bf16_overflow,
-                predicted=pred.var if pred is not None else None, ratio=ratio, ratio_low=low, ratio_high=high,
-                theory=mode if pred is not None else "", valid=pred.valid if pred is not None else True,
-                validity=pred.validity if pred is not None else "", rule=pred.rule if pred is not None else "",
-                predicted_independent=pred.independent.var if pred is not None and pred.independent else None,
-            ))
-
-    params = [ParamRow(
-        name=n, block=index(n), shape=tuple(p.shape), std=p.std, declared_std=p.declared_std,
-        declared=p.declared, drift=p.drift, spectral_norm=p.spectral_norm, stable_rank=p.stable_rank,
-        grad_std=p.grad_std, frac_nonfinite=p.frac_nonfinite) for n, p in first_params.items()]
-
-    attention: list[AttentionRow] = []
-    for name, am in pooled.attention.items():
-        base = name[: -len(".probs")] if name.endswith(".probs") else name
-        sc = pooled.tensors.get((f"{base}.scores", "forward"))
-        T = seq_len
-        attention.append(AttentionRow(
-            name=base, block=index(name) if index(name) is not None else -1,
-            score_std=sc.std if sc is not None else math.nan, entropy_mean=am.entropy_mean,
-            entropy_min=am.entropy_min, entropy_uniform=float(np.mean(np.log(np.arange(1, T + 1)))),
-            saturated_frac=am.saturated_frac))
-
-    depth: list[DepthRow] = []
-    for k, name in enumerate(sites.depth):
-        f = pooled.tensors.get((name, "forward"))
-        if f is None:
-            continue
-        b = pooled.tensors.get((name, "backward"))
-        pf, pb = pooled_pred.get((name, "forward")), pooled_pred.get((name, "backward"))
-        cos = pooled.cosine.get(name)
-        depth.append(DepthRow(index=k, name=name, forward_var=f.var, forward_predicted=pf.var if pf else None,
-                              backward_var=b.var if b is not None else None,
-                              backward_predicted=pb.var if pb else None,
-                              cosine=cos.mean if cos is not None else math.nan,
-                              cosine_predicted=pf.cosine if pf is not None else None))
-
-    # verdicts
-    deliberate: set[str] = set()
-    if tiny:
-        decl = declare(model, model.config.init) if model.config.init in tinylm.init.SCHEMES else {}
-        named = dict(model.named_parameters())
-        for pname, dist in decl.items():
-            if dist.family == "constant" and dist.value == 0 and pname.endswith(".weight") \
-                    and not bool(named[pname].detach().any()):
-                mod = pname[: -len(".weight")]
-                deliberate.add(mod)
-                if mod.endswith("attn.output_proj"):
-                    deliberate.add(mod[: -len(".output_proj")])
-                if mod.endswith("ffn.w2"):
-                    deliberate.add(mod[: -len(".w2")])
-    loss_check, loss_reason = _loss_check(float(np.mean(losses)), vocabs, options, tiny, source,
-                                          tiny and _fresh_init(replicates[0][0]))
-    stream_reason = "" if stack is not None else (
-        "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
-    findings, tv, pv, av = judge(rows, params, attention, depth, list(pooled.order), thresholds, deliberate,
-                                 scale_invariant=tiny and model.config.norm == "pre",
-                                 architecture=_architecture(model, stack), flat=pooled.flat_frac, loss=loss_check)
-    judged, not_judged = coverage(rows, params, attention, depth, _architecture(model, stack), pooled.flat_frac,
-                                  deliberate, loss_reason, stream_reason)
-    rows = [dataclasses.replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows]
-    params = [dataclasses.replace(p, verdict=pv.get(p.name, "ok")) for p in params]
-    attention = [dataclasses.replace(a, verdict=av.get(a.name, "ok")) for a in attention]
-    done += 1
-    if progress:
-        progress(done, total, "verdicts")
-
-    config = model.config.to_dict() if tiny else None
-    # ln V of the logits where the loss is their next-token cross-entropy (a tinylm model's: its vocabulary)
-    vocab = next(iter(vocabs)) if len(vocabs) == 1 else None
-    header = Header(
-        model_class=type(model).__name__, config=config,
-        parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        init=model.config.init if tiny else "", tokens_measured=sum(b.shape[0] for bs in seed_batches for b in bs) * seq_len,
-        batch_size=options.batch_size, seq_len=seq_len, batches=len(batches), seeds=len(models), seed=options.seed,
-        theory=mode, loss=float(np.mean(losses)), loss_uniform=math.log(vocab) if vocab else None,
-        token_source=source)
-    header = replace(header, interval=interval_scope(header))
-    return DiagnoseResult(header=header, tensors=rows, params=params, attention=attention, depth=depth,
-                          findings=findings, thresholds=thresholds.to_dict(),
-                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                          judged=judged, not_judged=not_judged)

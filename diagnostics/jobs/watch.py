@@ -385,7 +385,7 @@ class Watch:
         """The non-ok verdict rows of a new record (as :func:`diagnostics.judge.over_time.verdicts`
         gives them for it), from the running extremes of the records before it; updates those
         extremes and notes the first fail among the rows."""
-        rows = record_verdicts(rec, self._earlier, self.history.get("norm"), self.thresholds)
+        rows = record_verdicts(rec, self._earlier, self.history.get("norm"), self.thresholds, self.history.get("kinds"))
         self._earlier.update(rec)
         fail = next((row for row in rows if row["verdict"] in FAIL_VERDICTS), None)
         if fail is not None:

@@ -112,14 +112,15 @@ def _running_extremes(history: dict[str, Any], key: str, fn: Callable[[float, fl
     return out
 
 
-def judged(site: str, norm: str | None = None) -> bool:
-    """Sites whose growth is judged: the attention scores and the logits (what softmax reads),
+def judged(site: str, norm: str | None = None, kind: str | None = None) -> bool:
+    """Sites whose growth is judged: the attention scores and the logits (what softmax reads:
+    the head, of kind "logits" whatever its name),
     and the residual stream (embedding output, resid_mid, block outputs) unless the model is
     pre-norm (``norm="pre"``: every read of its residual stream goes through an RMSNorm, which
     is scale-invariant, so the stream's scale does not reach any computation). Branch outputs
     (attn, ffn) and attention probabilities are only judged for non-finite values: several
     init schemes start the branches at or near zero, so their growth is learning."""
-    if site == tinylm.plan.HEAD or site.rsplit(".", 1)[-1] == "scores":
+    if kind == "logits" or site == tinylm.plan.HEAD or site.rsplit(".", 1)[-1] == "scores":
         return True
     return tinylm.plan.on_stream(site) and norm != "pre"
 
@@ -143,8 +144,8 @@ def _site_verdict(st: dict[str, float], low_fwd: float | None, high_grad: float 
     return "ok", None, math.nan, math.nan
 
 
-def record_verdicts(rec: dict[str, Any], earlier: Extremes, norm: str | None, th: Thresholds
-                    ) -> list[dict[str, Any]]:
+def record_verdicts(rec: dict[str, Any], earlier: Extremes, norm: str | None, th: Thresholds,
+                    kinds: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The non-ok verdicts of one record, judged against the extremes of the records before it.
 
     Args:
@@ -152,6 +153,7 @@ def record_verdicts(rec: dict[str, Any], earlier: Extremes, norm: str | None, th
         earlier: the :class:`Extremes` of the earlier records (not updated here).
         norm: the model's norm placement ("pre", "post", "none" or None), for :func:`judged`.
         th: the thresholds.
+        kinds: the history's site kinds (a head of kind "logits" is judged for growth whatever its name).
 
     Returns:
         One row per site whose verdict is not ok, in the record's site order: step, site,
@@ -161,7 +163,7 @@ def record_verdicts(rec: dict[str, Any], earlier: Extremes, norm: str | None, th
     for site, st in rec["stats"].items():
         if not measured(st):
             continue
-        j = judged(site, norm)
+        j = judged(site, norm, (kinds or {}).get(site))
         verdict, key, value, threshold = _site_verdict(st, earlier.low.get(site) if j else None,
                                                        earlier.high.get(site) if j else None, th)
         if verdict != "ok":
@@ -182,7 +184,7 @@ def verdicts(history: dict[str, Any], thresholds: Thresholds | None = None) -> l
     earlier = Extremes()
     rows: list[dict[str, Any]] = []
     for rec in history.get("records") or []:
-        rows += record_verdicts(rec, earlier, history.get("norm"), th)
+        rows += record_verdicts(rec, earlier, history.get("norm"), th, history.get("kinds"))
         earlier.update(rec)
     return rows
 
@@ -216,7 +218,7 @@ def first_mover(history: dict[str, Any], factor: float | None = None, thresholds
     for k, rec in enumerate(records):
         moved = {"fwd_var": [], "grad_var": []}
         for site, st in rec["stats"].items():
-            j = judged(site, history.get("norm"))
+            j = judged(site, history.get("norm"), (history.get("kinds") or {}).get(site))
             for key in moved:
                 v = st.get(key)
                 nonfinite = st.get(key.split("_")[0] + "_nonfinite", 0.0)

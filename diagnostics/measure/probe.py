@@ -69,14 +69,7 @@ def instrument_points(model: nn.Module) -> dict[str, str]:
     return dict(model_sites(model).points)
 
 
-def _first_tensor(output) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        for o in output:
-            if isinstance(o, Tensor):
-                return o
-    return None
+from .outputs import first_tensor as _first_tensor  # noqa: E402  (the one rule: diagnostics/measure/outputs.py)
 
 
 def _causal(kind: str, t: Tensor) -> bool:
