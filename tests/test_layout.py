@@ -212,7 +212,7 @@ def test_the_length_checks_find_a_long_function(tmp_path):
     # negative control: a function of 81 lines is found, one of 80 is not
     body = "\n".join(f"    x{i} = {i}" for i in range(79))
     (tmp_path / "m.py").write_text(f"def short():\n{body}\n\n\ndef long():\n{body}\n    return 0\n")
-    assert _long_functions(tmp_path / "m.py", root=tmp_path) == ["m.py:84 long (81 lines)"]
+    assert _long_functions(tmp_path / "m.py", root=tmp_path) == ["m.py:83 long (81 lines)"]
 
 
 def _private_diagnostics_imports(path: Path) -> list[str]:
