@@ -184,9 +184,9 @@ def test_memory_check_names_need_supply_and_a_batch_that_fits():
     c = tinylm.preset("tinystories")
     have = int(1.5 * estimate_bytes(c, 8, 256)) + 1
     assert check_fits(c, 8, 256, available=have) <= have
-    with pytest.raises(MemoryLimitError, match=r"batch 64 x 256 would need about .* GiB .* try --batch-size 8$"):
+    with pytest.raises(MemoryLimitError, match=r"batch 64 x 256 would need about .* GiB .* try batch_size=8$"):
         check_fits(c, 64, 256, available=have)
-    with pytest.raises(MemoryLimitError, match="shorter --seq-len"):
+    with pytest.raises(MemoryLimitError, match="shorter seq_len=N"):
         check_fits(c, 1, 256, available=1000)
 
 
