@@ -26,7 +26,7 @@ from torch import nn
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
 from .model import TransformerLM
-from .validate import check_type, file_error, refuse
+from .validate import file_error, refuse
 
 __all__ = ["save", "load", "read_state", "infer_config", "CheckpointInfo", "MissingOptionsError", "atomic_write"]
 
@@ -126,6 +126,10 @@ def save(path: str | os.PathLike, model: TransformerLM, **extra: Any) -> None:
 # --------------------------------------------------------------------------- reading
 
 
+#: the problem and the fix of a file this process may not read
+_UNREADABLE, _CHMOD = "not readable (permission denied)", "fix its permissions (chmod u+r)"
+
+
 def _check_file(path: Path) -> bytes:
     """Refuse what is not a readable, non-empty file; return its first 16 bytes (format sniffing)."""
     if not path.exists():
@@ -147,8 +151,6 @@ def _check_file(path: Path) -> bytes:
     except OSError as e:
         file_error(path, f"cannot be read ({e.strerror or e})", "check the file and its disk", error=CheckpointError)
 
-
-_UNREADABLE, _CHMOD = "not readable (permission denied)", "fix its permissions (chmod u+r)"
 
 
 def _pickle_globals(data: bytes, pickles: int = 5) -> list[str]:
