@@ -29,12 +29,14 @@ Exit codes (also in docs/cli.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import os
 import re
 import sys
 import traceback
+import warnings
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_NONFINITE = 4  # tinylm train stopped on a non-finite loss
@@ -115,6 +117,21 @@ def user_message(e: BaseException, parser: argparse.ArgumentParser | None) -> st
     if getattr(e, "argument", None) == "path" and file_flag in flags:
         message = f"{file_flag} {message}"
     return message
+
+
+@contextlib.contextmanager
+def warnings_in_flags(parser: argparse.ArgumentParser):
+    """Within: a warning the library gives is shown in the command's flags (:func:`in_flags`)."""
+    show, flags = warnings.showwarning, flags_of(parser)
+
+    def in_words(message, category, filename, lineno, file=None, line=None):
+        show(in_flags(str(message), flags), category, filename, lineno, file, line)
+
+    warnings.showwarning = in_words
+    try:
+        yield
+    finally:
+        warnings.showwarning = show
 
 
 def did_you_mean(word: str, choices, n: int = 1) -> str:
@@ -239,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         if args._check is not None:
             args._check(args)  # every flag that can be checked without torch, before any work
         set_threads(args.threads if args.threads is not None else args.threads_first)
-        return int(args._run(args))
+        with warnings_in_flags(verb_parser):
+            return int(args._run(args))
     except KeyboardInterrupt:
         _say("tinylm: interrupted")
         return EXIT_INTERRUPTED

@@ -170,3 +170,20 @@ def test_the_cli_says_flags_and_names_the_data_file(tmp_path, capsys):
     code = main(["train", "--preset", "tiny", "--steps", "0", "-o", str(tmp_path / "m.pt")])
     err = capsys.readouterr().err
     assert code == 2 and "steps=0: must be an integer >= 1; pass --steps N" in err, err
+
+
+def test_a_library_warning_on_the_command_line_names_the_flag():
+    import argparse
+    import warnings
+
+    from reports.cli import warnings_in_flags
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--unsafe-load", action="store_true")
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with warnings_in_flags(parser):
+            warnings.warn("m.pt: loaded a whole pickled module (unsafe=True); its code ran on load")
+        warnings.warn("outside: unsafe=True")  # negative control: outside the command, as the library said it
+    assert [str(w.message) for w in shown] == [
+        "m.pt: loaded a whole pickled module (--unsafe-load); its code ran on load", "outside: unsafe=True"]
