@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         bare()  # warm-up: the allocator at this size
         if not summary:
-            diag()  # warm-up, once: numba's compiled reductions load (or compile) on first use
+            diag()  # warm-up, once: the numba reducer loads (or compiles) on first use
         ratios = []
         for i in range(args.repeats):
             times = {}

@@ -18,13 +18,13 @@ probe times its own work (``run.seconds``: its hooks with their reductions, its 
 1 + that time over the bare pass of the same pair estimates the ratio from what the probe
 itself spends, free of the drift between the two passes (it cannot see what the probe costs
 torch indirectly, e.g. through the caches). ``--breakdown`` more probed passes then time
-the compiled reductions apart, to split the probe's own time into kernels and the rest. The probe
-reduces CPU tensors with numba (diagnostics/measure/accel.py, as many threads as torch) and
-GPU tensors (``--device cuda``; a CPU without numba too) with torch.compile'd reductions
-(diagnostics/measure/compiled.py; compiled during the warm-up pass, whose time is printed;
-``--compiled`` sends CPU tensors there too);
+the numba reducer's calls apart, to split the probe's own time into the numba reducer and the
+rest. The probe reduces CPU tensors with the numba reducer (diagnostics/measure/numba_reducer.py,
+as many threads as torch) and GPU tensors (``--device cuda``; a CPU without numba too) with the
+compiled reducer (diagnostics/measure/compiled.py, torch.compile; compiled during the warm-up
+pass, whose time is printed; ``--compiled`` sends CPU tensors there too);
 with ``--torch-path`` a third arm, alternating with the other two, probes with plain torch ops
-instead (``TINYLM_FUSED=0``), so the gain of the compiled path is measured too. On a GPU every
+instead (``TINYLM_REDUCER=reference``), so the gain of the numba or compiled reducer is measured too. On a GPU every
 pass ends with ``torch.cuda.synchronize()`` inside its timing. Peak
 memory: torch's CPU allocator is invisible to tracemalloc, so each kind of pass runs
 in a fresh child process that samples its resident set size (/proc/self/statm) every
@@ -68,16 +68,16 @@ def _step(model, tokens) -> None:
         torch.cuda.synchronize()
 
 
-#: TINYLM_FUSED for the probed arm: "1" (the reducer chosen by device) or "compiled" (--compiled)
-_ACCEL = "1"
+#: TINYLM_REDUCER for the probed arm: "auto" (the reducer chosen by device) or "compiled" (--compiled)
+_REDUCER = "auto"
 
 
-def _probed(model, tokens, fused: bool = True) -> float:
+def _probed(model, tokens, reference: bool = False) -> float:
     """One probed pass; returns the seconds spent in the probe's own work (run.seconds and the
     conversion of its results)."""
     from diagnostics import probe
 
-    os.environ["TINYLM_FUSED"] = _ACCEL if fused else "0"
+    os.environ["TINYLM_REDUCER"] = "reference" if reference else _REDUCER
 
     with probe(model) as run:
         _step(model, tokens)
@@ -87,12 +87,13 @@ def _probed(model, tokens, fused: bool = True) -> float:
 
 
 def _breakdown(model, tokens, passes: int) -> tuple[float, float, int]:
-    """(kernel seconds, the probe's own seconds, kernel calls) per probed pass, medians over
-    ``passes`` passes run after the timed pairs, with ``diagnostics.measure.accel._run`` (every
-    compiled reduction) wrapped in a timer; the wrapper's own cost lands in the kernel share."""
-    from diagnostics.measure import accel as fused
+    """(numba reducer seconds, the probe's own seconds, numba reducer calls) per probed pass, medians
+    over ``passes`` passes run after the timed pairs, with ``diagnostics.measure.numba_reducer._run``
+    (every call into the numba loops) wrapped in a timer; the wrapper's own cost lands in the numba
+    reducer's share."""
+    from diagnostics.measure import numba_reducer
 
-    real, spent = fused._run, []
+    real, spent = numba_reducer._run, []
 
     def timed(*args):
         t = time.perf_counter()
@@ -101,17 +102,17 @@ def _breakdown(model, tokens, passes: int) -> tuple[float, float, int]:
         finally:
             spent.append(time.perf_counter() - t)
 
-    kernel, own, calls = [], [], []
-    fused._run = timed
+    reducer, own, calls = [], [], []
+    numba_reducer._run = timed
     try:
         for _ in range(passes):
             spent.clear()
             own.append(_probed(model, tokens))
-            kernel.append(sum(spent))
+            reducer.append(sum(spent))
             calls.append(len(spent))
     finally:
-        fused._run = real
-    return statistics.median(kernel), statistics.median(own), int(statistics.median(calls))
+        numba_reducer._run = real
+    return statistics.median(reducer), statistics.median(own), int(statistics.median(calls))
 
 
 def _quartiles(xs: list[float]) -> str:
@@ -204,18 +205,19 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--max-steal", type=float, default=20.0,
                     help="ms of steal a pass may lose and still count as quiet (default 20: two clock ticks)")
-    ap.add_argument("--torch-path", action="store_true", help="also time the probe with torch ops (TINYLM_FUSED=0)")
+    ap.add_argument("--torch-path", action="store_true", help="also time the probe with torch ops (TINYLM_REDUCER=reference)")
     ap.add_argument("--compiled", action="store_true",
-                    help="probe CPU tensors with the torch.compile path, not numba (TINYLM_FUSED=compiled)")
+                    help="probe CPU tensors with the compiled reducer (torch.compile), not the numba reducer "
+                         "(TINYLM_REDUCER=compiled)")
     ap.add_argument("--breakdown", type=int, default=5,
-                    help="probed passes after the pairs that time the compiled reductions apart (0: none)")
+                    help="probed passes after the pairs that time the numba reducer apart (0: none)")
     ap.add_argument("--peak-child", choices=["bare", "probed"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     import torch
 
-    global _ACCEL
-    _ACCEL = "compiled" if args.compiled else "1"
-    os.environ["TINYLM_FUSED"] = _ACCEL
+    global _REDUCER
+    _REDUCER = "compiled" if args.compiled else "auto"
+    os.environ["TINYLM_REDUCER"] = _REDUCER
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; run on a machine with a GPU "
               "and a CUDA build of torch, or pass --device cpu", file=sys.stderr)
@@ -226,14 +228,14 @@ def main() -> int:
         _peak(args.peak_child, args.batch, args.seq, args.device)
         return 0
     model, tokens = _model_and_batch(args.batch, args.seq, args.device)
-    from diagnostics.measure import accel as fused
+    from diagnostics.measure import numba_reducer
 
     _step(model, tokens)
     t = time.perf_counter()
     _probed(model, tokens)
     warm = time.perf_counter() - t
     if args.torch_path:
-        _probed(model, tokens, fused=False)
+        _probed(model, tokens, reference=True)
     bare, probed, plain, pairs, quiet, cpu, inside = [], [], [], [], [], [], []
     coin = random.Random(0)
     tty = sys.stderr.isatty()
@@ -249,7 +251,7 @@ def main() -> int:
             if arm == "bare":
                 _step(model, tokens)
             else:
-                own = _probed(model, tokens, fused=arm == "probed")
+                own = _probed(model, tokens, reference=arm == "plain")
                 if arm == "probed":
                     own_time = own
             took[arm] = time.perf_counter() - t
@@ -266,17 +268,18 @@ def main() -> int:
             plain.append(took["plain"])
     if tty:
         print("\r" + " " * 24 + "\r", end="", file=sys.stderr, flush=True)
-    os.environ["TINYLM_FUSED"] = _ACCEL
+    os.environ["TINYLM_REDUCER"] = _REDUCER
     b, p = statistics.median(bare), statistics.median(probed)
     threads = torch.get_num_threads()
     from diagnostics.measure import compiled
 
-    if args.device == "cpu" and fused.available():
-        path = f"numba (diagnostics/measure/accel.py), up to {threads} thread(s)"
+    if args.device == "cpu" and numba_reducer.available():
+        path = f"the numba reducer (diagnostics/measure/numba_reducer.py), up to {threads} thread(s)"
     elif compiled.available():
-        path = "torch.compile (diagnostics/measure/compiled.py)"
+        path = "the compiled reducer, torch.compile (diagnostics/measure/compiled.py)"
     else:
-        path = "plain torch ops (diagnostics/measure/reference.py: compilation failed or TINYLM_FUSED=0)"
+        path = ("plain torch ops (diagnostics/measure/reference.py: compilation failed or "
+                "TINYLM_REDUCER=reference)")
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"tinystories preset, batch {args.batch} x {args.seq}, {where}, {threads} torch thread(s), "
           f"torch {torch.__version__}, {args.repeats} pairs")
@@ -302,16 +305,16 @@ def main() -> int:
           f"timed by the probe itself), 1 + that / the pair's bare pass: "
           f"{1 + statistics.median(r for _, r in inside):.3f} (quartiles {_quartiles([1 + r for _, r in inside])})")
     print(f"                          {_interval_text([1 + r for _, r in inside])}")
-    if args.breakdown and fused.available() and args.device == "cpu":
+    if args.breakdown and numba_reducer.available() and args.device == "cpu":
         k, o, n = _breakdown(model, tokens, args.breakdown)
-        print(f"  of which kernels       : {k * 1000:8.1f} ms in {n} compiled reductions per pass, the rest "
+        print(f"  of which numba reducer : {k * 1000:8.1f} ms in {n} calls per pass, the rest "
               f"{(o - k) * 1000:.1f} ms (Python in the hooks, small torch ops, exit work; median of "
               f"{args.breakdown} more probed passes)")
     if plain:
         q = statistics.median(plain)
         print(f"probed, torch-op path   : {q * 1000:8.1f} ms (median), ratio {q / b:.3f} to bare, "
-              f"{(q - b) / max(p - b, 1e-9):.1f}x the numba path's overhead")
-    env = dict(os.environ, BENCH_THREADS=str(threads), TINYLM_FUSED=_ACCEL)
+              f"{(q - b) / max(p - b, 1e-9):.1f}x the numba reducer's overhead")
+    env = dict(os.environ, BENCH_THREADS=str(threads), TINYLM_REDUCER=_REDUCER)
     for kind in ("bare", "probed"):
         out = subprocess.run([sys.executable, __file__, "--peak-child", kind, "--batch", str(args.batch),
                               "--seq", str(args.seq), "--device", args.device] + (["--compiled"] if args.compiled else []),

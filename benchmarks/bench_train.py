@@ -1,8 +1,8 @@
 """Training with the watch at its default interval against training without it, in one process.
 
 Both arms train the same model (same init seed, same batches) for the same steps with
-``tinylm.train.train``. Every kind of arm first runs once untimed (imports, the probe's
-kernels loaded, the first explicit attention: costs a process pays once, which would
+``tinylm.train.train``. Every kind of arm first runs once untimed (imports, the numba
+reducer loaded, the first explicit attention: costs a process pays once, which would
 otherwise land on whichever watched arm ran first). Then, round after round, the arms run
 in an order drawn by a seeded coin (every other round: the previous order reversed), so
 that neither always follows the other. The headline is the median over rounds of the

@@ -4,7 +4,7 @@ Five arms train the same model (same init seed, same batches) for the same steps
 plain PyTorch loop: no watch; ``Watch(model, every=K)`` (the history only); the same with
 ``log_dir`` (CSV, JSONL and, when installed, TensorBoard); recording every step without
 and with ``log_dir`` (a record's own cost, and the writers' worst case). Every arm first
-runs once untimed (imports, the probe's kernels, first calls). Then, round after round,
+runs once untimed (imports, the numba reducer's loops, first calls). Then, round after round,
 the arms run in an order drawn by a seeded coin (every other round: the previous order
 reversed), with glibc's allocator thresholds fixed as in ``bench_train.py``. Each figure is
 the median over rounds of this process's CPU seconds per step (less disturbed by other jobs

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tinylm.errors import TinyLMError
-from tinylm.validate import boolean, check, choice, fail, flag_of, integer, number
+from tinylm.validate import boolean, check, choice, fail, integer, number
 
 __all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "CompareOptions", "Progress", "THEORY_MODES"]
 
@@ -19,6 +19,12 @@ THEORY_MODES = ("auto", "local", "global", "off", "none")
 
 class OptionsError(TinyLMError):
     """An option value that cannot work; the message names it and the fix."""
+
+
+def _callable(name: str, value: Any, signature: str) -> None:
+    """``value`` is None or a callable of ``signature``."""
+    if value is not None:
+        check(name, value, callable, f"be a callable {signature}", error=OptionsError)
 
 
 @dataclass(frozen=True)
@@ -50,10 +56,10 @@ class ProbeOptions:
     eval_mode: bool = True
 
     def __post_init__(self) -> None:
-        if self.modules is not None and (isinstance(self.modules, str) or not all(
-                isinstance(m, str) for m in self.modules)):
-            fail("modules", self.modules, "be a tuple of module names (or None for the default set)",
-                 "modules=('layers.0', ...)", error=OptionsError)
+        if self.modules is not None:
+            check("modules", self.modules, lambda v: not isinstance(v, str) and all(isinstance(m, str) for m in v),
+                  "be a tuple of module names (or None for the default set)", fix="modules=('layers.0', ...)",
+                  error=OptionsError)
         for name in ("backward", "attention", "cosine", "params", "spectral", "restore_grads", "eval_mode"):
             boolean(name, getattr(self, name), error=OptionsError)
 
@@ -100,21 +106,17 @@ class DiagnoseOptions:
     loss_fn: Callable[[Any, Any], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("inputs", "loss_fn"):
-            if getattr(self, name) is not None and not callable(getattr(self, name)):
-                fail(name, getattr(self, name), "be a callable" + (" ids -> dict, tuple or tensor" if name == "inputs"
-                                                                   else " (logits, targets) -> scalar loss"),
-                     error=OptionsError)
+        for name, signature in (("inputs", "ids -> dict, tuple or tensor"), ("loss_fn", "(logits, targets) -> scalar loss"),
+                                ("progress", "(done, total, description)")):
+            _callable(name, getattr(self, name), signature)
         for name in ("batch_size", "batches", "seeds"):
-            integer(name, getattr(self, name), low=1, fix=f"{flag_of(name)} N", error=OptionsError)
+            integer(name, getattr(self, name), low=1, fix=f"{name}=N", error=OptionsError)
         if self.seq_len is not None:
-            integer("seq_len", self.seq_len, low=2, fix="--seq-len N (or None for the default)", error=OptionsError)
-        integer("seed", self.seed, low=0, high=2**63 - 1, fix="--seed N", error=OptionsError)
-        choice("theory", self.theory, THEORY_MODES, fix="--theory MODE", error=OptionsError)
+            integer("seq_len", self.seq_len, low=2, fix="seq_len=N (or None for the default)", error=OptionsError)
+        integer("seed", self.seed, low=0, high=2**63 - 1, fix="seed=N", error=OptionsError)
+        choice("theory", self.theory, THEORY_MODES, fix="theory=MODE", error=OptionsError)
         if self.theory == "none":
             object.__setattr__(self, "theory", "off")
-        if self.progress is not None and not callable(self.progress):
-            fail("progress", self.progress, "be a callable (done, total, description)", error=OptionsError)
 
 
 def _sizes(name: str, values: Any) -> tuple[int, ...]:
@@ -180,8 +182,7 @@ class CompareOptions:
         integer("seeds", self.seeds, low=1, fix="seeds=N", error=OptionsError)
         integer("steps", self.steps, low=0, fix="steps=N", error=OptionsError)
         choice("tensors", self.tensors, ("stream", "all"), error=OptionsError)
-        if self.progress is not None and not callable(self.progress):
-            fail("progress", self.progress, "be a callable (done, total, description)", error=OptionsError)
+        _callable("progress", self.progress, "(done, total, description)")
         integer("seq_len", self.seq_len, low=1, fix="seq_len=N", error=OptionsError)
         if self.vocab_size is not None:
             integer("vocab_size", self.vocab_size, low=1, fix="vocab_size=N, or None to size it to the data",

@@ -186,7 +186,7 @@ def test_foreign_pickles_are_named_not_run(tmp_path, zipped):
     torch.save(obj, path, _use_new_zipfile_serialization=zipped)
     assert_refused(UnsafeCheckpointError, f"{path}: holds pickled Python objects (fractions.Fraction, re._compile, "
             "tinylm.checkpoint.CheckpointInfo), e.g. a whole torch.save(model), which a safe load will not execute; "
-            "if you made the file or trust it, rerun with --unsafe-load (risk: it runs the code the file names, with "
+            "if you made the file or trust it, rerun with unsafe=True (risk: it runs the code the file names, with "
             "your permissions), or convert it once to a state dict: torch.save(torch.load(p, weights_only=False)"
             ".state_dict(), 'state.pt')", load, path)
     assert_refused(CheckpointError, f"{path}: holds a dict, not a model state dict; save model.state_dict() or use "
@@ -210,7 +210,7 @@ def test_whole_pickled_module(tmp_path):
     torch.save(m, tmp_path / "whole.pt")
     with pytest.raises(UnsafeCheckpointError, match=r"tinylm\.model\.TransformerLM"):
         load(tmp_path / "whole.pt")
-    with pytest.warns(UserWarning, match=r"whole\.pt: loaded a whole pickled module \(--unsafe-load\); its code ran on load"):
+    with pytest.warns(UserWarning, match=r"whole\.pt: loaded a whole pickled module \(unsafe=True\); its code ran on load"):
         m2, info = load(tmp_path / "whole.pt", unsafe=True)
     assert (info.format, info.config_source) == ("module-pickle", "stored") and same(m.state_dict(), m2.state_dict())
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -328,11 +328,10 @@ def test_infer_config_from_shapes_and_flags():
     assert infer_config(shared, **FLAGS).tie_embeddings is True
     first_missing = {k: v for k, v in sd.items() if not k.startswith("layers.0.")}
     assert infer_config(first_missing, **FLAGS) == SMALL  # another block tells the sizes
-    for missing, flag in (("num_heads", "--num-heads"), ("context_length", "--context-length"), ("rope_theta", "--rope-theta")):
+    for missing, placeholder in (("num_heads", "N"), ("context_length", "N"), ("rope_theta", "X")):
         with pytest.raises(MissingOptionError) as info:
             infer_config(sd, **{k: v for k, v in FLAGS.items() if k != missing})
-        assert str(info.value) == (f"the checkpoint stores no config, so {missing} is unknown; pass {flag} N "
-                                   f"(or {missing}=... to tinylm.checkpoint.load)")
+        assert str(info.value) == f"the checkpoint stores no config, so {missing} is unknown; pass {missing}={placeholder}"
     assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
             "(first keys: a, b, c, d)", infer_config, {k: torch.zeros(1) for k in "abcde"})
     assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
@@ -354,31 +353,31 @@ def test_config_and_state_must_match_the_weights(tmp_path):
     p = tmp_path / "m.pt"
     torch.save({"format": "tinylm", "config": SMALL.replace(num_layers=3, d_ff=12).to_dict(), "model": sd}, p)
     assert_refused(CheckpointError, f"{p}: the config does not match the weights (num_layers=3 but the weights show 2; d_ff=12 but "
-            "the weights show 10); fix the flag or the stored config, or drop it and let the shapes decide", load, p)
+            "the weights show 10); fix the override or the stored config, or drop it and let the shapes decide", load, p)
     assert_refused(CheckpointError, f"{p}: the config does not match the weights (vocab_size=13 but the weights show 12; d_model=16 "
-            "but the weights show 8); fix the flag or the stored config, or drop it and let the shapes decide",
+            "but the weights show 8); fix the override or the stored config, or drop it and let the shapes decide",
             load, p, vocab_size=13, d_model=16, num_layers=2, d_ff=10, num_heads=2)
     extra = dict(sd, **{f"x{i}": torch.zeros(1) for i in range(4)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": extra}, p)
     assert_refused(CheckpointError, f"{p}: the state dict does not match the model (unexpected 4 key(s): x0, x1, x2 ...); check the "
-            "config flags or the file", load, p)
+            "config overrides or the file", load, p)
     fewer = {k: v for k, v in sd.items() if not k.startswith("layers.1.attn")}
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": dict(fewer, y=torch.zeros(1))}, p)
     assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 4 key(s): layers.1.attn.q_proj.weight, "
-            "layers.1.attn.k_proj.weight, layers.1.attn.v_proj.weight ...; unexpected 1 key(s): y); check the config flags "
+            "layers.1.attn.k_proj.weight, layers.1.attn.v_proj.weight ...; unexpected 1 key(s): y); check the config overrides "
             "or the file", load, p)
     three = {k: v for k, v in sd.items() if k not in ("layers.1.ln1.weight", "layers.1.ln2.weight", "layers.1.ffn.w3.weight")}
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": three}, p)
     assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 3 key(s): layers.1.ln1.weight, "
-            "layers.1.ln2.weight, layers.1.ffn.w3.weight); check the config flags or the file", load, p)
+            "layers.1.ln2.weight, layers.1.ffn.w3.weight); check the config overrides or the file", load, p)
     shapes = dict(sd, **{k: torch.zeros(3) for k in ("layers.0.ln1.weight", "layers.0.ln2.weight", "layers.1.ln1.weight",
                                                       "layers.1.ln2.weight")})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": shapes}, p)
     assert_refused(CheckpointError, f"{p}: wrong shapes: layers.0.ln1.weight (3,) (expected (8,)); layers.0.ln2.weight (3,) (expected "
-            "(8,)); layers.1.ln1.weight (3,) (expected (8,)) ...; check the config flags or the file", load, p)
+            "(8,)); layers.1.ln1.weight (3,) (expected (8,)) ...; check the config overrides or the file", load, p)
     one = dict(sd, **{"ln_final.weight": torch.zeros(3)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": one}, p)
-    assert_refused(CheckpointError, f"{p}: wrong shapes: ln_final.weight (3,) (expected (8,)); check the config flags or the file",
+    assert_refused(CheckpointError, f"{p}: wrong shapes: ln_final.weight (3,) (expected (8,)); check the config overrides or the file",
             load, p)
     ints = dict(sd, **{"ln_final.weight": torch.ones(8, dtype=torch.int64)})
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": ints}, p)
@@ -509,14 +508,14 @@ def test_lists_in_messages_name_the_first_three(tmp_path):
             "layers.1.ln1.weight (torch.int16); weights must be floating point", load, p)
     stored(dict(sd, **{f"x{i}": torch.zeros(1) for i in range(3)}))
     assert_refused(CheckpointError, f"{p}: the state dict does not match the model (unexpected 3 key(s): x0, x1, x2); check the "
-            "config flags or the file", load, p)
+            "config overrides or the file", load, p)
     stored(dict(sd, **{k: torch.zeros(3) for k in norms[:3]}))
     assert_refused(CheckpointError, f"{p}: wrong shapes: layers.0.ln1.weight (3,) (expected (8,)); layers.0.ln2.weight (3,) (expected "
-            "(8,)); layers.1.ln1.weight (3,) (expected (8,)); check the config flags or the file", load, p)
+            "(8,)); layers.1.ln1.weight (3,) (expected (8,)); check the config overrides or the file", load, p)
     for gone in ("token_embeddings.weight", "layers.0.ffn.w1.weight"):  # the size check skips what is not there
         stored({k: v for k, v in sd.items() if k != gone})
         assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): {gone}); check the "
-                "config flags or the file", load, p)
+                "config overrides or the file", load, p)
     torch.save({"w": torch.zeros(2)}, p)  # one tensor is still a state dict, of no language model
     assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
             "(first keys: w)", load, p, **FLAGS)
@@ -562,7 +561,7 @@ def test_an_untied_config_never_borrows_the_embedding(tmp_path):
     p = tmp_path / "m.pt"
     torch.save({"format": "tinylm", "config": SMALL.to_dict(), "model": sd}, p)
     assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): lm_head.weight); check the "
-            "config flags or the file", load, p)
+            "config overrides or the file", load, p)
 
 
 def test_read_state_is_safe_by_default_and_records_the_path(tmp_path):
@@ -588,14 +587,12 @@ def test_every_missing_flag_is_named_at_once(tmp_path):
     torch.save(model_of().state_dict(), path)
     assert_refused(MissingOptionsError,
                    "the checkpoint stores no config, so num_heads, context_length, rope_theta are unknown; pass "
-                   "--num-heads N --context-length N --rope-theta N (or num_heads=..., context_length=..., "
-                   "rope_theta=... to tinylm.checkpoint.load)", load, path)
+                   "num_heads=N, context_length=N, rope_theta=X", load, path)
     with pytest.raises(MissingOptionsError) as info:
         load(path, num_heads=2, context_length=6)
     e = info.value
-    assert str(e) == ("the checkpoint stores no config, so rope_theta is unknown; pass --rope-theta N "
-                      "(or rope_theta=... to tinylm.checkpoint.load)")
-    assert (e.missing, e.field, e.flag) == (["rope_theta"], "rope_theta", "--rope-theta")
+    assert str(e) == "the checkpoint stores no config, so rope_theta is unknown; pass rope_theta=X"
+    assert (e.missing, e.field, e.argument) == (["rope_theta"], "rope_theta", "rope_theta")
     assert e.given == {"num_heads": 2, "rope_theta": None, "context_length": 6}
     assert (e.known["vocab_size"], e.known["d_model"], e.known["num_layers"]) == (12, 8, 2)
 

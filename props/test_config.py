@@ -23,7 +23,7 @@ from props.strategies import model_configs
 from tinylm import errors
 from tinylm.config import PRESETS, ModelConfig, default_d_ff, preset
 from tinylm.errors import ConfigError, TinyLMError
-from tinylm.validate import boolean, check, choice, fail, flag_of, integer, number
+from tinylm.validate import boolean, check, choice, fail, integer, number
 
 pytestmark = pytest.mark.tinylm_only
 
@@ -128,7 +128,7 @@ def test_replace_validates_again():
 
 
 def test_from_dict_names_what_is_wrong():
-    assert_refused(ConfigError, "config must be a dict of fields, got list", ModelConfig.from_dict, [("vocab_size", 4)])
+    assert_refused(ConfigError, "data=list: must be a dict of config fields", ModelConfig.from_dict, [("vocab_size", 4)])
     known = ", ".join(sorted(ModelConfig.__dataclass_fields__))
     assert_refused(ConfigError, f"unknown config field(s) 'heads', 'width'; known: {known}",
             ModelConfig.from_dict, {**BASE, "width": 4, "heads": 2})
@@ -202,29 +202,28 @@ def test_number_bounds(v, low, strict, high):
 
 
 def test_messages_state_the_bounds():
-    assert_refused(TinyLMError, "n=0: must be an integer in [1, 3]; pass --n N", integer, "n", 0, low=1, high=3, fix="--n N")
+    assert_refused(TinyLMError, "n=0: must be an integer in [1, 3]; pass n=N", integer, "n", 0, low=1, high=3, fix="n=N")
     assert_refused(TinyLMError, "n=5: must be an integer <= 3", integer, "n", 5, high=3)
     assert_refused(TinyLMError, "n=1.5: must be an integer", integer, "n", 1.5)
     assert_refused(TinyLMError, "x=0.0: must be a finite number in (0.0, 1.0]", number, "x", 0.0, low=0.0, high=1.0, strict_low=True)
     assert_refused(TinyLMError, "x=2.0: must be a finite number in [0.0, 1.0]", number, "x", 2.0, low=0.0, high=1.0)
     assert_refused(TinyLMError, "x=2.0: must be a finite number <= 1.0", number, "x", 2.0, high=1.0)
     assert_refused(TinyLMError, "x=-inf: must be a finite number", number, "x", -math.inf)
-    assert_refused(TinyLMError, "x=-1.0: must be a finite number >= 0.0; pass --x X", number, "x", -1.0, low=0.0, fix="--x X")
+    assert_refused(TinyLMError, "x=-1.0: must be a finite number >= 0.0; pass x=X", number, "x", -1.0, low=0.0, fix="x=X")
     assert number("x", 1.0, low=1.0) == 1.0 and integer("n", 3, low=3, high=3) == 3
     assert number("x", 1.0, low=0.0, high=1.0, strict_low=True) == 1.0
 
 
-def test_choice_boolean_check_fail_and_flag():
+def test_choice_boolean_check_and_fail():
     assert choice("k", "b", ("a", "b")) == "b"
-    assert_refused(ConfigError, "k='c': must be one of a, b; pass --k a", choice, "k", "c", ("a", "b"), fix="--k a", error=ConfigError)
+    assert_refused(ConfigError, "k='c': must be one of a, b; pass k='a'", choice, "k", "c", ("a", "b"), fix="k='a'", error=ConfigError)
     assert boolean("b", False) is False and boolean("b", True) is True
-    assert_refused(TinyLMError, "b=0: must be True or False; pass --b", boolean, "b", 0, fix="--b")
+    assert_refused(TinyLMError, "b=0: must be True or False; pass b=True", boolean, "b", 0, fix="b=True")
     assert check("v", 7, lambda x: x > 3, "exceed 3") == 7
     assert_refused(ConfigError, "v=2: must exceed 3", check, "v", 2, lambda x: x > 3, "exceed 3", error=ConfigError)
-    assert_refused(TinyLMError, "v=2: must exceed 3; pass --v 4", check, "v", 2, lambda x: x > 3, "exceed 3", fix="--v 4")
+    assert_refused(TinyLMError, "v=2: must exceed 3; pass v=4", check, "v", 2, lambda x: x > 3, "exceed 3", fix="v=4")
     assert_refused(ConfigError, "name='x': must y; pass z", fail, "name", "x", "y", "z", error=ConfigError)
     assert_refused(TinyLMError, "name='x': must y", fail, "name", "x", "y")
-    assert flag_of("seq_len") == "--seq-len" and flag_of("steps") == "--steps" and flag_of("a_b_c") == "--a-b-c"
 
 
 def test_each_check_raises_the_callers_error_class():
@@ -237,12 +236,12 @@ def test_each_check_raises_the_callers_error_class():
             fn(*args, error=Mine)
 
 
-def test_errors_are_value_errors_and_name_the_flag():
+def test_errors_are_value_errors_and_name_the_argument():
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.TinyLMError) and issubclass(getattr(errors, name), ValueError)
     assert issubclass(errors.MissingOptionError, errors.CheckpointError)
     assert issubclass(errors.UnsafeCheckpointError, errors.CheckpointError)
-    e = errors.MissingOptionError("num_heads", "--num-heads", "the checkpoint stores no config")
-    assert (e.field, e.flag) == ("num_heads", "--num-heads")
-    assert str(e) == "the checkpoint stores no config; pass --num-heads N (or num_heads=... to tinylm.checkpoint.load)"
+    e = errors.MissingOptionError("num_heads", "the checkpoint stores no config")
+    assert (e.field, e.argument) == ("num_heads", "num_heads")
+    assert str(e) == "the checkpoint stores no config; pass num_heads=N"
     assert re.fullmatch(r"[^\n]+", str(e))

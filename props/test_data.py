@@ -58,7 +58,7 @@ def test_get_batch_reaches_every_start():
 def test_get_batch_device_and_short_data():
     x, y = get_batch(np.arange(10), 2, 3, generator(0), device="meta")
     assert x.device.type == "meta" and y.device.type == "meta"
-    assert_refused(DataError, "4 tokens are fewer than context_length + 1 = 5; use more data or a shorter --seq-len",
+    assert_refused(DataError, "4 tokens are fewer than context_length + 1 = 5; use more data or a shorter context_length=N",
             get_batch, np.arange(4), 2, 4, generator(0))
 
 
@@ -94,18 +94,18 @@ def test_token_files_round_trip(tmp_path_factory, ids, dtype):
 
 def test_token_files_refused(tmp_path):
     p = tmp_path / "none.npy"
-    assert_refused(DataError, f"--data {p}: no such file; check the path", load_tokens, p)
-    assert_refused(DataError, f"--data {tmp_path}: is a directory; pass a .npy, .bin or .txt file", load_tokens, tmp_path)
+    assert_refused(DataError, f"{p}: no such file; check the path", load_tokens, p)
+    assert_refused(DataError, f"{tmp_path}: is a directory; pass a .npy, .bin or .txt file", load_tokens, tmp_path)
     (tmp_path / "e.bin").write_bytes(b"")
-    assert_refused(DataError, f"--data {tmp_path / 'e.bin'}: empty file; pass a file with tokens in it", load_tokens, tmp_path / "e.bin")
+    assert_refused(DataError, f"{tmp_path / 'e.bin'}: empty file; pass a file with tokens in it", load_tokens, tmp_path / "e.bin")
     (tmp_path / "o.bin").write_bytes(b"abc")
-    assert_refused(DataError, f"--data {tmp_path / 'o.bin'}: odd byte count; a .bin token file is raw uint16 (2 bytes per token)",
+    assert_refused(DataError, f"{tmp_path / 'o.bin'}: odd byte count; a .bin token file is raw uint16 (2 bytes per token)",
             load_tokens, tmp_path / "o.bin")
     (tmp_path / "t.csv").write_text("1,2")
-    assert_refused(DataError, f"--data {tmp_path / 't.csv'}: unknown suffix '.csv'; use .npy, .bin (uint16) or .txt", load_tokens,
+    assert_refused(DataError, f"{tmp_path / 't.csv'}: unknown suffix '.csv'; use .npy, .bin (uint16) or .txt", load_tokens,
             tmp_path / "t.csv")
     (tmp_path / "t.txt").write_text("hello")
-    assert_refused(DataError, f"--data {tmp_path / 't.txt'}: text is tokenised as bytes (ids 0..255) but vocab_size=255; "
+    assert_refused(DataError, f"{tmp_path / 't.txt'}: text is tokenised as bytes (ids 0..255) but vocab_size=255; "
             "use a model with vocab_size >= 256 or pre-tokenised .npy/.bin data", load_tokens, tmp_path / "t.txt", 255)
     assert bytes(load_tokens(tmp_path / "t.txt")) == b"hello"  # no vocab_size: no check
     (tmp_path / "pickle.npy").write_bytes(pickle.dumps([1, 2, 3]))  # a pickle under a .npy name is never unpickled
@@ -114,7 +114,7 @@ def test_token_files_refused(tmp_path):
     except ValueError as e:
         why = str(e).splitlines()[0]
     assert len(why) > 100
-    assert_refused(DataError, f"--data {tmp_path / 'pickle.npy'}: not a readable .npy array ({why[:100]}); write tokens with np.save(path, "
+    assert_refused(DataError, f"{tmp_path / 'pickle.npy'}: not a readable .npy array ({why[:100]}); write tokens with np.save(path, "
             "array)", load_tokens, tmp_path / "pickle.npy")
     (tmp_path / "bad.npy").write_bytes(b"not numpy at all")
     with pytest.raises(DataError, match=r"not a readable \.npy array \(.+\); write tokens with np\.save\(path, array\)$"):
@@ -123,16 +123,16 @@ def test_token_files_refused(tmp_path):
     with pytest.raises(DataError, match=r"obj\.npy: not a readable \.npy array"):  # never unpickled
         load_tokens(tmp_path / "obj.npy")
     np.save(tmp_path / "f.npy", np.array([0.5, 2.0], dtype=np.float32))
-    assert_refused(DataError, f"--data {tmp_path / 'f.npy'}: holds a 1-D float32 array (values 0.5 .. 2.0); tokens must be a 1-D "
+    assert_refused(DataError, f"{tmp_path / 'f.npy'}: holds a 1-D float32 array (values 0.5 .. 2.0); tokens must be a 1-D "
             "integer array (np.save(path, ids.astype(np.int64)))", load_tokens, tmp_path / "f.npy")
     np.save(tmp_path / "m.npy", np.zeros((2, 2), dtype=np.int64))
-    assert_refused(DataError, f"--data {tmp_path / 'm.npy'}: holds a 2-D int64 array; tokens must be a 1-D "
+    assert_refused(DataError, f"{tmp_path / 'm.npy'}: holds a 2-D int64 array; tokens must be a 1-D "
             "integer array (np.save(path, ids.astype(np.int64)))", load_tokens, tmp_path / "m.npy")
     np.save(tmp_path / "b.npy", np.array([True, False]))
-    assert_refused(DataError, f"--data {tmp_path / 'b.npy'}: holds a 1-D bool array; tokens must be a 1-D "
+    assert_refused(DataError, f"{tmp_path / 'b.npy'}: holds a 1-D bool array; tokens must be a 1-D "
             "integer array (np.save(path, ids.astype(np.int64)))", load_tokens, tmp_path / "b.npy")
     np.save(tmp_path / "z.npy", np.zeros(0))
-    assert_refused(DataError, f"--data {tmp_path / 'z.npy'}: holds a 1-D float64 array; tokens must be a 1-D "
+    assert_refused(DataError, f"{tmp_path / 'z.npy'}: holds a 1-D float64 array; tokens must be a 1-D "
             "integer array (np.save(path, ids.astype(np.int64)))", load_tokens, tmp_path / "z.npy")
 
 
@@ -140,7 +140,7 @@ def test_unreadable_token_file(tmp_path, monkeypatch):
     p = tmp_path / "t.bin"
     p.write_bytes(b"\x01\x00")
     monkeypatch.setattr(os, "access", lambda path, mode: mode != os.R_OK)  # as an unprivileged user without read rights
-    assert_refused(DataError, f"--data {p}: not readable (permission denied); fix its permissions", load_tokens, p)
+    assert_refused(DataError, f"{p}: not readable (permission denied); fix its permissions", load_tokens, p)
 
 
 def test_vocabulary_check(tmp_path):
@@ -175,7 +175,7 @@ def test_stdlib_corpus_reads_sorted_sources_without_tests(tmp_path, monkeypatch)
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(empty)})
-    assert_refused(DataError, f"no .py files found under {empty}; pass --data with a token file", stdlib_corpus)
+    assert_refused(DataError, f"no .py files found under {empty}; use a token file instead (data=PATH)", stdlib_corpus)
 
 
 def test_stdlib_corpus_default_size(tmp_path, monkeypatch):

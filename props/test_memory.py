@@ -89,24 +89,24 @@ def test_check_fits_names_the_largest_batch_that_fits():
     assert check_fits(CFG, 8, 32, torch.float64, available=need64) == need64
     for b in range(1, 41):  # at every supply from just enough for b to one byte short of b + 1, the answer is b
         for have in (int(1.5 * estimate_bytes(CFG, b, 32)), int(1.5 * estimate_bytes(CFG, b + 1, 32)) - 1):
-            with pytest.raises(MemoryLimitError, match=rf"; try --batch-size {b}$"):
+            with pytest.raises(MemoryLimitError, match=rf"; try batch_size={b}$"):
                 check_fits(CFG, 41, 32, available=have)
     for have in (int(1.5 * estimate_bytes(CFG, 5, 32)), int(1.5 * estimate_bytes(CFG, 5, 32)) + 1,
                  int(1.5 * estimate_bytes(CFG, 1, 32)), int(1.5 * estimate_bytes(CFG, 1, 32)) - 1, 0):
         fits = max([b for b in range(1, 101) if 1.5 * estimate_bytes(CFG, b, 32) <= have], default=0)
-        hint = f"try --batch-size {fits}" if fits else "use a shorter --seq-len or a smaller model"
+        hint = f"try batch_size={fits}" if fits else "use a shorter seq_len=N or a smaller model"
         need = int(1.5 * estimate_bytes(CFG, 100, 32))
         assert_refused(MemoryLimitError, f"batch 100 x 32 would need about {need / GIB:.1f} GiB but {have / GIB:.1f} GiB is available; {hint}",
                 check_fits, CFG, 100, 32, available=have)
     half = int(1.5 * estimate_bytes(CFG, 6, 32, torch.float16))
-    with pytest.raises(MemoryLimitError, match=r"try --batch-size 6$"):
+    with pytest.raises(MemoryLimitError, match=r"try batch_size=6$"):
         check_fits(CFG, 7, 32, torch.float16, available=half)
 
 
 def test_check_fits_reads_the_host_when_not_told(monkeypatch):
     monkeypatch.setattr(memory, "available_bytes", lambda: int(1.5 * estimate_bytes(CFG, 2, 8)))
     assert check_fits(CFG, 2, 8) == int(1.5 * estimate_bytes(CFG, 2, 8))
-    with pytest.raises(MemoryLimitError, match=r"try --batch-size 2$"):
+    with pytest.raises(MemoryLimitError, match=r"try batch_size=2$"):
         check_fits(CFG, 3, 8)
     tensors, objects = model_bytes(CFG)
     monkeypatch.setattr(memory, "available_bytes", lambda: tensors + objects)
@@ -127,7 +127,7 @@ def test_check_model_fits():
     t64, _ = model_bytes(CFG, torch.float64)
     msg = ("a model with vocab_size=1000, context_length=64, d_model=64, num_layers=2, d_ff=192 would need about "
            f"{(t64 + objects) / GIB:.3g} GiB but {(tensors + objects) / GIB:.3g} GiB is available; check these sizes "
-           "(a stored config or a flag) and use a smaller model")
+           "(a stored config or an override) and use a smaller model")
     assert_refused(MemoryLimitError, msg, check_model_fits, CFG, torch.float64, available=tensors + objects)
     assert_refused(MemoryLimitError, msg.replace(f"{(t64 + objects) / GIB:.3g}", f"{objects / GIB:.3g}").replace(
         f"{(tensors + objects) / GIB:.3g} GiB is", f"{(objects - 1) / GIB:.3g} GiB is"),

@@ -50,23 +50,23 @@ def same(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 @pytest.mark.parametrize("field, bad, message", [
-    ("steps", 0, "steps=0: must be an integer >= 1; pass --steps N"),
-    ("batch_size", 1.0, "batch_size=1.0: must be an integer >= 1; pass --batch-size N"),
-    ("seed", -1, "seed=-1: must be an integer in [0, 9223372036854775807]; pass --seed N"),
-    ("seed", 2**63, "seed=9223372036854775808: must be an integer in [0, 9223372036854775807]; pass --seed N"),
-    ("watch_every", -1, "watch_every=-1: must be an integer >= 0; pass --watch-every N"),
-    ("checkpoint_every", -2, "checkpoint_every=-2: must be an integer >= 0; pass --checkpoint-every N"),
-    ("lr", 0.0, "lr=0.0: must be a finite number > 0.0; pass --lr X"),
-    ("min_lr", -1e-3, "min_lr=-0.001: must be a finite number >= 0.0; pass --min-lr X"),
-    ("min_lr", 0.5, "min_lr=0.5: must not exceed the peak lr=0.003; pass a smaller --min-lr"),
-    ("warmup", -1, "warmup=-1: must be an integer >= 0; pass --warmup N"),
-    ("weight_decay", -0.1, "weight_decay=-0.1: must be a finite number >= 0.0; pass --weight-decay X"),
-    ("clip", -1.0, "clip=-1.0: must be a finite number >= 0.0; pass --clip X"),
-    ("adam_eps", 0.0, "adam_eps=0.0: must be a finite number > 0.0; pass --adam-eps X"),
-    ("spike_factor", 1.0, "spike_factor=1.0: must be a finite number > 1.0; pass --spike-factor X"),
-    ("beta1", 1.0, "beta1=1.0: must be in [0, 1); pass --beta1 X"),
-    ("beta2", -0.5, "beta2=-0.5: must be a finite number >= 0.0; pass --beta2 X"),
-    ("beta2", 1.5, "beta2=1.5: must be in [0, 1); pass --beta2 X"),
+    ("steps", 0, "steps=0: must be an integer >= 1; pass steps=N"),
+    ("batch_size", 1.0, "batch_size=1.0: must be an integer >= 1; pass batch_size=N"),
+    ("seed", -1, "seed=-1: must be an integer in [0, 9223372036854775807]; pass seed=N"),
+    ("seed", 2**63, "seed=9223372036854775808: must be an integer in [0, 9223372036854775807]; pass seed=N"),
+    ("watch_every", -1, "watch_every=-1: must be an integer >= 0; pass watch_every=N"),
+    ("checkpoint_every", -2, "checkpoint_every=-2: must be an integer >= 0; pass checkpoint_every=N"),
+    ("lr", 0.0, "lr=0.0: must be a finite number > 0.0; pass lr=X"),
+    ("min_lr", -1e-3, "min_lr=-0.001: must be a finite number >= 0.0; pass min_lr=X"),
+    ("min_lr", 0.5, "min_lr=0.5: must not exceed the peak lr=0.003; pass a smaller min_lr=X"),
+    ("warmup", -1, "warmup=-1: must be an integer >= 0; pass warmup=N"),
+    ("weight_decay", -0.1, "weight_decay=-0.1: must be a finite number >= 0.0; pass weight_decay=X"),
+    ("clip", -1.0, "clip=-1.0: must be a finite number >= 0.0; pass clip=X"),
+    ("adam_eps", 0.0, "adam_eps=0.0: must be a finite number > 0.0; pass adam_eps=X"),
+    ("spike_factor", 1.0, "spike_factor=1.0: must be a finite number > 1.0; pass spike_factor=X"),
+    ("beta1", 1.0, "beta1=1.0: must be in [0, 1); pass beta1=X"),
+    ("beta2", -0.5, "beta2=-0.5: must be a finite number >= 0.0; pass beta2=X"),
+    ("beta2", 1.5, "beta2=1.5: must be in [0, 1); pass beta2=X"),
 ])
 def test_options_refuse_with_their_flag(field, bad, message):
     assert_refused(TrainError, message, TrainOptions, **{"steps": 10, field: bad})
@@ -133,10 +133,10 @@ def test_optimizer_and_data_checks():
     assert [id(p) for p in g["params"]] == [id(p) for p in model.parameters()]
     assert_refused(DataError, "data: token id 19 is outside the model's vocabulary [0, 16); the data was tokenised for another "
             "vocabulary", train, model_of(), np.arange(20), OPTS)
-    assert_refused(DataError, "data: 4 tokens are fewer than context_length + 1 = 5; use more data or a shorter --context-length",
+    assert_refused(DataError, "data: 4 tokens are fewer than context_length + 1 = 5; use more data or a shorter context_length=N",
             train, model_of(), np.arange(4), OPTS)
     train(model_of(), np.arange(5), TrainOptions(steps=1, batch_size=1, watch_every=0))  # exactly enough
-    assert_refused(TypeError, "options must be a TrainOptions, got dict", train, model_of(), TOKENS, OPTS.to_dict())
+    assert_refused(TypeError, "options=dict: must be a TrainOptions", train, model_of(), TOKENS, OPTS.to_dict())
 
 
 class Recorder(Monitor):
@@ -275,7 +275,7 @@ def test_resume_is_the_same_run(tmp_path):
     assert extra["sampler_state"].dtype == torch.uint8 and extra["optimizer"]["state"]
     res = train(model, TOKENS, opts, resume=extra)
     assert res.iteration == 5 and res.tokens == 2 * 8 and same(model, full)
-    assert_refused(TrainError, "the checkpoint is already at iteration 5 >= steps=5; pass a larger --steps",
+    assert_refused(TrainError, "the checkpoint is already at iteration 5 >= steps=5; pass a larger steps=N",
             train, model, TOKENS, opts, resume={"iteration": 5})
 
 
@@ -286,7 +286,7 @@ def test_resume_refuses_damage(tmp_path):
     _, extra = load_training(tmp_path / "c.pt")
     assert extra["history"] == {"h": 1} and extra["data"] is None and extra["iteration"] == 1
     assert_refused(CheckpointError, "the checkpoint's sampler state is damaged (not a CPU generator state); resume from "
-            "another checkpoint, or start a new run with the same --seed", train, model, TOKENS, OPTS,
+            "another checkpoint, or start a new run with the same seed=N", train, model, TOKENS, OPTS,
             resume={"iteration": 1, "sampler_state": torch.zeros(3, dtype=torch.uint8)})
     other = make_optimizer(TransformerLM(CFG.replace(num_layers=2), generator(0)), OPTS).state_dict()
     with pytest.raises(CheckpointError) as info:

@@ -29,12 +29,14 @@ Exit codes (also in docs/cli.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import os
 import re
 import sys
 import traceback
+import warnings
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_NONFINITE = 4  # tinylm train stopped on a non-finite loss
@@ -58,6 +60,78 @@ SCHEME_NAMES = ("cs336", "kaiming", "torch-default", "gpt2", "small-init", "zero
 
 class UsageError(ValueError):
     """A bad flag or flag combination; the message says which and what to do."""
+
+
+# --------------------------------------------------------------------------- the library's words in flags
+
+#: The one map from a library argument (a keyword of tinylm or diagnostics) to the flag that
+#: carries it: ``--`` and the name with dashes, except these. Only the command line speaks in
+#: flags; the library names its arguments (``pass seq_len=N``) and :func:`in_flags` translates.
+_RENAMED_FLAGS = {"unsafe": "--unsafe-load"}
+
+#: The flag that names the file a library error class refuses (its ``argument`` is ``path``).
+_FILE_FLAGS = {"DataError": "--data"}
+
+
+def flag_of(name: str) -> str:
+    """The flag of a library argument: ``seq_len`` -> ``--seq-len``, ``unsafe`` -> ``--unsafe-load``."""
+    return _RENAMED_FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
+_ADVICE = re.compile(r"(?<![\w.])(?P<name>[a-z][a-z0-9_]*)=(?P<value>[A-Z]+\b|True\b|-?\d[\d.]*(?:e[-+]?\d+)?)")
+
+
+def in_flags(message: str, flags: dict[str, bool]) -> str:
+    """A library message in the command line's words: each piece of advice whose flag the command
+    has (``flags``: flag -> whether it takes a value) becomes that flag. Advice is ``name=N`` with an
+    upper-case placeholder (``--name N``), ``name=True`` for a switch (``--name``) or a number after
+    "pass " or "try " (``try batch_size=8``: ``try --batch-size 8``). A statement of a value
+    (``steps=0: must ...``) and a name the command has no flag for stay as they are."""
+    def swap(m: re.Match) -> str:
+        flag, value = flag_of(m["name"]), m["value"]
+        if flag not in flags:
+            return m[0]
+        if value == "True":
+            return m[0] if flags[flag] else flag
+        if value.isalpha() or message[:m.start()].endswith(("pass ", "try ")):
+            return f"{flag} {value}"
+        return m[0]
+
+    return _ADVICE.sub(swap, message)
+
+
+def flags_of(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """The long flags of ``parser``, each with whether it takes a value."""
+    return {s: a.nargs != 0 for a in parser._actions for s in a.option_strings if s.startswith("--")}
+
+
+def user_message(e: BaseException, parser: argparse.ArgumentParser | None) -> str:
+    """The one line a user sees for a mistake: a UsageError as it is; a library error in the
+    command's flags (:func:`in_flags`), a refused file under the flag that named it."""
+    message = str(e)
+    if isinstance(e, UsageError) or parser is None:
+        return message
+    flags = flags_of(parser)
+    message = in_flags(message, flags)
+    file_flag = _FILE_FLAGS.get(type(e).__name__)
+    if getattr(e, "argument", None) == "path" and file_flag in flags:
+        message = f"{file_flag} {message}"
+    return message
+
+
+@contextlib.contextmanager
+def warnings_in_flags(parser: argparse.ArgumentParser):
+    """Within: a warning the library gives is shown in the command's flags (:func:`in_flags`)."""
+    show, flags = warnings.showwarning, flags_of(parser)
+
+    def in_words(message, category, filename, lineno, file=None, line=None):
+        show(in_flags(str(message), flags), category, filename, lineno, file, line)
+
+    warnings.showwarning = in_words
+    try:
+        yield
+    finally:
+        warnings.showwarning = show
 
 
 def did_you_mean(word: str, choices, n: int = 1) -> str:
@@ -169,18 +243,21 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tinylm``; returns the exit code (console scripts pass it to sys.exit)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    verb_parser = None
     try:
         parser = build_parser()
         if not argv:
             parser.print_help(sys.stderr)
             return EXIT_USAGE
         args = _parse(parser, argv)
+        verb_parser = getattr(args, "_parser", None)
         if args.verb is None:
             raise UsageError("no command given (commands: " + ", ".join(VERBS) + "; see tinylm --help)")
         if args._check is not None:
             args._check(args)  # every flag that can be checked without torch, before any work
         set_threads(args.threads if args.threads is not None else args.threads_first)
-        return int(args._run(args))
+        with warnings_in_flags(verb_parser):
+            return int(args._run(args))
     except KeyboardInterrupt:
         _say("tinylm: interrupted")
         return EXIT_INTERRUPTED
@@ -190,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         if isinstance(e, UsageError) or _is_user_error(e):
-            _say(f"tinylm: error: {e}")
+            _say(f"tinylm: error: {user_message(e, verb_parser)}")
             return EXIT_USAGE
         # a bug of ours: one line unless --debug
         _say(f"tinylm: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")

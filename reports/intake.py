@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cli import UsageError, positive_int  # noqa: F401  (positive_int: the commands import it from here)
+from .cli import UsageError, flag_of, positive_int  # noqa: F401  (positive_int: the commands import it from here)
 
 if TYPE_CHECKING:  # torch is imported where a command starts its work, after the flags are checked
     import torch
@@ -139,7 +139,7 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
     from tinylm import checkpoint as ckpt
 
     if checkpoint is None:
-        flags = [f for f, v in (("--num-heads", num_heads), ("--rope-theta", rope_theta)) if v is not None]
+        flags = [flag_of(k) for k, v in (("num_heads", num_heads), ("rope_theta", rope_theta)) if v is not None]
         if flags:
             raise UsageError(f"{', '.join(flags)} describe a checkpoint without a config; pass a CHECKPOINT or drop them")
         changes = {"init": DEFAULT_INIT}
@@ -174,8 +174,8 @@ def _load_hf_directory(directory: str, *, num_heads: int | None, rope_theta: flo
     same function, any other causal LM through transformers (``tinylm.hf.load_any``)."""
     from tinylm import hf
 
-    flags = [f for f, v in (("--num-heads", num_heads), ("--rope-theta", rope_theta),
-                            ("--context-length", context_length)) if v is not None]
+    flags = [flag_of(k) for k, v in (("num_heads", num_heads), ("rope_theta", rope_theta),
+                                     ("context_length", context_length)) if v is not None]
     if flags:
         raise UsageError(f"{', '.join(flags)}: {directory} is a save_pretrained directory whose config.json gives "
                          "the whole config; drop the flag(s)")
@@ -202,15 +202,12 @@ def _missing_flags_message(checkpoint: str, e: Any, command: str) -> str:
     d_model = known.get("d_model")
     if isinstance(d_model, int) and "num_heads" not in given and d_model % example["num_heads"]:
         example["num_heads"] = next(h for h in (8, 4, 2, 1) if d_model % h == 0)
-    flags = " ".join(f"{_FLAG_OF[k]} {_plain(v)}" for k, v in example.items() if k in e.missing or k in given)
+    flags = " ".join(f"{flag_of(k)} {_plain(v)}" for k, v in example.items() if k in e.missing or k in given)
     sizes = ", ".join(f"{k}={known[k]}" for k in ("vocab_size", "d_model", "num_layers", "d_ff") if k in known)
-    what = ", ".join(_FLAG_OF[k] for k in e.missing)
+    what = ", ".join(flag_of(k) for k in e.missing)
     return (f"{checkpoint}: the checkpoint stores no config; its weights give {sizes or 'the sizes'} but not "
             f"{what}: pass {'them' if len(e.missing) > 1 else 'it'} as your run used them, e.g. "
             f"{command} {checkpoint} {flags} (example values of a CS336 TinyStories run)")
-
-
-_FLAG_OF = {"num_heads": "--num-heads", "context_length": "--context-length", "rope_theta": "--rope-theta"}
 
 
 def _plain(v: Any) -> str:

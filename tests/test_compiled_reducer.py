@@ -1,6 +1,6 @@
 """The probe's compiled-torch path (diagnostics.measure.compiled) against the plain-torch reference.
 
-Contract, as for the numba kernels: counts and max |x| identical; mean and M2 to float64
+Contract, as for the numba reducer: counts and max |x| identical; mean and M2 to float64
 rounding; the attention panel and row mean squares to the rounding of their float64 sums.
 The path sums d = x - K in float64 (K: the tensor's first entry, 0 when not finite) and forms
 M2 = sum d^2 - (sum d)^2 / n, so its error is at most about n u_64 sum d^2 (a recursive
@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diagnostics import probe
-from diagnostics.measure import accel, compiled, reference
+from diagnostics.measure import compiled, numba_reducer, reference
 from diagnostics.measure.reducer import reduce
 from diagnostics.measure.reference import FIELDS
 
@@ -96,7 +96,7 @@ def test_causal_and_panel_formulas_equal_reference(dtype, T):
     s[0, 0, -1, 0] = 60.0  # a saturated row
     mask = reference.causal_mask(T)
     p = torch.softmax(s.masked_fill(~mask, -math.inf), -1).to(dtype)
-    p[1, 1].triu_(1).add_(0.3)  # the kernel must not read above the diagonal
+    p[1, 1].triu_(1).add_(0.3)  # the reducer must not read above the diagonal
     mom, pan = compiled._causal_probs(p.reshape(-1, T, T))
     assert _bad(mom.tolist(), reference.moments(p, mask).tolist(), p, mask) == []
     assert torch.equal(compiled._causal(p.reshape(-1, T, T)), mom)
@@ -126,15 +126,37 @@ def test_rows_and_cosine_formulas_equal_reference(shape):
 
 def test_backend_by_device(monkeypatch):
     x = torch.ones(3, 4)
-    monkeypatch.setenv("TINYLM_FUSED", "1")
-    assert not compiled.takes(x) or not accel.available()  # numba, where present, has the CPU
-    monkeypatch.setattr(accel, "available", lambda: False)  # a CPU without numba: compiled torch
+    monkeypatch.setenv("TINYLM_REDUCER", "auto")
+    assert not compiled.takes(x) or not numba_reducer.available()  # numba, where present, has the CPU
+    monkeypatch.setattr(numba_reducer, "available", lambda: False)  # a CPU without numba: compiled torch
     assert compiled.takes(x) and compiled.takes(x.double()) and not compiled.takes(torch.ones(0, 3))
-    monkeypatch.setenv("TINYLM_FUSED", "0")  # everything to the reference
+    monkeypatch.setenv("TINYLM_REDUCER", "reference")  # everything to the reference
     assert not compiled.takes(x)
     monkeypatch.undo()
-    monkeypatch.setenv("TINYLM_FUSED", "compiled")  # forced on the CPU even beside numba
-    assert compiled.takes(x) and not accel.available()
+    monkeypatch.setenv("TINYLM_REDUCER", "compiled")  # forced on the CPU even beside numba
+    assert compiled.takes(x) and not numba_reducer.available()
+
+
+def test_the_old_variable_still_chooses_with_a_deprecation_warning(monkeypatch):
+    """``TINYLM_FUSED`` (the name ``TINYLM_REDUCER`` replaces) is read when the new one is unset:
+    0 -> reference, compiled -> compiled, else auto, each time with a DeprecationWarning naming the new."""
+    from diagnostics.measure import reducer_choice
+
+    monkeypatch.delenv("TINYLM_REDUCER", raising=False)
+    for old, new in (("0", "reference"), ("compiled", "compiled"), ("1", "auto")):
+        monkeypatch.setenv("TINYLM_FUSED", old)
+        with pytest.warns(DeprecationWarning, match=f"TINYLM_REDUCER={new}"):
+            assert reducer_choice.chosen() == new
+    monkeypatch.setenv("TINYLM_FUSED", "0")
+    with pytest.warns(DeprecationWarning):
+        assert not compiled.available() and not numba_reducer.available()
+    # the new name wins, without a warning; an unknown value reads as auto
+    monkeypatch.setenv("TINYLM_REDUCER", "compiled")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reducer_choice.chosen() == "compiled"
+        monkeypatch.setenv("TINYLM_REDUCER", "fast")
+        assert reducer_choice.chosen() == "auto"
 
 
 @pytest.fixture
@@ -142,7 +164,7 @@ def fresh(monkeypatch):
     """A compiled path with no functions built and no failure recorded, restored afterwards."""
     monkeypatch.setattr(compiled, "_compiled", {})
     monkeypatch.setattr(compiled, "_failed", False)
-    monkeypatch.setenv("TINYLM_FUSED", "compiled")
+    monkeypatch.setenv("TINYLM_REDUCER", "compiled")
     torch._dynamo.reset()
     yield monkeypatch
     torch._dynamo.reset()
@@ -210,7 +232,7 @@ def _cpp_compiler() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_cpp_compiler() is None, reason="no C++ compiler: inductor cannot build CPU kernels here")
+@pytest.mark.skipif(_cpp_compiler() is None, reason="no C++ compiler: inductor cannot build CPU code here")
 def test_inductor_probe_equals_reference(fresh):
     """A whole probe with the inductor-compiled path gives the reference path's statistics."""
     import tinylm
@@ -228,7 +250,7 @@ def test_inductor_probe_equals_reference(fresh):
         warnings.filterwarnings("error", message="torch.compile could not build")  # a failed compilation
         got = measure()
     assert set(compiled._compiled) >= {"_flat", "_causal", "_causal_probs"} and not compiled._failed
-    fresh.setenv("TINYLM_FUSED", "0")
+    fresh.setenv("TINYLM_REDUCER", "reference")
     want = measure()
     assert got.tensors.keys() == want.tensors.keys()
     for key, m in got.tensors.items():
@@ -243,7 +265,7 @@ def test_inductor_probe_equals_reference(fresh):
     # the merge a GPU probe runs compiled (a CPU's merges run in numpy), compiled here on the CPU
     from diagnostics.measure import reducer
 
-    fresh.setenv("TINYLM_FUSED", "compiled")
+    fresh.setenv("TINYLM_REDUCER", "compiled")
     va, vb = reference.moments(torch.randn(40) + 2), reference.moments(torch.randn(7))
     merged = compiled.call(reducer._merge_torch, va, vb, 1, 4, True)
     assert merged is not None and not compiled._failed

@@ -73,7 +73,7 @@ def test_code_execution_payload_is_refused_and_never_runs(tmp_path):
     target = tmp_path / "PWNED"
     path = tmp_path / "evil.pt"
     torch.save({"model": Payload(target)}, path)
-    msg = assert_refused(path, "executable" if False else "pickled Python objects", "system", "--unsafe-load")
+    msg = assert_refused(path, "executable" if False else "pickled Python objects", "system", "unsafe=True")
     assert not target.exists()
     assert "state_dict()" in msg  # says how to convert
 
@@ -83,7 +83,7 @@ def test_whole_module_pickle_is_refused_unless_unsafe(tmp_path, model):
     torch.save(model, path)
     with pytest.raises(UnsafeCheckpointError, match="tinylm.config.ModelConfig|tinylm.model.TransformerLM"):
         checkpoint.load(path)
-    with pytest.warns(UserWarning, match="unsafe-load"):
+    with pytest.warns(UserWarning, match="unsafe=True"):
         m2, info = checkpoint.load(path, unsafe=True)
     assert info.format == "module-pickle"
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
@@ -184,9 +184,9 @@ def test_memory_check_names_need_supply_and_a_batch_that_fits():
     c = tinylm.preset("tinystories")
     have = int(1.5 * estimate_bytes(c, 8, 256)) + 1
     assert check_fits(c, 8, 256, available=have) <= have
-    with pytest.raises(MemoryLimitError, match=r"batch 64 x 256 would need about .* GiB .* try --batch-size 8$"):
+    with pytest.raises(MemoryLimitError, match=r"batch 64 x 256 would need about .* GiB .* try batch_size=8$"):
         check_fits(c, 64, 256, available=have)
-    with pytest.raises(MemoryLimitError, match="shorter --seq-len"):
+    with pytest.raises(MemoryLimitError, match="shorter seq_len=N"):
         check_fits(c, 1, 256, available=1000)
 
 

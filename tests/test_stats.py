@@ -1,8 +1,8 @@
 """Streaming statistics: exact against float64 references, merges equal one run over both.
 
-Every test runs twice: on the compiled single-pass path (:mod:`diagnostics.measure.accel`, what a
-CPU probe uses) and on the plain-torch reference (:mod:`diagnostics.measure.reference`: other
-devices, or ``TINYLM_FUSED=0``).
+Every test runs twice: on the numba reducer (:mod:`diagnostics.measure.numba_reducer`, what a
+CPU probe uses) and on the plain-torch reference (:mod:`diagnostics.measure.reference`:
+``TINYLM_REDUCER=reference``).
 """
 
 import json
@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from diagnostics.measure import accel as fused
+from diagnostics.measure import numba_reducer
 from diagnostics.measure import reducer as reducer_module
 from diagnostics.measure.moments import FIELDS, AttnMoments, Moments, ProbeStats
 from diagnostics.measure.reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
 from diagnostics.options import OptionsError
 
 
-@pytest.fixture(autouse=True, params=["fused", "reference"])
+@pytest.fixture(autouse=True, params=["numba", "reference"])
 def path(request, monkeypatch):
-    monkeypatch.setenv("TINYLM_FUSED", "1" if request.param == "fused" else "0")
-    assert fused.available() == (request.param == "fused")
+    monkeypatch.setenv("TINYLM_REDUCER", "auto" if request.param == "numba" else "reference")
+    assert numba_reducer.available() == (request.param == "numba")
     return request.param
 
 
@@ -269,7 +269,7 @@ def test_reducer_reads_a_tensor_once_and_never_serves_a_stale_one(path):
 
 def test_the_panel_ignores_what_lies_above_the_diagonal(path):
     """Causal probabilities with NaN or 1 above the diagonal have the panel of the same rows with
-    zeros there (the compiled path never reads them; the reference takes them as 0). Negative
+    zeros there (the numba reducer never reads them; the reference takes them as 0). Negative
     control: the panel of those rows read whole, without ``causal``, differs."""
     T = 9
     mask = torch.ones(T, T, dtype=torch.bool).tril()

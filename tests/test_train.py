@@ -159,7 +159,7 @@ def test_already_finished_checkpoint_asks_for_more_steps(tmp_path):
     path = tmp_path / "m.pt"
     train(small_model(), periodic_tokens(), TrainOptions(steps=2, batch_size=2, watch_every=0), output=path)
     model, resume = load_training(path)
-    with pytest.raises(TrainError, match="larger --steps"):
+    with pytest.raises(TrainError, match="larger steps=N"):
         train(model, periodic_tokens(), TrainOptions(steps=2, batch_size=2), resume=resume)
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
 from .model import TransformerLM
+from .validate import file_error, refuse
 
 __all__ = ["save", "load", "read_state", "infer_config", "CheckpointInfo", "MissingOptionsError", "atomic_write"]
 
@@ -33,24 +34,24 @@ FORMAT, VERSION = "tinylm", 1
 PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel wrappers
 SAFE_GLOBAL_MODULES = ("torch", "collections", "builtins", "__builtin__", "numpy.core.multiarray", "_codecs")
 
-_FLAGS = {"num_heads": "--num-heads", "rope_theta": "--rope-theta", "context_length": "--context-length"}
+#: the settings a config-less file cannot show, each with the placeholder of its value (N an integer, X a real)
+UNSEEN = {"num_heads": "N", "rope_theta": "X", "context_length": "N"}
 
 
 class MissingOptionsError(MissingOptionError):
     """Settings the weights cannot show and the file does not store (every one at once).
 
     ``missing`` lists the config fields, ``known`` what the shapes determined (vocab_size,
-    d_model, ...), ``given`` the overrides that were passed; the message names every flag.
+    d_model, ...), ``given`` the overrides that were passed; the message names every
+    keyword argument of :func:`load` that is missing.
     """
 
     def __init__(self, missing: list[str], known: dict[str, Any], given: dict[str, Any]) -> None:
         self.missing, self.known, self.given = list(missing), dict(known), dict(given)
-        self.field, self.flag = missing[0], _FLAGS[missing[0]]
+        self.field = self.argument = missing[0]
         names = ", ".join(missing)
-        flags = " ".join(f"{_FLAGS[m]} N" for m in missing)
         CheckpointError.__init__(self, f"the checkpoint stores no config, so {names} {'is' if len(missing) == 1 else 'are'} "
-                                       f"unknown; pass {flags} (or {', '.join(m + '=...' for m in missing)} to "
-                                       "tinylm.checkpoint.load)")
+                                       f"unknown; pass {', '.join(f'{m}={UNSEEN[m]}' for m in missing)}")
 
 
 @dataclass
@@ -98,10 +99,11 @@ def save(path: str | os.PathLike, model: TransformerLM, **extra: Any) -> None:
     """
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
-        raise ConfigError("save() needs a model with a tinylm ModelConfig in .config (a TransformerLM)")
+        refuse("save() needs a model with a tinylm ModelConfig in .config (a TransformerLM)", error=ConfigError,
+               argument="model")
     reserved = {"format", "version", "config", "model"} & set(extra)
     if reserved:
-        raise ConfigError(f"extra key(s) {sorted(reserved)} are reserved by the tinylm format")
+        refuse(f"extra key(s) {sorted(reserved)} are reserved by the tinylm format", error=ConfigError)
     state = model.state_dict()
     if str(path).endswith(".safetensors"):
         from safetensors.torch import save_file
@@ -113,7 +115,8 @@ def save(path: str | os.PathLike, model: TransformerLM, **extra: Any) -> None:
             meta = {"format": FORMAT, "version": str(VERSION), "config": json.dumps(config.to_dict())}
             meta.update({k: json.dumps(v) for k, v in extra.items()})
         except TypeError as e:
-            raise ConfigError(f"safetensors metadata must be JSON: {e}; save extras such as optimizer state as .pt") from None
+            refuse(f"safetensors metadata must be JSON: {e}", "save extras such as optimizer state as .pt",
+                   error=ConfigError)
         atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=meta))
     else:
         obj = {"format": FORMAT, "version": VERSION, "config": config.to_dict(), "model": state, **extra}
@@ -123,25 +126,31 @@ def save(path: str | os.PathLike, model: TransformerLM, **extra: Any) -> None:
 # --------------------------------------------------------------------------- reading
 
 
+#: the problem and the fix of a file this process may not read
+_UNREADABLE, _CHMOD = "not readable (permission denied)", "fix its permissions (chmod u+r)"
+
+
 def _check_file(path: Path) -> bytes:
     """Refuse what is not a readable, non-empty file; return its first 16 bytes (format sniffing)."""
     if not path.exists():
-        raise CheckpointError(f"{path}: no such file; check the path")
+        file_error(path, "no such file", "check the path", error=CheckpointError)
     if path.is_dir():
-        raise CheckpointError(f"{path}: is a directory; pass the checkpoint file inside it")
+        file_error(path, "is a directory", "pass the checkpoint file inside it", error=CheckpointError)
     if not path.is_file():
-        raise CheckpointError(f"{path}: not a regular file; pass a checkpoint file")
+        file_error(path, "not a regular file", "pass a checkpoint file", error=CheckpointError)
     if not os.access(path, os.R_OK):
-        raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod u+r)")
+        file_error(path, _UNREADABLE, _CHMOD, error=CheckpointError)
     if path.stat().st_size == 0:
-        raise CheckpointError(f"{path}: empty file (0 bytes); the save was probably interrupted; use another checkpoint")
+        file_error(path, "empty file (0 bytes); the save was probably interrupted", "use another checkpoint",
+                   error=CheckpointError)
     try:
         with open(path, "rb") as f:
             return f.read(16)
     except PermissionError:
-        raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod u+r)") from None
+        file_error(path, _UNREADABLE, _CHMOD, error=CheckpointError)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e}); check the file and its disk") from None
+        file_error(path, f"cannot be read ({e.strerror or e})", "check the file and its disk", error=CheckpointError)
+
 
 
 def _pickle_globals(data: bytes, pickles: int = 5) -> list[str]:
@@ -192,17 +201,17 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
     except CheckpointError:
         raise
     except PermissionError:
-        raise CheckpointError(f"{path}: not readable (permission denied); fix its permissions (chmod u+r)") from None
+        file_error(path, _UNREADABLE, _CHMOD, error=CheckpointError)
     except Exception as e:  # torch raises many types for a damaged file; classify them for the user
         if not unsafe:
             bad = _unsafe_globals(path)
             if bad:
-                raise UnsafeCheckpointError(
-                    f"{path}: holds pickled Python objects ({', '.join(bad[:3])}), e.g. a whole torch.save(model), "
-                    "which a safe load will not execute; if you made the file or trust it, rerun with --unsafe-load "
-                    "(risk: it runs the code the file names, with your permissions), or convert it once to a state "
-                    "dict: torch.save(torch.load(p, weights_only=False).state_dict(), 'state.pt')"
-                ) from None
+                file_error(path, f"holds pickled Python objects ({', '.join(bad[:3])}), e.g. a whole torch.save(model), "
+                           "which a safe load will not execute",
+                           "if you made the file or trust it, rerun with unsafe=True (risk: it runs the code "
+                           "the file names, with your permissions), or convert it once to a state dict: "
+                           "torch.save(torch.load(p, weights_only=False).state_dict(), 'state.pt')",
+                           error=UnsafeCheckpointError)
         msg = str(e).lower()
         if isinstance(e, EOFError) or _is_broken_zip(path) or "central directory" in msg or "truncat" in msg:
             why = "truncated or damaged (the save was probably interrupted or the copy is incomplete)"
@@ -210,7 +219,7 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
             why = "a text file, not a checkpoint"
         else:
             why = "not a PyTorch checkpoint (unreadable or corrupt data)"
-        raise CheckpointError(f"{path}: {why}; pass a file written by torch.save or safetensors") from None
+        file_error(path, why, "pass a file written by torch.save or safetensors", error=CheckpointError)
 
 
 def _is_broken_zip(path: Path) -> bool:
@@ -252,9 +261,8 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
                 tensors[k] = f.get_tensor(k)
         return tensors, meta
     except Exception as e:
-        raise CheckpointError(
-            f"{path}: corrupt safetensors file ({str(e).splitlines()[0][:120]}); re-export it"
-        ) from None
+        file_error(path, f"corrupt safetensors file ({str(e).splitlines()[0][:120]})", "re-export it",
+                   error=CheckpointError)
 
 
 #: bounds on one JSON value in a file's metadata: a few kilobytes of metadata must never cost more.
@@ -264,8 +272,8 @@ JSON_MAX_BYTES, JSON_MAX_DEPTH = 1 << 20, 64
 def _bounded_json(text: str, what: str, path: Path) -> Any:
     """``json.loads(text)`` once its size and nesting depth are within bounds; else a CheckpointError."""
     if len(text) > JSON_MAX_BYTES:
-        raise CheckpointError(f"{path}: its {what} metadata is {len(text):,} characters (at most {JSON_MAX_BYTES:,} "
-                              "are read); re-export the file without it")
+        file_error(path, f"its {what} metadata is {len(text):,} characters (at most {JSON_MAX_BYTES:,} are read)",
+                   "re-export the file without it", error=CheckpointError)
     depth = deepest = 0
     in_string = escaped = False
     for ch in text:  # nesting outside strings, without recursion
@@ -279,8 +287,8 @@ def _bounded_json(text: str, what: str, path: Path) -> Any:
         elif ch in "]}":
             depth -= 1
     if deepest > JSON_MAX_DEPTH:
-        raise CheckpointError(f"{path}: its {what} metadata nests {deepest} levels deep (at most {JSON_MAX_DEPTH}); "
-                              "re-export the file without it")
+        file_error(path, f"its {what} metadata nests {deepest} levels deep (at most {JSON_MAX_DEPTH})",
+                   "re-export the file without it", error=CheckpointError)
     return json.loads(text)
 
 
@@ -317,7 +325,8 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
             try:
                 config = _bounded_json(meta["config"], "config", path)
             except json.JSONDecodeError:
-                raise CheckpointError(f"{path}: the config in its safetensors metadata is not valid JSON; re-export it") from None
+                file_error(path, "the config in its safetensors metadata is not valid JSON", "re-export it",
+                           error=CheckpointError)
             info.config_source = "stored"
         for k, v in meta.items():
             if k not in ("format", "version", "config"):
@@ -331,14 +340,15 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
 
     obj = _torch_load(path, unsafe)
     if isinstance(obj, nn.Module):  # only reachable with unsafe=True
-        warnings.warn(f"{path}: loaded a whole pickled module (--unsafe-load); its code ran on load")
+        warnings.warn(f"{path}: loaded a whole pickled module (unsafe=True); its code ran on load")
         cfg = getattr(obj, "config", None)
         info = CheckpointInfo(str(path), "module-pickle", "stored" if isinstance(cfg, ModelConfig) else "inferred")
         return _strip_prefixes(obj.state_dict()), cfg.to_dict() if isinstance(cfg, ModelConfig) else None, info
     if isinstance(obj, dict) and obj.get("format") == FORMAT:
         state = obj.get("model")
         if not _is_state_dict(state):
-            raise CheckpointError(f"{path}: a tinylm checkpoint whose 'model' entry is not a state dict; the file is damaged")
+            file_error(path, "a tinylm checkpoint whose 'model' entry is not a state dict; the file is damaged",
+                       error=CheckpointError)
         info = CheckpointInfo(str(path), "tinylm", "stored", version=obj.get("version"))
         info.iteration = _iteration(obj.get("iteration"))
         info.has_optimizer = "optimizer" in obj
@@ -350,10 +360,8 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
         return _strip_prefixes(obj["model"]), obj.get("config") if isinstance(obj.get("config"), dict) else None, info
     if _is_state_dict(obj):
         return _strip_prefixes(obj), None, CheckpointInfo(str(path), "state_dict", "inferred")
-    raise CheckpointError(
-        f"{path}: holds a {type(obj).__name__}, not a model state dict; save model.state_dict() "
-        "or use tinylm.checkpoint.save"
-    )
+    file_error(path, f"holds a {type(obj).__name__}, not a model state dict",
+               "save model.state_dict() or use tinylm.checkpoint.save", error=CheckpointError)
 
 
 def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfig:
@@ -366,24 +374,23 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     non-gated FFN's activation cannot be seen and defaults to "silu" (pass ffn=...); nor
     can a bias-free LayerNorm be told from RMSNorm (pass norm_kind=...). num_heads,
     rope_theta (RoPE models) and context_length (unless learned positions show it)
-    cannot be seen in the weights and must be given; a missing one raises an error
-    naming its flag.
+    cannot be seen in the weights and must be given; the missing ones raise one
+    :class:`MissingOptionsError` naming each.
     """
     emb = state.get("token_embeddings.weight")
     if emb is None or emb.dim() != 2:
-        raise CheckpointError(
-            "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
-            f"(first keys: {', '.join(list(state)[:4])})"
-        )
+        refuse("no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
+               f"(first keys: {', '.join(list(state)[:4])})", error=CheckpointError)
     blocks = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
     if not blocks:
-        raise CheckpointError("no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model")
+        refuse("no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model", error=CheckpointError)
     def any_block(suffix: str) -> str | None:  # the first block that has this key (one may be missing)
         return next((f"layers.{i}.{suffix}" for i in sorted(blocks) if f"layers.{i}.{suffix}" in state), None)
 
     w1 = state.get(any_block("ffn.w1.weight") or "")
     if w1 is None or w1.dim() != 2:
-        raise CheckpointError("no 2-D 'layers.N.ffn.w1.weight': cannot tell d_ff; is this a CS336/tinylm model?")
+        refuse("no 2-D 'layers.N.ffn.w1.weight': cannot tell d_ff", "is this a CS336/tinylm model?",
+               error=CheckpointError)
     if any_block("ln1.weight") or any_block("ln2.weight"):
         norm = "pre" if "ln_final.weight" in state else "post"
     else:
@@ -415,13 +422,13 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     needed = ["num_heads", "context_length"] + (["rope_theta"] if fields.get("positions", "rope") == "rope" else [])
     missing = [name for name in needed if name not in fields]
     if missing:
-        raise MissingOptionsError(missing, known=fields, given={k: overrides.get(k) for k in _FLAGS})
+        raise MissingOptionsError(missing, known=fields, given={k: overrides.get(k) for k in UNSEEN})
     return ModelConfig(**fields)
 
 
 def _check_sizes(config: ModelConfig, state: dict[str, torch.Tensor], path: str) -> None:
     """The config's sizes against what the weights show, before any module is built: a stored
-    config (or a flag) that claims more blocks or wider layers than the file holds is refused."""
+    config (or an override) that claims more blocks or wider layers than the file holds is refused."""
     seen: dict[str, int] = {}
     emb = state.get("token_embeddings.weight")
     if isinstance(emb, torch.Tensor) and emb.dim() == 2:
@@ -434,8 +441,8 @@ def _check_sizes(config: ModelConfig, state: dict[str, torch.Tensor], path: str)
         seen["d_ff"] = w1.shape[0]
     wrong = [f"{k}={getattr(config, k)} but the weights show {v}" for k, v in seen.items() if getattr(config, k) != v]
     if wrong:
-        raise CheckpointError(f"{path}: the config does not match the weights ({'; '.join(wrong)}); "
-                              "fix the flag or the stored config, or drop it and let the shapes decide")
+        file_error(path, f"the config does not match the weights ({'; '.join(wrong)})",
+                   "fix the override or the stored config, or drop it and let the shapes decide", error=CheckpointError)
 
 
 def _validate_state(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
@@ -448,17 +455,20 @@ def _validate_state(model: nn.Module, state: dict[str, torch.Tensor], path: str)
             parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
-        raise CheckpointError(f"{path}: the state dict does not match the model ({'; '.join(parts)}); check the config flags or the file")
+        file_error(path, f"the state dict does not match the model ({'; '.join(parts)})",
+                   "check the config overrides or the file", error=CheckpointError)
     wrong = [f"{k} {tuple(state[k].shape)} (expected {tuple(v.shape)})" for k, v in expected.items() if state[k].shape != v.shape]
     if wrong:
-        raise CheckpointError(f"{path}: wrong shapes: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}; check the config flags or the file")
+        file_error(path, f"wrong shapes: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}",
+                   "check the config overrides or the file", error=CheckpointError)
     sparse = [f"{k} ({v.layout})" for k, v in state.items() if v.layout != torch.strided]
     if sparse:
-        raise CheckpointError(f"{path}: sparse or non-dense weights: {', '.join(sparse[:3])}; save dense tensors "
-                              "(tensor.to_dense())")
+        file_error(path, f"sparse or non-dense weights: {', '.join(sparse[:3])}", "save dense tensors (tensor.to_dense())",
+                   error=CheckpointError)
     bad = [f"{k} ({v.dtype})" for k, v in state.items() if not v.is_floating_point()]
     if bad:
-        raise CheckpointError(f"{path}: non-float weights: {', '.join(bad[:3])}; weights must be floating point")
+        file_error(path, f"non-float weights: {', '.join(bad[:3])}", "weights must be floating point",
+                   error=CheckpointError)
 
 
 def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> tuple[TransformerLM, CheckpointInfo]:
@@ -471,13 +481,14 @@ def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> 
     state, config_dict, info = read_state(path, unsafe=unsafe)
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if config_dict is not None and not isinstance(config_dict, dict):
-        raise CheckpointError(f"{path}: the stored config is a {type(config_dict).__name__}, not a dict of fields; "
-                              "the file is damaged or was written by another tool (save with tinylm.checkpoint.save)")
+        file_error(path, f"the stored config is a {type(config_dict).__name__}, not a dict of fields",
+                   "the file is damaged or was written by another tool (save with tinylm.checkpoint.save)",
+                   error=CheckpointError)
     if config_dict is not None:
         try:
             config = ModelConfig.from_dict({**config_dict, **overrides})
         except ConfigError as e:
-            raise CheckpointError(f"{path}: stored config is invalid: {e}") from None
+            file_error(path, f"stored config is invalid: {e}", error=CheckpointError)
     else:
         config = infer_config(state, **overrides)
     _check_sizes(config, state, str(path))

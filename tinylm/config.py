@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .errors import ConfigError
-from .validate import boolean, check, choice, fail, integer, number
+from .validate import boolean, check, check_type, choice, fail, integer, number, refuse
 
 __all__ = ["ModelConfig", "default_d_ff", "PRESETS", "preset"]
 
@@ -30,7 +30,7 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     at 8 d_model^2, the same as a ReLU FFN of width 4 d_model.
     """
     if d_model <= 0 or multiple_of <= 0:
-        raise ConfigError(f"d_model={d_model}, multiple_of={multiple_of}: both must be positive")
+        refuse(f"d_model={d_model}, multiple_of={multiple_of}: both must be positive", error=ConfigError)
     return multiple_of * math.ceil(8 * d_model / 3 / multiple_of)
 
 
@@ -89,14 +89,11 @@ class ModelConfig:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             integer(name, getattr(self, name), low=1, error=ConfigError)
         if self.d_model % self.num_heads:
-            raise ConfigError(
-                f"d_model={self.d_model}, num_heads={self.num_heads}: d_model must be divisible by num_heads"
-            )
+            refuse(f"d_model={self.d_model}, num_heads={self.num_heads}: d_model must be divisible by num_heads",
+                   error=ConfigError, argument="num_heads")
         if self.rope and self.head_dim % 2:
-            raise ConfigError(
-                f"head dimension d_model/num_heads={self.head_dim} is odd: RoPE rotates pairs, so it must be even "
-                "(change num_heads, or set positions='learned' or 'none')"
-            )
+            refuse(f"head dimension d_model/num_heads={self.head_dim} is odd: RoPE rotates pairs, so it must be even "
+                   "(change num_heads, or set positions='learned' or 'none')", error=ConfigError, argument="num_heads")
         number("rope_theta", self.rope_theta, low=0.0, strict_low=True, error=ConfigError)
         number("eps", self.eps, low=0.0, error=ConfigError)
         choice("norm", self.norm, NORMS, error=ConfigError)
@@ -134,23 +131,23 @@ class ModelConfig:
         A legacy boolean ``"rope"`` key (configs stored before ``positions`` existed) maps to
         ``positions``: True -> "rope", False -> "none".
         """
-        if not isinstance(data, dict):
-            raise ConfigError(f"config must be a dict of fields, got {type(data).__name__}")
+        check_type("data", data, dict, "a dict of config fields", error=ConfigError)
         if "rope" in data:
             data = dict(data)
             rope = boolean("rope", data.pop("rope"), fix="True or False (the legacy field; use positions=)",
                            error=ConfigError)
             if "positions" in data and data["positions"] != ("rope" if rope else "none"):
-                raise ConfigError(f"rope={rope} and positions={data['positions']!r} disagree; "
-                                  "drop the legacy 'rope' key")
+                refuse(f"rope={rope} and positions={data['positions']!r} disagree", "drop the legacy 'rope' key",
+                       error=ConfigError, argument="rope")
             data.setdefault("positions", "rope" if rope else "none")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"unknown config field(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+            refuse(f"unknown config field(s) {', '.join(map(repr, unknown))}", f"known: {', '.join(sorted(known))}",
+                   error=ConfigError)
         missing = sorted(f.name for f in fields(cls) if f.default is dataclasses.MISSING and f.name not in data)
         if missing:
-            raise ConfigError(f"config lacks field(s) {', '.join(missing)}")
+            refuse(f"config lacks field(s) {', '.join(missing)}", error=ConfigError)
         return cls(**data)
 
 
@@ -183,5 +180,5 @@ PRESETS: dict[str, ModelConfig] = {
 def preset(name: str, **changes: Any) -> ModelConfig:
     """The named preset, optionally with fields changed."""
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+        refuse(f"unknown preset {name!r}", f"choose one of {', '.join(PRESETS)}", error=ConfigError, argument="name")
     return PRESETS[name].replace(**changes) if changes else PRESETS[name]

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tinylm.errors import TinyLMError
+from tinylm.validate import file_error, refuse
 
 __all__ = ["DataError", "load_tokens", "stdlib_corpus", "get_batch", "random_tokens", "check_vocab"]
 
@@ -29,13 +30,13 @@ class DataError(TinyLMError):
 
 def _check_path(path: Path) -> None:
     if not path.exists():
-        raise DataError(f"--data {path}: no such file; check the path")
+        file_error(path, "no such file", "check the path", error=DataError)
     if path.is_dir():
-        raise DataError(f"--data {path}: is a directory; pass a .npy, .bin or .txt file")
+        file_error(path, "is a directory", "pass a .npy, .bin or .txt file", error=DataError)
     if not os.access(path, os.R_OK):
-        raise DataError(f"--data {path}: not readable (permission denied); fix its permissions")
+        file_error(path, "not readable (permission denied)", "fix its permissions", error=DataError)
     if path.stat().st_size == 0:
-        raise DataError(f"--data {path}: empty file; pass a file with tokens in it")
+        file_error(path, "empty file", "pass a file with tokens in it", error=DataError)
 
 
 def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> np.ndarray:
@@ -50,25 +51,25 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> np.nd
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         except Exception as e:
-            raise DataError(f"--data {path}: not a readable .npy array ({str(e).splitlines()[0][:100]}); "
-                            "write tokens with np.save(path, array)") from None
+            file_error(path, f"not a readable .npy array ({str(e).splitlines()[0][:100]})",
+                       "write tokens with np.save(path, array)", error=DataError)
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             found = ""
             if tokens.ndim == 1 and tokens.size and np.issubdtype(tokens.dtype, np.number):
                 found = f" (values {tokens.min()} .. {tokens.max()})"
-            raise DataError(f"--data {path}: holds a {tokens.ndim}-D {tokens.dtype} array{found}; tokens must be a 1-D "
-                            "integer array (np.save(path, ids.astype(np.int64)))")
+            file_error(path, f"holds a {tokens.ndim}-D {tokens.dtype} array{found}",
+                       "tokens must be a 1-D integer array (np.save(path, ids.astype(np.int64)))", error=DataError)
     elif suffix == ".bin":
         if path.stat().st_size % 2:
-            raise DataError(f"--data {path}: odd byte count; a .bin token file is raw uint16 (2 bytes per token)")
+            file_error(path, "odd byte count", "a .bin token file is raw uint16 (2 bytes per token)", error=DataError)
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
     elif suffix == ".txt":
         tokens = np.memmap(path, dtype=np.uint8, mode="r")
         if vocab_size is not None and vocab_size < 256:
-            raise DataError(f"--data {path}: text is tokenised as bytes (ids 0..255) but vocab_size={vocab_size}; "
-                            "use a model with vocab_size >= 256 or pre-tokenised .npy/.bin data")
+            file_error(path, f"text is tokenised as bytes (ids 0..255) but vocab_size={vocab_size}",
+                       "use a model with vocab_size >= 256 or pre-tokenised .npy/.bin data", error=DataError)
     else:
-        raise DataError(f"--data {path}: unknown suffix {path.suffix!r}; use .npy, .bin (uint16) or .txt")
+        file_error(path, f"unknown suffix {path.suffix!r}", "use .npy, .bin (uint16) or .txt", error=DataError)
     if vocab_size is not None:
         check_vocab(tokens, vocab_size, str(path))
     return tokens
@@ -76,12 +77,12 @@ def load_tokens(path: str | os.PathLike, vocab_size: int | None = None) -> np.nd
 
 def check_vocab(tokens: np.ndarray, vocab_size: int, source: str = "tokens") -> None:
     if len(tokens) == 0:
-        raise DataError(f"{source}: no tokens")
+        refuse(f"{source}: no tokens", error=DataError)
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         bad = hi if hi >= vocab_size else lo
-        raise DataError(f"{source}: token id {bad} is outside the model's vocabulary [0, {vocab_size}); "
-                        "the data was tokenised for another vocabulary")
+        refuse(f"{source}: token id {bad} is outside the model's vocabulary [0, {vocab_size})",
+               "the data was tokenised for another vocabulary", error=DataError)
 
 
 def stdlib_corpus(max_bytes: int = 8_000_000) -> np.ndarray:
@@ -101,7 +102,7 @@ def stdlib_corpus(max_bytes: int = 8_000_000) -> np.ndarray:
         if total >= max_bytes:
             break
     if not chunks:
-        raise DataError(f"no .py files found under {root}; pass --data with a token file")
+        refuse(f"no .py files found under {root}", "use a token file instead (data=PATH)", error=DataError)
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
@@ -113,8 +114,8 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, generato
     """
     n = len(tokens)
     if n < context_length + 1:
-        raise DataError(f"{n} tokens are fewer than context_length + 1 = {context_length + 1}; "
-                        "use more data or a shorter --seq-len")
+        refuse(f"{n} tokens are fewer than context_length + 1 = {context_length + 1}",
+               "use more data or a shorter context_length=N", error=DataError, argument="context_length")
     starts = torch.randint(0, n - context_length, (batch_size,), generator=generator).tolist()
     window = np.stack([np.asarray(tokens[s:s + context_length + 1], dtype=np.int64) for s in starts])
     w = torch.from_numpy(window).to(device)

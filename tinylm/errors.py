@@ -11,7 +11,13 @@ __all__ = ["TinyLMError", "ConfigError", "CheckpointError", "MissingOptionError"
 
 
 class TinyLMError(ValueError):
-    """Base class for mistakes in what the user gave us (never for our bugs)."""
+    """Base class for mistakes in what the user gave us (never for our bugs).
+
+    ``argument``: the name of the Python argument (or config field) the error is about, as
+    the caller passed it; None when it is about no one argument.
+    """
+
+    argument: str | None = None
 
 
 class ConfigError(TinyLMError):
@@ -23,12 +29,11 @@ class CheckpointError(TinyLMError):
 
 
 class MissingOptionError(CheckpointError):
-    """The checkpoint lacks a setting that must come from the user (e.g. ``--num-heads``)."""
+    """The checkpoint lacks a setting that must come from the caller (e.g. ``num_heads``)."""
 
-    def __init__(self, field: str, flag: str, why: str) -> None:
-        self.field = field
-        self.flag = flag
-        super().__init__(f"{why}; pass {flag} N (or {field}=... to tinylm.checkpoint.load)")
+    def __init__(self, field: str, why: str) -> None:
+        self.field = self.argument = field
+        super().__init__(f"{why}; pass {field}=N")
 
 
 class UnsafeCheckpointError(CheckpointError):

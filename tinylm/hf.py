@@ -43,7 +43,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +54,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, UnsafeCheckpointError
 from .memory import check_model_fits
 from .model import TransformerLM
+from .validate import refuse
 
 __all__ = ["MappingError", "rope_permutation", "config_from_hf", "hf_config", "from_hf_state", "to_hf_state",
            "read_config", "load", "load_any", "save_pretrained", "MAPPED_MODEL_TYPES"]
@@ -110,16 +111,17 @@ def _tie(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
     return state
 
 
-def _refuse(field: str, value: Any, why: str) -> MappingError:
-    return MappingError(f"{field}={value!r}: {why}")
+def _refuse(field: str, value: Any, why: str) -> NoReturn:
+    """Refuse a config.json field that has no exact tinylm counterpart (a MappingError)."""
+    refuse(f"{field}={value!r}: {why}", error=MappingError, argument=field)
 
 
 def _field(cfg: dict[str, Any], name: str, kind: type = int) -> Any:
     value = cfg.get(name)
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise CheckpointError(f"{name}={value!r} is not an integer; config.json is damaged, save the model again")
+        refuse(f"{name}={value!r} is not an integer; config.json is damaged, save the model again", error=CheckpointError)
     if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        raise CheckpointError(f"{name}={value!r} is not a number; config.json is damaged, save the model again")
+        refuse(f"{name}={value!r} is not a number; config.json is damaged, save the model again", error=CheckpointError)
     return value
 
 
@@ -127,7 +129,7 @@ def _model_config(**fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except ConfigError as e:
-        raise MappingError(f"config.json maps onto an invalid tinylm config: {e}") from None
+        refuse(f"config.json maps onto an invalid tinylm config: {e}", error=MappingError)
 
 
 # ---- Llama
@@ -140,22 +142,22 @@ def _llama_theta(cfg: dict[str, Any]) -> float:
     scaling = cfg.get("rope_scaling")
     if scaling is not None and (not isinstance(scaling, dict)
                                 or scaling.get("rope_type", scaling.get("type")) != "default"):
-        raise _refuse("rope_scaling", scaling, "tinylm's RoPE is unscaled (angles p * theta^(-2k/d_k))")
+        _refuse("rope_scaling", scaling, "tinylm's RoPE is unscaled (angles p * theta^(-2k/d_k))")
     params = cfg.get("rope_parameters")
     if params is None:
         return float(_field(cfg, "rope_theta", float)) if "rope_theta" in cfg else 10000.0
     if not isinstance(params, dict):
-        raise _refuse("rope_parameters", params, "must be a dict; the file is damaged")
+        _refuse("rope_parameters", params, "must be a dict; the file is damaged")
     if params.get("rope_type", "default") != "default":
-        raise _refuse("rope_parameters.rope_type", params.get("rope_type"),
-                      "tinylm's RoPE is unscaled (angles p * theta^(-2k/d_k)), only rope_type 'default' maps")
+        _refuse("rope_parameters.rope_type", params.get("rope_type"),
+                "tinylm's RoPE is unscaled (angles p * theta^(-2k/d_k)), only rope_type 'default' maps")
     extra = sorted(set(params) - _LLAMA_ROPE_KEYS)
     if extra:
-        raise _refuse("rope_parameters", params, f"{', '.join(extra)} change(s) RoPE, which tinylm does not")
+        _refuse("rope_parameters", params, f"{', '.join(extra)} change(s) RoPE, which tinylm does not")
     theta = _field(params, "rope_theta", float)
     if "rope_theta" in cfg and cfg["rope_theta"] != theta:
-        raise _refuse("rope_theta", cfg["rope_theta"], f"disagrees with rope_parameters.rope_theta={theta}; "
-                      "fix config.json")
+        _refuse("rope_theta", cfg["rope_theta"], f"disagrees with rope_parameters.rope_theta={theta}; "
+                "fix config.json")
     return float(theta)
 
 
@@ -163,24 +165,24 @@ def _llama_config(cfg: dict[str, Any]) -> ModelConfig:
     d, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
     kv = cfg.get("num_key_value_heads")
     if kv is not None and kv != heads:
-        raise _refuse("num_key_value_heads", kv, f"differs from num_attention_heads={heads} (grouped-query "
-                      "attention); tinylm has one key/value head per query head")
+        _refuse("num_key_value_heads", kv, f"differs from num_attention_heads={heads} (grouped-query "
+                "attention); tinylm has one key/value head per query head")
     head_dim = cfg.get("head_dim")
     if head_dim is not None and (d % heads or head_dim != d // heads):
-        raise _refuse("head_dim", head_dim, f"differs from hidden_size/num_attention_heads={d}/{heads}; tinylm's "
-                      "head width is d_model/num_heads")
+        _refuse("head_dim", head_dim, f"differs from hidden_size/num_attention_heads={d}/{heads}; tinylm's "
+                "head width is d_model/num_heads")
     attention_bias, mlp_bias = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
     if attention_bias != mlp_bias:
         flag = "attention_bias" if attention_bias else "mlp_bias"
-        raise _refuse(flag, True, "tinylm's bias switch gives the attention and the MLP projections biases together; "
-                      "only attention_bias == mlp_bias maps")
+        _refuse(flag, True, "tinylm's bias switch gives the attention and the MLP projections biases together; "
+                "only attention_bias == mlp_bias maps")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise _refuse("hidden_act", act, "tinylm's SwiGLU gates with silu")
+        _refuse("hidden_act", act, "tinylm's SwiGLU gates with silu")
     window = cfg.get("sliding_window")
     if cfg.get("model_type") == "mistral" and window is not None and window < _field(cfg, "max_position_embeddings"):
-        raise _refuse("sliding_window", window, "tinylm attends to every earlier position (no sliding window); "
-                      "only a window of at least max_position_embeddings maps")
+        _refuse("sliding_window", window, "tinylm attends to every earlier position (no sliding window); "
+                "only a window of at least max_position_embeddings maps")
     return _model_config(
         vocab_size=_field(cfg, "vocab_size"), context_length=_field(cfg, "max_position_embeddings"), d_model=d,
         num_layers=_field(cfg, "num_hidden_layers"), num_heads=heads, d_ff=_field(cfg, "intermediate_size"),
@@ -200,7 +202,7 @@ def _require(c: ModelConfig, arch: str, **wanted: Any) -> None:
     for name, allowed in wanted.items():
         value = getattr(c, name)
         if value not in allowed:
-            raise _refuse(name, value, f"{why[name]}; this model has no Hugging Face equivalent")
+            _refuse(name, value, f"{why[name]}; this model has no Hugging Face equivalent")
 
 
 def _llama_hf_config(c: ModelConfig) -> dict[str, Any]:
@@ -265,12 +267,12 @@ def _gpt2_config(cfg: dict[str, Any]) -> ModelConfig:
     for flag, why in (("scale_attn_by_inverse_layer_idx", "scales layer i's scores by 1/(i+1) as well"),
                       ("add_cross_attention", "adds cross-attention to an encoder")):
         if cfg.get(flag, False):
-            raise _refuse(flag, cfg[flag], f"{why}; tinylm's attention does not")
+            _refuse(flag, cfg[flag], f"{why}; tinylm's attention does not")
     if not cfg.get("scale_attn_weights", True):
-        raise _refuse("scale_attn_weights", cfg["scale_attn_weights"], "tinylm scales the scores by 1/sqrt(d_k)")
+        _refuse("scale_attn_weights", cfg["scale_attn_weights"], "tinylm scales the scores by 1/sqrt(d_k)")
     act = cfg.get("activation_function", "gelu_new")
     if act not in _GPT2_ACTIVATIONS:
-        raise _refuse("activation_function", act, f"tinylm's MLP activations are {', '.join(_GPT2_ACTIVATIONS)}")
+        _refuse("activation_function", act, f"tinylm's MLP activations are {', '.join(_GPT2_ACTIVATIONS)}")
     d = _field(cfg, "n_embd")
     inner = cfg.get("n_inner")
     return _model_config(
@@ -347,8 +349,8 @@ def _family_of_hf(cfg: dict[str, Any]) -> _Family:
     for fam in _FAMILIES:
         if model_type in fam.model_types:
             return fam
-    raise _refuse("model_type", model_type, f"tinylm maps only {', '.join(MAPPED_MODEL_TYPES)} exactly; "
-                  "tinylm.hf.load_any reads other architectures through transformers")
+    _refuse("model_type", model_type, f"tinylm maps only {', '.join(MAPPED_MODEL_TYPES)} exactly; "
+            "tinylm.hf.load_any reads other architectures through transformers")
 
 
 def _family_of(config: ModelConfig) -> _Family:
@@ -360,7 +362,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """The tinylm ``ModelConfig`` that computes exactly what a Hugging Face config.json describes,
     or a one-line :class:`MappingError` naming the field that has no tinylm counterpart."""
     if not isinstance(cfg, dict):
-        raise MappingError(f"config.json holds a {type(cfg).__name__}, not an object; the file is damaged")
+        refuse(f"config.json holds a {type(cfg).__name__}, not an object; the file is damaged", error=MappingError)
     return _family_of_hf(cfg).to_config(cfg)
 
 
@@ -391,15 +393,15 @@ def to_hf_state(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tens
 def _local_dir(path: str | os.PathLike) -> Path:
     root = Path(path)
     if not root.exists():
-        raise CheckpointError(f"{path}: no such local directory; tinylm reads only local save_pretrained directories "
-                              "and never downloads (a hub name is not read): fetch the model yourself and pass its "
-                              "directory")
+        refuse(f"{path}: no such local directory; tinylm reads only local save_pretrained directories "
+               "and never downloads (a hub name is not read): fetch the model yourself and pass its "
+               "directory", error=CheckpointError)
     if not root.is_dir():
-        raise CheckpointError(f"{path}: not a directory; pass a save_pretrained directory (config.json and weights) "
-                              "or load a checkpoint file with tinylm.checkpoint.load")
+        refuse(f"{path}: not a directory; pass a save_pretrained directory (config.json and weights) "
+               "or load a checkpoint file with tinylm.checkpoint.load", error=CheckpointError)
     if not (root / "config.json").is_file():
-        raise CheckpointError(f"{path}: no config.json, so not a save_pretrained directory; pass the directory "
-                              "that model.save_pretrained(...) wrote")
+        refuse(f"{path}: no config.json, so not a save_pretrained directory; pass the directory "
+               "that model.save_pretrained(...) wrote", error=CheckpointError)
     return root
 
 
@@ -408,7 +410,7 @@ def _read_json(path: Path, what: str) -> Any:
     try:
         return _bounded_json(path.read_text(encoding="utf-8"), what, path)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: not valid JSON; the file is damaged, save the model again") from None
+        refuse(f"{path}: not valid JSON; the file is damaged, save the model again", error=CheckpointError)
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -416,8 +418,8 @@ def read_config(path: str | os.PathLike) -> dict[str, Any]:
     root = _local_dir(path)
     cfg = _read_json(root / "config.json", "config.json")
     if not isinstance(cfg, dict):
-        raise CheckpointError(f"{root / 'config.json'}: holds a {type(cfg).__name__}, not an object; the file is "
-                              "damaged, save the model again")
+        refuse(f"{root / 'config.json'}: holds a {type(cfg).__name__}, not an object; the file is "
+               "damaged, save the model again", error=CheckpointError)
     return cfg
 
 
@@ -425,25 +427,25 @@ def _weight_files(root: Path) -> tuple[str, dict[Path, list[str] | None]]:
     """(format, {file: the keys the index assigns it, or None for an unsharded file})."""
     found = next((name for name in WEIGHT_FILES if (root / name).is_file()), None)
     if found is None:
-        raise CheckpointError(f"{root}: no {', '.join(WEIGHT_FILES)}; the weights are missing, save the model "
-                              "again with save_pretrained")
+        refuse(f"{root}: no {', '.join(WEIGHT_FILES)}; the weights are missing, save the model "
+               "again with save_pretrained", error=CheckpointError)
     fmt = "hf-safetensors" if found.startswith("model.") else "hf-pytorch-bin"
     if not found.endswith(".index.json"):
         return fmt, {root / found: None}
     index = _read_json(root / found, found)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{root / found}: no weight_map of tensor names to files; the index is damaged")
+        refuse(f"{root / found}: no weight_map of tensor names to files; the index is damaged", error=CheckpointError)
     shards: dict[Path, list[str]] = {}
     for key, name in weight_map.items():
         if not isinstance(name, str) or Path(name).name != name or name.startswith(".") or not name:
-            raise CheckpointError(f"{root / found}: shard {name!r} of {key} is outside the directory; only plain "
-                                  "file names inside it are read")
+            refuse(f"{root / found}: shard {name!r} of {key} is outside the directory; only plain "
+                   "file names inside it are read", error=CheckpointError)
         shards.setdefault(root / name, []).append(key)
     missing = [p.name for p in shards if not p.is_file()]
     if missing:
-        raise CheckpointError(f"{root}: shard(s) {', '.join(missing[:3])} named by {found} are missing; copy the "
-                              "whole directory")
+        refuse(f"{root}: shard(s) {', '.join(missing[:3])} named by {found} are missing; copy the "
+               "whole directory", error=CheckpointError)
     return fmt + "-sharded", shards
 
 
@@ -463,8 +465,8 @@ def _safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                 out[k] = (tuple(s.get_shape()), s.get_dtype())
             return out
     except Exception as e:
-        raise CheckpointError(f"{path}: corrupt safetensors file ({str(e).splitlines()[0][:120]}); save the model "
-                              "again") from None
+        refuse(f"{path}: corrupt safetensors file ({str(e).splitlines()[0][:120]}); save the model "
+               "again", error=CheckpointError)
 
 
 def _safetensors_tensors(path: Path) -> dict[str, Tensor]:
@@ -474,8 +476,8 @@ def _safetensors_tensors(path: Path) -> dict[str, Tensor]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:
-        raise CheckpointError(f"{path}: corrupt safetensors file ({str(e).splitlines()[0][:120]}); save the model "
-                              "again") from None
+        refuse(f"{path}: corrupt safetensors file ({str(e).splitlines()[0][:120]}); save the model "
+               "again", error=CheckpointError)
 
 
 def _bin_tensors(path: Path) -> dict[str, Tensor]:
@@ -484,11 +486,11 @@ def _bin_tensors(path: Path) -> dict[str, Tensor]:
         obj = _torch_load(path, unsafe=False)
     except UnsafeCheckpointError as e:
         names = str(e).split("(", 1)[1].split(")", 1)[0] if "(" in str(e) else "classes"
-        raise UnsafeCheckpointError(f"{path}: holds pickled Python objects ({names}), which tinylm never executes; "
-                                    "save the model again with save_pretrained (safetensors)") from None
+        refuse(f"{path}: holds pickled Python objects ({names}), which tinylm never executes; "
+               "save the model again with save_pretrained (safetensors)", error=UnsafeCheckpointError)
     if not _is_state_dict(obj):
-        raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors; save the model "
-                              "again with save_pretrained")
+        refuse(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors; save the model "
+               "again with save_pretrained", error=CheckpointError)
     return obj
 
 
@@ -507,12 +509,12 @@ def _check_keys(root: Path, fam: _Family, config: ModelConfig, shapes: dict[str,
     unexpected = [k for k in given if k not in expected]
     if missing or unexpected:
         parts = ([f"missing {_list(missing)}"] if missing else []) + ([f"unexpected {_list(unexpected)}"] if unexpected else [])
-        raise CheckpointError(f"{root}: the weights do not match config.json ({'; '.join(parts)}); the directory is "
-                              "incomplete or config.json belongs to another model")
+        refuse(f"{root}: the weights do not match config.json ({'; '.join(parts)}); the directory is "
+               "incomplete or config.json belongs to another model", error=CheckpointError)
     wrong = [f"{k} {given[k]} (config.json gives {s})" for k, s in expected.items() if given[k] != s]
     if wrong:
-        raise CheckpointError(f"{root}: shapes disagree with config.json: {'; '.join(wrong[:3])}"
-                              f"{' ...' if len(wrong) > 3 else ''}; the weights belong to another config")
+        refuse(f"{root}: shapes disagree with config.json: {'; '.join(wrong[:3])}"
+               f"{' ...' if len(wrong) > 3 else ''}; the weights belong to another config", error=CheckpointError)
 
 
 def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
@@ -531,18 +533,18 @@ def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
         fam = _family_of_hf(cfg)
         config = fam.to_config(cfg)
     except MappingError as e:
-        raise MappingError(f"{root / 'config.json'}: {e} (to measure it anyway, load it with transformers and pass "
-                           "the module to diagnostics.diagnose)") from None
+        refuse(f"{root / 'config.json'}: {e} (to measure it anyway, load it with transformers and pass "
+               "the module to diagnostics.diagnose)", error=MappingError)
     except CheckpointError as e:
-        raise CheckpointError(f"{root / 'config.json'}: {e}") from None
+        refuse(f"{root / 'config.json'}: {e}", error=CheckpointError)
     fmt, files = _weight_files(root)
     if fmt.startswith("hf-safetensors"):
         headers = {}
         for file, assigned in files.items():
             header = _safetensors_header(file)
             if assigned is not None and set(header) != set(assigned):
-                raise CheckpointError(f"{file}: holds other tensors than {root.name}'s index assigns it; the "
-                                      "directory mixes two saves, save the model again")
+                refuse(f"{file}: holds other tensors than {root.name}'s index assigns it; the "
+                       "directory mixes two saves, save the model again", error=CheckpointError)
             headers.update(header)
         _check_keys(root, fam, config, {k: s for k, (s, _) in headers.items()})
         dtype = _ST_DTYPES.get(headers[fam.embed_key][1], torch.float32)
@@ -558,8 +560,8 @@ def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
         _check_keys(root, fam, config, {k: tuple(v.shape) for k, v in state.items()})
     if config.tie_embeddings and fam.tied_key in state:
         if not torch.equal(state[fam.tied_key], state[fam.embed_key]):
-            raise CheckpointError(f"{root}: config.json ties the embeddings but {fam.tied_key} differs from "
-                                  f"{fam.embed_key}; set tie_word_embeddings to false or save the model again")
+            refuse(f"{root}: config.json ties the embeddings but {fam.tied_key} differs from "
+                   f"{fam.embed_key}; set tie_word_embeddings to false or save the model again", error=CheckpointError)
     ours = fam.from_hf(state, config)
     emb = ours["token_embeddings.weight"]
     model = TransformerLM(config, device="meta", dtype=emb.dtype if emb.is_floating_point() else torch.float32)
@@ -585,13 +587,13 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, CheckpointInfo]:
         return load(root)
     model_type = cfg.get("model_type")
     if "auto_map" in cfg:
-        raise CheckpointError(f"{root}: config.json names custom modelling code (auto_map); tinylm never runs remote "
-                              "code (trust_remote_code=False): use a model whose architecture transformers ships")
+        refuse(f"{root}: config.json names custom modelling code (auto_map); tinylm never runs remote "
+               "code (trust_remote_code=False): use a model whose architecture transformers ships", error=CheckpointError)
     try:
         import transformers
     except ImportError:
-        raise CheckpointError(f"{root}: model_type {model_type!r} is read through transformers, which is not "
-                              f"installed; {INSTALL_HF}") from None
+        refuse(f"{root}: model_type {model_type!r} is read through transformers, which is not "
+               f"installed; {INSTALL_HF}", error=CheckpointError)
     try:
         bars = transformers.utils.logging.is_progress_bar_enabled()
         transformers.utils.logging.disable_progress_bar()  # reading a local file: no progress bar on stderr
@@ -604,10 +606,10 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, CheckpointInfo]:
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         if "trust_remote_code" in first or "remote code" in first:
-            raise CheckpointError(f"{root}: needs remote code, which tinylm never runs (trust_remote_code=False); "
-                                  "use a model whose architecture transformers ships") from None
-        raise CheckpointError(f"{root}: transformers cannot load it as a causal LM ({type(e).__name__}: {first}); "
-                              "check the directory") from None
+            refuse(f"{root}: needs remote code, which tinylm never runs (trust_remote_code=False); "
+                   "use a model whose architecture transformers ships", error=CheckpointError)
+        refuse(f"{root}: transformers cannot load it as a causal LM ({type(e).__name__}: {first}); "
+               "check the directory", error=CheckpointError)
     model.eval()
     info = CheckpointInfo(str(root), "hf-transformers", "stored", extra={"model_type": model_type})
     info.nonfinite = [k for k, v in model.named_parameters() if not torch.isfinite(v).all()]
@@ -630,15 +632,15 @@ def save_pretrained(model: TransformerLM, path: str | os.PathLike, *, force: boo
     """
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
-        raise ConfigError("save_pretrained() needs a tinylm TransformerLM (a model with a ModelConfig in .config)")
+        refuse("save_pretrained() needs a tinylm TransformerLM (a model with a ModelConfig in .config)", error=ConfigError)
     fam = _family_of(config)
     cfg = fam.to_hf_config(config)
     root = Path(path)
     if root.exists() and not root.is_dir():
-        raise CheckpointError(f"{path}: exists and is a file; give a directory for config.json and model.safetensors")
+        refuse(f"{path}: exists and is a file; give a directory for config.json and model.safetensors", error=CheckpointError)
     if root.is_dir() and any(root.iterdir()) and not force:
-        raise CheckpointError(f"{path}: exists and is not empty; choose an empty or new directory, or pass --force "
-                              "(force=True) to replace its config.json and model.safetensors")
+        refuse(f"{path}: exists and is not empty; choose an empty or new directory, or pass force=True "
+               "to replace its config.json and model.safetensors", error=CheckpointError)
     state = fam.to_hf(model.state_dict(), config)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     cfg["dtype"] = str(model.token_embeddings.weight.dtype).removeprefix("torch.")

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 from torch import nn
 
 from .errors import ConfigError
+from .validate import check, fail, refuse
 from .layers import Embedding, LayerNorm, Linear, RMSNorm
 
 __all__ = [
@@ -85,6 +86,9 @@ def truncnorm_variance(sigma: float, low: float, high: float) -> float:
     return sigma**2 * (1 + (a_pa - b_pb) / z - ((pa - pb) / z) ** 2)
 
 
+FAMILIES = ("trunc_normal", "normal", "uniform", "constant")
+
+
 @dataclass(frozen=True)
 class Dist:
     """The distribution one parameter is drawn from.
@@ -103,12 +107,13 @@ class Dist:
     why: str = ""
 
     def __post_init__(self) -> None:
-        if self.family not in ("trunc_normal", "normal", "uniform", "constant"):
-            raise ConfigError(f"family={self.family!r}: must be trunc_normal, normal, uniform or constant")
+        if self.family not in FAMILIES:
+            fail("family", self.family, "be trunc_normal, normal, uniform or constant", error=ConfigError)
         if self.family == "uniform" and not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
-            raise ConfigError(f"uniform bounds low={self.low}, high={self.high}: need finite low < high")
-        if self.family in ("normal", "trunc_normal") and not self.std >= 0:
-            raise ConfigError(f"std={self.std}: must be >= 0")
+            refuse(f"uniform bounds low={self.low}, high={self.high}: need finite low < high", error=ConfigError,
+                   argument="low")
+        if self.family in ("normal", "trunc_normal"):
+            check("std", self.std, lambda v: v >= 0, "be >= 0", error=ConfigError)
 
     @property
     def mean(self) -> float:
@@ -214,11 +219,9 @@ class ParamSite:
 Scheme = Callable[[ParamSite], Dist]
 
 
-def _unsupported(scheme: str, site: ParamSite) -> ConfigError:
-    return ConfigError(
-        f"init scheme {scheme!r} has no rule for parameter {site.name!r} of kind {site.kind!r}; "
-        "register a scheme that covers it (tinylm.init.register)"
-    )
+def _unsupported(scheme: str, site: ParamSite) -> NoReturn:
+    refuse(f"init scheme {scheme!r} has no rule for parameter {site.name!r} of kind {site.kind!r}",
+           "register a scheme that covers it (tinylm.init.register)", error=ConfigError)
 
 
 def _common(scheme: str, site: ParamSite) -> Dist:
@@ -228,7 +231,7 @@ def _common(scheme: str, site: ParamSite) -> Dist:
         return Dist("constant", value=0.0, why="biases start at 0")
     if site.kind == "norm_bias":
         return Dist("constant", value=0.0, why="LayerNorm's bias starts at 0: the norm's output has mean 0")
-    raise _unsupported(scheme, site)
+    _unsupported(scheme, site)
 
 
 def cs336(site: ParamSite) -> Dist:
@@ -309,18 +312,19 @@ def register(name: str, scheme: Scheme, *, overwrite: bool = False) -> Scheme:
         tinylm.init.apply(model, "tiny-std")
     """
     if not isinstance(name, str) or not name:
-        raise ConfigError(f"name={name!r}: a scheme needs a non-empty name")
-    if not callable(scheme):
-        raise ConfigError(f"scheme={scheme!r}: must be a function ParamSite -> Dist")
+        refuse(f"name={name!r}: a scheme needs a non-empty name", error=ConfigError, argument="name")
+    check("scheme", scheme, callable, "be a function ParamSite -> Dist", error=ConfigError)
     if name in SCHEMES and not overwrite:
-        raise ConfigError(f"init scheme {name!r} exists already; pass overwrite=True to replace it")
+        refuse(f"init scheme {name!r} exists already", "pass overwrite=True to replace it", error=ConfigError,
+               argument="name")
     SCHEMES[name] = scheme
     return scheme
 
 
 def get(name: str) -> Scheme:
     if name not in SCHEMES:
-        raise ConfigError(f"unknown init scheme {name!r}; choose one of {', '.join(SCHEMES)}")
+        refuse(f"unknown init scheme {name!r}", f"choose one of {', '.join(SCHEMES)}", error=ConfigError,
+               argument="name")
     return SCHEMES[name]
 
 
@@ -372,7 +376,8 @@ def apply(model: nn.Module, scheme: str | Scheme = "cs336", generator: torch.Gen
     for name, (site, p) in sites(model).items():
         dist = fn(site)
         if not isinstance(dist, Dist):
-            raise ConfigError(f"init scheme returned {type(dist).__name__} for {name!r}; it must return a tinylm.init.Dist")
+            refuse(f"init scheme returned {type(dist).__name__} for {name!r}", "it must return a tinylm.init.Dist",
+                   error=ConfigError, argument="scheme")
         dist.sample_(p, generator=generator)
         decl[name] = dist
     return decl

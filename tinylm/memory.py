@@ -19,6 +19,7 @@ import torch
 
 from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
+from tinylm.validate import refuse
 
 __all__ = ["MemoryLimitError", "estimate_bytes", "available_bytes", "check_fits", "model_bytes", "check_model_fits"]
 
@@ -83,10 +84,10 @@ def check_model_fits(config: ModelConfig, dtype: torch.dtype | None = None, devi
         return
     gib = 2**30
     c = config
-    raise MemoryLimitError(
-        f"a model with vocab_size={c.vocab_size}, context_length={c.context_length}, d_model={c.d_model}, "
-        f"num_layers={c.num_layers}, d_ff={c.d_ff} would need about {need / gib:.3g} GiB but {have / gib:.3g} GiB "
-        "is available; check these sizes (a stored config or a flag) and use a smaller model")
+    refuse(f"a model with vocab_size={c.vocab_size}, context_length={c.context_length}, d_model={c.d_model}, "
+           f"num_layers={c.num_layers}, d_ff={c.d_ff} would need about {need / gib:.3g} GiB but {have / gib:.3g} GiB "
+           "is available", "check these sizes (a stored config or an override) and use a smaller model",
+           error=MemoryLimitError, argument="config")
 
 
 def _read_int(path: str) -> int | None:
@@ -155,7 +156,6 @@ def check_fits(config: ModelConfig, batch_size: int, seq_len: int, dtype: torch.
         else:
             hi = mid - 1
     gib = 2**30
-    hint = f"try --batch-size {fits}" if fits else "use a shorter --seq-len or a smaller model"
-    raise MemoryLimitError(
-        f"batch {batch_size} x {seq_len} would need about {need / gib:.1f} GiB but {have / gib:.1f} GiB is available; {hint}"
-    )
+    hint = f"try batch_size={fits}" if fits else "use a shorter seq_len=N or a smaller model"
+    refuse(f"batch {batch_size} x {seq_len} would need about {need / gib:.1f} GiB but {have / gib:.1f} GiB is available",
+           hint, error=MemoryLimitError, argument="batch_size")

@@ -40,19 +40,18 @@ from tinylm.errors import CheckpointError, TinyLMError
 
 from . import validate
 from .data import DataError, check_vocab, get_batch
-from .validate import flag_of
 
 __all__ = ["TrainError", "TrainOptions", "StepInfo", "TrainResult", "Monitor", "lr_schedule", "train", "load_training",
            "save_training"]
 
 
 class TrainError(TinyLMError):
-    """A training setting that cannot work; the message names the flag and the fix."""
+    """A training setting that cannot work; the message names the option and the fix."""
 
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """Settings of one training run (every field has a ``tinylm train`` flag of the same name).
+    """Settings of one training run.
 
     Args:
         steps: total optimizer steps (a resumed run continues up to this number).
@@ -88,10 +87,10 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         def integer(name: str, value: Any, low: int, high: int | None = None) -> None:
-            validate.integer(name, value, low=low, high=high, fix=f"{flag_of(name)} N", error=TrainError)
+            validate.integer(name, value, low=low, high=high, fix=f"{name}=N", error=TrainError)
 
         def number(name: str, value: Any, low: float, strict: bool) -> None:
-            validate.number(name, value, low=low, strict_low=strict, fix=f"{flag_of(name)} X", error=TrainError)
+            validate.number(name, value, low=low, strict_low=strict, fix=f"{name}=X", error=TrainError)
 
         integer("steps", self.steps, 1)
         integer("batch_size", self.batch_size, 1)
@@ -101,9 +100,8 @@ class TrainOptions:
         number("lr", self.lr, 0.0, True)
         if self.min_lr is not None:
             number("min_lr", self.min_lr, 0.0, False)
-            if self.min_lr > self.lr:
-                validate.fail("min_lr", self.min_lr, f"not exceed the peak lr={self.lr}", "a smaller --min-lr",
-                              error=TrainError)
+            validate.check("min_lr", self.min_lr, lambda v: v <= self.lr, f"not exceed the peak lr={self.lr}",
+                           fix="a smaller min_lr=X", error=TrainError)
         if self.warmup is not None:
             integer("warmup", self.warmup, 0)
         number("weight_decay", self.weight_decay, 0.0, False)
@@ -113,8 +111,7 @@ class TrainOptions:
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             number(name, value, 0.0, False)
-            if value >= 1:
-                validate.fail(name, value, "be in [0, 1)", f"--{name} X", error=TrainError)
+            validate.check(name, value, lambda v: v < 1, "be in [0, 1)", fix=f"{name}=X", error=TrainError)
 
     @property
     def floor(self) -> float:
@@ -227,8 +224,9 @@ def _sampler_generator(options: TrainOptions, state: torch.Tensor | None) -> tor
         try:
             gen.set_state(state)
         except (RuntimeError, TypeError, ValueError):
-            raise CheckpointError("the checkpoint's sampler state is damaged (not a CPU generator state); resume from "
-                                  "another checkpoint, or start a new run with the same --seed") from None
+            validate.refuse("the checkpoint's sampler state is damaged (not a CPU generator state)",
+                            "resume from another checkpoint, or start a new run with the same seed=N",
+                            error=CheckpointError)
     return gen
 
 
@@ -248,10 +246,8 @@ def check_data(tokens: np.ndarray, model: nn.Module, source: str) -> None:
     config = model.config
     check_vocab(tokens, config.vocab_size, source)
     if len(tokens) < config.context_length + 1:
-        raise DataError(
-            f"{source}: {len(tokens)} tokens are fewer than context_length + 1 = {config.context_length + 1}; "
-            "use more data or a shorter --context-length"
-        )
+        validate.refuse(f"{source}: {len(tokens)} tokens are fewer than context_length + 1 = {config.context_length + 1}",
+                        "use more data or a shorter context_length=N", error=DataError)
 
 
 def save_training(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int,
@@ -283,7 +279,8 @@ def load_training(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
 
     model, info = checkpoint.load(path)
     if info.nonfinite:
-        raise CheckpointError(f"{path}: parameters hold NaN or inf ({', '.join(info.nonfinite[:3])}); resume from an earlier checkpoint")
+        validate.file_error(path, f"parameters hold NaN or inf ({', '.join(info.nonfinite[:3])})",
+                            "resume from an earlier checkpoint", error=CheckpointError)
     extra: dict[str, Any] = {"optimizer": None, "iteration": int(info.iteration or 0), "history": info.history,
                              "options": None, "sampler_state": None, "data": None}
     if info.format in ("tinylm", "training"):
@@ -327,21 +324,22 @@ def train(
     Returns:
         a :class:`TrainResult` with the model (left in train mode), optimizer and history.
     """
-    if not isinstance(options, TrainOptions):
-        raise TypeError(f"options must be a TrainOptions, got {type(options).__name__}")
+    validate.check_type("options", options, TrainOptions, "a TrainOptions", error=TypeError)
     config = model.config
     check_data(tokens, model, "data")
     resume = resume or {}
     start = int(resume.get("iteration") or 0)
     if start >= options.steps:
-        raise TrainError(f"the checkpoint is already at iteration {start} >= steps={options.steps}; pass a larger --steps")
+        validate.refuse(f"the checkpoint is already at iteration {start} >= steps={options.steps}",
+                        "pass a larger steps=N", error=TrainError, argument="steps")
     generator = _sampler_generator(options, resume.get("sampler_state"))
     optimizer = make_optimizer(model, options)
     if resume.get("optimizer") is not None:
         try:
             optimizer.load_state_dict(resume["optimizer"])
         except (ValueError, KeyError, RuntimeError) as e:
-            raise CheckpointError(f"the checkpoint's optimizer state does not fit the model ({e}); resume from a matching checkpoint") from None
+            validate.refuse(f"the checkpoint's optimizer state does not fit the model ({e})",
+                            "resume from a matching checkpoint", error=CheckpointError)
     watch = monitor if monitor is not None else Monitor()
     params = [p for p in model.parameters() if p.requires_grad]
     clip = options.clip if options.clip > 0 else math.inf

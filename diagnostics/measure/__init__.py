@@ -8,7 +8,9 @@
   takes, ``Reducer`` (that reduction, remembering the tensors it just read), and the merge of
   the vectors it gives;
 * :mod:`.reference` — what each of those statistics means, in plain torch (the reduction off the CPU);
-* :mod:`.accel` — the compiled single-pass kernels (numba) behind ``reduce`` on the CPU;
+* :mod:`.numba_reducer` — the numba reducer: one pass over a CPU tensor behind ``reduce``;
+  :mod:`.compiled` — the compiled reducer (``torch.compile``) for other devices;
+  :mod:`.reducer_choice` — ``TINYLM_REDUCER``, which overrides the choice by device;
 * :mod:`.moments` — the records a probe fills (``Moments``, ``AttnMoments``, ``ParamStats``,
   ``ProbeStats``);
 * :mod:`.distributed` — the all-reduce of a ``ProbeStats`` over ``torch.distributed``.

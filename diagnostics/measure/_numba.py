@@ -1,4 +1,4 @@
-"""numba kernels behind :mod:`diagnostics.measure.accel` (imported on first use: numba's import and its
+"""The loops of the numba reducer, :mod:`diagnostics.measure.numba_reducer` (imported on first use: numba's import and its
 on-disk cache load cost about a second, which a program that never probes should not pay).
 
 Module-level functions, so that numba's ``cache=True`` finds them again in the next process.
@@ -18,7 +18,7 @@ from numba import carray, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-# the kernels rely on inf and NaN propagating through the sums: no fast-math flag but reassoc
+# the loops rely on inf and NaN propagating through the sums: no fast-math flag but reassoc
 # (on the final adds of lanes)
 I32 = ir.IntType(32)
 F32 = np.float32
@@ -39,7 +39,7 @@ SATURATED = F32(0.99)
 LN2 = F32(math.log(2.0))
 # ln(1 + u) = u P(u) on u in [sqrt(1/2) - 1, sqrt(2) - 1]: P of degree 9, a least-squares Chebyshev
 # fit of log1p(u)/u on 4000 Chebyshev nodes, rounded to float32. Fit error 4e-9 relative;
-# evaluated in float32, 1.2e-7 (tests/test_fused.py checks every binade). A polynomial, not
+# evaluated in float32, 1.2e-7 (tests/test_numba_reducer.py checks every binade). A polynomial, not
 # the atanh series: no division per entry.
 P0, P1, P2, P3, P4, P5, P6, P7, P8, P9 = (F32(c) for c in (
     1.0, -0.49999988079071045, 0.33333325386047363, -0.25001585483551025, 0.2000207155942917,
@@ -77,7 +77,7 @@ VD = ir.VectorType(ir.DoubleType(), LANES)
 MASK = ir.VectorType(ir.IntType(1), LANES)
 #: how far ahead (bytes) the reading loops ask for the data they will read: in a hook the
 #: tensor was written before other work and is read from memory, and the hardware prefetcher
-#: alone leaves the loop waiting (benchmarks/bench_cold_read.py: the kernels against a plain
+#: alone leaves the loop waiting (benchmarks/bench_cold_read.py: the numba reducer against a plain
 #: torch.sum of tensors just made by their op)
 AHEAD = 4096
 

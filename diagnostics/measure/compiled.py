@@ -2,9 +2,10 @@
 
 :mod:`.reference` says what every number means, in a form that reads the tensor once per
 statistic. Here the same numbers are written so that every statistic of one tensor is a
-reduction of its rows over the same index space, which inductor can fuse into one kernel
-that reads the tensor once (used on a GPU, or on a CPU without numba; a CPU with numba uses
-:mod:`.accel`, which is much faster there: docs/benchmarks.md):
+reduction of its rows over the same index space, which inductor can fuse into one loop
+that reads the tensor once (the compiled reducer: used on a GPU, or on a CPU without numba; a
+CPU with numba uses the numba reducer, :mod:`.numba_reducer`, which is much faster there:
+docs/benchmarks.md):
 
 * the tensor is seen as rows: its last dimension (a flat tensor), or the rows of each
   causal T x T matrix, of which entries j > t of row t are not measured;
@@ -19,25 +20,25 @@ that reads the tensor once (used on a GPU, or on a CPU without numba; a CPU with
 The cosine between a sequence's rows (``cosine``) normalises each row before summing, a
 second read of the tensor; it is :func:`.reference.cosines` as it stands. :func:`call`
 compiles any such function the same way (the reducer merges its vectors on a GPU with it:
-one kernel instead of a dozen small ones).
+one fused loop instead of a dozen small ones).
 
 :func:`takes` says whether a tensor goes this way; :func:`reduce` returns the parts or,
 when compilation or a compiled call fails, None after one warning, and the reference
-takes over for the rest of the process. ``TINYLM_FUSED=0`` turns this path off (as it
-turns off :mod:`.accel`); ``TINYLM_FUSED=compiled`` sends CPU tensors here even where
-numba is importable (to measure or test this path on a CPU).
+takes over for the rest of the process. ``TINYLM_REDUCER=reference`` turns this path off (as it
+turns off the numba reducer); ``TINYLM_REDUCER=compiled`` sends CPU tensors here even where
+numba is importable (to measure or test this path on a CPU): :mod:`.reducer_choice`.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import Tensor
 
-from . import accel, reference
+from . import numba_reducer, reference
 from .reference import SATURATED_PROB
+from .reducer_choice import chosen
 
 __all__ = ["available", "takes", "reduce", "call", "moments", "row_partials", "DTYPES", "BACKEND"]
 
@@ -51,14 +52,14 @@ _compiled: dict[str, object] = {}
 
 
 def available() -> bool:
-    """True unless ``TINYLM_FUSED=0`` or compilation has failed in this process (read on every call)."""
-    return not _failed and os.environ.get("TINYLM_FUSED", "1") != "0"
+    """True unless ``TINYLM_REDUCER=reference`` or compilation has failed in this process (read on every call)."""
+    return not _failed and chosen() != "reference"
 
 
 def takes(x: Tensor) -> bool:
     """Whether :func:`reduce` reduces ``x`` here: a non-empty tensor of :data:`DTYPES`, at least
-    1-D, on any device but a CPU whose numba path (:mod:`.accel`) is available."""
-    return x.ndim > 0 and x.dtype in DTYPES and (not x.is_cpu or not accel.available()) \
+    1-D, on any device but a CPU whose numba reducer (:mod:`.numba_reducer`) is available."""
+    return x.ndim > 0 and x.dtype in DTYPES and (not x.is_cpu or not numba_reducer.available()) \
         and x.numel() > 0 and available()
 
 
@@ -172,7 +173,7 @@ def _give_up(err: BaseException) -> None:
 
 def reduce(x: Tensor, causal: bool, probs: bool, rows: bool, cosine: bool):
     """(moments, panel, row_ms, cosine) of ``x`` as :func:`.reducer.reduce` defines them (a part
-    not asked for is None), or None when the compiled path failed (warned once)."""
+    not asked for is None), or None when the compiled reducer failed (warned once)."""
     x = x.detach()
     if not x.is_contiguous():
         x = x.contiguous()

@@ -7,11 +7,12 @@
 
 What each number means is :mod:`.reference` (plain torch, float64). Which code computes them
 is chosen per tensor, by device: a CPU tensor of float32, bf16 or fp16 goes to the numba
-kernels of :mod:`.accel` (one pass); any other (a GPU's; a CPU's where numba is missing) to
-:mod:`.compiled`, the same statistics written as row reductions that ``torch.compile`` fuses
-into one pass; what neither takes (or when compilation fails: one warning) to the reference
-itself. ``TINYLM_FUSED=0`` sends everything to the reference. The tests hold both
-accelerated paths to the reference (counts and max |x| exactly, mean and M2 to float64
+reducer (:mod:`.numba_reducer`, one pass); any other (a GPU's; a CPU's where numba is missing)
+to the compiled reducer (:mod:`.compiled`), the same statistics written as row reductions that
+``torch.compile`` fuses into one pass; what neither takes (or when compilation fails: one
+warning) to the reference itself. ``TINYLM_REDUCER=reference`` sends everything to the
+reference (:mod:`.reducer_choice`). The tests hold both the numba and the compiled reducer to
+the reference (counts and max |x| exactly, mean and M2 to float64
 rounding). Either way the result is a
 :class:`Reduction` of float64 tensors on ``x``'s device (row mean squares: float32, float64
 for float64 ``x``), with no device sync.
@@ -33,8 +34,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tinylm.validate import check, refuse
+
 from ..options import OptionsError
-from . import accel, compiled, reference
+from . import compiled, numba_reducer, reference
 from .reference import ATTN_FIELDS, FIELDS
 
 __all__ = ["Reduction", "reduce", "Reducer", "merge_vectors", "merge_attention_vectors", "FIELDS", "ATTN_FIELDS"]
@@ -56,14 +59,17 @@ class Reduction(NamedTuple):
 def _check(x: Tensor, causal: bool, probs: bool, rows: bool) -> None:
     if not isinstance(x, Tensor) or not x.is_floating_point():
         what = x.dtype if isinstance(x, Tensor) else type(x).__name__
-        raise OptionsError(f"x={what}: reduce measures a floating-point tensor; pass one (e.g. x.float())")
+        refuse(f"x={what}: reduce measures a floating-point tensor", "pass one (e.g. x.float())", error=OptionsError,
+               argument="x")
     if (causal or probs) and x.dim() < 2:
-        raise OptionsError(f"x.shape={tuple(x.shape)}: causal and probs need (..., T, S) rows; pass a tensor of at "
-                           "least 2 dimensions")
+        refuse(f"x.shape={tuple(x.shape)}: causal and probs need (..., T, S) rows",
+               "pass a tensor of at least 2 dimensions", error=OptionsError, argument="x")
     if causal and x.shape[-1] != x.shape[-2]:
-        raise OptionsError(f"x.shape={tuple(x.shape)}: causal needs square (..., T, T) matrices; pass causal=False")
+        refuse(f"x.shape={tuple(x.shape)}: causal needs square (..., T, T) matrices", "pass causal=False",
+               error=OptionsError, argument="x")
     if rows and x.dim() < 1:
-        raise OptionsError("x.shape=(): rows needs a last dimension; pass a tensor of at least 1 dimension")
+        refuse("x.shape=(): rows needs a last dimension", "pass a tensor of at least 1 dimension", error=OptionsError,
+               argument="x")
 
 
 def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
@@ -77,14 +83,14 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     cosine between its rows (sequences: ``x.shape[-2]`` rows of ``x.shape[-1]`` entries).
     Raises OptionsError for a tensor these do not fit."""
     _check(x, causal, probs, rows)
-    if accel.takes(x):
+    if numba_reducer.takes(x):
         if not (rows or cosine) and (causal or not probs):
-            v = accel.summary(x, x.shape[-1] if causal else None, probs=probs)
+            v = numba_reducer.summary(x, x.shape[-1] if causal else None, probs=probs)
             if probs:  # numpy slices: slicing a tensor costs more than the small reductions
                 return Reduction(torch.from_numpy(v[:len(FIELDS)]), torch.from_numpy(v[len(FIELDS):]))
             return Reduction(torch.from_numpy(v))
         if not (causal or probs) and x.shape[-1] > 0:
-            vec, rowsq, cos = accel.summary_rows(x, cosine)
+            vec, rowsq, cos = numba_reducer.summary_rows(x, cosine)
             ms = torch.from_numpy(rowsq / x.shape[-1]).float() if rows else None
             return Reduction(torch.from_numpy(vec), None, ms, torch.from_numpy(cos) if cosine else None)
     if compiled.takes(x):
@@ -104,8 +110,8 @@ class Reducer:
     reduces ``x`` again, asking also for the parts it had, and remembers that."""
 
     def __init__(self, size: int = 4):
-        if not isinstance(size, int) or size < 1:
-            raise OptionsError(f"size={size!r}: must be a positive int (the tensors remembered); pass e.g. 4")
+        check("size", size, lambda v: isinstance(v, int) and v >= 1, "be a positive int (the tensors remembered)",
+              fix="e.g. 4", error=OptionsError)
         self.size = size
         self._recent: list[tuple[weakref.ref, tuple, Reduction]] = []  # most recent first
 
@@ -154,7 +160,7 @@ def _merge(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
     """Merge two vectors: (count, mean, M2) at n, n+1, n+2 by Chan's rule, the larger
     (``largest``) or smaller at ``ext``, and a sum everywhere else; on the CPU in numpy (a few
     microseconds), elsewhere with torch ops on the tensors' device (no sync), compiled into
-    one kernel where :mod:`.compiled` is available. numpy and torch ops give the same bits;
+    one pass where :mod:`.compiled` is available. numpy and torch ops give the same bits;
     compiled code may round a multiply-add once instead of twice."""
     if a.is_cpu and b.is_cpu:
         return torch.from_numpy(_merge_np(a.numpy(), b.numpy(), n, ext, largest))

@@ -1,7 +1,8 @@
-"""What every statistic the probe takes means, in plain torch: the reference the accelerator is held to.
+"""What every statistic the probe takes means, in plain torch: the reference the other reducers are held to.
 
 :func:`diagnostics.measure.reducer.reduce` returns these numbers; on a CPU it computes them with
-the compiled kernels of :mod:`.accel`, elsewhere with the functions below. Everything is in
+the numba reducer (:mod:`.numba_reducer`), elsewhere with the compiled reducer (:mod:`.compiled`,
+these functions written for ``torch.compile``) or with the functions below. Everything is in
 float64 (fp16, bf16 and float32 convert to it exactly).
 
 * :func:`moments` — the :data:`FIELDS` vector of the measured entries of a tensor;

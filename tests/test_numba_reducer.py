@@ -1,10 +1,10 @@
-"""The compiled single-pass reductions (diagnostics.measure.accel) against the plain-torch reference.
+"""The numba reducer (diagnostics.measure.numba_reducer) against the plain-torch reference.
 
-A CPU probe reduces every float32, bf16 and fp16 tensor with :mod:`diagnostics.measure.accel`;
-other devices, float64 and ``TINYLM_FUSED=0`` take :mod:`diagnostics.measure.reference`.
+A CPU probe reduces every float32, bf16 and fp16 tensor with :mod:`diagnostics.measure.numba_reducer`;
+float64 and ``TINYLM_REDUCER=reference`` take :mod:`diagnostics.measure.reference`.
 :func:`diagnostics.measure.reducer.reduce` must give the same on both: counts and max |x|
 exactly, mean and M2 to float64 rounding, the attention panel and the cosines to the float32
-rounding of the kernels' logarithm and unit vectors.
+rounding of the numba reducer's logarithm and unit vectors.
 """
 
 import math
@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diagnostics.measure import accel as fused
+from diagnostics.measure import numba_reducer
 from diagnostics.measure import reference
 from diagnostics.measure.moments import FIELDS, AttnMoments, Moments
 from diagnostics.measure.reducer import reduce
@@ -35,9 +35,9 @@ _SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-45, 3e-5, 6.1e-
 
 
 def _both(x: torch.Tensor, causal: bool = False, monkeypatch=None) -> tuple[list[float], list[float]]:
-    monkeypatch.setenv("TINYLM_FUSED", "1")
+    monkeypatch.setenv("TINYLM_REDUCER", "auto")
     a = summarize(x, causal).tolist()
-    monkeypatch.setenv("TINYLM_FUSED", "0")
+    monkeypatch.setenv("TINYLM_REDUCER", "reference")
     b = summarize(x, causal).tolist()
     return a, b
 
@@ -45,7 +45,7 @@ def _both(x: torch.Tensor, causal: bool = False, monkeypatch=None) -> tuple[list
 def _disagreements(a: list[float], b: list[float], x: torch.Tensor) -> list[tuple]:
     """What breaks the contract: counts and max |x| identical on both paths; mean and M2 of each
     path against a float64 two-pass computation over the finite entries, within that path's
-    rounding: the fused path sums float64 shifted by the mean of the segment before (the first:
+    rounding: the numba reducer sums float64 shifted by the mean of the segment before (the first:
     by its first entry) (1e-12 of M2); the reference is itself a float64 two-pass (1e-12)."""
     bad = [(name, u, v) for name, u, v in zip(FIELDS, a, b) if name not in ("mean", "m2") and u != v]
     f = x.double().reshape(-1)
@@ -55,9 +55,9 @@ def _disagreements(a: list[float], b: list[float], x: torch.Tensor) -> list[tupl
     mean, m2 = f.mean().item(), ((f - f.mean()) ** 2).sum().item()
     spread = math.sqrt(m2 / f.numel())
     if abs(a[2] - mean) > 1e-12 * (abs(mean) + spread):
-        bad.append(("fused mean", a[2], mean))
+        bad.append(("numba mean", a[2], mean))
     if abs(a[3] - m2) > 1e-12 * m2 + 1e-300:
-        bad.append(("fused m2", a[3], m2))
+        bad.append(("numba m2", a[3], m2))
     if abs(b[2] - mean) > 1e-12 * (abs(mean) + spread):
         bad.append(("reference mean", b[2], mean))
     if abs(b[3] - m2) > 1e-12 * m2 + 1e-300:
@@ -68,7 +68,7 @@ def _disagreements(a: list[float], b: list[float], x: torch.Tensor) -> list[tupl
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 20_000), seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([1e-30, 1e-6, 1.0, 1e4, 1e30]),
        offset=st.sampled_from([0.0, 1.0, -1e3]), specials=st.lists(st.sampled_from(_SPECIAL), max_size=6))
-def test_fused_equals_reference(n, seed, scale, offset, specials):
+def test_numba_reducer_equals_reference(n, seed, scale, offset, specials):
     """Property: for any float32 tensor, the two paths give the same summary (exact counts and
     max; mean and M2 to float64 rounding), whatever non-finite, subnormal or huge values it holds."""
     mp = pytest.MonkeyPatch()
@@ -84,7 +84,7 @@ def test_fused_equals_reference(n, seed, scale, offset, specials):
 
 
 @pytest.mark.parametrize("T", [1, 2, 7, 64, 100])  # 100: 5050 causal entries, packed into two blocks
-def test_fused_causal_equals_masked_reference(T, monkeypatch):
+def test_numba_reducer_causal_equals_masked_reference(T, monkeypatch):
     g = torch.Generator().manual_seed(T)
     x = torch.randn(3, 2, T, T, generator=g)
     x[0, 0, -1, 0] = math.nan
@@ -97,14 +97,14 @@ def test_fused_causal_equals_masked_reference(T, monkeypatch):
 
 @pytest.mark.parametrize("shape", [(3, 5, 512), (7, 100), (2, 5000), (9, 1), (1 << 15, 16), (4, 256, 1344)])
 def test_summary_rows_reads_the_summary_and_each_rows_sum_of_squares(shape):
-    """fused.summary_rows: the same summary as fused.summary (to float64 rounding: the segments
+    """numba_reducer.summary_rows: the same summary as numba_reducer.summary (to float64 rounding: the segments
     are whole rows) and each row's sum of x^2 against float64, for rows shorter than a vector,
     not a multiple of 16, longer than a segment, and tensors split over threads (negative
     control: the sums shifted by one row are not these)."""
     x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32) * 3 + 0.5
-    vec, rowsq, cos = fused.summary_rows(x)
+    vec, rowsq, cos = numba_reducer.summary_rows(x)
     assert cos is None  # only when asked for
-    ref = fused.summary(x)
+    ref = numba_reducer.summary(x)
     assert vec[[0, 1, 4, 5, 6, 7, 8, 9]].tolist() == ref[[0, 1, 4, 5, 6, 7, 8, 9]].tolist()
     assert vec[2] == pytest.approx(ref[2], rel=1e-12) and vec[3] == pytest.approx(ref[3], rel=1e-12)
     want = (x.astype(np.float64) ** 2).sum(-1)
@@ -115,7 +115,7 @@ def test_summary_rows_reads_the_summary_and_each_rows_sum_of_squares(shape):
 
 @pytest.mark.parametrize("shape", [(4, 256, 512), (3, 7, 16), (2, 300, 33), (5, 2, 1), (9, 40)])
 def test_cosine_from_the_rows_read_equals_the_reference_cosine(shape, monkeypatch):
-    """fused.summary_rows(cosine=True): the summary of each sequence's mean cosine between its
+    """numba_reducer.summary_rows(cosine=True): the summary of each sequence's mean cosine between its
     different rows equals reference.cosines (float64) to float32 rounding of the cosines, for sequences split over threads, rows not a multiple of 16, one-entry rows and
     a single 2-D sequence; a zero row counts as a zero vector on both paths; scaling each row
     by its own positive factor changes nothing. Negative control: negating every other row
@@ -126,26 +126,26 @@ def test_cosine_from_the_rows_read_equals_the_reference_cosine(shape, monkeypatc
     if shape[-2] > 2:
         x[..., -1, :] = 0.0
     want = Moments.from_vector(reference.cosines(x).tolist())
-    vec, rowsq, cos = fused.summary_rows(x, cosine=True)
+    vec, rowsq, cos = numba_reducer.summary_rows(x, cosine=True)
     got = Moments.from_vector(cos.tolist())
     assert got.count == want.count == math.prod(shape[:-2])
     assert got.mean == pytest.approx(want.mean, abs=1e-6)
     assert got.var == pytest.approx(want.var, rel=1e-4, abs=1e-9)
     assert got.max_abs == pytest.approx(want.max_abs, abs=1e-6)
     scaled = x * torch.rand((*shape[:-1], 1), generator=g).add(0.1).mul(100)
-    same = Moments.from_vector(fused.summary_rows(scaled, cosine=True)[2].tolist())
+    same = Moments.from_vector(numba_reducer.summary_rows(scaled, cosine=True)[2].tolist())
     assert same.mean == pytest.approx(got.mean, abs=1e-6)
     sign = torch.ones(shape[-2], 1)
     sign[1::2] = -1.0
-    flipped = Moments.from_vector(fused.summary_rows(x * sign, cosine=True)[2].tolist())
+    flipped = Moments.from_vector(numba_reducer.summary_rows(x * sign, cosine=True)[2].tolist())
     assert abs(flipped.mean - got.mean) > 1e-2
 
 
 def test_cosine_of_one_row_sequences_is_the_summary_of_nothing():
     """Sequences of one row have no pair of different rows: the summary counts nothing."""
     x = torch.randn(3, 1, 8)
-    assert fused.summary_rows(x, cosine=True)[2].tolist() == [0.0] * 10
-    assert fused.summary_rows(x[0, 0], cosine=True)[2].tolist() == [0.0] * 10
+    assert numba_reducer.summary_rows(x, cosine=True)[2].tolist() == [0.0] * 10
+    assert numba_reducer.summary_rows(x[0, 0], cosine=True)[2].tolist() == [0.0] * 10
 
 
 def test_mean_far_above_the_spread_keeps_its_variance():
@@ -154,7 +154,7 @@ def test_mean_far_above_the_spread_keeps_its_variance():
     in float64 loses it to cancellation)."""
     x = 1e4 + 1e-3 * torch.randn(100_000, generator=torch.Generator().manual_seed(9))
     ref = x.double().var(correction=0).item()
-    m = Moments.from_vector(fused.summary(x).tolist())
+    m = Moments.from_vector(numba_reducer.summary(x).tolist())
     assert rel(m.var, ref) < 1e-6
     xd = x.double()
     naive = ((xd * xd).sum() - xd.sum() ** 2 / xd.numel()).item() / xd.numel()
@@ -162,7 +162,7 @@ def test_mean_far_above_the_spread_keeps_its_variance():
 
 
 @pytest.mark.parametrize("T", [40, 300])  # 300: rows longer than one float32 chunk
-def test_fused_attention_panel_matches_float64(T):
+def test_numba_reducer_attention_panel_matches_float64(T):
     s = torch.randn(2, 3, T, T, generator=torch.Generator().manual_seed(11)) * 4
     p = torch.softmax(s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf), -1)
     r = reduce(p, causal=True, probs=True)
@@ -178,14 +178,14 @@ def test_fused_attention_panel_matches_float64(T):
 
 
 def test_polynomial_log_over_every_binade():
-    """-p ln p from the fused kernel against float64 at 2^k (1 +- small) for k = -125..0: the
+    """-p ln p from the numba reducer against float64 at 2^k (1 +- small) for k = -125..0: the
     exponent arithmetic is right in every binade (negative control: ln taken base 2 is not)."""
     ks = np.arange(-125, 1)
     vals = np.concatenate([np.ldexp(1.0, ks), np.ldexp(1.0, ks) * 0.7071, np.ldexp(1.0, ks[:-1]) * 1.4142])
     for v in vals.astype(np.float32):
         row = np.zeros((1, 1), dtype=np.float32)
         row[0, 0] = v
-        h = fused.summary(row, 1, probs=True)[len(FIELDS) + 1]  # the entropy of the one row
+        h = numba_reducer.summary(row, 1, probs=True)[len(FIELDS) + 1]  # the entropy of the one row
         want = -float(v) * math.log(float(v))
         assert h == pytest.approx(want, rel=2e-6), v
         if v != 1:
@@ -195,12 +195,12 @@ def test_polynomial_log_over_every_binade():
 _THREADS_CHILD = """
 import numpy as np, torch
 torch.set_num_threads(1)
-from diagnostics.measure import accel as fused
+from diagnostics.measure import numba_reducer
 x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
 seen = []
 for n in (1, 2, 1, 3, 1):
     torch.set_num_threads(n)
-    fused.summary(x)
+    numba_reducer.summary(x)
     seen.append(torch.get_num_threads())
 print(*seen)
 """
@@ -209,7 +209,7 @@ print(*seen)
 def test_the_callers_torch_thread_count_is_left_alone():
     """numba's OpenMP layer shares the runtime with torch and may set the runtime's thread
     count to its own when its pool starts (seen here: a process at torch 1 thread was at 2
-    after its first parallel reduction). fused.summary reduces serially at one thread and puts
+    after its first parallel reduction). numba_reducer.summary reduces serially at one thread and puts
     the caller's count back after a parallel launch. A fresh process, so the pool starts inside."""
     out = subprocess.run([sys.executable, "-c", _THREADS_CHILD], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "2", "1", "3", "1"]
@@ -222,19 +222,19 @@ def test_a_tensor_is_read_in_place_like_its_array():
     g = torch.Generator().manual_seed(11)
     x = torch.randn(6, 40, 33, generator=g)
     a = x.numpy()
-    assert fused.summary(x).tolist() == fused.summary(a).tolist()
-    vt, rt, ct = fused.summary_rows(x, cosine=True)
-    va, ra, ca = fused.summary_rows(a, cosine=True)
+    assert numba_reducer.summary(x).tolist() == numba_reducer.summary(a).tolist()
+    vt, rt, ct = numba_reducer.summary_rows(x, cosine=True)
+    va, ra, ca = numba_reducer.summary_rows(a, cosine=True)
     assert vt.tolist() == va.tolist() and rt.tolist() == ra.tolist() and rt.shape == (6, 40)
     assert ct.tolist() == ca.tolist()
     strided = a[:, ::2, :]
-    assert fused.summary(strided).tolist() == fused.summary(np.ascontiguousarray(strided)).tolist()
+    assert numba_reducer.summary(strided).tolist() == numba_reducer.summary(np.ascontiguousarray(strided)).tolist()
     s = torch.randn(3, 2, 17, 17, generator=g)
-    assert fused.summary(s, 17, probs=True).tolist() == fused.summary(s.numpy(), 17, probs=True).tolist()
+    assert numba_reducer.summary(s, 17, probs=True).tolist() == numba_reducer.summary(s.numpy(), 17, probs=True).tolist()
     # negative control: another tensor's pointer gives other numbers
-    assert fused.summary(x).tolist() != fused.summary(x + 1).tolist()
+    assert numba_reducer.summary(x).tolist() != numba_reducer.summary(x + 1).tolist()
     with pytest.raises(TypeError, match="float32"):
-        fused.summary(a.astype(np.float64))
+        numba_reducer.summary(a.astype(np.float64))
     # a tensor whose memory is not its values in order is read from its contiguous float32
     # copy (an expanded view has fewer entries than its size: reading it at its pointer would
     # run past the storage); a dtype that would lose digits, or another device, is refused
@@ -242,11 +242,11 @@ def test_a_tensor_is_read_in_place_like_its_array():
     assert negated.is_neg()
     for odd in (x[:, ::2], torch.randn(1, 33).expand(1000, 33), negated, x.to(torch.bfloat16)):
         plain = torch.tensor(odd.float().tolist())
-        assert fused.summary(odd).tolist() == fused.summary(plain).tolist()
-        assert [r.tolist() for r in fused.summary_rows(odd, cosine=True)] \
-            == [r.tolist() for r in fused.summary_rows(plain, cosine=True)]
+        assert numba_reducer.summary(odd).tolist() == numba_reducer.summary(plain).tolist()
+        assert [r.tolist() for r in numba_reducer.summary_rows(odd, cosine=True)] \
+            == [r.tolist() for r in numba_reducer.summary_rows(plain, cosine=True)]
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
-        fused.summary(x.double())
+        numba_reducer.summary(x.double())
 
 
 def _cases():
@@ -291,20 +291,20 @@ def _moment_gaps(a: torch.Tensor, b: torch.Tensor) -> list:
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_every_part_of_reduce_equals_the_reference(threads, monkeypatch):
-    """reduce on the compiled path equals reduce on the reference for every case of _cases,
+    """reduce through the numba reducer equals reduce on the reference for every case of _cases,
     serial and split over two threads: moments as _disagreements asks (counts and max exact,
     mean and M2 to 1e-12); row mean squares to one float32 rounding; the panel's counts exactly,
     its entropies to the polynomial logarithm's 2e-6; the cosines' count exactly, their mean to
-    1e-6 and variance to 1e-4 (the kernel rounds each cosine to float32). Negative control:
+    1e-6 and variance to 1e-4 (the numba reducer rounds each cosine to float32). Negative control:
     the moments of the same tensor shifted by one ulp of its mean are caught."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for name, x, opts in _cases():
-            monkeypatch.setenv("TINYLM_FUSED", "1")
-            assert fused.takes(x), name
+            monkeypatch.setenv("TINYLM_REDUCER", "auto")
+            assert numba_reducer.takes(x), name
             a = reduce(x, **opts)
-            monkeypatch.setenv("TINYLM_FUSED", "0")
+            monkeypatch.setenv("TINYLM_REDUCER", "reference")
             b = reduce(x, **opts)
             assert not _moment_gaps(a.moments, b.moments), (name, _moment_gaps(a.moments, b.moments))
             if opts.get("rows"):
@@ -326,7 +326,7 @@ def test_every_part_of_reduce_equals_the_reference(threads, monkeypatch):
                 assert math.sqrt(pa.entropy_m2 / pa.rows) == pytest.approx(math.sqrt(pb.entropy_m2 / pb.rows),
                                                                           rel=1e-4, abs=1e-6), name
         x = _cases()[0][1]
-        monkeypatch.setenv("TINYLM_FUSED", "1")
+        monkeypatch.setenv("TINYLM_REDUCER", "auto")
         shifted = reduce(x + torch.finfo(torch.float32).eps * 0.3).moments
         assert _moment_gaps(shifted, reduce(x).moments)
     finally:

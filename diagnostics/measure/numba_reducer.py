@@ -1,4 +1,4 @@
-"""Single-pass reductions of CPU float32 tensors, compiled with numba.
+"""The numba reducer: single-pass reductions of CPU float32 tensors.
 
 :func:`diagnostics.measure.reducer.reduce` needs, per tensor, about ten numbers (finite count,
 mean, M2, max |x|, zeros, fp16/bf16 under- and overflow counts), as
@@ -22,7 +22,7 @@ least 143 and finite, |x| >= 2^16; equal to 254, |x| >= 2^127; non-finite) follo
 extremes when they settle them: all in [2^-14, 2^16) (most activations) or all normal and
 below 2^-14 (most gradients). Otherwise a second vector loop over the segment, still in the
 cache, counts them. Segments merge in float64 by Chan's rule (as
-:func:`diagnostics.measure.reducer.merge_vectors` merges runs), and the kernel returns the finished
+:func:`diagnostics.measure.reducer.merge_vectors` merges runs), and the loops return the finished
 FIELDS vector. Attention probabilities also get their panel (entropy -sum p ln p of each
 row, with a polynomial logarithm, and its largest entry), rows of a residual point their
 sums of squares and, per sequence, the sum of their unit vectors (the cosine between
@@ -31,37 +31,37 @@ prefetch): in a hook the tensor comes from memory. Tensors of at least
 :data:`PARALLEL_MIN` entries are split (whole segments) over as many numba threads as torch
 uses.
 
-:func:`available` says whether numba is importable (and ``TINYLM_FUSED`` is neither ``0`` nor
-``compiled``), and
-:func:`takes` whether a tensor can be read here; when not, ``reduce`` computes the reference
-(the tests hold the kernels to it).
+:func:`available` says whether numba is importable (and ``TINYLM_REDUCER``, see
+:mod:`.reducer_choice`, is ``auto``), and :func:`takes` whether a tensor can be read here; when
+not, ``reduce`` hands it to the compiled reducer or the reference (the tests hold this reducer
+to the reference).
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch as _torch
+
+from .reducer_choice import chosen
 
 __all__ = ["available", "takes", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
 
-#: Tensor dtypes the kernels take (float32, and the formats that convert to it exactly).
+#: Tensor dtypes this reducer takes (float32, and the formats that convert to it exactly).
 DTYPES = frozenset((_torch.float32, _torch.bfloat16, _torch.float16))
 
-_kernels = None
+_loops = None
 _checked: bool | None = None
 
 
 def available() -> bool:
-    """True when the compiled path can run (numba importable, ``TINYLM_FUSED`` neither ``0`` nor
-    ``compiled``, which sends CPU tensors to :mod:`.compiled`; the variable is read on every
-    call, so that it can be switched between calls)."""
+    """True when this reducer can run: numba importable and ``TINYLM_REDUCER`` ``auto`` (the other
+    choices send CPU tensors to the compiled reducer or the reference; the variable is read on
+    every call, so that it can be switched between calls)."""
     global _checked
-    if os.environ.get("TINYLM_FUSED", "1") in ("0", "compiled"):
+    if chosen() != "auto":
         return False
     if _checked is None:
         try:
@@ -73,18 +73,18 @@ def available() -> bool:
 
 
 def takes(x: _torch.Tensor) -> bool:
-    """Whether the kernels reduce tensor ``x``: on the CPU, of :data:`DTYPES`, at least 1-D, and
+    """Whether this reducer reduces tensor ``x``: on the CPU, of :data:`DTYPES`, at least 1-D, and
     :func:`available`. (Attribute reads only: ``x.device`` would build an object per call.)"""
     return x.is_cpu and x.dtype in DTYPES and x.ndim > 0 and available()
 
 
 def _build():
-    """Import (compiling, or loading from numba's on-disk cache) the kernels, once per process."""
-    global _kernels
-    if _kernels is None:
+    """Import (compiling, or loading from numba's on-disk cache) the loops, once per process."""
+    global _loops
+    if _loops is None:
         from . import _numba
-        _kernels = _numba
-    return _kernels
+        _loops = _numba
+    return _loops
 
 
 def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:
@@ -119,11 +119,11 @@ def summary_rows(x: np.ndarray | _torch.Tensor, cosine: bool = False
 
 def _readable(x: _torch.Tensor) -> _torch.Tensor:
     """CPU tensor ``x`` as a contiguous float32 tensor whose memory holds its values in order,
-    the one the kernels read at its pointer: a copy only when it must convert (bf16/fp16,
+    the one the loops read at its pointer: a copy only when it must convert (bf16/fp16,
     exactly; a strided or expanded view; a pending negation). Other devices and dtypes (a
     float64 tensor would lose digits) are refused."""
     if not x.is_cpu or x.dtype not in DTYPES:
-        raise TypeError(f"fused kernels read CPU float32, bfloat16 or float16 tensors, got {x.dtype} on {x.device}")
+        raise TypeError(f"the numba reducer reads CPU float32, bfloat16 or float16 tensors, got {x.dtype} on {x.device}")
     if x.dtype == _torch.float32 and x.is_contiguous() and not x.is_neg():
         return x  # the common case: read as it is (autograd never sees the read)
     x = x.detach().float().contiguous()  # a copy outside autograd
@@ -132,20 +132,20 @@ def _readable(x: _torch.Tensor) -> _torch.Tensor:
 
 def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool, S: int
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kernels on ``x``'s entries, read in place: a tensor at its data pointer (after
+    """The loops on ``x``'s entries, read in place: a tensor at its data pointer (after
     :func:`_readable`), an array at the address of its C-contiguous float32 flattening.
     (summary, rows' sums of squares, cosine summary): see ``_numba.reduce_serial``."""
     if isinstance(x, np.ndarray):
-        x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the kernel's read
+        x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the loops' read
         if x.dtype != np.float32:
-            raise TypeError(f"fused kernels read float32, got {x.dtype}")
+            raise TypeError(f"the numba reducer reads float32, got {x.dtype}")
         n, addr = x.size, x.ctypes.data
     else:
-        x = _readable(x)  # kept alive below, for the kernel's read
+        x = _readable(x)  # kept alive below, for the loops' read
         n, addr = x.numel(), x.data_ptr()
     if n == 0:
         return np.zeros(16 if probs else 10), np.zeros(0), np.zeros(0)
-    k = _kernels or _build()
+    k = _loops or _build()
     threads = _torch.get_num_threads()
     if n < PARALLEL_MIN or threads <= 1:
         return k.serial_at(addr, n, T, D, probs, S)
