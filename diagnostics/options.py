@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from tinylm.errors import TinyLMError
+from .errors import OptionsError
 from tinylm.validate import boolean, check, choice, fail, integer, number
 
 __all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "CompareOptions", "Progress", "THEORY_MODES"]
@@ -15,10 +15,6 @@ Progress = Callable[[int, int, str], None]
 
 #: theory modes a user may ask for; "none" is an alias of "off" (measurement only).
 THEORY_MODES = ("auto", "local", "global", "off", "none")
-
-
-class OptionsError(TinyLMError):
-    """An option value that cannot work; the message names it and the fix."""
 
 
 def _callable(name: str, value: Any, signature: str) -> None:
@@ -194,7 +190,7 @@ class CompareOptions:
         if self.data_name is not None and not isinstance(self.data_name, str):
             fail("data_name", self.data_name, "be a string or None", error=OptionsError)
         if self.thresholds is not None:
-            from .judge.verdicts import Thresholds
+            from .judge.thresholds import Thresholds
 
             if not isinstance(self.thresholds, Thresholds):
                 fail("thresholds", self.thresholds, "be a diagnostics.Thresholds (or None for the defaults)",

@@ -63,7 +63,7 @@ def thresholds_of(history: dict[str, Any], thresholds: Thresholds | None = None)
     """
     if thresholds is not None:
         if not isinstance(thresholds, Thresholds):
-            from ..options import OptionsError
+            from ..errors import OptionsError
 
             raise OptionsError(f"thresholds={thresholds!r}: pass a diagnostics.Thresholds")
         return thresholds

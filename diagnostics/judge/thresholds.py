@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 from tinylm.validate import number
 
-from ..options import OptionsError
+from ..errors import OptionsError
 
 __all__ = ["Thresholds"]
 
