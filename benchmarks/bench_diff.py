@@ -2,6 +2,7 @@
 
     python benchmarks/bench_diff.py [--threads N] [--repeats 5] [--batch 4] [--seq 256]
     python benchmarks/bench_diff.py --calibrate [--models small,gpt2ish,tinystories] [--csv rows.csv]
+                                    [--compiled] [--only TEXT]
 
 Cost (default): the tinystories preset and an identical copy, at --batch x --seq tokens. One
 "bare" pass is a forward and backward of both models (next-token cross-entropy), no hooks; one
@@ -110,7 +111,7 @@ def _base(row) -> float:
     return t((row.reference_dtype, row.candidate_dtype), int(row.width), row.depth, row.direction)
 
 
-def _pairs(name: str):
+def _pairs(name: str, compiled: bool = False):
     """(label, thunk -> DiffResult) of the equivalent pairs on one model."""
     model, opt = build(name)
     bf = DiffOptions(batch_size=opt.batch_size, seq_len=opt.seq_len, reference_dtype="bfloat16",
@@ -125,6 +126,8 @@ def _pairs(name: str):
         ("float32 vs float16", lambda: diff_against(model, "fp16", None, opt)),
         ("batch split in halves, float32", lambda: _batch_split(model, opt)),
     ]
+    if compiled:
+        out.append(("eager vs torch.compile, float32", lambda: diff_against(model, "compiled", None, opt)))
     return out
 
 
@@ -200,7 +203,9 @@ def calibrate(args) -> None:
     for name in args.models.split(","):
         model, _ = build(name)
         width = model.config.d_model
-        for label, thunk in _pairs(name):
+        for label, thunk in _pairs(name, args.compiled):
+            if args.only and args.only not in label:
+                continue
             t0 = time.perf_counter()
             result = thunk()
             worst = {"forward": 0.0, "backward": 0.0}
@@ -213,7 +218,8 @@ def calibrate(args) -> None:
             print(f"{name:12s} {label:40s} max ratio fwd {worst['forward']:.3f} bwd {worst['backward']:.3f}  "
                   f"c needed fwd {need['forward']:.2f} bwd {need['backward']:.2f}  ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
-        controls(name, model)
+        if not args.only:
+            controls(name, model)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
@@ -249,6 +255,8 @@ def main() -> None:
     p.add_argument("--calibrate", action="store_true")
     p.add_argument("--models", default="small,gpt2ish,tinystories")
     p.add_argument("--csv")
+    p.add_argument("--compiled", action="store_true", help="also eager against torch.compile (minutes on a CPU)")
+    p.add_argument("--only", help="only the pairs whose label contains this text (no controls)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
