@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import math
 import statistics
 import sys
 import time
@@ -35,9 +34,8 @@ import torch  # noqa: E402
 
 import tinylm  # noqa: E402
 from diagnostics import DiffOptions, diff  # noqa: E402
-from diagnostics.jobs.diff import compare_fingerprints, diff_against  # noqa: E402
-from diagnostics.jobs.fingerprint import fingerprint  # noqa: E402
-from diagnostics.judge.departure import Tolerance, unit_roundoff  # noqa: E402
+from diagnostics.jobs.diff import diff_against  # noqa: E402
+from diagnostics.judge.departure import Tolerance  # noqa: E402
 
 MODELS = {
     "small": (dict(vocab_size=256, context_length=64, d_model=64, num_layers=4, num_heads=4, d_ff=128), 4, 64),
