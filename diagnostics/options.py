@@ -132,8 +132,9 @@ class DiffOptions:
     seed: seeds the random tokens (when none are given) and the windows drawn from a token stream.
     k: the sketch size per axis; each site's tensor, flattened to (N tokens, width), is reduced to
         the k x k matrix G^T X H / k with G (N, k) and H (width, k) fixed standard Gaussian draws
-        (diagnostics.jobs.fingerprint). Departures are estimated to a relative error of about
-        sqrt(2/k) on one axis' worth of structure (docs/diff.md).
+        (diagnostics.jobs.fingerprint). A departure is estimated to a relative standard error of
+        about 1/(sqrt(2) k) for a difference spread over many directions, at most about 1/sqrt(k)
+        for a rank-one difference (diagnostics.judge.departure.sketch_error).
     reference_dtype, candidate_dtype: None measures the model as it is; "float64", "float32",
         "bfloat16" or "float16" measures a copy cast to that dtype (the model is never cast).
     backward: also compare the gradient of the loss with respect to every site.

@@ -16,8 +16,8 @@ leading elements, w its last dimension), with non-finite entries counted and set
     moments   count, mean, mean square, max |x|, non-finite count
     sketch    S = G^T X H / k,   G (N, k), H (w, k) standard Gaussian,
 
-G and H drawn from a counter-free seeded generator (sha256 of the projection seed, the axis, its
-length and k), the same on every machine. vec(S) is a Kronecker Johnson-Lindenstrauss projection
+G and H drawn from a generator seeded with sha256 of (the projection seed, the axis, its
+length, k), the same on every machine. vec(S) is a Kronecker Johnson-Lindenstrauss projection
 of vec(X) with E ||S||_F^2 = ||X||_F^2, so ||S_a - S_b|| / ||S_b|| estimates ||a - b|| / ||b||
 (:func:`diagnostics.judge.departure.relative_departure`). Nothing else is kept: memory is
 2 k^2 + 5 floats per site and direction, plus the projection matrices.
