@@ -6,7 +6,8 @@ Four sub-packages, one concept each:
 * :mod:`diagnostics.theory` — ``predict``: theory's moments beside every measured one;
 * :mod:`diagnostics.judge` — verdicts, causes and thresholds; it judges and does nothing else;
 * :mod:`diagnostics.jobs` — pipelines over the three: ``diagnose`` (one model), ``compare``
-  (init schemes side by side), ``Watch`` (training).
+  (init schemes side by side), ``Watch`` (training), ``diff`` (where two executions of one
+  model part ways) and ``fingerprint`` (one execution, sketched, for a diff across machines).
 
 The results of those jobs share one schema (:mod:`diagnostics.result`); their options
 are :mod:`diagnostics.options` (``DiagnoseOptions``, ``CompareOptions``); their intervals over
@@ -19,10 +20,12 @@ import warnings
 from typing import Any
 
 from .jobs import History, Watch, WatchEvent, WatchFailure, WatchStop, compare, diagnose
+from .jobs.diff import DiffResult, diff, diff_against
+from .jobs.fingerprint import Fingerprint, fingerprint
 from .judge import Thresholds
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .measure.intervals import CONFIDENCE, interval_scope, log_t_interval, t_interval
-from .options import CompareOptions, DiagnoseOptions, OptionsError, ProbeOptions
+from .options import CompareOptions, DiagnoseOptions, DiffOptions, OptionsError, ProbeOptions
 from .result import (
     SCHEMA_VERSION,
     AttentionRow,
@@ -70,6 +73,12 @@ __all__ = [
     "t_interval",
     "log_t_interval",
     "interval_scope",
+    "diff",
+    "diff_against",
+    "DiffOptions",
+    "DiffResult",
+    "fingerprint",
+    "Fingerprint",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

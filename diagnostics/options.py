@@ -8,7 +8,8 @@ from typing import Any, Callable
 from .errors import OptionsError
 from tinylm.validate import boolean, check, choice, fail, integer, number
 
-__all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "CompareOptions", "Progress", "THEORY_MODES"]
+__all__ = ["OptionsError", "ProbeOptions", "DiagnoseOptions", "CompareOptions", "DiffOptions", "DIFF_DTYPES", "Progress",
+           "THEORY_MODES"]
 
 #: progress(done, total, description): called as work advances (the CLI draws a bar).
 Progress = Callable[[int, int, str], None]
@@ -195,3 +196,50 @@ class CompareOptions:
             if not isinstance(self.thresholds, Thresholds):
                 fail("thresholds", self.thresholds, "be a diagnostics.Thresholds (or None for the defaults)",
                      error=OptionsError)
+
+
+#: the dtypes a side of a diff may be cast to (a copy; the caller's model is never cast)
+DIFF_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    """What :func:`diagnostics.diff` and :func:`diagnostics.fingerprint` run each model on.
+
+    batch_size, seq_len: the measured batch (seq_len None = min(model context, 256), 128 when the
+        model states no context); the model reads ``seq_len`` tokens and is scored on the next.
+    seed: seeds the random tokens (when none are given) and the windows drawn from a token stream.
+    k: the sketch size per axis; each site's tensor, flattened to (N tokens, width), is reduced to
+        the k x k matrix G^T X H / k with G (N, k) and H (width, k) fixed standard Gaussian draws
+        (diagnostics.jobs.fingerprint). A departure is estimated to a relative standard error of
+        about 1/(sqrt(2) k) for a difference spread over many directions, at most about 1/sqrt(k)
+        for a rank-one difference (diagnostics.judge.departure.sketch_error).
+    reference_dtype, candidate_dtype: None measures the model as it is; "float64", "float32",
+        "bfloat16" or "float16" measures a copy cast to that dtype (the model is never cast).
+    backward: also compare the gradient of the loss with respect to every site.
+    inputs: what the model is called with, built from the token ids (B, T) (as DiagnoseOptions').
+    tolerance: a diagnostics.judge.departure.Tolerance (None = the calibrated defaults).
+    """
+
+    batch_size: int = 4
+    seq_len: int | None = None
+    seed: int = 0
+    k: int = 32
+    reference_dtype: str | None = None
+    candidate_dtype: str | None = None
+    backward: bool = True
+    inputs: Callable[[Any], Any] | None = field(default=None, compare=False)
+    tolerance: object | None = None
+
+    def __post_init__(self) -> None:
+        integer("batch_size", self.batch_size, low=1, fix="batch_size=N", error=OptionsError)
+        if self.seq_len is not None:
+            integer("seq_len", self.seq_len, low=2, fix="seq_len=N (or None for the default)", error=OptionsError)
+        integer("seed", self.seed, low=0, high=2**63 - 1, fix="seed=N", error=OptionsError)
+        integer("k", self.k, low=2, high=1024, fix="k=N (32 is the default)", error=OptionsError)
+        for name in ("reference_dtype", "candidate_dtype"):
+            if getattr(self, name) is not None:
+                choice(name, getattr(self, name), DIFF_DTYPES, fix=f"{name}=None or one of {', '.join(DIFF_DTYPES)}",
+                       error=OptionsError)
+        boolean("backward", self.backward, error=OptionsError)
+        _callable("inputs", self.inputs, "ids -> dict, tuple or tensor")

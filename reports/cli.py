@@ -15,7 +15,8 @@ Exit codes (also in docs/cli.md):
 
 == =====================================================================
 0  success (``diagnose``: healthy, or run without ``--check``)
-1  findings (``diagnose --check``) or a failing property (``props``)
+1  findings (``diagnose --check``), a failing property (``props``) or a departure
+   beyond roundoff (``diff --check``)
 2  bad input or usage: one line on stderr, no traceback
 3  an internal error: a bug of ours, never expected (rerun with ``--debug``
    and report it)
@@ -49,6 +50,7 @@ VERBS = {
     "props": "run the property-based numerics suite and summarise it",
     "train": "train a small model while watching per-layer statistics",
     "export": "write a model as a Hugging Face directory that transformers loads",
+    "diff": "find where two executions of one model part ways (per-site departures against roundoff)",
 }
 
 #: The presets and init schemes the command line offers, named here so that flags are

@@ -18,6 +18,7 @@ same tolerance rejects a specific wrong fused call (attention that is not causal
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 import tinylm
-from diagnostics import probe
+from diagnostics import diff, probe
 from diagnostics.options import ProbeOptions
 from tinylm import functional as TF
 
@@ -304,6 +305,12 @@ def test_whole_model_same_under_a_probe_in_float64():
     assert float((lf - le).abs().max()) <= 100 * dims * u * float(lf.abs().max())
     for n in gf:
         assert float((gf[n] - ge[n]).abs().max()) <= 100 * dims * u * float(gf[n].abs().max()), n
+    explicit = copy.deepcopy(model)
+    for m in explicit.modules():
+        if isinstance(m, tinylm.MultiHeadSelfAttention):
+            m.explicit = True
+    for dtype in (torch.float64, torch.float32):  # every block, branch and gradient, within roundoff
+        assert diff(model.to(dtype), explicit.to(dtype), tok).first is None
 
 
 @pytest.mark.parametrize("explicit", [False, True])

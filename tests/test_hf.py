@@ -20,6 +20,7 @@ import torch
 import tinylm
 from tinylm import checkpoint, hf
 from tinylm.errors import CheckpointError, TinyLMError
+from diagnostics import diff
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,6 +108,8 @@ def assert_same_function(ours: tinylm.TransformerLM, theirs: torch.nn.Module) ->
         errors[k] = rel(ours_grads[k], g)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= REL, (worst, errors[worst])
+    result = diff(ours, theirs, TOKENS)  # every block, branch and gradient, paired by structure
+    assert result.first is None and not result.unpaired, result
     return errors
 
 
@@ -180,6 +183,7 @@ def test_tinylm_to_hf_to_tinylm_is_bit_identical_and_transformers_agrees(tmp_pat
     assert back.config == config.replace(init=back.config.init)
     a, b = ours.state_dict(), back.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert diff(ours, back, TOKENS).first is None
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     assert type(theirs).__name__ == "LlamaForCausalLM"
     assert_same_function(ours.train(), theirs.train())

@@ -6,12 +6,15 @@
   they come by :mod:`diagnostics.judge.over_time`;
 * :mod:`.history` — the watch's history: its format, its checks, its tidy rows, and
   :class:`History`, which holds its verdicts for whatever draws it.
+* :mod:`.diff` — where two executions of one model part ways (sites sketched by :mod:`.fingerprint`).
 """
 
 from .compare import compare
 from .diagnose import diagnose
+from .diff import DiffResult, diff, diff_against
+from .fingerprint import Fingerprint, fingerprint
 from .history import History, check_history
 from .watch import Watch, WatchEvent, WatchFailure, WatchStop, train_watched
 
 __all__ = ["diagnose", "compare", "Watch", "WatchEvent", "WatchFailure", "WatchStop", "History", "check_history",
-           "train_watched"]
+           "train_watched", "diff", "diff_against", "DiffResult", "fingerprint", "Fingerprint"]

@@ -1,0 +1,437 @@
+"""``fingerprint``: one forward and backward pass of a model, each site reduced at once to a sketch.
+
+    fp = fingerprint(model, tokens, DiffOptions(batch_size=4, seq_len=256))
+    fp.save("run.npz"); Fingerprint.load("run.npz")
+
+Sites (:func:`diff_sites`, the one place that says which tensors a diff measures and how two
+models' tensors pair): the stream entering the blocks (``embedding``: block 0's input), per
+block i its attention and MLP branch outputs (``layers.i.attn``, ``layers.i.ffn``, before they
+are added) and its output (``layers.i``, the residual stream), the final norm's output
+(``final_norm``) and the logits; for each, the forward tensor and the gradient of the loss
+(mean next-token cross-entropy, computed in float32 from the logits) with respect to it.
+
+Reduction, in the hook, under ``no_grad``, in float64: the tensor X, flattened to (N, w) (N the
+leading elements, w its last dimension), with non-finite entries counted and set to 0, gives
+
+    moments   count, mean, mean square, max |x|, non-finite count
+    sketch    S = G^T X H / k,   G (N, k), H (w, k) standard Gaussian,
+
+G and H drawn from a generator seeded with sha256 of (the projection seed, the axis, its
+length, k), the same on every machine. vec(S) is a Kronecker Johnson-Lindenstrauss projection
+of vec(X) with E ||S||_F^2 = ||X||_F^2, so ||S_a - S_b|| / ||S_b|| estimates ||a - b|| / ||b||
+(:func:`diagnostics.judge.departure.relative_departure`). Nothing else is kept: memory is
+2 k^2 + 5 floats per site and direction, plus the projection matrices.
+
+A model whose parameters need no gradient is given them for the pass; its ``training`` flags,
+``requires_grad`` and ``.grad`` are put back as they were, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+import tinylm
+
+from ..measure.blocks import find_blocks
+from ..measure.probe import instrument_points
+from ..options import DiffOptions, OptionsError
+
+__all__ = ["Site", "SiteRecord", "Fingerprint", "FingerprintError", "diff_sites", "fingerprint", "sketch",
+           "FORMAT", "VERSION", "PROJECTION_SEED"]
+
+FORMAT, VERSION = "tinylm-fingerprint", 1
+#: seeds the projection matrices G and H (a fingerprint records it; two are compared only if equal)
+PROJECTION_SEED = 20240611
+_ATTN = re.compile(r"(attn|attention)$", re.IGNORECASE)
+_FFN = re.compile(r"(mlp|ffn|feed_forward)$", re.IGNORECASE)
+
+
+class FingerprintError(OptionsError):
+    """A fingerprint file that cannot be read, or two that cannot be compared."""
+
+
+@dataclass(frozen=True)
+class Site:
+    """One measured tensor of a model: ``key`` its structural name, shared by every model
+    ("embedding", "layers.i.attn", "layers.i.ffn", "layers.i", "final_norm", "logits"),
+    ``module`` the module's name in this model ("" for the logits: the model's output),
+    ``kind``, ``block`` (None outside the blocks) and ``order`` (its position in the forward)."""
+
+    key: str
+    module: str
+    kind: str
+    block: int | None
+    order: int
+
+
+def diff_sites(model: nn.Module) -> list[Site]:
+    """The sites of ``model`` in forward order (module docstring), paired across models by ``key``.
+
+    The block stack is :func:`diagnostics.measure.blocks.find_blocks`'s; a block's attention and
+    MLP are a tinylm block's ``attn`` and ``ffn`` (as :func:`instrument_points` names them), else
+    the block's child whose name ends in attn/attention and mlp/ffn/feed_forward; the final norm
+    is ``ln_final`` for tinylm, else the last norm (LayerNorm or a class named ``*Norm``) after
+    the stack, outside it. A model without a block stack has the logits only."""
+    stack = find_blocks(model)
+    points = instrument_points(model)
+    L = len(stack) if stack is not None else 0
+    out = [Site("logits", "", "logits", None, 3 * L + 2)]
+    if stack is None:
+        return out
+    out.append(Site("embedding", stack.input, "embedding", None, 0))
+    tiny = isinstance(model, tinylm.TransformerLM)
+    named = dict(model.named_modules())
+    for i, block in enumerate(stack.names):
+        out.append(Site(f"layers.{i}", block, "residual", i, 3 * i + 3))
+        for child, _ in named[block].named_children():
+            name = f"{block}.{child}"
+            if (points.get(name) == "attn_branch") if tiny else bool(_ATTN.search(child)):
+                out.append(Site(f"layers.{i}.attn", name, "attn_branch", i, 3 * i + 1))
+            elif (points.get(name) == "ffn_branch") if tiny else bool(_FFN.search(child)):
+                out.append(Site(f"layers.{i}.ffn", name, "ffn_branch", i, 3 * i + 2))
+    after = False
+    final = None
+    for name, mod in model.named_modules():
+        if name == stack.names[-1]:
+            after = True
+        elif after and stack.index(name) is None and _is_norm(mod):
+            final = name
+    if tiny:
+        final = "ln_final" if getattr(model, "ln_final", None) is not None else None
+    if final is not None:
+        out.append(Site("final_norm", final, "final_norm", None, 3 * L + 1))
+    return sorted(out, key=lambda s: s.order)
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    """A LayerNorm, or a module with parameters whose class name ends in ``Norm`` (RMSNorm, LlamaRMSNorm)."""
+    return isinstance(mod, nn.LayerNorm) or (type(mod).__name__.endswith("Norm")
+                                             and any(True for _ in mod.parameters(recurse=False)))
+
+
+# ----------------------------------------------------------------------------- the reduction
+
+
+def _gaussian(n: int, k: int, axis: str, seed: int, device: torch.device, cache: dict) -> Tensor:
+    """(n, k) standard Gaussian float64, the same on every machine for (seed, axis, n, k)."""
+    key = (n, k, axis, seed, str(device))
+    if key not in cache:
+        digest = hashlib.sha256(f"{seed}:{axis}:{n}:{k}".encode()).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        cache[key] = torch.randn(n, k, generator=g, dtype=torch.float64).to(device)
+    return cache[key]
+
+
+@torch.no_grad()
+def sketch(x: Tensor, k: int, seed: int = PROJECTION_SEED, cache: dict | None = None) -> tuple[Tensor, Tensor]:
+    """(moments, S) of ``x`` (module docstring): moments = [count, mean, mean square, max |x|,
+    non-finite count] over the finite entries, S = G^T X H / k (k, k), both float64 on x's device."""
+    cache = {} if cache is None else cache
+    x = x.detach()
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
+    xd = x2.double()
+    finite = torch.isfinite(xd)
+    bad = (~finite).sum()
+    xd = torch.where(finite, xd, torch.zeros((), dtype=xd.dtype, device=xd.device))
+    n = finite.sum().clamp(min=1)
+    moments = torch.stack([finite.sum().double(), xd.sum() / n, (xd * xd).sum() / n,
+                           xd.abs().max() if xd.numel() else xd.new_zeros(()), bad.double()])
+    G = _gaussian(xd.shape[0], k, "rows", seed, xd.device, cache)
+    H = _gaussian(xd.shape[1], k, "columns", seed, xd.device, cache)
+    return moments, G.T @ (xd @ H) / k
+
+
+# ----------------------------------------------------------------------------- the records
+
+
+@dataclass
+class SiteRecord:
+    """One site and direction of a fingerprint: the site's fields, the tensor's dtype and shape,
+    its moments (count, mean, mean_square, max_abs, nonfinite) and ``sketch`` (k, k) float64."""
+
+    key: str
+    module: str
+    kind: str
+    block: int | None
+    order: int
+    direction: str
+    dtype: str
+    shape: tuple[int, ...]
+    count: float
+    mean: float
+    mean_square: float
+    max_abs: float
+    nonfinite: float
+    sketch: np.ndarray = field(repr=False)
+
+    def fields(self) -> dict:
+        """Everything but the sketch, as JSON values."""
+        d = {k: v for k, v in asdict(self).items() if k != "sketch"}
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclass
+class Fingerprint:
+    """The sites of one pass (``records``, forward then backward), the tokens it read (B, T+1) and
+    ``meta``: format, version, model (class, parameters, config), dtype, device, tokens_sha256,
+    batch_size, seq_len, seed, k, projection_seed, loss, torch."""
+
+    meta: dict
+    tokens: np.ndarray
+    records: list[SiteRecord]
+
+    def record(self, key: str, direction: str) -> SiteRecord | None:
+        return next((r for r in self.records if r.key == key and r.direction == direction), None)
+
+    def save(self, path: str | Path) -> Path:
+        """Write a .npz (plain arrays and one JSON string; read back without pickle)."""
+        path = Path(path)
+        k = int(self.meta["k"])
+        sketches = np.stack([r.sketch for r in self.records]) if self.records else np.zeros((0, k, k))
+        text = json.dumps({"meta": self.meta, "records": [r.fields() for r in self.records]}, sort_keys=True)
+        with open(path, "wb") as f:
+            np.savez(f, header=np.frombuffer(text.encode(), dtype=np.uint8), tokens=self.tokens.astype(np.int64),
+                     sketches=sketches.astype(np.float64))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Fingerprint":
+        """Read a file :meth:`save` wrote (``allow_pickle=False``); anything else is a FingerprintError."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                head = json.loads(bytes(z["header"]).decode())
+                tokens, sketches = np.array(z["tokens"]), np.array(z["sketches"])
+            meta, rows = head["meta"], head["records"]
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"format {meta.get('format')!r}")
+            records = [SiteRecord(**{**r, "shape": tuple(r["shape"])}, sketch=s) for r, s in zip(rows, sketches)]
+        except FingerprintError:
+            raise
+        except Exception as e:  # a zip, JSON or field error: the file is not one of ours
+            raise FingerprintError(f"path={str(path)!r}: must be a fingerprint file written by "
+                                   f"diagnostics.fingerprint(...).save ({type(e).__name__}: {e})") from None
+        if int(meta.get("version", 0)) > VERSION:
+            raise FingerprintError(f"path={str(path)!r}: must be a fingerprint of version <= {VERSION}, got "
+                                   f"{meta.get('version')}; pass a file this version of tinylm wrote")
+        return cls(meta, tokens, records)
+
+    def __repr__(self) -> str:
+        m = self.meta
+        return (f"Fingerprint({m['model']['class']}, {len(self.records)} records, tokens {m['batch_size']}x"
+                f"{m['seq_len']}, {m['dtype']} on {m['device']}, k={m['k']})")
+
+
+# ----------------------------------------------------------------------------- the pass
+
+
+def context_of(model: nn.Module) -> int | None:
+    """The longest sequence the model takes (tinylm config, else max_position_embeddings/n_positions)."""
+    config = getattr(model, "config", None)
+    for key in ("context_length", "max_position_embeddings", "n_positions"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return None
+
+
+def _vocab(model: nn.Module) -> int | None:
+    value = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(value, int):
+        return value
+    return next((m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, tinylm.Embedding))), None)
+
+
+def batch_of(model: nn.Module, tokens, options: DiffOptions) -> Tensor:
+    """The measured batch (B, T+1) int64: ``tokens`` (N, T+1) windows (the first batch_size), a 1-D
+    stream (batch_size windows drawn with the seed) or None (uniform random ids, seeded)."""
+    ctx = context_of(model)
+    seq_len = options.seq_len or (min(ctx, 256) if ctx else 128)
+    if tokens is None:
+        vocab = _vocab(model)
+        if vocab is None:
+            raise OptionsError("tokens=None: must be given for a model without a vocabulary (no config.vocab_size, "
+                               "no Embedding); pass tokens=")
+        return torch.randint(0, vocab, (options.batch_size, seq_len + 1),
+                             generator=torch.Generator().manual_seed(options.seed))
+    t = torch.as_tensor(np.asarray(tokens) if not isinstance(tokens, Tensor) else tokens)
+    if t.is_floating_point() or t.dtype == torch.bool:
+        raise OptionsError(f"tokens dtype={t.dtype}: must be integer token ids; pass (N, T+1) windows or a 1-D stream")
+    t = t.long().cpu()
+    if t.dim() == 1:
+        from tinylm.data import get_batch
+
+        x, y = get_batch(t.numpy(), options.batch_size, seq_len, torch.Generator().manual_seed(options.seed))
+        return torch.cat([x, y[:, -1:]], dim=1)
+    if t.dim() != 2 or t.shape[1] < 3:
+        raise OptionsError(f"tokens shape={tuple(t.shape)}: must be (N, T+1) windows with T >= 2 or a 1-D stream")
+    return t[:options.batch_size]
+
+
+def _logits(output) -> Tensor:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        first = next((o for o in output if isinstance(o, Tensor)), None)
+        if first is not None:
+            return first
+    value = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    if not isinstance(value, Tensor):
+        raise OptionsError(f"model output={type(output).__name__}: must hold next-token logits (B, T, V) (a tensor, a "
+                           "tuple's first tensor or .logits); pass DiffOptions(inputs=...) or wrap the model")
+    return value
+
+
+def _first_tensor(output) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((o for o in output if isinstance(o, Tensor)), None)
+    return None
+
+
+class _Recorder:
+    """Reduces each site's tensor as it comes (forward in the hook, backward in a gradient hook)."""
+
+    def __init__(self, k: int, backward: bool):
+        self.k, self.backward = k, backward
+        self.cache: dict = {}
+        self.store: dict[tuple[str, str], tuple[Tensor, Tensor, str, tuple]] = {}
+
+    def take(self, site: Site, t: Tensor | None) -> None:
+        if not isinstance(t, Tensor) or not t.is_floating_point() or (site.key, "forward") in self.store:
+            return
+        self._reduce(site, "forward", t)
+        if self.backward and t.requires_grad:
+            t.register_hook(lambda g, _s=site: self._reduce(_s, "backward", g))
+
+    def _reduce(self, site: Site, direction: str, t: Tensor) -> None:
+        moments, s = sketch(t, self.k, PROJECTION_SEED, self.cache)
+        self.store[(site.key, direction)] = (moments, s, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+@contextlib.contextmanager
+def _recording(model: nn.Module, sites: list[Site], recorder: _Recorder) -> Iterator[None]:
+    """Hooks on every site for the ``with`` block; removed, and the model put back, whatever happens."""
+    named = dict(model.named_modules())
+    stack = find_blocks(model)
+    training = {m: m.training for m in named.values()}
+    params = list(model.named_parameters())
+    requires = {n: p.requires_grad for n, p in params}
+    grads = {n: p.grad for n, p in params}
+    with contextlib.ExitStack() as undo:
+        undo.callback(_restore, model, training, requires, grads)
+        for site in sites:
+            if site.key == "logits":
+                continue
+            if stack is not None and site.module == stack.input:
+                def pre(module, args, kwargs, _s=site):
+                    t = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+                    recorder.take(_s, t)
+                h = named[stack.names[0]].register_forward_pre_hook(pre, with_kwargs=True)
+            else:
+                h = named[site.module].register_forward_hook(lambda m, i, o, _s=site: recorder.take(_s, _first_tensor(o)))
+            undo.callback(h.remove)
+        model.eval()
+        for _, p in params:
+            p.grad = None
+            if recorder.backward and p.is_floating_point():
+                p.requires_grad_(True)
+        yield
+
+
+def _restore(model: nn.Module, training: dict, requires: dict, grads: dict) -> None:
+    for m, flag in training.items():
+        m.training = flag
+    for n, p in model.named_parameters():
+        if n in requires:
+            p.requires_grad_(requires[n])
+            p.grad = grads[n]
+
+
+def _describe(model: nn.Module) -> dict:
+    config = getattr(model, "config", None)
+    if isinstance(config, tinylm.ModelConfig):
+        conf = asdict(config)
+    elif hasattr(config, "to_dict"):
+        conf = {k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str, bool)) or v is None}
+    else:
+        conf = None
+    seen, count = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            count += p.numel()
+    return {"class": type(model).__name__, "parameters": count, "config": conf}
+
+
+def _cast(model: nn.Module, dtype: str | None) -> nn.Module:
+    """``model`` itself, or a deep copy cast to ``dtype`` (the caller's model is never cast)."""
+    if dtype is None:
+        return model
+    return copy.deepcopy(model).to(getattr(torch, dtype))
+
+
+def fingerprint(model: nn.Module, tokens=None, options: DiffOptions | None = None, *,
+                dtype: str | None = None) -> Fingerprint:
+    """One forward and backward pass of ``model`` on the measured batch, reduced per site (module docstring).
+
+    Args:
+        model: any ``nn.Module`` whose output holds next-token logits (B, T, V).
+        tokens: (N, T+1) windows, a 1-D token stream, or None (uniform random ids; see :func:`batch_of`).
+        options: :class:`diagnostics.DiffOptions` (batch_size, seq_len, seed, k, backward, inputs).
+        dtype: None measures the model as it is; a dtype name measures a copy cast to it.
+    Returns:
+        a :class:`Fingerprint`; the model is left as it was.
+    """
+    if not isinstance(model, nn.Module):
+        raise OptionsError(f"model={type(model).__name__}: must be a torch.nn.Module; pass the model itself")
+    options = options or DiffOptions()
+    batch = batch_of(model, tokens, options)
+    run = _cast(model, dtype)
+    device = next((p.device for p in run.parameters()), torch.device("cpu"))
+    sites = diff_sites(run)
+    recorder = _Recorder(options.k, options.backward)
+    ids = batch[:, :-1].to(device)
+    with _recording(run, sites, recorder):
+        x = options.inputs(ids) if options.inputs is not None else ids
+        out = run(**x) if isinstance(x, Mapping) else run(*x) if isinstance(x, tuple) else run(x)
+        logits = _logits(out)
+        recorder.take(sites[-1] if sites[-1].key == "logits" else next(s for s in sites if s.key == "logits"), logits)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), batch[:, 1:].to(device).flatten())
+        if options.backward and loss.requires_grad:
+            loss.backward()
+    return _assemble(run, sites, recorder, batch, options, float(loss.detach()), device)
+
+
+def _assemble(model, sites, recorder, batch, options, loss, device) -> Fingerprint:
+    """The records (forward in order, then backward from the loss) and the meta of one pass."""
+    keys = list(recorder.store)
+    vectors = torch.stack([recorder.store[k][0].cpu() for k in keys]).tolist() if keys else []
+    records = []
+    for (key, direction), vec in zip(keys, vectors):
+        site = next(s for s in sites if s.key == key)
+        _, s, dt, shape = recorder.store[(key, direction)]
+        records.append(SiteRecord(site.key, site.module, site.kind, site.block, site.order, direction, dt, shape,
+                                  *vec, sketch=s.cpu().numpy()))
+    records.sort(key=lambda r: (r.direction != "forward", r.order if r.direction == "forward" else -r.order))
+    arr = batch.numpy().astype(np.int64)
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
+    meta = {"format": FORMAT, "version": VERSION, "model": _describe(model), "dtype": ",".join(dtypes) or "none",
+            "device": str(device), "tokens_sha256": hashlib.sha256(arr.tobytes()).hexdigest(),
+            "batch_size": int(arr.shape[0]), "seq_len": int(arr.shape[1] - 1), "seed": options.seed, "k": options.k,
+            "projection_seed": PROJECTION_SEED, "loss": loss, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "unmeasured": [s.key for s in sites if (s.key, "forward") not in recorder.store]}
+    return Fingerprint(meta, arr, records)
