@@ -45,11 +45,10 @@ __all__ = [
     "SIGMA_CAP",
 ]
 
+#: Monte Carlo rows of the softmax moments (at most; fewer for long rows) and their seed
 _MC_DRAWS = 8192
 _MC_SEED = 1234
 
-
-# ---------------------------------------------------------------- Gaussian expectations
 
 def _gauss_expect(f: Callable[[float], float], mu: float, sigma: float, kink: float | None = None) -> float:
     """E[f(mu + sigma z)], z ~ N(0, 1), by quad over |z| <= 12, split at ``kink`` (in z) if given."""
