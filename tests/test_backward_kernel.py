@@ -11,7 +11,7 @@ from scipy import stats
 import tinylm
 from diagnostics import OptionsError, predict
 from diagnostics.theory.backkernel import attention_backward, backward_kernel, norm_backward
-from diagnostics.theory.tokenkernel import _psd_sqrt
+from diagnostics.theory.tokenkernel_maps import _psd_sqrt
 from kernelhelp import backward_variances
 
 ALPHA = 1e-6  # family-wise false-alarm probability of each test's statistical checks (Bonferroni within it)

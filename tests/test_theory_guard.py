@@ -9,7 +9,7 @@ import torch
 
 import tinylm
 from diagnostics import DiagnoseOptions, diagnose
-from diagnostics.theory.independent import _s2_at
+from diagnostics.theory.gaussian import _s2_at
 
 SMALL = tinylm.ModelConfig(vocab_size=5000, context_length=8, d_model=16, num_layers=2, num_heads=2, d_ff=32)
 OPTS = DiagnoseOptions(batch_size=2, batches=2, seq_len=8)

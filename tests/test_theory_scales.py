@@ -25,7 +25,7 @@ from rich.console import Console
 import tinylm
 from diagnostics import DiagnoseOptions, diagnose
 from diagnostics.theory import Prediction
-from diagnostics.theory.independent import SIGMA_CAP, silu_moments, softmax_moments
+from diagnostics.theory.gaussian import SIGMA_CAP, silu_moments, softmax_moments
 from diagnostics.theory.prediction import no_variance_left
 from reports.render import ReportContext, report
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics.theory import tokenkernel as tk
+from diagnostics.theory import tokenkernel_maps as tk
 
 TOL = 1e-12
 

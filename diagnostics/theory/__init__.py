@@ -4,10 +4,15 @@ Two theories, one :class:`Prediction` type, one :func:`predict` that combines th
 
 * :mod:`.independent` — per-layer rules that treat the tokens of a sequence as
   independent (forward and backward, global at init or local from measured inputs);
+  the rule of each kind of site in :mod:`.independent_rules`;
 * :mod:`.tokenkernel` — the token-kernel theory, which carries the T x T covariance
-  between a sequence's positions forward through the blocks (global mode);
+  between a sequence's positions forward through the blocks (global mode); its maps
+  (norm, attention, activations) in :mod:`.tokenkernel_maps`;
 * :mod:`.backkernel` — the same theory backward: the T x T covariance of the gradient
-  between positions, carried from the cross-entropy gradient down to the embeddings.
+  between positions, carried from the cross-entropy gradient down to the embeddings; its
+  maps in :mod:`.backkernel_maps`;
+* :mod:`.gaussian` — the Gaussian expectations all three read (activation, LayerNorm and
+  softmax moments, the cross-entropy gradient).
 
 ``predict`` takes every prediction from the independent-token rules and, in global
 mode, replaces the forward ones by the token-kernel theory's and the backward ones by
