@@ -132,8 +132,10 @@ def test_an_accumulated_step_reads_as_one_step_of_the_whole_batch(tmp_path):
             assert a[site]["fwd_var"] == pytest.approx(w[site]["fwd_var"], rel=1e-6)
             continue
         assert a[site]["count"] == w[site]["count"] == 16 * T * (V if site == "lm_head" else D)
-        for key in ("fwd_mean", "fwd_var", "grad_mean", "grad_var", "grad_absmax"):
-            assert a[site][key] == pytest.approx(w[site][key], rel=1e-5, abs=1e-12), (site, key)
+        for key in ("fwd_var", "grad_var", "grad_absmax"):
+            assert a[site][key] == pytest.approx(w[site][key], rel=1e-5), (site, key)
+        for key, var in (("fwd_mean", "fwd_var"), ("grad_mean", "grad_var")):  # a mean near 0: rounding
+            assert a[site][key] == pytest.approx(w[site][key], rel=1e-5, abs=1e-5 * math.sqrt(w[site][var])), (site, key)
     assert acc.watch.history["series"]["grad_norm"] == pytest.approx(whole.watch.history["series"]["grad_norm"],
                                                                      rel=1e-5)
     assert acc.watch.history["series"]["loss"] == pytest.approx(whole.watch.history["series"]["loss"], rel=1e-5)
@@ -153,7 +155,8 @@ def test_accumulation_scales_each_micro_batch_gradient_by_one_over_the_factor(tm
         assert a[site]["count"] == 4 * o[site]["count"]
         assert a[site]["fwd_var"] == pytest.approx(o[site]["fwd_var"], rel=1e-6)
         assert a[site]["grad_var"] == pytest.approx(o[site]["grad_var"] / 16, rel=1e-5), site
-        assert a[site]["grad_mean"] == pytest.approx(o[site]["grad_mean"] / 4, rel=1e-4, abs=1e-12), site
+        assert a[site]["grad_mean"] == pytest.approx(o[site]["grad_mean"] / 4, rel=1e-4,
+                                                     abs=1e-5 * math.sqrt(a[site]["grad_var"])), site
 
 
 def test_the_sites_of_a_llama_are_its_embedding_blocks_and_head():
