@@ -79,15 +79,37 @@ def test_a_trainer_run_records_the_watch(tmp_path):
     assert (tmp_path / "watch" / "watch.csv").is_file() and (tmp_path / "watch" / "watch.jsonl").is_file()
 
 
-def test_stop_signal_ends_the_run_at_a_nonfinite_loss(tmp_path):
+def nan_gpt2():
     model = tiny_gpt2()
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
-    cb = WatchCallback(every=2, stop="signal")
-    trainer = train(model, cb, tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("logging_steps", [1, 5])  # the fail found in on_log / in on_step_end
+def test_stop_signal_ends_the_run_at_a_nonfinite_loss(tmp_path, logging_steps):
+    cb = WatchCallback(every=5 * logging_steps, stop="signal")
+    trainer = train(nan_gpt2(), cb, tmp_path, logging_steps=logging_steps)
     assert trainer.state.global_step == 1  # stopped after the first step, not at max_steps
     assert cb.failure is not None and cb.failure.step == 1 and cb.failure.verdict == "non_finite"
     assert cb.watch.history["events"][0]["kind"] == "nonfinite"
+
+
+def test_stop_raise_leaves_no_hook_and_closes_the_writers(tmp_path):
+    from diagnostics import WatchStop
+
+    model = nan_gpt2()
+    cb = WatchCallback(every=2, stop="raise", log_dir=tmp_path / "watch")
+    with pytest.raises(WatchStop, match="step 1: the loss is nan"):
+        train(model, cb, tmp_path)
+    assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+    assert cb.watch.writers == []  # closed (files flushed)
+    assert '"type": "event"' in (tmp_path / "watch" / "watch.jsonl").read_text()
+
+
+def test_a_record_interval_off_the_logging_steps_is_warned_of(tmp_path):
+    with pytest.warns(UserWarning, match="logging_steps=2: records at steps the Trainer does not log"):
+        train(tiny_gpt2(), WatchCallback(every=3), tmp_path, steps=1, logging_steps=2)
 
 
 def test_records_carry_the_trainers_grad_norm_and_loss_at_the_steps_it_logs(tmp_path):

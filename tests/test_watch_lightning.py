@@ -128,6 +128,20 @@ def test_stop_signal_ends_the_fit_at_a_nonfinite_loss():
     assert cb.watch.history["events"][0]["kind"] == "nonfinite"
 
 
+def test_stop_raise_leaves_no_hook_and_closes_the_writers(tmp_path):
+    from diagnostics import WatchStop
+
+    module = LM()
+    with torch.no_grad():
+        module.model.layers[0].ffn.w1.weight[0, 0] = float("nan")
+    cb = WatchCallback(every=2, stop="raise", log_dir=tmp_path / "watch")
+    with pytest.raises(WatchStop, match="step 0: .* not finite"):
+        fit(module, cb, batches(24 * B))
+    assert all(not m._forward_hooks and not m._backward_hooks for m in module.modules())
+    assert cb.watch.writers == []  # closed (files flushed)
+    assert '"type": "event"' in (tmp_path / "watch" / "watch.jsonl").read_text()
+
+
 def test_a_missing_lightning_names_its_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, "diagnostics.integrations.lightning", raising=False)

@@ -42,9 +42,10 @@ the run cleanly after that step); ``stop="raise"`` raises
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 try:
     from transformers import TrainerCallback
@@ -52,7 +53,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError('the Hugging Face callback needs transformers: pip install "tinylm[hf]" '
                       "(or pip install transformers)") from e
 
-from ..jobs.watch import Watch, WatchFailure
+from ..jobs.watch import Watch, WatchFailure, WatchStop
 from ._steps import Steps
 
 __all__ = ["WatchCallback"]
@@ -128,7 +129,8 @@ class WatchCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._losses = []
-        self._signal(self._steps.finish(), control)  # a logged step whose log never came
+        with self._closed_on_stop():
+            self._signal(self._steps.finish(), control)  # a logged step whose log never came
         self._steps.begin(state.global_step + 1)
         return control
 
@@ -142,16 +144,27 @@ class WatchCallback(TrainerCallback):
         self._losses = []
         # when the Trainer logs this step (DefaultFlowCallback ran first and set should_log), the
         # step waits for its grad_norm in on_log, which comes before the Trainer checks for a stop
-        found = self._steps.end(state.global_step, loss, self._lr, wait=bool(control.should_log))
-        self._signal(found, control)
+        with self._closed_on_stop():
+            self._signal(self._steps.end(state.global_step, loss, self._lr, wait=bool(control.should_log)), control)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         """The step just ended enters the watch, with the Trainer's grad_norm when it logged one."""
         if self._steps is not None and self._steps.waiting == state.global_step:
             grad_norm = (logs or {}).get("grad_norm")
-            self._signal(self._steps.finish(math.nan if grad_norm is None else float(grad_norm)), control)
+            with self._closed_on_stop():
+                self._signal(self._steps.finish(math.nan if grad_norm is None else float(grad_norm)), control)
         return control
+
+    @contextlib.contextmanager
+    def _closed_on_stop(self) -> Iterator[None]:
+        """Under stop="raise": the hook removed and the writers closed before WatchStop leaves
+        (the Trainer will not reach on_train_end)."""
+        try:
+            yield
+        except WatchStop:
+            self.close()
+            raise
 
     def _signal(self, found: WatchFailure | None, control: Any) -> None:
         if found is not None:
