@@ -100,8 +100,9 @@ def test_stop_raise_leaves_no_hook_and_closes_the_writers(tmp_path):
 
     model = nan_gpt2()
     cb = WatchCallback(every=2, stop="raise", log_dir=tmp_path / "watch")
-    with pytest.raises(WatchStop, match="step 1: the loss is nan"):
+    with pytest.raises(WatchStop, match="step 1: the loss is nan") as stopped:
         train(model, cb, tmp_path)
+    assert cb.failure is stopped.value.failure and cb.failure.step == 1
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
     assert cb.watch.writers == []  # closed (files flushed)
     assert '"type": "event"' in (tmp_path / "watch" / "watch.jsonl").read_text()

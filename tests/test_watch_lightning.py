@@ -135,8 +135,9 @@ def test_stop_raise_leaves_no_hook_and_closes_the_writers(tmp_path):
     with torch.no_grad():
         module.model.layers[0].ffn.w1.weight[0, 0] = float("nan")
     cb = WatchCallback(every=2, stop="raise", log_dir=tmp_path / "watch")
-    with pytest.raises(WatchStop, match="step 0: .* not finite"):
+    with pytest.raises(WatchStop, match="step 0: .* not finite") as stopped:
         fit(module, cb, batches(24 * B))
+    assert cb.failure is stopped.value.failure and cb.failure.step == 0
     assert all(not m._forward_hooks and not m._backward_hooks for m in module.modules())
     assert cb.watch.writers == []  # closed (files flushed)
     assert '"type": "event"' in (tmp_path / "watch" / "watch.jsonl").read_text()

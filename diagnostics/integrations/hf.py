@@ -162,7 +162,8 @@ class WatchCallback(TrainerCallback):
         (the Trainer will not reach on_train_end)."""
         try:
             yield
-        except WatchStop:
+        except WatchStop as stop:
+            self.failure = self.failure or stop.failure
             self.close()
             raise
 

@@ -51,7 +51,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 
 import torch
 
-from ..jobs.watch import Watch, WatchFailure
+from ..jobs.watch import Watch, WatchFailure, WatchStop
 from ._steps import Steps, record_scalars
 from .writers import WatchWriter
 
@@ -161,6 +161,8 @@ class WatchCallback(Callback):
         self.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        if isinstance(exception, WatchStop):
+            self.failure = self.failure or exception.failure
         self.close()
 
     def close(self) -> None:
