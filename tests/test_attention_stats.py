@@ -230,3 +230,27 @@ def test_forward_figures_wait_for_the_gradient_and_never_go_missing():
     assert twice.attention["layers.1.attn.probs"].rows == 2 * once.attention["layers.1.attn.probs"].rows
     assert ("layers.0.attn.scores", "backward") in twice.tensors
     assert list(dropped.tensors) == list(once.tensors)
+
+
+def test_a_subclass_with_its_own_forward_is_measured_through_its_taps():
+    """An attention subclass whose forward computes the weights itself (calling the Taps, no
+    observer) keeps being measured by hooks on its Taps."""
+
+    class Own(tinylm.MultiHeadSelfAttention):
+        def forward(self, x, token_positions=None):
+            from einops import rearrange
+            split = "... t (h d) -> ... h t d"
+            q, k, v = (rearrange(p(x), split, h=self.num_heads) for p in (self.q_proj, self.k_proj, self.v_proj))
+            s = self.scores(TF.attention_scores(q, k, TF.causal_mask(x.shape[-2])))
+            p = self.probs(TF.softmax(s, dim=-1))
+            return self.output_proj(rearrange(p @ v, "... h t d -> ... t (h d)"))
+
+    model = tinylm.TransformerLM(CFG.replace(positions="none"), generator=torch.Generator().manual_seed(0))
+    tok = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(1))
+    want = _probed(model, tok, True)
+    for block in model.layers:
+        block.attn.__class__ = Own
+    got = _probed(model, tok, False)
+    for key in [("layers.0.attn.scores", "forward"), ("layers.1.attn.probs", "backward")]:
+        assert got.tensors[key].count == want.tensors[key].count > 0
+    assert got.attention["layers.1.attn.probs"].rows == want.attention["layers.1.attn.probs"].rows

@@ -518,10 +518,11 @@ class _AttentionObserver:
 
 def _attention_points(model: nn.Module, points: dict[str, str]) -> dict[str, frozenset[str]]:
     """{tinylm attention name: the leaves of ``scores``/``probs`` among ``points``}: those Taps are
-    measured through the attention's observer rather than hooked (a hook would force the explicit path)."""
+    measured through the attention's observer rather than hooked (a hook would force the explicit
+    path). A subclass with a forward of its own calls no observer: its Taps are hooked."""
     found: dict[str, set[str]] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, tinylm.MultiHeadSelfAttention):
+        if isinstance(mod, tinylm.MultiHeadSelfAttention) and type(mod).forward is tinylm.MultiHeadSelfAttention.forward:
             for leaf in ("scores", "probs"):
                 if f"{name}.{leaf}" in points and type(getattr(mod, leaf)) is tinylm.Tap:
                     found.setdefault(name, set()).add(leaf)
