@@ -86,7 +86,7 @@ if [ "$MODE" = cuda ]; then
         "$PY" benchmarks/bench_diagnose.py --device cuda --seq-len 256 --repeats 1
     run_step bench_diagnose_1024 120 env OMP_NUM_THREADS=8 MKL_NUM_THREADS=8 \
         "$PY" benchmarks/bench_diagnose.py --device cuda --seq-len 1024 --repeats 1
-    run_step watch_every_25 45 "$PY" benchmarks/gpu_check_steps.py watch --device cuda --every 25 --steps 50 --rounds 5
+    run_step watch 45 "$PY" benchmarks/gpu_check_steps.py watch --device cuda --every 25 --steps 50 --rounds 5
     run_step transfers 45 "$PY" benchmarks/gpu_check_steps.py transfers --device cuda --every 5
     run_step nccl_2_ranks 40 "$PY" benchmarks/gpu_check_steps.py nccl
 else
@@ -97,7 +97,7 @@ else
         --breakdown 0 --threads 1
     run_step bench_diagnose 45 "$PY" benchmarks/bench_diagnose.py --device cpu --preset tiny --seq-len 16 \
         --repeats 1 --batches 1
-    run_step watch_every_25 30 "$PY" benchmarks/gpu_check_steps.py watch --device cpu --preset tiny --batch 2 \
+    run_step watch 30 "$PY" benchmarks/gpu_check_steps.py watch --device cpu --preset tiny --batch 2 \
         --every 5 --steps 10 --rounds 2 --threads 1
     run_step transfers 30 "$PY" benchmarks/gpu_check_steps.py transfers --device cpu --preset tiny --batch 2 \
         --every 3 --threads 1

