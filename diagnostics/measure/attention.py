@@ -31,7 +31,8 @@ import math
 import torch
 from torch import Tensor
 
-from .reducer import merge_attention_vectors, merge_vectors, reduce
+from . import reducer
+from .reducer import merge_attention_vectors, merge_vectors
 
 __all__ = ["statistics", "forward_statistics", "backward_statistics", "CHUNK", "CHUNK_DEVICE", "BLOCK"]
 
@@ -172,9 +173,9 @@ def _add(out: dict, want: dict, S: Tensor, P: Tensor | None, G: Tensor | None, D
     """Reduce one chunk's buffers (causal entries) into ``out``, merging with the chunks before."""
     for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)):
         if want[key]:
-            out[key] = _merge(out[key], reduce(t, causal=True).moments, merge_vectors)
+            out[key] = _merge(out[key], reducer.reduce(t, causal=True).moments, merge_vectors)
     if want["probs"]:
-        r = reduce(P, causal=True, probs=want["panel"])
+        r = reducer.reduce(P, causal=True, probs=want["panel"])
         out["probs"] = _merge(out["probs"], r.moments, merge_vectors)
         if want["panel"]:
             out["panel"] = _merge(out["panel"], r.panel, merge_attention_vectors)

@@ -606,9 +606,10 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         ok = True
     finally:
         run.active = False
-        if ok:
+        waiting = [o for o in observers if o.pending] if ok else []
+        if waiting:  # forwards whose gradient never came
             t0 = time.perf_counter()
-            for observer in observers:  # forwards whose gradient never came
+            for observer in waiting:
                 observer.flush()
             run.seconds += time.perf_counter() - t0
         if watch is not None:
