@@ -1,4 +1,5 @@
-"""Causal attention's statistics from the heads' inputs, blockwise: no (..., H, T, T) tensor is kept.
+"""Causal attention's statistics from the heads' inputs, blockwise (no (..., H, T, T) tensor is
+kept), and the probe's observer that takes them (:class:`AttentionObserver`).
 
 A tinylm attention on torch's fused kernel never forms its scores or weights. The probe
 measures them from the kernel's inputs instead (``q``, ``k`` after RoPE, each (..., H, T, d_k)),
@@ -27,14 +28,22 @@ and exponentials for b blocks. Nothing outlives the call.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+import tinylm
 
 from . import reducer
 from .reducer import merge_attention_vectors, merge_vectors
+from .reference import FIELDS
 
-__all__ = ["statistics", "forward_statistics", "backward_statistics", "CHUNK", "CHUNK_DEVICE", "BLOCK"]
+__all__ = ["statistics", "forward_statistics", "backward_statistics", "AttentionObserver", "observed_attention",
+           "CHUNK", "CHUNK_DEVICE", "BLOCK", "KINDS"]
+
+#: the probe's kind of each Tap of a tinylm attention
+KINDS = {"scores": "attn_scores", "probs": "attn_probs"}
 
 #: entries of the (chunk, T, T) buffers at most, on the CPU (a few fit its caches) and elsewhere
 #: (fewer, larger launches); one whole T x T matrix where T^2 is larger
@@ -179,3 +188,113 @@ def _add(out: dict, want: dict, S: Tensor, P: Tensor | None, G: Tensor | None, D
         out["probs"] = _merge(out["probs"], r.moments, merge_vectors)
         if want["panel"]:
             out["panel"] = _merge(out["panel"], r.panel, merge_attention_vectors)
+
+
+class AttentionObserver:
+    """The observer (:meth:`tinylm.MultiHeadSelfAttention.register_observer`) that measures the
+    tinylm attention ``name``'s ``{name}.scores`` and ``{name}.probs`` (the leaves in ``want``).
+
+    Weights the explicit path formed are measured as a Tap's output is. On the fused path the
+    same figures come from q, k, v and the heads' gradient
+    (:func:`statistics`). When that gradient will come, the forward's
+    figures wait for it and both are taken from one pass over the blocks; the forward's place
+    among the run's records is held until then by a record of no entries, which the first
+    figures replace. A forward still pending at the next forward of the same attention, or on
+    exit (:meth:`flush`), is measured then; the gradient of a forward measured early is
+    measured alone."""
+
+    def __init__(self, run, name: str, want: frozenset[str]):
+        self.run, self.name = run, name
+        self.scores, self.probs = "scores" in want, "probs" in want
+        self.pending: list[dict] = []  # at most one forward whose figures wait for its gradient
+        self.held: set = set()  # (store, key) of places held by a record of no entries
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, heads: Tensor, weights) -> None:
+        run = self.run
+        if not run.active:
+            return None
+        t0 = time.perf_counter()
+        if weights is not None:
+            for leaf, t in zip(("scores", "probs"), weights):
+                if getattr(self, leaf) and t.is_floating_point():
+                    run._forward(f"{self.name}.{leaf}", KINDS[leaf], t)
+        else:
+            self.flush()
+            later = run.options.backward and heads.requires_grad
+            for leaf in ("scores", "probs"):
+                if getattr(self, leaf):
+                    self._register(leaf, q.device, later)
+            entry = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "forward": True}
+            if later:
+                self.pending.append(entry)
+                heads.register_hook(self._hook(entry))
+            else:
+                self._measure(entry, None)
+        run.seconds += time.perf_counter() - t0
+        return None
+
+    def flush(self) -> None:
+        """Measure the forward still waiting for its gradient, if any."""
+        while self.pending:
+            entry = self.pending.pop()
+            if entry.get("forward"):
+                self._measure(entry, None)
+
+    def _register(self, leaf: str, device: torch.device, hold: bool) -> None:
+        run, key = self.run, f"{self.name}.{leaf}"
+        if key not in run.kinds:
+            run.kinds[key] = KINDS[leaf]
+            run.order.append(key)
+        if key == run.order[0]:
+            run.steps += 1
+        if hold and (key, "forward") not in run._vec:
+            run._vec[(key, "forward")] = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+            self.held.add(("vec", (key, "forward")))
+            if leaf == "probs" and run.options.attention and key not in run._attn:
+                run._attn[key] = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0], dtype=torch.float64, device=device)
+                self.held.add(("attn", key))
+
+    def _record(self, which: str, key, vec: Tensor | None) -> None:
+        if vec is None:
+            return
+        store, merge = (self.run._vec, merge_vectors) if which == "vec" else (self.run._attn, merge_attention_vectors)
+        if (which, key) in self.held:  # the place held in order: the first figures replace it
+            self.held.discard((which, key))
+            store[key] = vec
+            self.run._stats = None
+        else:
+            self.run._add(store, key, vec, merge)
+
+    def _measure(self, entry: dict, grad: Tensor | None) -> None:
+        got = statistics(entry["q"], entry["k"], entry["v"], grad, scores=self.scores, probs=self.probs,
+                                   panel=self.run.options.attention, forward=entry.pop("forward", False))
+        s, p = f"{self.name}.scores", f"{self.name}.probs"
+        self._record("vec", (s, "forward"), got["scores"])
+        self._record("vec", (p, "forward"), got["probs"])
+        self._record("attn", p, got["panel"])
+        self._record("vec", (p, "backward"), got["probs_grad"])  # in the order autograd reaches them
+        self._record("vec", (s, "backward"), got["scores_grad"])
+
+    def _hook(self, entry: dict):
+        def hook(grad: Tensor) -> None:
+            if not self.run.active:
+                return None
+            t0 = time.perf_counter()
+            self.pending = [e for e in self.pending if e is not entry]
+            self._measure(entry, grad)
+            self.run.seconds += time.perf_counter() - t0
+            return None
+        return hook
+
+
+def observed_attention(model: nn.Module, points: dict[str, str]) -> dict[str, frozenset[str]]:
+    """{tinylm attention name: the leaves of ``scores``/``probs`` among ``points``}: those Taps are
+    measured through the attention's observer rather than hooked (a hook would force the explicit
+    path). A subclass with a forward of its own calls no observer: its Taps are hooked."""
+    found: dict[str, set[str]] = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, tinylm.MultiHeadSelfAttention) and type(mod).forward is tinylm.MultiHeadSelfAttention.forward:
+            for leaf in ("scores", "probs"):
+                if f"{name}.{leaf}" in points and type(getattr(mod, leaf)) is tinylm.Tap:
+                    found.setdefault(name, set()).add(leaf)
+    return {n: frozenset(w) for n, w in found.items()}
