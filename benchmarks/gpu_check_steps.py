@@ -21,7 +21,9 @@ and the copies whose source is on the device and whose result is on the CPU. Rep
 recorded and per unrecorded step, against the number of blocks. The check: a step the watch
 does not record makes no more transfers than the same step without the watch (the optimizer's
 own, e.g. AdamW's step counts on the CPU, are in both), and a recorded step adds fewer than one
-per block to it (the records move in a few packed transfers, not one per layer).
+per block to it (the records move in a few packed transfers, not one per layer). While the
+counter is entered, ``torch.compile``d reductions run their ops eagerly (dynamo steps aside
+for an active dispatch mode; checked on torch 2.11 with CUDA): the transfers are the same.
 """
 
 from __future__ import annotations

@@ -251,7 +251,9 @@ class AttentionObserver:
             run._vec[(key, "forward")] = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
             self.held.add(("vec", (key, "forward")))
             if leaf == "probs" and run.options.attention and key not in run._attn:
-                run._attn[key] = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0], dtype=torch.float64, device=device)
+                empty = torch.zeros(6, dtype=torch.float64, device=device)  # ATTN_FIELDS of no rows
+                empty[3] = math.inf  # a fill on the device, no host copy
+                run._attn[key] = empty
                 self.held.add(("attn", key))
 
     def _record(self, which: str, key, vec: Tensor | None) -> None:
