@@ -158,8 +158,9 @@ def cmd_watch(args) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"preset {args.preset}, batch {args.batch} x {config.context_length}, {where}, torch {torch.__version__}, "
           f"{args.rounds} rounds of {args.steps} steps, watch every {args.every}")
-    print(f"step without the watch {statistics.median(plain) * 1e3:.2f} ms, with it {statistics.median(watched) * 1e3:.2f} ms"
-          f" (medians); within-round ratios {', '.join(f'{x:.3f}' for x in ratios)}")
+    print(f"step without the watch {statistics.median(plain) * 1e3:.2f} ms, "
+          f"with it {statistics.median(watched) * 1e3:.2f} ms (medians); "
+          f"within-round ratios {', '.join(f'{x:.3f}' for x in ratios)}")
     print(f"RESULT every={args.every} watch_ratio={r:.3f} plain_ms={statistics.median(plain) * 1e3:.2f} "
           f"watched_ms={statistics.median(watched) * 1e3:.2f} target=1.05 {'met' if r <= 1.05 else 'not_met'}")
     return 0
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if getattr(args, "device", None) == "cuda" and not torch.cuda.is_available():
-        print(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; pass --device cpu", file=sys.stderr)
+        print(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; pass --device cpu",
+              file=sys.stderr)
         return 2
     return {"watch": cmd_watch, "transfers": cmd_transfers, "nccl": cmd_nccl}[args.cmd](args)
 

@@ -24,8 +24,8 @@ from diagnostics.measure.reducer import reduce
 from diagnostics.measure.reference import ATTN_FIELDS, FIELDS
 from tinylm import functional as TF
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: torch.cuda.is_available() is False")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="no CUDA device: torch.cuda.is_available() is False")]
 
 U64 = torch.finfo(torch.float64).eps / 2
 _SPECIAL = [0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, -1e-45, 3e-5, 6.1e-5, 6.2e-5, 65504.0, 65536.0,

@@ -295,7 +295,8 @@ def observed_attention(model: nn.Module, points: dict[str, str]) -> dict[str, fr
     path). A subclass with a forward of its own calls no observer: its Taps are hooked."""
     found: dict[str, set[str]] = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, tinylm.MultiHeadSelfAttention) and type(mod).forward is tinylm.MultiHeadSelfAttention.forward:
+        attention = tinylm.MultiHeadSelfAttention
+        if isinstance(mod, attention) and type(mod).forward is attention.forward:
             for leaf in ("scores", "probs"):
                 if f"{name}.{leaf}" in points and type(getattr(mod, leaf)) is tinylm.Tap:
                     found.setdefault(name, set()).add(leaf)
