@@ -85,7 +85,8 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 def _softmax(s: Tensor, out: Tensor | None = None) -> Tensor:
     """:func:`tinylm.functional.softmax` of ``s`` over its last dimension, in float32 at least
     and not rounded back (the weights the softmax keeps for its backward): p = z / sum z with
-    z = exp(s - max s), flushed to exactly 0 where s - max s < log(smallest normal) + 2.
+    z = exp(s - max s), flushed to exactly 0 where s - max s < log(smallest normal) + 2 (and
+    where it equals that floor, which tinylm keeps: an entry of measure zero).
     ``out`` (a view of that dtype and shape) receives it when given."""
     wide = _wide(s.dtype)
     floor = math.log(torch.finfo(wide).tiny) + 2.0
@@ -96,8 +97,10 @@ def _softmax(s: Tensor, out: Tensor | None = None) -> Tensor:
         y = s.to(wide) - top.to(wide)
         if out is not None:
             y = out.copy_(y)
-    small = y < floor
-    y.clamp_(min=floor).exp_().masked_fill_(small, 0.0)
+    # the clamped entries come out as exp(floor), the others above it (exp is monotone): set to 0 in
+    # one pass; the margin of 8 ulp covers an exp that rounds differently from the host's
+    edge = math.exp(floor) * (1.0 + 8 * torch.finfo(wide).eps)
+    torch.nn.functional.threshold_(y.clamp_(min=floor).exp_(), edge, 0.0)
     return y.div_(y.sum(-1, keepdim=True))
 
 
