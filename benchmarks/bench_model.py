@@ -1,7 +1,7 @@
 """Forward+backward time of tinylm's TransformerLM against the same model from torch built-ins.
 
 Usage: python benchmarks/bench_model.py [--preset tinystories] [--batch 4] [--seq 256] [--repeats 15]
-                                        [--threads N] [--explicit]
+                                        [--threads N] [--explicit] [--device cpu|cuda]
 
 Both models hold the same weights (BuiltinLM loads TransformerLM's state dict); both
 use the same loss (torch's F.cross_entropy) so only the model differs. Passes run in
@@ -13,7 +13,9 @@ process's CPU time is printed beside it: on a machine shared with other jobs, ti
 waiting for a core is not CPU time, so it moves that ratio less than the wall-clock one. Nothing observes tinylm's attention
 here, so it runs its fused path; ``--explicit`` adds a third arm in every pair: the same
 tinylm model with a no-op hook on each ``probs`` Tap, which makes attention take its
-explicit path (scores and weights stored), as it does under a probe.
+explicit path (scores and weights stored). ``--device cuda`` runs both models on the GPU
+(each pass ends with ``torch.cuda.synchronize()`` inside its timing); without CUDA it stops
+with a one-line message (exit status 2).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -37,6 +40,8 @@ def step(model, x, y):
     model.zero_grad(set_to_none=True)
     logits = model(x)
     F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    if x.is_cuda:  # the pass is over when the device is done
+        torch.cuda.synchronize()
 
 
 def _observe_attention(model):
@@ -64,16 +69,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--explicit", action="store_true",
                     help="also time tinylm with its attention observed (the explicit path)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both models run (default cpu)")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print(f"--device cuda: this torch ({torch.__version__}) sees no CUDA device; run on a machine with a GPU "
+              "and a CUDA build of torch, or pass --device cpu", file=sys.stderr)
+        raise SystemExit(2)
     if a.threads:
         torch.set_num_threads(a.threads)
     c = tinylm.preset(a.preset)
     ours = tinylm.TransformerLM(c, generator=torch.Generator().manual_seed(0))
     ref = BuiltinLM(c)
     ref.load_state_dict(ours.state_dict())
+    ours, ref = ours.to(a.device), ref.to(a.device)
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, c.vocab_size, (a.batch, a.seq), generator=g)
-    y = torch.randint(0, c.vocab_size, (a.batch, a.seq), generator=g)
+    x = torch.randint(0, c.vocab_size, (a.batch, a.seq), generator=g).to(a.device)
+    y = torch.randint(0, c.vocab_size, (a.batch, a.seq), generator=g).to(a.device)
     with torch.no_grad():
         diff = (ours(x) - ref(x)).abs().max().item()
     arms = {"tinylm": lambda: step(ours, x, y), "builtins": lambda: step(ref, x, y)}
@@ -100,7 +111,8 @@ def main() -> None:
             times[name].append(time.perf_counter() - t)
             cpu[name].append(time.process_time() - c)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"preset={a.preset} batch={a.batch}x{a.seq} float32 cpu threads={torch.get_num_threads()} "
+    where = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    print(f"preset={a.preset} batch={a.batch}x{a.seq} float32 {where} threads={torch.get_num_threads()} "
           f"torch={torch.__version__} pairs={a.repeats} max|logit diff|={diff:.2e}")
     print(f"tinylm    fwd+bwd median {med['tinylm'] * 1e3:8.1f} ms (fastest {min(times['tinylm']) * 1e3:.1f})")
     print(f"built-ins fwd+bwd median {med['builtins'] * 1e3:8.1f} ms (fastest {min(times['builtins']) * 1e3:.1f})")

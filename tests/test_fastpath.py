@@ -1,5 +1,6 @@
-"""Attention's two paths: explicit scores and weights when something observes them (a probe, a
-hook on a Tap, the ``explicit`` flag) or dropout draws on them, torch's fused kernel otherwise.
+"""Attention's two paths: explicit scores and weights when something observes them (a hook on a
+Tap, the ``explicit`` flag) or dropout draws on them, torch's fused kernel otherwise (a probe
+keeps it: it measures the weights from q, k, v through an observer).
 They must compute the same heads (to rounding) and the switch must be taken exactly then.
 
 Tolerance of the two paths' difference, from the unit roundoff u of the dtype. A score
@@ -211,33 +212,39 @@ def _step(model):
     TF.cross_entropy(model(tok[:, :-1]), tok[:, 1:]).backward()
 
 
-def test_switch_follows_the_probe(counted):
+def test_a_probe_keeps_the_fused_path(counted):
+    """A probe measures the scores and weights without forming them (an observer on each
+    attention, diagnostics.measure.attention): the fused kernel stays, and the probe still
+    records every attention's scores, weights and panel."""
     model = _model()
     _step(model)
     assert counted() == {"fused": 2, "explicit": 0}
     with probe(model) as run:
         _step(model)
-    assert counted() == {"fused": 0, "explicit": 2}
+    assert counted() == {"fused": 2, "explicit": 0}
     assert set(run.stats.attention) == {"layers.0.attn.probs", "layers.1.attn.probs"}
-    _step(model)  # the probe gone, the fused path is back
+    assert run.stats.tensors[("layers.1.attn.scores", "backward")].count > 0
+    _step(model)
     assert counted() == {"fused": 2, "explicit": 0}
 
 
-def test_any_probe_makes_every_attention_explicit(counted):
-    """Whatever points a probe hooks, every block computes its attention explicitly while it
-    is active (so what a point measures does not depend on the others probed beside it), and
-    the flag it sets is put back on exit, also when the step raises."""
+def test_any_probe_leaves_every_attention_on_one_path(counted):
+    """Whatever points a probe hooks, every block computes its attention on the same path while
+    it is active (so what a point measures does not depend on the others probed beside it), and
+    its observers are taken off on exit, also when the step raises."""
     model = _model()
     with probe(model, ProbeOptions(modules=["layers.1.attn.scores"])):
         _step(model)
-    assert counted() == {"fused": 0, "explicit": 2}
+    assert counted() == {"fused": 2, "explicit": 0}
     with probe(model, ProbeOptions(modules=["layers.0.attn", "layers.1.ffn"])):
         _step(model)
-    assert counted() == {"fused": 0, "explicit": 2}
+    assert counted() == {"fused": 2, "explicit": 0}
     with pytest.raises(RuntimeError, match="inside"):
         with probe(model):
             raise RuntimeError("inside")
-    assert [m.explicit for m in model.modules() if isinstance(m, tinylm.MultiHeadSelfAttention)] == [False, False]
+    attns = [m for m in model.modules() if isinstance(m, tinylm.MultiHeadSelfAttention)]
+    assert [m.explicit for m in attns] == [False, False] and not any(m._observers for m in attns)
+    assert not any(t.observed for m in attns for t in (m.scores, m.probs))
     _step(model)
     assert counted() == {"fused": 2, "explicit": 0}
 
@@ -286,7 +293,7 @@ def test_dropout_and_replaced_taps_take_the_explicit_path(counted):
 
 def test_whole_model_same_under_a_probe_in_float64():
     """The logits and every parameter gradient of a TransformerLM, fused (bare) and explicit
-    (probed), agree in float64 to a few hundred ulp of their scale."""
+    (the ``explicit`` flag, under a probe), agree in float64 to a few hundred ulp of their scale."""
     model = _model().double()
     tok = torch.randint(0, SMALL.vocab_size, (3, 8), generator=torch.Generator().manual_seed(2))
     pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7]])  # (B, T)
@@ -298,8 +305,15 @@ def test_whole_model_same_under_a_probe_in_float64():
         return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     lf, gf = run()
-    with probe(model):
-        le, ge = run()
+    attns = [m for m in model.modules() if isinstance(m, tinylm.MultiHeadSelfAttention)]
+    for m in attns:
+        m.explicit = True
+    try:
+        with probe(model):
+            le, ge = run()
+    finally:
+        for m in attns:
+            m.explicit = False
     u = _unit(torch.float64)
     dims = SMALL.d_model + SMALL.d_ff + SMALL.context_length
     assert float((lf - le).abs().max()) <= 100 * dims * u * float(lf.abs().max())

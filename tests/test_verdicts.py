@@ -86,7 +86,8 @@ def test_exploding_no_norm_model_names_one_root_cause(dtype, seed):
     assert {f.cause for f in r.findings} == {"no_norm"}, [f.message for f in r.findings]
     root = r.findings[0]
     assert root.kind == "exploding" and root.severity == "fail"
-    assert r.depth[-1].forward_var > 1e40 or not math.isfinite(r.depth[-1].forward_var)
+    overflowed = any(t.frac_nonfinite > 0 for t in r.tensors if t.name.startswith("layers.7."))
+    assert r.depth[-1].forward_var > 1e40 or not math.isfinite(r.depth[-1].forward_var) or overflowed
     assert all(t.verdict != "vanishing" for t in r.tensors) and all(p.verdict != "vanishing" for p in r.params)
     if seed != 0:  # the swallowed readings are named in the root finding, not lost
         assert "downstream" in root.message, root.message

@@ -7,10 +7,13 @@ assignment-1 reference, so a student's checkpoint loads as it is.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 from einops import rearrange
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from . import functional as F
 
@@ -295,9 +298,13 @@ class MultiHeadSelfAttention(nn.Module):
     come from torch's fused kernel instead
     (``torch.nn.functional.scaled_dot_product_attention``, causal), which never stores
     the (..., H, T, T) matrices; the two agree to rounding (tests/test_fastpath.py).
-    ``explicit`` (False) asks for the explicit path with no hook: a probe sets it on
-    every attention for its duration, so that what it measures does not depend on
-    which points it hooks.
+    ``explicit`` (False) asks for the explicit path with no hook.
+
+    ``register_observer(fn)`` adds a hook point that does not change the path:
+    ``fn(q, k, v, heads, weights)`` is called after each forward with the heads' inputs
+    (q, k after RoPE; each (..., H, T, d_k)) and output (..., H, T, d_k), and ``weights``
+    = (scores, probs) when the explicit path formed them, else None. Instrumentation
+    (the diagnostics probe) uses it to measure the attention without the T x T matrices.
     """
 
     def __init__(
@@ -330,6 +337,15 @@ class MultiHeadSelfAttention(nn.Module):
         self.scores = Tap()
         self.probs = Tap()
         self.explicit = False
+        self._observers: OrderedDict[int, Callable] = OrderedDict()
+
+    def register_observer(self, fn: Callable) -> RemovableHandle:
+        """Call ``fn(q, k, v, heads, weights)`` after each forward (see the class docstring);
+        returns a handle whose ``remove()`` takes it off. Observers do not choose the path."""
+        observers = self.__dict__.setdefault("_observers", OrderedDict())  # a module pickled before observers existed
+        handle = RemovableHandle(observers)
+        observers[handle.id] = fn
+        return handle
 
     def reset_parameters(self) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.output_proj):
@@ -349,10 +365,14 @@ class MultiHeadSelfAttention(nn.Module):
         if self.weights_needed():
             scores = self.scores(F.attention_scores(q, k, F.causal_mask(T, device=x.device)))  # (..., H, T, T)
             probs = self.probs(F.softmax(scores, dim=-1))
+            weights = (scores, probs)
             probs = F.dropout(probs, self.dropout, self.training)
             heads = probs @ v  # (..., H, T, T) @ (..., H, T, d_k) -> (..., H, T, d_k)
         else:  # fast path: the same heads from torch's fused kernel, scores and weights never stored
+            weights = None
             heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (..., H, T, d_k)
+        for fn in tuple(self.__dict__.get("_observers", {}).values()):
+            fn(q, k, v, heads, weights)
         return self.output_proj(rearrange(heads, "... h t d -> ... t (h d)"))
 
     def weights_needed(self) -> bool:

@@ -41,6 +41,7 @@ import tinylm
 from tinylm.init import declare
 
 from ..options import OptionsError, ProbeOptions
+from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
 from .sdpa import SDPAWatch
@@ -397,10 +398,10 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         points = {m: points.get(m, "module") for m in options.modules}
     run = ProbeRun(model, options)
     training = {m: m.training for m in named.values()}
-    # tinylm attention computes its scores and weights explicitly under any probe (without
-    # a hook on them it may take torch's fused kernel): the numbers measured do not depend
-    # on which points are probed
-    explicit = {m: m.explicit for m in named.values() if isinstance(m, tinylm.MultiHeadSelfAttention)}
+    # tinylm attention keeps its path under a probe (the fused kernel unless something else needs
+    # the weights): its scores and weights are measured by an observer, never by hooks on its Taps
+    observed = observed_attention(model, points)
+    observers: list = []
     entry = list(model.named_parameters())
     requires = {n: p.requires_grad for n, p in entry}
     grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
@@ -409,7 +410,13 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     watch = None
     ok = False
     try:
+        for attn, want in observed.items():
+            observers.append(AttentionObserver(run, attn, want))
+            handles.append(named[attn].register_observer(observers[-1]))
         for name, kind in points.items():
+            parent, _, leaf = name.rpartition(".")
+            if leaf in observed.get(parent, ()):
+                continue  # measured by the attention's observer
             def fwd(module, inputs, output, _name=name, _kind=kind):
                 if not run.active:
                     return None
@@ -437,8 +444,6 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
             handles.append(named[name].register_forward_hook(fwd))
         if options.eval_mode:
             model.eval()
-        for m in explicit:
-            m.explicit = True
         if options.attention and options.modules is None and stack is not None and not run._tinylm:
             watch = _watch_attention(run, stack, named, handles)
             watch.__enter__()
@@ -447,6 +452,12 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         ok = True
     finally:
         run.active = False
+        waiting = [o for o in observers if o.pending] if ok else []
+        if waiting:  # forwards whose gradient never came
+            t0 = time.perf_counter()
+            for observer in waiting:
+                observer.flush()
+            run.seconds += time.perf_counter() - t0
         if watch is not None:
             watch.__exit__(None, None, None)
         for h in handles:
@@ -465,8 +476,6 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         finally:
             for m, flag in training.items():
                 m.training = flag
-            for m, flag in explicit.items():
-                m.explicit = flag
             for n, flag in requires.items():
                 params[n].requires_grad_(flag)
             if options.restore_grads:
