@@ -104,8 +104,9 @@ class ModelConfig:
         if self.num_kv_heads is not None:
             integer("num_kv_heads", self.num_kv_heads, low=1, error=ConfigError)
             if self.num_heads % self.num_kv_heads:
-                refuse(f"num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads}: num_kv_heads must divide "
-                       "num_heads (each key/value head serves a whole group of query heads)", error=ConfigError,
+                divisors = ", ".join(str(k) for k in range(1, self.num_heads + 1) if self.num_heads % k == 0)
+                refuse(f"num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads} (each key/value "
+                       f"head serves a whole group of query heads)", f"pass one of {divisors}", error=ConfigError,
                        argument="num_kv_heads")
         if self.sliding_window is not None:
             integer("sliding_window", self.sliding_window, low=1, error=ConfigError)
