@@ -369,6 +369,14 @@ def test_load_any_never_refuses_what_transformers_loads(tmp_path):
     assert type(model).__name__ == "LlamaForCausalLM" and "rope" in info.extra["unmapped"]
 
 
+def test_checkpoint_load_of_a_directory_names_hf_load(tmp_path):
+    _, path = hf_llama(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(path)
+    assert f"tinylm.hf.load({str(path)!r})" in str(e.value) and "diagnose DIR" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
 def test_load_any_keeps_the_stored_dtype(tmp_path):
     theirs, _ = hf_model(tmp_path, "Qwen2", "qwen2", num_key_value_heads=2)
     theirs.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
