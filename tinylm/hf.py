@@ -16,13 +16,15 @@ Nothing is ever downloaded: a path that is not a local directory (a hub name suc
 :class:`~tinylm.errors.CheckpointError`; a configuration that has no exact counterpart on the
 other side ends in :class:`MappingError`, whose message names the field and why.
 
-Llama (``model_type`` "llama", and "mistral" without a sliding window shorter than its context)
-maps exactly onto tinylm's CS336 configuration: pre-norm RMSNorm, SwiGLU (``gate_proj`` = w1,
+Llama (``model_type`` "llama" and "mistral", grouped-query attention and Mistral's sliding window
+included: ``num_kv_heads`` and ``sliding_window``) maps exactly onto tinylm's CS336 configuration:
+pre-norm RMSNorm, SwiGLU (``gate_proj`` = w1,
 ``up_proj`` = w3, ``down_proj`` = w2), RoPE, optionally tied embeddings. The two rotate different
 pairs of a head's dimensions: Hugging Face rotates (i, i + d_k/2) ("rotate_half"), tinylm rotates
 (2k, 2k+1), both by the angle p * theta^(-2k/d_k) for pair k. So q and k rows are permuted within
 each head (:func:`rope_permutation`): tinylm's row h d_k + 2k + j is Hugging Face's row
-h d_k + k + j d_k/2 (j = 0, 1). q_i . k_j is a sum over the same products in another order,
+h d_k + k + j d_k/2 (j = 0, 1); k_proj likewise over its H_kv heads. q_i . k_j is a sum over the
+same products in another order,
 so both models compute the same function; v, the output projection and everything else are copied.
 ``attention_bias`` and ``mlp_bias`` map onto ``bias`` when they agree.
 
