@@ -331,7 +331,8 @@ def test_a_window_at_least_the_context_is_no_window(tmp_path):
     assert_same_function(ours, theirs)
 
 
-@pytest.mark.parametrize("changes", [{"num_kv_heads": 2}, {"num_kv_heads": 1, "sliding_window": 3, "tie_embeddings": True}])
+@pytest.mark.parametrize("changes", [{"num_kv_heads": 2},
+                                     {"num_kv_heads": 1, "sliding_window": 3, "tie_embeddings": True}])
 def test_grouped_queries_and_windows_export_and_come_back(tmp_path, changes):
     """tinylm -> save_pretrained: num_key_value_heads (and Mistral's sliding_window) written;
     transformers computes the same function, and reading it back is bit-identical."""

@@ -400,4 +400,5 @@ class MultiHeadSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         extra += f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""
-        return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, rope={self.rope is not None}{extra}"
+        rope = self.rope is not None
+        return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, rope={rope}{extra}"

@@ -196,4 +196,5 @@ class TransformerLM(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         kv = f", H_kv={c.kv_heads}" if c.kv_heads != c.num_heads else ""
-        return f"V={c.vocab_size}, T={c.context_length}, d={c.d_model}, L={c.num_layers}, H={c.num_heads}{kv}, d_ff={c.d_ff}"
+        return (f"V={c.vocab_size}, T={c.context_length}, d={c.d_model}, L={c.num_layers}, H={c.num_heads}{kv}, "
+                f"d_ff={c.d_ff}")

@@ -277,7 +277,8 @@ class ModelPlan:
                       f"{self.input}: add({self.embedding}, {self.positions}) -> {self.input}"]
         for b in self.blocks:
             for s in b.steps:
-                lines.append(f"{s.module}: {s.kind}({', '.join(s.reads)}) -> {' = '.join(s.writes)}{_heads(s, self.config)}")
+                line = f"{s.module}: {s.kind}({', '.join(s.reads)}) -> {' = '.join(s.writes)}"
+                lines.append(line + _heads(s, self.config))
         if self.final_norm:
             lines.append(f"{self.final_norm}: norm({self.blocks[-1].output}) -> {self.final_norm}")
         lines.append(f"{self.head}: linear({self.head_input()}) -> logits")
