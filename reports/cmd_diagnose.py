@@ -56,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_SEEDS}: replicates are --batches of one draw)")
     g.add_argument("--seed", type=int, default=0, help="base seed of the tokens (and of the fresh model) (default 0)")
     g.add_argument("--device", help="cpu or cuda (default: cuda when available, else cpu)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="model dtype; statistics always accumulate in float64 (default float32)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="model dtype; statistics always accumulate in float64 (default: the dtype the "
+                        "checkpoint is stored in, float32 for a fresh model or one stored in another dtype)")
     g.add_argument("--theory", default="auto", choices=["auto", "local", "global", "off", "none"],
                    metavar="{auto,local,global,off}",
                    help="prediction mode: global (from the init scheme; fresh models), local (from the measured "
@@ -146,8 +147,8 @@ OTHER_SEQ_LEN = 1024
 @dataclass
 class _Inputs:
     """Everything read before measuring: the model and where it came from, the device and dtype, the
-    sequence length, the seeds, the tokens and the words for them, and the checkpoint's training
-    history (None: none, or one that cannot be drawn)."""
+    sequence length, the seeds, the tokens and the words for them, the checkpoint's training
+    history (None: none, or one that cannot be drawn), and the dtype with why (for the header)."""
 
     source: Any
     device: Any
@@ -157,6 +158,7 @@ class _Inputs:
     tokens: Any
     data_text: str
     history: Any
+    dtype_text: str = "float32"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,7 +182,6 @@ def _gather(args: argparse.Namespace) -> _Inputs:
 
     from diagnostics.jobs import check_history
 
-    dtype = parse_dtype(args.dtype)
     device = resolve_device(args.device)
     source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
                         context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed)
@@ -198,6 +199,7 @@ def _gather(args: argparse.Namespace) -> _Inputs:
                          f"use --seq-len {context} or less")
     if seq_len < 2:
         raise UsageError(f"--seq-len {seq_len}: need at least 2 tokens to score a next token")
+    dtype, dtype_text = _measured_dtype(args.dtype, source)
     seeds = _seeds(args, source.fresh)
     tokens, data_text = measured_tokens(args.data, source, seq_len)
     if own:
@@ -209,7 +211,23 @@ def _gather(args: argparse.Namespace) -> _Inputs:
     if problem:
         Console(stderr=True, highlight=False).print(f"note: the checkpoint's training history is skipped ({problem})")
     source.history = history
-    return _Inputs(source, device, dtype, seq_len, seeds, tokens, data_text, history)
+    return _Inputs(source, device, dtype, seq_len, seeds, tokens, data_text, history, dtype_text)
+
+
+def _measured_dtype(flag: str | None, source: Any) -> tuple[Any, str]:
+    """(the dtype the model is measured in, that dtype with why, for the header): ``--dtype`` when
+    given; else the dtype the checkpoint stores its weights in (a directory: config.json's or the
+    safetensors'), when it is one that can be measured; else float32."""
+    if flag is not None:
+        return parse_dtype(flag), f"{flag} (--dtype)"
+    floats = [p.dtype for p in source.model.parameters() if p.is_floating_point()]
+    stored = str(floats[0]).removeprefix("torch.") if floats else None
+    if source.fresh or stored is None:
+        return parse_dtype("float32"), "float32 (default)"
+    try:
+        return parse_dtype(stored), f"{stored} (stored)"
+    except UsageError:
+        return parse_dtype("float32"), f"float32 (stored {stored}, measured in float32; --dtype to choose)"
 
 
 def _diagnose(inputs: _Inputs, args: argparse.Namespace) -> Any:
@@ -227,7 +245,7 @@ def _document(result: Any, inputs: _Inputs, args: argparse.Namespace) -> Any:
     from .render import ReportContext, report
 
     source = inputs.source
-    ctx = ReportContext(source=source.description, data=inputs.data_text, dtype=args.dtype,
+    ctx = ReportContext(source=source.description, data=inputs.data_text, dtype=inputs.dtype_text,
                         device=str(inputs.device), nonfinite_params=source.nonfinite, all_tensors=args.all,
                         random_trained=inputs.tokens is None and not source.fresh)
     watch_view = _watch_view(inputs.history)

@@ -27,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="biases on every linear layer but the output head (default: the preset's)")
     p.add_argument("--num-layers", type=positive_int, help="override the preset's number of blocks")
     p.add_argument("--d-model", type=positive_int, help="override the preset's width")
+    p.add_argument("--num-kv-heads", type=positive_int,
+                   help="key/value heads (grouped-query attention; must divide the heads; default: one per head)")
+    p.add_argument("--sliding-window", type=positive_int,
+                   help="each position attends to the last N positions only, itself included (default: all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init draws (default 0)")
     p.add_argument("-o", "--output", required=True, help="where to write the checkpoint (.pt or .safetensors)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -60,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     if args.init is not None:
         get(args.init)  # unknown scheme: a clear error before any work
     changes = {} if args.init is None else {"init": args.init}
-    for name in ("norm", "norm_kind", "ffn", "positions", "bias", "num_layers", "d_model"):
+    for name in ("norm", "norm_kind", "ffn", "positions", "bias", "num_layers", "d_model", "num_kv_heads",
+                 "sliding_window"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.no_rope:

@@ -65,10 +65,34 @@ def test_directory_flags_and_directories_without_config_are_refused(capsys, tmp_
     code, _, err = run_cli(capsys, "diagnose", tmp_path / "plain", *FAST)
     assert_one_line_error(code, err, "is a directory", "config.json")
     edit = json.loads((llama_dir / "config.json").read_text())
-    edit["num_key_value_heads"] = 2
+    edit["num_key_value_heads"] = 2  # grouped queries map, but these weights have a K/V head per query head
     (llama_dir / "config.json").write_text(json.dumps(edit))
     code, _, err = run_cli(capsys, "diagnose", llama_dir, *FAST)
-    assert_one_line_error(code, err, "num_key_value_heads=2", "grouped-query")
+    assert_one_line_error(code, err, "shapes disagree with config.json", "k_proj")
+
+
+@pytest.mark.parametrize("family, changes, how", [
+    ("Llama", {}, "mapped exactly onto tinylm"),
+    ("Mistral", {"sliding_window": 4}, "mapped exactly onto tinylm"),
+    ("Qwen2", {}, "read through transformers"),
+])
+def test_grouped_queries_are_diagnosed_in_their_stored_dtype(capsys, tmp_path, family, changes, how):
+    """Llama 3 / Mistral / Qwen2-style directories (2 key/value heads for 4 query heads) saved in
+    bfloat16: diagnosed (exit 0) in bfloat16, the header saying why; --dtype overrides."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, **changes)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        getattr(transformers, f"{family}ForCausalLM")(config).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "diagnose", tmp_path / "m", *FAST)
+    assert code == 0, err
+    flat = "".join(out.split())  # the report wraps long lines (a temporary path) at its width
+    assert "".join(how.split()) in flat and "bfloat16(stored)" in flat
+    code, out, err = run_cli(capsys, "diagnose", tmp_path / "m", *FAST, "--dtype", "float32")
+    assert code == 0, err
+    assert "float32(--dtype)" in "".join(out.split())
 
 
 def test_export_a_checkpoint_then_transformers_loads_it(capsys, tmp_path):

@@ -231,14 +231,14 @@ def edit_config(path: Path, **changes) -> None:
 
 
 @pytest.mark.parametrize("changes, phrase", [
-    ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
     ({"attention_bias": True}, "attention_bias"),
     ({"mlp_bias": True}, "mlp_bias"),
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"head_dim": 32}, "head_dim=32"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"model_type": "mistral", "sliding_window": 8}, "sliding_window"),
+    ({"model_type": "mistral", "sliding_window": 0}, "sliding_window=0"),
 ])
 def test_llama_configs_that_do_not_map_exactly_are_refused(tmp_path, changes, phrase):
     _, path = hf_llama(tmp_path)
@@ -260,6 +260,134 @@ def test_mistral_without_a_window_maps_exactly(tmp_path):
     edit_config(path, model_type="mistral", sliding_window=None)
     ours, _ = hf.load(path)
     assert_same_function(ours, theirs)
+
+
+# ----------------------------------------------------------------------------- grouped queries, sliding windows
+
+
+def hf_model(tmp_path: Path, family: str, name: str, **changes) -> tuple[torch.nn.Module, Path]:
+    """A randomly initialised ``{family}ForCausalLM`` (Llama, Mistral, Qwen2) of the test sizes, saved
+    with save_pretrained; (model, its directory)."""
+    kw = dict(vocab_size=V, hidden_size=D, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=H,
+              num_key_value_heads=H, max_position_embeddings=T, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    kw.update(changes)
+    config = getattr(transformers, f"{family}Config")(**kw)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    randomise(model).eval()
+    out = tmp_path / name
+    model.save_pretrained(out)
+    return model, out
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llama_with_grouped_queries_matches_transformers(tmp_path, tied):
+    """Llama 3's grouped-query attention: 2 key/value heads for 4 query heads, the k rows permuted
+    per K/V head; logits and every parameter's gradient as transformers computes them."""
+    theirs, path = hf_llama(tmp_path, num_key_value_heads=2, tie_word_embeddings=tied)
+    ours, _ = hf.load(path)
+    assert ours.config.num_kv_heads == 2 and ours.layers[0].attn.k_proj.weight.shape == (2 * D // H, D)
+    assert_same_function(ours.train(), theirs.train())
+
+
+def test_wrong_key_value_grouping_is_caught(tmp_path):
+    """Negative control: K/V heads assigned to query heads tiled (h -> h mod H_kv) instead of
+    repeated (h -> h // G) give other logits, so the equivalence test can fail."""
+    theirs, path = hf_llama(tmp_path, num_key_value_heads=2)
+    ours, _ = hf.load(path)
+    attn = type(ours.layers[0].attn)
+    def tile(self, kv):  # (..., H_kv, T, d_k) -> (..., H, T, d_k), head h reading K/V head h mod H_kv
+        return kv.repeat(*([1] * (kv.dim() - 3)), self.num_heads // self.num_kv_heads, 1, 1)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attn, "repeat_kv", tile)
+        assert rel(ours(TOKENS), theirs(TOKENS).logits) > 100 * REL
+    assert rel(ours(TOKENS), theirs(TOKENS).logits) <= REL
+
+
+@pytest.mark.parametrize("kv", [2, 4])
+def test_mistral_with_a_sliding_window_matches_transformers(tmp_path, kv):
+    """Mistral's window at sequences longer than it (16 tokens, window 5): query i reads key j iff
+    0 <= i - j < 5, exactly transformers' convention; a window one longer or shorter differs."""
+    theirs, path = hf_model(tmp_path, "Mistral", "mistral", num_key_value_heads=kv, sliding_window=5)
+    ours, _ = hf.load(path)
+    assert ours.config.sliding_window == 5 and ours.config.kv_heads == kv
+    assert_same_function(ours.train(), theirs.train())
+    ours.eval(), theirs.eval()
+    for attn in (b.attn for b in ours.layers):  # the explicit path (scores and weights) agrees too
+        attn.explicit = True
+    assert rel(ours(TOKENS), theirs(TOKENS).logits) <= REL
+    for w in (4, 6):
+        for attn in (b.attn for b in ours.layers):
+            attn.sliding_window = w
+        assert rel(ours(TOKENS), theirs(TOKENS).logits) > 100 * REL, w
+
+
+def test_a_window_at_least_the_context_is_no_window(tmp_path):
+    theirs, path = hf_model(tmp_path, "Mistral", "mistral", sliding_window=T)
+    ours, _ = hf.load(path)
+    assert ours.config.sliding_window is None
+    assert_same_function(ours, theirs)
+
+
+@pytest.mark.parametrize("changes", [{"num_kv_heads": 2},
+                                     {"num_kv_heads": 1, "sliding_window": 3, "tie_embeddings": True}])
+def test_grouped_queries_and_windows_export_and_come_back(tmp_path, changes):
+    """tinylm -> save_pretrained: num_key_value_heads (and Mistral's sliding_window) written;
+    transformers computes the same function, and reading it back is bit-identical."""
+    config = tinylm.ModelConfig(vocab_size=V, context_length=T, d_model=D, num_layers=L, num_heads=H, d_ff=FF,
+                                **changes)
+    ours = randomise(tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))).eval()
+    hf.save_pretrained(ours, tmp_path / "out")
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["num_key_value_heads"] == changes["num_kv_heads"]
+    assert written["model_type"] == ("mistral" if "sliding_window" in changes else "llama")
+    back, _ = hf.load(tmp_path / "out")
+    assert back.config == config.replace(init=back.config.init)
+    a, b = ours.state_dict(), back.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert_same_function(ours.train(), theirs.train())
+
+
+def test_qwen2_goes_through_transformers(tmp_path):
+    """Qwen2 (biases on q, k and v only, none on o_proj or the MLP) has no exact tinylm counterpart:
+    load refuses it, load_any reads it through transformers, grouped queries and all."""
+    _, path = hf_model(tmp_path, "Qwen2", "qwen2", num_key_value_heads=2)
+    with pytest.raises(hf.MappingError, match="qwen2"):
+        hf.load(path)
+    model, info = hf.load_any(path)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and info.format == "hf-transformers"
+
+
+def test_load_any_never_refuses_what_transformers_loads(tmp_path):
+    """A mapped type whose config tinylm cannot compute (rope scaling) goes through transformers."""
+    _, path = hf_llama(tmp_path, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(hf.MappingError):
+        hf.load(path)
+    model, info = hf.load_any(path)
+    assert type(model).__name__ == "LlamaForCausalLM" and "rope" in info.extra["unmapped"]
+
+
+def test_checkpoint_load_of_a_directory_names_hf_load(tmp_path):
+    _, path = hf_llama(tmp_path)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(path)
+    assert f"tinylm.hf.load({str(path)!r})" in str(e.value) and "diagnose DIR" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_load_any_keeps_the_stored_dtype(tmp_path):
+    theirs, _ = hf_model(tmp_path, "Qwen2", "qwen2", num_key_value_heads=2)
+    theirs.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert hf.stored_dtype(tmp_path / "bf16") == torch.bfloat16
+    model, _ = hf.load_any(tmp_path / "bf16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(cfg))
+    assert hf.stored_dtype(tmp_path / "bf16") == torch.bfloat16  # from the safetensors header
 
 
 @pytest.mark.parametrize("name", ["gpt2", "meta-llama/Llama-3.2-1B", "no/such/dir"])

@@ -134,6 +134,10 @@ def _check_file(path: Path) -> bytes:
     """Refuse what is not a readable, non-empty file; return its first 16 bytes (format sniffing)."""
     if not path.exists():
         file_error(path, "no such file", "check the path", error=CheckpointError)
+    if path.is_dir() and (path / "config.json").is_file():
+        file_error(path, "is a Hugging Face save_pretrained directory (config.json and its weights), not a "
+                   "checkpoint file", f"load it with tinylm.hf.load({str(path)!r}) (on the command line "
+                   "`diagnose DIR` reads the directory itself)", error=CheckpointError)
     if path.is_dir():
         file_error(path, "is a directory", "pass the checkpoint file inside it", error=CheckpointError)
     if not path.is_file():

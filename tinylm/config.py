@@ -49,6 +49,9 @@ class ModelConfig:
         d_model: width of the residual stream d.
         num_layers: number of Transformer blocks L.
         num_heads: attention heads H; d_model must be divisible by H.
+        num_kv_heads: key/value heads H_kv (grouped-query attention): each K/V head serves
+            H / H_kv consecutive query heads; None means H (multi-head attention). H_kv must
+            divide H; k_proj and v_proj have H_kv * d_k output features.
         d_ff: hidden width of the feed-forward network.
         rope_theta: RoPE base theta (angles are position * theta^(-2k/d_head)).
         eps: norm epsilon, added to the mean square (RMSNorm) or the variance (LayerNorm)
@@ -66,6 +69,8 @@ class ModelConfig:
         tie_embeddings: lm_head shares the token embedding matrix.
         dropout: residual and attention dropout probability (0 disables).
         init: name of the init scheme a fresh model gets (see ``tinylm.init``).
+        sliding_window: None (attend to every earlier position) or W >= 1: query i attends to
+            key j iff 0 <= i - j < W (Mistral's convention).
     """
 
     vocab_size: int
@@ -84,6 +89,8 @@ class ModelConfig:
     init: str = "cs336"
     norm_kind: str = "rms"
     bias: bool = False
+    num_kv_heads: int | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -94,6 +101,15 @@ class ModelConfig:
         if self.rope and self.head_dim % 2:
             refuse(f"head dimension d_model/num_heads={self.head_dim} is odd: RoPE rotates pairs, so it must be even "
                    "(change num_heads, or set positions='learned' or 'none')", error=ConfigError, argument="num_heads")
+        if self.num_kv_heads is not None:
+            integer("num_kv_heads", self.num_kv_heads, low=1, error=ConfigError)
+            if self.num_heads % self.num_kv_heads:
+                divisors = ", ".join(str(k) for k in range(1, self.num_heads + 1) if self.num_heads % k == 0)
+                refuse(f"num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads} (each key/value "
+                       f"head serves a whole group of query heads)", f"pass one of {divisors}", error=ConfigError,
+                       argument="num_kv_heads")
+        if self.sliding_window is not None:
+            integer("sliding_window", self.sliding_window, low=1, error=ConfigError)
         number("rope_theta", self.rope_theta, low=0.0, strict_low=True, error=ConfigError)
         number("eps", self.eps, low=0.0, error=ConfigError)
         choice("norm", self.norm, NORMS, error=ConfigError)
@@ -116,6 +132,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """d_k = d_model / num_heads."""
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """H_kv, the number of key/value heads (``num_kv_heads``, or ``num_heads`` when None)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     def replace(self, **changes: Any) -> "ModelConfig":
         """A copy with some fields changed (validated again)."""

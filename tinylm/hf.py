@@ -16,13 +16,15 @@ Nothing is ever downloaded: a path that is not a local directory (a hub name suc
 :class:`~tinylm.errors.CheckpointError`; a configuration that has no exact counterpart on the
 other side ends in :class:`MappingError`, whose message names the field and why.
 
-Llama (``model_type`` "llama", and "mistral" without a sliding window shorter than its context)
-maps exactly onto tinylm's CS336 configuration: pre-norm RMSNorm, SwiGLU (``gate_proj`` = w1,
+Llama (``model_type`` "llama" and "mistral", grouped-query attention and Mistral's sliding window
+included: ``num_kv_heads`` and ``sliding_window``) maps exactly onto tinylm's CS336 configuration:
+pre-norm RMSNorm, SwiGLU (``gate_proj`` = w1,
 ``up_proj`` = w3, ``down_proj`` = w2), RoPE, optionally tied embeddings. The two rotate different
 pairs of a head's dimensions: Hugging Face rotates (i, i + d_k/2) ("rotate_half"), tinylm rotates
 (2k, 2k+1), both by the angle p * theta^(-2k/d_k) for pair k. So q and k rows are permuted within
 each head (:func:`rope_permutation`): tinylm's row h d_k + 2k + j is Hugging Face's row
-h d_k + k + j d_k/2 (j = 0, 1). q_i . k_j is a sum over the same products in another order,
+h d_k + k + j d_k/2 (j = 0, 1); k_proj likewise over its H_kv heads. q_i . k_j is a sum over the
+same products in another order,
 so both models compute the same function; v, the output projection and everything else are copied.
 ``attention_bias`` and ``mlp_bias`` map onto ``bias`` when they agree.
 
@@ -57,7 +59,7 @@ from .model import TransformerLM
 from .validate import refuse
 
 __all__ = ["MappingError", "rope_permutation", "config_from_hf", "hf_config", "from_hf_state", "to_hf_state",
-           "read_config", "load", "load_any", "save_pretrained", "MAPPED_MODEL_TYPES"]
+           "read_config", "load", "load_any", "save_pretrained", "stored_dtype", "MAPPED_MODEL_TYPES"]
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PYTORCH_BIN, PYTORCH_BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -164,9 +166,11 @@ def _llama_theta(cfg: dict[str, Any]) -> float:
 def _llama_config(cfg: dict[str, Any]) -> ModelConfig:
     d, heads = _field(cfg, "hidden_size"), _field(cfg, "num_attention_heads")
     kv = cfg.get("num_key_value_heads")
-    if kv is not None and kv != heads:
-        _refuse("num_key_value_heads", kv, f"differs from num_attention_heads={heads} (grouped-query "
-                "attention); tinylm has one key/value head per query head")
+    if kv is not None:
+        kv = _field(cfg, "num_key_value_heads")
+        if kv < 1 or heads % kv:
+            _refuse("num_key_value_heads", kv, f"does not divide num_attention_heads={heads}; grouped-query "
+                    "attention needs whole groups of query heads")
     head_dim = cfg.get("head_dim")
     if head_dim is not None and (d % heads or head_dim != d // heads):
         _refuse("head_dim", head_dim, f"differs from hidden_size/num_attention_heads={d}/{heads}; tinylm's "
@@ -179,16 +183,20 @@ def _llama_config(cfg: dict[str, Any]) -> ModelConfig:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         _refuse("hidden_act", act, "tinylm's SwiGLU gates with silu")
-    window = cfg.get("sliding_window")
-    if cfg.get("model_type") == "mistral" and window is not None and window < _field(cfg, "max_position_embeddings"):
-        _refuse("sliding_window", window, "tinylm attends to every earlier position (no sliding window); "
-                "only a window of at least max_position_embeddings maps")
+    window = cfg.get("sliding_window") if cfg.get("model_type") == "mistral" else None  # Llama has none
+    if window is not None:
+        window = _field(cfg, "sliding_window")
+        if window < 1:
+            _refuse("sliding_window", window, "must be a positive number of positions (or null for none)")
+        if window >= _field(cfg, "max_position_embeddings"):
+            window = None  # never shorter than the context: every earlier position is read, as without one
     return _model_config(
         vocab_size=_field(cfg, "vocab_size"), context_length=_field(cfg, "max_position_embeddings"), d_model=d,
         num_layers=_field(cfg, "num_hidden_layers"), num_heads=heads, d_ff=_field(cfg, "intermediate_size"),
         rope_theta=_llama_theta(cfg), eps=float(_field(cfg, "rms_norm_eps", float)) if "rms_norm_eps" in cfg else 1e-6,
         norm="pre", norm_kind="rms", ffn="swiglu", positions="rope", bias=attention_bias,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_kv_heads=None if kv is None or kv == heads else kv, sliding_window=window)
 
 
 def _require(c: ModelConfig, arch: str, **wanted: Any) -> None:
@@ -207,10 +215,16 @@ def _require(c: ModelConfig, arch: str, **wanted: Any) -> None:
 
 def _llama_hf_config(c: ModelConfig) -> dict[str, Any]:
     _require(c, "Llama", norm=("pre",), ffn=("swiglu",), positions=("rope",))
+    if c.sliding_window is not None and c.bias:
+        _refuse("sliding_window", c.sliding_window, "Hugging Face Mistral (the Llama layout with a window) has no "
+                "biases; this model has no Hugging Face equivalent")
+    # a window is Mistral's (Llama has none): the same layout and keys, model_type "mistral"
+    arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"} if c.sliding_window is None else \
+        {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": c.sliding_window}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **arch,
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
-        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_heads,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads, "num_key_value_heads": c.kv_heads,
         "head_dim": c.head_dim, "hidden_act": "silu", "max_position_embeddings": c.context_length,
         "rms_norm_eps": c.eps, "rope_theta": c.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
@@ -241,14 +255,20 @@ def _llama_keys(c: ModelConfig) -> list[tuple[str, str, bool]]:
     return keys
 
 
+def _llama_perms(c: ModelConfig) -> dict[str, Tensor]:
+    """The RoPE row permutation of q_proj (H heads) and k_proj (H_kv heads), by projection name."""
+    return {"q_proj": rope_permutation(c.d_model, c.num_heads),
+            "k_proj": rope_permutation(c.kv_heads * c.head_dim, c.kv_heads)}
+
+
 def _llama_from_hf(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
-    perm = rope_permutation(c.d_model, c.num_heads)
-    return _tie({k: state[h][perm] if p else state[h] for k, h, p in _llama_keys(c)}, c)
+    perms = _llama_perms(c)
+    return _tie({k: state[h][perms[k.split(".")[-2]]] if p else state[h] for k, h, p in _llama_keys(c)}, c)
 
 
 def _llama_to_hf(state: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
-    inverse = torch.argsort(rope_permutation(c.d_model, c.num_heads))
-    return {h: state[k][inverse] if p else state[k] for k, h, p in _llama_keys(c)}
+    inverse = {name: torch.argsort(p) for name, p in _llama_perms(c).items()}
+    return {h: state[k][inverse[k.split(".")[-2]]] if p else state[k] for k, h, p in _llama_keys(c)}
 
 
 _LLAMA = _Family("Llama", ("llama", "mistral"), _llama_config, _llama_hf_config, _llama_from_hf, _llama_to_hf,
@@ -286,6 +306,12 @@ def _gpt2_config(cfg: dict[str, Any]) -> ModelConfig:
 
 def _gpt2_hf_config(c: ModelConfig) -> dict[str, Any]:
     _require(c, "GPT-2", norm=("pre",), ffn=tuple(_GPT2_ACTIVATION_OF), positions=("learned",), bias=(True,))
+    if c.kv_heads != c.num_heads:
+        _refuse("num_kv_heads", c.num_kv_heads, "Hugging Face GPT-2 has one key/value head per query head; "
+                "this model has no Hugging Face equivalent")
+    if c.sliding_window is not None:
+        _refuse("sliding_window", c.sliding_window, "Hugging Face GPT-2 attends to every earlier position; "
+                "this model has no Hugging Face equivalent")
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": c.vocab_size, "n_positions": c.context_length, "n_embd": c.d_model, "n_layer": c.num_layers,
@@ -574,17 +600,42 @@ def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
     return model, info
 
 
+def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
+    """The dtype a directory's weights are saved in: config.json's ``dtype`` (``torch_dtype`` in
+    older files), else the first tensor's in the safetensors header; None if neither tells."""
+    root = _local_dir(path)
+    cfg = read_config(root)
+    for key in ("dtype", "torch_dtype"):
+        name = cfg.get(key)
+        if isinstance(name, str) and isinstance(getattr(torch, name.removeprefix("torch."), None), torch.dtype):
+            return getattr(torch, name.removeprefix("torch."))
+    st = root / SAFETENSORS
+    if st.is_file():
+        header = _safetensors_header(st)
+        kinds = [_ST_DTYPES[kind] for _, kind in header.values() if kind in _ST_DTYPES]
+        return kinds[0] if kinds else None
+    return None
+
+
 def load_any(path: str | os.PathLike) -> tuple[nn.Module, CheckpointInfo]:
-    """A mapped architecture as a tinylm model (:func:`load`); any other causal LM through
+    """A mapped architecture as a tinylm model (:func:`load`); any other causal LM, and a mapped
+    type whose config tinylm cannot compute exactly (``info.extra["unmapped"]`` says why), through
     ``transformers`` (``AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-    trust_remote_code=False)``, imported only here), in eval mode, ``info.format`` "hf-transformers".
+    trust_remote_code=False)``, imported only here), in its stored dtype (:func:`stored_dtype`),
+    in eval mode, ``info.format`` "hf-transformers".
 
     A config that names custom code (``auto_map``) is refused: tinylm never runs it.
     """
     root = _local_dir(path)
     cfg = read_config(root)
+    unmapped = None
     if cfg.get("model_type") in MAPPED_MODEL_TYPES:
-        return load(root)
+        try:
+            config_from_hf(cfg)
+        except MappingError as e:
+            unmapped = str(e)  # a config tinylm cannot compute exactly: transformers reads it as it is
+        else:
+            return load(root)
     model_type = cfg.get("model_type")
     if "auto_map" in cfg:
         refuse(f"{root}: config.json names custom modelling code (auto_map); tinylm never runs remote "
@@ -610,8 +661,12 @@ def load_any(path: str | os.PathLike) -> tuple[nn.Module, CheckpointInfo]:
                    "use a model whose architecture transformers ships", error=CheckpointError)
         refuse(f"{root}: transformers cannot load it as a causal LM ({type(e).__name__}: {first}); "
                "check the directory", error=CheckpointError)
+    stored = stored_dtype(root)
+    if stored is not None and stored.is_floating_point:
+        model.to(stored)  # as saved, whatever default this transformers version loads in
     model.eval()
-    info = CheckpointInfo(str(root), "hf-transformers", "stored", extra={"model_type": model_type})
+    extra = {"model_type": model_type, **({"unmapped": unmapped} if unmapped else {})}
+    info = CheckpointInfo(str(root), "hf-transformers", "stored", extra=extra)
     info.nonfinite = [k for k, v in model.named_parameters() if not torch.isfinite(v).all()]
     return model, info
 

@@ -11,7 +11,7 @@ from collections import OrderedDict
 from typing import Callable
 
 import torch
-from einops import rearrange
+from einops import rearrange, repeat
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -289,6 +289,13 @@ class MultiHeadSelfAttention(nn.Module):
     stacked along the rows of each projection's weight). RoPE rotates Q and K when
     ``theta`` is given. ``bias``: the four projections add a learned bias.
 
+    Grouped-query attention: ``num_kv_heads`` (H_kv, dividing H; default H) key/value heads,
+    so k_proj and v_proj have H_kv d_k output features; K/V head g serves the G = H / H_kv
+    consecutive query heads g G .. g G + G - 1 (each K/V head repeated G times, in place:
+    ``repeat(k, "... g t d -> ... (g r) t d", r=G)``, as Llama's ``repeat_kv``). With H_kv = H
+    this is multi-head attention. ``sliding_window`` (W): query i attends to key j iff
+    0 <= i - j < W (None: every j <= i).
+
     Shape: x (..., T, d_model) -> (..., T, d_model). Taps: ``scores`` (pre-softmax,
     masked entries -inf) and ``probs`` (attention weights), each (..., H, T, T).
 
@@ -318,15 +325,24 @@ class MultiHeadSelfAttention(nn.Module):
         dtype=None,
         *,
         bias: bool = False,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model}, num_heads={num_heads}: d_model must be divisible by num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads={num_kv_heads}, num_heads={num_heads}: num_kv_heads must divide num_heads")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window}: must be a positive integer; pass None for no window")
         self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
+        self.num_kv_heads, self.sliding_window = num_kv_heads, sliding_window
         self.dropout = dropout
+        d_kv = num_kv_heads * self.d_k
         self.q_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
-        self.k_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
-        self.v_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
+        self.k_proj = Linear(d_model, d_kv, bias, device=device, dtype=dtype)
+        self.v_proj = Linear(d_model, d_kv, bias, device=device, dtype=dtype)
         self.output_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
         if theta is not None:
             if max_seq_len is None:
@@ -355,34 +371,58 @@ class MultiHeadSelfAttention(nn.Module):
         T = x.shape[-2]
         split = "... t (h d) -> ... h t d"
         q = rearrange(self.q_proj(x), split, h=self.num_heads)  # (..., H, T, d_k)
-        k = rearrange(self.k_proj(x), split, h=self.num_heads)
-        v = rearrange(self.v_proj(x), split, h=self.num_heads)
+        k = rearrange(self.k_proj(x), split, h=self.num_kv_heads)  # (..., H_kv, T, d_k)
+        v = rearrange(self.v_proj(x), split, h=self.num_kv_heads)
         if self.rope is not None:
             if token_positions is None:
                 token_positions = torch.arange(T, device=x.device)
             pos = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (..., 1, T)
             q, k = self.rope(q, pos), self.rope(k, pos)
+        k, v = self.repeat_kv(k), self.repeat_kv(v)  # (..., H, T, d_k): K/V head g for query heads g G .. g G + G - 1
         if self.weights_needed():
-            scores = self.scores(F.attention_scores(q, k, F.causal_mask(T, device=x.device)))  # (..., H, T, T)
+            scores = self.scores(F.attention_scores(q, k, self.mask(T, x.device)))  # (..., H, T, T)
             probs = self.probs(F.softmax(scores, dim=-1))
             weights = (scores, probs)
             probs = F.dropout(probs, self.dropout, self.training)
             heads = probs @ v  # (..., H, T, T) @ (..., H, T, d_k) -> (..., H, T, d_k)
         else:  # fast path: the same heads from torch's fused kernel, scores and weights never stored
             weights = None
-            heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (..., H, T, d_k)
+            mask = None if self.sliding_window is None else self.mask(T, x.device)
+            heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                     is_causal=mask is None)  # (..., H, T, d_k)
         for fn in tuple(self.__dict__.get("_observers", {}).values()):
             fn(q, k, v, heads, weights)
         return self.output_proj(rearrange(heads, "... h t d -> ... t (h d)"))
+
+    def repeat_kv(self, kv: Tensor) -> Tensor:
+        """(..., H_kv, T, d_k) -> (..., H, T, d_k): each K/V head repeated for its G = H / H_kv
+        consecutive query heads (the identity when H_kv = H)."""
+        groups = self.num_heads // self.num_kv_heads
+        return kv if groups == 1 else repeat(kv, "... g t d -> ... (g r) t d", r=groups)
+
+    def mask(self, T: int, device=None) -> Tensor:
+        """(T, T) boolean, True where query i may attend to key j: j <= i, and i - j < W with a window W."""
+        causal = F.causal_mask(T, device=device)
+        if self.sliding_window is None:
+            return causal
+        idx = torch.arange(T, device=device)
+        return causal & (idx[:, None] - idx[None, :] < self.sliding_window)
 
     def weights_needed(self) -> bool:
         """Whether this forward must compute the scores and weights explicitly: ``explicit`` is
         set, a hook observes the ``scores`` or ``probs`` Tap (or either was replaced by another
         module), or dropout draws on the weights (training with ``dropout`` > 0; the explicit
-        path draws exactly as :func:`tinylm.functional.dropout` does, so a seeded run replays)."""
+        path draws exactly as :func:`tinylm.functional.dropout` does, so a seeded run replays), or
+        an observer is registered on a windowed attention (observers read the weights of a causal
+        mask; with a window they are given the weights the explicit path formed)."""
         if self.explicit or any(type(t) is not Tap or t.observed for t in (self.scores, self.probs)):
+            return True
+        if self.sliding_window is not None and self.__dict__.get("_observers"):
             return True
         return self.training and self.dropout > 0.0
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, rope={self.rope is not None}"
+        extra = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        extra += f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""
+        rope = self.rope is not None
+        return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, rope={rope}{extra}"

@@ -63,6 +63,8 @@ class TransformerBlock(nn.Module):
         *,
         norm_kind: str = "rms",
         bias: bool = False,
+        num_kv_heads: int | None = None,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         if norm not in ("pre", "post", "none"):
@@ -72,7 +74,8 @@ class TransformerBlock(nn.Module):
         ffn_module = make_ffn(ffn, d_model, d_ff, bias, **kw)  # checks ffn before anything else is built
         if norm != "none":
             self.ln1 = make_norm(norm_kind, d_model, eps, bias, **kw)
-        self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, dropout=dropout, bias=bias, **kw)
+        self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, dropout=dropout, bias=bias,
+                                           num_kv_heads=num_kv_heads, sliding_window=sliding_window, **kw)
         if norm != "none":
             self.ln2 = make_norm(norm_kind, d_model, eps, bias, **kw)
         self.ffn = ffn_module
@@ -128,7 +131,8 @@ class TransformerLM(nn.Module):
         theta = c.rope_theta if c.rope else None
         self.layers = nn.ModuleList(
             TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.context_length, theta, c.eps, c.norm, c.ffn, c.dropout,
-                             norm_kind=c.norm_kind, bias=c.bias, **kw)
+                             norm_kind=c.norm_kind, bias=c.bias, num_kv_heads=c.num_kv_heads,
+                             sliding_window=c.sliding_window, **kw)
             for _ in range(c.num_layers)
         )
         self.ln_final = make_norm(c.norm_kind, c.d_model, c.eps, c.bias, **kw) if c.norm == "pre" else None
@@ -191,4 +195,6 @@ class TransformerLM(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return f"V={c.vocab_size}, T={c.context_length}, d={c.d_model}, L={c.num_layers}, H={c.num_heads}, d_ff={c.d_ff}"
+        kv = f", H_kv={c.kv_heads}" if c.kv_heads != c.num_heads else ""
+        return (f"V={c.vocab_size}, T={c.context_length}, d={c.d_model}, L={c.num_layers}, H={c.num_heads}{kv}, "
+                f"d_ff={c.d_ff}")

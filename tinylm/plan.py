@@ -119,6 +119,11 @@ class Step:
     branch, its add). variant: which function a norm, attention or FFN step is (norm: "rms" or
     "layer"; attention: "rope" or "nope"; ffn: "swiglu", "silu", "gelu", "gelu_tanh" or
     "relu"; "" for an add). bias: whether the step's module adds learned biases.
+    An attention step also states its key/value heads: ``kv_heads`` (H_kv; H for multi-head
+    attention, fewer with grouped queries: each K/V head serves H / H_kv query heads),
+    ``kv_width`` (H_kv d_k, the output width of k_proj and v_proj) and ``window`` (the
+    sliding window W, query i reads key j iff 0 <= i - j < W; None: every j <= i); 0, 0 and
+    None for the other kinds.
     """
 
     kind: str
@@ -128,6 +133,9 @@ class Step:
     branch: str
     variant: str = ""
     bias: bool = False
+    kv_heads: int = 0
+    kv_width: int = 0
+    window: int | None = None
 
     @property
     def output(self) -> str:
@@ -176,7 +184,7 @@ class BlockPlan:
 
 
 def _block(i: int, norm: str, first: str = EMBEDDING, *, norm_kind: str = "rms", ffn_kind: str = "swiglu",
-           attention: str = "rope", bias: bool = False) -> BlockPlan:
+           attention: str = "rope", bias: bool = False, kv: tuple[int, int, int | None] = (0, 0, None)) -> BlockPlan:
     b, x, h, z = block_name(i), stream_into(i, first), mid_name(i), block_name(i)
     attn, ffn, ln1, ln2 = f"{b}.attn", f"{b}.ffn", f"{b}.ln1", f"{b}.ln2"
 
@@ -184,7 +192,7 @@ def _block(i: int, norm: str, first: str = EMBEDDING, *, norm_kind: str = "rms",
         return Step("norm", module, reads, writes, branch, norm_kind, bias and norm_kind == "layer")
 
     def attn_step(reads):
-        return Step("attention", attn, reads, (attn,), "attn", attention, bias)
+        return Step("attention", attn, reads, (attn,), "attn", attention, bias, *kv)
 
     def ffn_step(reads):
         return Step("ffn", ffn, reads, (ffn,), "ffn", ffn_kind, bias)
@@ -269,7 +277,8 @@ class ModelPlan:
                       f"{self.input}: add({self.embedding}, {self.positions}) -> {self.input}"]
         for b in self.blocks:
             for s in b.steps:
-                lines.append(f"{s.module}: {s.kind}({', '.join(s.reads)}) -> {' = '.join(s.writes)}")
+                line = f"{s.module}: {s.kind}({', '.join(s.reads)}) -> {' = '.join(s.writes)}"
+                lines.append(line + _heads(s, self.config))
         if self.final_norm:
             lines.append(f"{self.final_norm}: norm({self.blocks[-1].output}) -> {self.final_norm}")
         lines.append(f"{self.head}: linear({self.head_input()}) -> logits")
@@ -296,6 +305,17 @@ class ModelPlan:
         return tuple(out + [self.head])
 
 
+def _heads(step: Step, config: ModelConfig) -> str:
+    """What an attention step's line adds where it is not plain multi-head causal attention:
+    `` [H_kv=2 of H=8 (k/v width 32), window 4]``; "" otherwise."""
+    if step.kind != "attention":
+        return ""
+    parts = [f"H_kv={step.kv_heads} of H={config.num_heads} (k/v width {step.kv_width})"] \
+        if step.kv_heads != config.num_heads else []
+    parts += [f"window {step.window}"] if step.window is not None else []
+    return f" [{', '.join(parts)}]" if parts else ""
+
+
 def build(config: ModelConfig) -> ModelPlan:
     """The plan of ``TransformerLM(config)``: which steps run, in which modules, on which tensors."""
     if not isinstance(config, ModelConfig):
@@ -303,7 +323,8 @@ def build(config: ModelConfig) -> ModelPlan:
     learned = config.positions == "learned"
     first = RESID_IN if learned else EMBEDDING
     blocks = tuple(_block(i, config.norm, first, norm_kind=config.norm_kind, ffn_kind=config.ffn,
-                          attention="rope" if config.rope else "nope", bias=config.bias)
+                          attention="rope" if config.rope else "nope", bias=config.bias,
+                          kv=(config.kv_heads, config.kv_heads * config.head_dim, config.sliding_window))
                    for i in range(config.num_layers))
     return ModelPlan(config, blocks, final_norm=FINAL_NORM if config.norm == "pre" else None,
                      positions=POSITIONS if learned else None, input=first)

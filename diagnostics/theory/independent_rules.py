@@ -227,9 +227,14 @@ def _attention_back(src: _Source, p: str, g_branch: float) -> float:
             "softmax backward: E[g_p^2] E[sum a^2 (1 - 2a + S2)]")
     g_s_row = src.ms(f"{p}.scores", "backward") * npairs / T  # E[sum_j g_s,tj^2], averaged over t
     src.put(f"{p}.q_proj", "backward", src.ms(f"{p}.k_proj") * g_s_row / dk, "q gradient: E[k^2] E[sum_j g_s^2]/d_k")
-    src.put(f"{p}.k_proj", "backward", src.ms(f"{p}.q_proj") * g_s_row / dk, "k gradient: E[q^2] E[sum_t g_s^2]/d_k")
+    # a K/V head shared by G query heads (grouped-query attention) sums their G gradients, uncorrelated
+    # at init (other rows of q_proj, other columns of output_proj): G times one head's
+    group = c.num_heads // c.kv_heads
+    each = f", summed over {group} query heads" if group > 1 else ""
+    src.put(f"{p}.k_proj", "backward", group * src.ms(f"{p}.q_proj") * g_s_row / dk,
+            f"k gradient: E[q^2] E[sum_t g_s^2]/d_k{each}")
     a2 = (src.ms(f"{p}.probs") * npairs / T) if src.mode == "local" else float(mc["s2"][:T].mean())
-    src.put(f"{p}.v_proj", "backward", g_o * a2, "v gradient: E[g_o^2] mean_j E[sum_t a_tj^2]")
+    src.put(f"{p}.v_proj", "backward", group * g_o * a2, f"v gradient: E[g_o^2] mean_j E[sum_t a_tj^2]{each}")
     return sum(_linear_back_factor(src, f"{p}.{n}") * src.ms(f"{p}.{n}", "backward")
                for n in ("q_proj", "k_proj", "v_proj"))
 
