@@ -45,14 +45,14 @@ def _entry(rank: int, body: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(body: str) -> None:
-    """Run ``body(rank)`` in two spawned processes; fail (killing them) past DEADLINE_S."""
+def _spawn(body: str, limit: float = DEADLINE_S) -> None:
+    """Run ``body(rank)`` in two spawned processes; fail (killing them) past ``limit`` seconds."""
     ctx = mp.start_processes(_entry, args=(body, _free_port()), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + limit
     try:
         while not ctx.join(timeout=1.0):  # raises when a worker raised
             if time.monotonic() > deadline:
-                pytest.fail(f"{body}: the workers did not finish within {DEADLINE_S:.0f} s (killed)")
+                pytest.fail(f"{body}: the workers did not finish within {limit:.0f} s (killed)")
     finally:
         for p in ctx.processes:
             if p.is_alive():
@@ -141,13 +141,13 @@ def _meshes(rank: int) -> None:
     two = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replica", "shard"))
     cases = [distribute_tensor(x, one, [Replicate()]), distribute_tensor(x, one, [Shard(1)]),
              distribute_tensor(x, two, [Replicate(), Shard(0)])]
-    got = sharded.moments(cases + [x])  # one collective per mesh
+    got = sharded.moments(cases + [x], lambda t: reduce(t).moments)  # one collective per mesh
     for v in got:
         assert v is not None
         assert v[[0, 1, 4, 5]].tolist() == want[[0, 1, 4, 5]].tolist()
         assert torch.allclose(v[2:4], want[2:4], rtol=1e-12, atol=0)
     partial = DTensor.from_local(x / 2, one, [Partial()])
-    assert sharded.moments([partial]) == [None]
+    assert sharded.moments([partial], lambda t: reduce(t).moments) == [None]
     assert reduce(partial).measured is False
 
 
@@ -193,6 +193,19 @@ def _watch(rank: int) -> None:
     assert len(watch.history["records"]) == 3
     assert all(r > 0 for r in watch.history["records"][-1]["update_ratio"].values())
     watch.close()
+
+
+def _hang(rank: int) -> None:
+    time.sleep(3600)
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_killed_at_the_deadline():
+    """Negative control of the harness: workers that never finish fail the test in time."""
+    start = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match="did not finish"):
+        _spawn("_hang", limit=20.0)
+    assert time.monotonic() - start < 40.0
 
 
 def test_fsdp2_parameter_statistics_equal_the_unsharded_model():

@@ -100,6 +100,22 @@ def test_meta_and_fake_are_not_measured(choice):
     _not_measured(Reducer()(meta))
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the compiled reducer does not fail on it (and turn off)
+def test_functorch_wrapper_is_read_by_torch_ops(choice):
+    """Inside ``torch.func.grad`` a tensor has no storage of its own: torch ops reduce it (the
+    numba reducer never gets its pointer), and the Reducer does not key it by one."""
+    x = _x(5, 3)
+    seen = []
+
+    def loss(w):
+        seen.append(reduce(w).moments.tolist() == reduce(w.detach()).moments.tolist())
+        Reducer()(w)
+        return (w * w).sum()
+    assert torch.allclose(torch.func.grad(loss)(x), 2 * x)
+    assert len(seen) == 1
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_sparse_counts_its_implicit_zeros(choice):
     dense = _x(6, 7) * (torch.rand(6, 7, generator=torch.Generator().manual_seed(1)) < 0.3)
     want = reference.moments(dense)
@@ -107,7 +123,7 @@ def test_sparse_counts_its_implicit_zeros(choice):
     _same(reduce(dense.to_sparse_csr()).moments, want)
     # uncoalesced COO: a duplicated index holds the sum of its entries
     i = torch.tensor([[0, 0, 2], [1, 1, 3]])
-    coo = torch.sparse_coo_tensor(i, torch.tensor([1.5, 2.0, -4.0]), (3, 5))
+    coo = torch.sparse_coo_tensor(i, torch.tensor([1.5, 2.0, -4.0]), (3, 5), check_invariants=True)
     _same(reduce(coo).moments, reference.moments(coo.to_dense()))
     _not_measured(reduce(dense.to_sparse(), rows=True))  # per-row parts: not from a sparse tensor
 

@@ -44,7 +44,7 @@ import torch as _torch
 
 from .reducer_choice import chosen
 
-__all__ = ["available", "takes", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
+__all__ = ["available", "takes", "has_memory", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
@@ -77,9 +77,20 @@ def available() -> bool:
 
 def takes(x: _torch.Tensor) -> bool:
     """Whether this reducer reduces tensor ``x``: a plain strided tensor (a ``torch.Tensor`` or
-    ``nn.Parameter``, not a subclass) on the CPU, of :data:`DTYPES`, at least 1-D, and :func:`available`. (Attribute reads only: ``x.device`` would build an object per call.)"""
+    ``nn.Parameter``, not a subclass) on the CPU, of :data:`DTYPES`, at least 1-D, and :func:`available`.
+    (Attribute reads only: ``x.device`` would build an object per call.)"""
     return x.is_cpu and x.dtype in DTYPES and x.ndim > 0 and type(x) in _PLAIN and x.layout == _torch.strided \
         and available()
+
+
+def has_memory(x: _torch.Tensor) -> bool:
+    """Whether the data pointer of ``x`` (a tensor :func:`takes`) can be read: False for a wrapper
+    without storage of its own (functorch, functional tensors) and for a null pointer of a
+    tensor with entries."""
+    try:
+        return x.data_ptr() != 0 or x.numel() == 0
+    except RuntimeError:
+        return False
 
 
 def _build():
@@ -133,7 +144,7 @@ def _readable(x: _torch.Tensor) -> _torch.Tensor:
     if not (x.dtype == _torch.float32 and x.is_contiguous() and not x.is_neg()):
         x = x.detach().float().contiguous()  # a copy outside autograd
         x = x.resolve_neg() if x.is_neg() else x
-    if x.numel() and (not x.is_contiguous() or x.data_ptr() == 0):
+    if x.numel() and (not x.is_contiguous() or not has_memory(x)):
         raise TypeError("the numba reducer reads a contiguous tensor with memory")
     return x  # the common case: read as it is (autograd never sees the read)
 

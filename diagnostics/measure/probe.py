@@ -171,7 +171,7 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     # them at once (FIELDS: n_total, count, mean, m2, ...); a parameter with a non-finite entry
     # has no std (NaN), a gradient's std is over its finite entries
     have = [g is not None and g.numel() > 0 for g in glist]
-    vecs = sharded.moments(plist + [g for g, h in zip(glist, have) if h])  # a DTensor: its shards, merged
+    vecs = sharded.moments(plist + [g for g, h in zip(glist, have) if h], lambda t: reduce(t).moments)
     home = next((v.device for v in vecs if v is not None), None)  # None: not measured (NaN)
     vecs = [torch.full((10,), math.nan, dtype=torch.float64, device=home) if v is None else v for v in vecs]
     values = []

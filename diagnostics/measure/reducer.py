@@ -49,7 +49,8 @@ from ..options import OptionsError
 from . import compiled, numba_reducer, reference, sharded
 from .reference import ATTN_FIELDS, FIELDS
 
-__all__ = ["Reduction", "reduce", "Reducer", "plain", "merge_vectors", "merge_attention_vectors", "FIELDS", "ATTN_FIELDS"]
+__all__ = ["Reduction", "reduce", "Reducer", "plain", "merge_vectors", "merge_attention_vectors", "FIELDS",
+           "ATTN_FIELDS"]
 
 
 class Reduction(NamedTuple):
@@ -76,20 +77,15 @@ def plain(x: Tensor) -> Tensor | None:
 
     A ``torch.Tensor`` or ``nn.Parameter``: ``x``; a subclass that overrides only
     ``__torch_function__``: a plain view of its memory. None: a subclass that overrides
-    ``__torch_dispatch__`` (DTensor, FakeTensor, ...), an uninitialized parameter, a meta tensor,
-    a layout other than strided, or a tensor whose data pointer cannot be read."""
+    ``__torch_dispatch__`` (DTensor, FakeTensor, ...), an uninitialized parameter, a meta tensor
+    or a layout other than strided. (The numba reducer checks the data pointer itself.)"""
     if type(x) not in _PLAIN:
         if type(x).__torch_dispatch__ is not Tensor.__torch_dispatch__ \
                 or isinstance(x, torch.nn.parameter.UninitializedTensorMixin):
             return None
         with torch._C.DisableTorchFunctionSubclass():
             x = x.as_subclass(Tensor)
-    if x.is_meta or x.layout != torch.strided:
-        return None
-    try:
-        if x.data_ptr() == 0 and x.numel():
-            return None
-    except RuntimeError:  # a wrapper without storage (functorch, functional tensors)
+    if x.layout is not torch.strided or x.is_meta:
         return None
     return x
 
@@ -111,13 +107,17 @@ def _sparse_values(x: Tensor) -> Tensor | None:
     return None
 
 
+def _moments(x: Tensor) -> Tensor:
+    return reduce(x).moments
+
+
 def _unplain(x: Tensor, causal: bool, probs: bool, rows: bool, cosine: bool) -> Reduction:
     """:func:`reduce` of a tensor :func:`plain` refuses: a DTensor's merged shards, a sparse
     tensor's values with its implicit zeros, else not measured (and so for any part but moments)."""
     if causal or probs or rows or cosine:
         return _not_measured(x, probs, rows, cosine)
     if sharded.is_dtensor(x):
-        vec = sharded.moments([x])[0]
+        vec = sharded.moments([x], _moments)[0]
         return Reduction(vec) if vec is not None else _not_measured(x, False, False, False)
     values = _sparse_values(x) if not x.is_meta else None
     if values is None or plain(values) is None:
@@ -159,7 +159,7 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     if readable is None:
         return _unplain(x, causal, probs, rows, cosine)
     x = readable
-    if numba_reducer.takes(x):
+    if numba_reducer.takes(x) and numba_reducer.has_memory(x):
         if not (rows or cosine) and (causal or not probs):
             v = numba_reducer.summary(x, x.shape[-1] if causal else None, probs=probs)
             if probs:  # numpy slices: slicing a tensor costs more than the small reductions
@@ -193,9 +193,12 @@ class Reducer:
 
     def __call__(self, x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
                  cosine: bool = False) -> Reduction:
-        if plain(x) is None:  # no memory of its own to recognise it by
+        try:
+            key = (x.data_ptr(), x._version, causal) if type(x) in _PLAIN else None  # the object: checked below
+        except RuntimeError:  # no storage (sparse; functorch and functional wrappers)
+            key = None
+        if key is None:  # nothing of its own to recognise it by
             return reduce(x, causal=causal, probs=probs, rows=rows, cosine=cosine)
-        key = (x.data_ptr(), x._version, causal)  # the object itself is checked below
         for i, (ref, k, r) in enumerate(self._recent):
             if k == key and ref() is x:
                 if (not probs or r.panel is not None) and (not rows or r.row_ms is not None) \

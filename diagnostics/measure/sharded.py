@@ -6,10 +6,10 @@ a mesh dimension placed ``Shard(d)`` each rank holds a different slice, along on
 (no rank holds a value). Its statistics come from the local shards (``t.to_local()``), never
 from a gathered full tensor:
 
-* each rank reduces its local shard to a :data:`~.reference.FIELDS` vector (float64, any of
-  the reducers of :mod:`.reducer`); a rank counts its entries only when it sits at coordinate
-  0 of every ``Replicate`` mesh dimension (so each entry is counted once), the others
-  contribute an empty vector (count 0);
+* each rank reduces its local shard to a :data:`~.reference.FIELDS` vector (float64, by the
+  function it is given: :func:`.reducer.reduce`); a rank counts its entries only when it sits
+  at coordinate 0 of every ``Replicate`` mesh dimension (so each entry is counted once), the
+  others contribute an empty vector (count 0);
 * the vectors of all the tensors on one mesh are packed into one float64 tensor (P, 10) and
   gathered with ONE ``all_gather`` over the mesh's ranks (:func:`gather`);
 * every rank merges the gathered (W, P, 10) exactly, in rank order (:func:`merge_ranks`):
@@ -18,10 +18,11 @@ from a gathered full tensor:
 
 Gathering the per-rank vectors (10 floats per tensor and rank) and merging them exactly was
 chosen over all-reducing sums: it needs one collective, keeps M2 free of the cancellation of
-a sum of squares, and gives every rank the same bits. Norms follow from the merged moments:
-||W||_F^2 = M2 + n mean^2 (:func:`update_ratios` packs the two sums of squares it needs the
-same way). What needs the full matrix (spectral norm, stable rank) is not measured for a
-sharded parameter: :func:`whole` says whether a tensor's local part is the whole of it.
+a sum of squares, and gives every rank the same bits. Norms follow from the merged moments
+(||W||_F^2 = M2 + n mean^2); the update ratio ||W - W_before||_F / ||W_before||_F
+(:func:`update_ratio_vector`) packs the two sums of squares it needs per tensor into one
+gather the same way. What needs the full matrix (spectral norm, stable rank) is not measured
+for a sharded parameter: :func:`whole` says whether a tensor's local part is the whole of it.
 
 A ``Partial`` placement, a rank outside the mesh, or a mesh whose ranks are neither the
 mesh's own 1-D group nor the whole job leave a tensor not measured (None), never a wrong number.
@@ -30,12 +31,13 @@ mesh's own 1-D group nor the whole job leave a tensor not measured (None), never
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local_part", "whole", "gather", "merge_ranks", "moments", "update_ratios",
-           "NOT_MEASURED_SPECTRAL"]
+__all__ = ["is_dtensor", "local_part", "whole", "gather", "merge_ranks", "moments", "update_ratio_vector",
+           "update_ratios", "NOT_MEASURED_SPECTRAL"]
 
 #: What a sharded parameter's row says of its spectral norm and stable rank.
 NOT_MEASURED_SPECTRAL = "spectral norm, stable rank not measured: needs the full matrix under sharding"
@@ -119,33 +121,33 @@ def merge_ranks(v: Tensor) -> Tensor:
     return out
 
 
-def moments(tensors: list[Tensor]) -> list[Tensor | None]:
+def moments(tensors: list[Tensor], vector: Callable[[Tensor], Tensor]) -> list[Tensor | None]:
     """The FIELDS vector (float64) of every tensor of ``tensors``, in order.
 
-    Plain tensors: :func:`~.reducer.reduce` (on the tensor's device). DTensors: each rank reduces
-    its local shard, the vectors of all DTensors on one mesh go through one :func:`gather` and
+    ``vector``: the FIELDS vector of a plain tensor (``lambda t: reduce(t).moments``, on the
+    tensor's device): plain tensors get theirs. DTensors: each rank reduces its local shard with
+    it, the vectors of all DTensors on one mesh go through one :func:`gather` and
     :func:`merge_ranks` (one collective per mesh; the same vector on every rank, on the local
     shards' device). None: not measured (see :func:`local_part`; a mesh without a group). Every
     rank of a mesh must call this with the same DTensors in the same order (as an SPMD program does)."""
-    from .reducer import reduce  # the reducer sends DTensors here
     out: list[Tensor | None] = [None] * len(tensors)
     by_mesh: dict = {}
     for i, t in enumerate(tensors):
         if is_dtensor(t):
             by_mesh.setdefault(t.device_mesh, []).append(i)
         else:
-            out[i] = reduce(t).moments
+            out[i] = vector(t)
     for mesh, index in by_mesh.items():
         group = _group(mesh)
-        if group is None or mesh.get_coordinate() is None:
+        device = tensors[index[0]].to_local().device  # the device the mesh's collectives take
+        if group is None or mesh.get_coordinate() is None or device.type == "meta":
             continue
         vecs, known = [], []
         for i in index:
             local, counts = local_part(tensors[i])
             known.append(local is not None)
-            vec = reduce(local).moments if local is not None and counts else None
+            vec = vector(local) if local is not None and counts else None
             vecs.append(vec)
-        device = next((v.device for v in vecs if v is not None), tensors[index[0]].to_local().device)
         packed = torch.stack([torch.zeros(10, dtype=torch.float64, device=device) if v is None else v.to(device)
                               for v in vecs])
         merged = merge_ranks(gather(packed, group))
@@ -159,14 +161,17 @@ def _sum_squares(t: Tensor) -> Tensor:
     return t.detach().double().square().sum()
 
 
-def update_ratios(params: dict[str, Tensor], before: dict[str, Tensor]) -> dict[str, float]:
-    """{name: ||W - W_before||_F / ||W_before||_F} for every name of ``before`` (``params``: the
-    weights now); inf for a zero W_before that moved, 0 for one that did not, NaN where a
-    sharded parameter cannot be measured. Plain tensors as they are; DTensors (``before`` a
-    clone of the same placements) from their local shards: the two sums of squares of every
-    counting rank, packed per mesh into one :func:`gather` and summed in rank order. One
-    host transfer for all of them. Every rank of a mesh must call this alike."""
+def update_ratio_vector(params: dict[str, Tensor], before: dict[str, Tensor]) -> Tensor | None:
+    """||W - W_before||_F / ||W_before||_F for every name of ``before``, in its order, as one
+    plain float64 tensor (no host transfer; None when ``before`` is empty). ``params``: the
+    weights now. inf for a zero W_before that moved, 0 for one that did not, NaN where a sharded
+    parameter cannot be measured. Plain tensors as they are; DTensors (``before`` a clone of the
+    same placements) from their local shards: the two sums of squares of every counting rank,
+    packed per mesh into one :func:`gather` and summed in rank order. Every rank of a mesh must
+    call this alike."""
     names = list(before)
+    if not names:
+        return None
     sums: dict[str, Tensor | None] = {}
     by_mesh: dict = {}
     for n in names:
@@ -177,7 +182,8 @@ def update_ratios(params: dict[str, Tensor], before: dict[str, Tensor]) -> dict[
             sums[n] = torch.stack([_sum_squares(p - b), _sum_squares(b)])
     for mesh, group_names in by_mesh.items():
         group = _group(mesh)
-        if group is None or mesh.get_coordinate() is None:
+        device = params[group_names[0]].to_local().device
+        if group is None or mesh.get_coordinate() is None or device.type == "meta":
             sums.update({n: None for n in group_names})
             continue
         rows, known = [], []
@@ -187,18 +193,17 @@ def update_ratios(params: dict[str, Tensor], before: dict[str, Tensor]) -> dict[
             ok = now is not None and was is not None and now.shape == was.shape
             known.append(ok)
             rows.append(torch.stack([_sum_squares(now - was), _sum_squares(was)]) if ok and counts
-                        else torch.zeros(2, dtype=torch.float64, device=now.device if now is not None else "cpu"))
-        device = rows[0].device
-        total = gather(torch.stack([r.to(device) for r in rows]), group).sum(0)
+                        else torch.zeros(2, dtype=torch.float64, device=device))
+        total = gather(torch.stack(rows), group).sum(0)
         sums.update({n: total[j] if known[j] else None for j, n in enumerate(group_names)})
-    have = [n for n in names if sums[n] is not None]
-    device = sums[have[0]].device if have else None
-    values = dict(zip(have, torch.stack([sums[n].to(device) for n in have]).tolist())) if have else {}
-    out: dict[str, float] = {}
-    for n in names:
-        if n not in values:
-            out[n] = math.nan
-            continue
-        num, den = (math.sqrt(s) for s in values[n])
-        out[n] = num / den if den > 0 else (math.inf if num > 0 else 0.0)
-    return out
+    home = next((v.device for v in sums.values() if v is not None), torch.device("cpu"))
+    nan = torch.full((2,), math.nan, dtype=torch.float64, device=home)
+    both = torch.stack([nan if sums[n] is None else sums[n].to(home) for n in names])  # (P, 2)
+    num, den = both[:, 0].sqrt(), both[:, 1].sqrt()
+    return torch.where(den > 0, num / den, torch.where(num > 0, torch.inf, 0.0))
+
+
+def update_ratios(params: dict[str, Tensor], before: dict[str, Tensor]) -> dict[str, float]:
+    """{name: ratio} of :func:`update_ratio_vector` (one host transfer for all of them)."""
+    v = update_ratio_vector(params, before)
+    return dict(zip(before, v.tolist())) if v is not None else {}
