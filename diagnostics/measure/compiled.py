@@ -47,6 +47,7 @@ DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64)
 #: The ``torch.compile`` backend (a test may put another one here before the first call).
 BACKEND = "inductor"
 
+_PLAIN = (Tensor, torch.nn.Parameter)
 _failed = False
 _compiled: dict[str, object] = {}
 
@@ -57,10 +58,12 @@ def available() -> bool:
 
 
 def takes(x: Tensor) -> bool:
-    """Whether :func:`reduce` reduces ``x`` here: a non-empty tensor of :data:`DTYPES`, at least
+    """Whether :func:`reduce` reduces ``x`` here: a non-empty plain strided tensor (``torch.Tensor`` or
+    ``nn.Parameter``; not meta, not inside a ``torch.func`` transform) of :data:`DTYPES`, at least
     1-D, on any device but a CPU whose numba reducer (:mod:`.numba_reducer`) is available."""
     return x.ndim > 0 and x.dtype in DTYPES and (not x.is_cpu or not numba_reducer.available()) \
-        and x.numel() > 0 and available()
+        and x.numel() > 0 and type(x) in _PLAIN and x.layout == torch.strided and not x.is_meta and available() \
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
 # -- the formulas (plain torch; compiled below, one function per shape of request) --

@@ -142,6 +142,8 @@ class ParamStats:
     (None: no gradient). declared_std: of its init scheme (None: unknown);
     drift = std / declared_std. spectral_norm = largest singular value; stable_rank =
     ||W||_F^2 / ||W||_2^2 (2-D parameters, when asked). frac_nonfinite of the entries.
+    note: what was asked and not measured, and why (e.g. the spectral figures of a sharded
+    parameter: they need the full matrix); "" when everything asked was measured.
     """
 
     shape: tuple[int, ...]
@@ -153,6 +155,7 @@ class ParamStats:
     declared: str = ""
     spectral_norm: float | None = None
     stable_rank: float | None = None
+    note: str = ""
 
     @property
     def drift(self) -> float | None:

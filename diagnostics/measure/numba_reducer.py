@@ -44,13 +44,16 @@ import torch as _torch
 
 from .reducer_choice import chosen
 
-__all__ = ["available", "takes", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
+__all__ = ["available", "takes", "has_memory", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
 
 #: Tensor dtypes this reducer takes (float32, and the formats that convert to it exactly).
 DTYPES = frozenset((_torch.float32, _torch.bfloat16, _torch.float16))
+
+#: The tensor types whose memory the loops may read (subclasses may have none: DTensor, FakeTensor).
+_PLAIN = (_torch.Tensor, _torch.nn.Parameter)
 
 _loops = None
 _checked: bool | None = None
@@ -73,9 +76,21 @@ def available() -> bool:
 
 
 def takes(x: _torch.Tensor) -> bool:
-    """Whether this reducer reduces tensor ``x``: on the CPU, of :data:`DTYPES`, at least 1-D, and
-    :func:`available`. (Attribute reads only: ``x.device`` would build an object per call.)"""
-    return x.is_cpu and x.dtype in DTYPES and x.ndim > 0 and available()
+    """Whether this reducer reduces tensor ``x``: a plain strided tensor (a ``torch.Tensor`` or
+    ``nn.Parameter``, not a subclass) on the CPU, of :data:`DTYPES`, at least 1-D, and :func:`available`.
+    (Attribute reads only: ``x.device`` would build an object per call.)"""
+    return x.is_cpu and x.dtype in DTYPES and x.ndim > 0 and type(x) in _PLAIN and x.layout == _torch.strided \
+        and available()
+
+
+def has_memory(x: _torch.Tensor) -> bool:
+    """Whether the data pointer of ``x`` (a tensor :func:`takes`) can be read: False for a wrapper
+    without storage of its own (functorch, functional tensors) and for a null pointer of a
+    tensor with entries."""
+    try:
+        return x.data_ptr() != 0 or x.numel() == 0
+    except RuntimeError:
+        return False
 
 
 def _build():
@@ -121,13 +136,17 @@ def _readable(x: _torch.Tensor) -> _torch.Tensor:
     """CPU tensor ``x`` as a contiguous float32 tensor whose memory holds its values in order,
     the one the loops read at its pointer: a copy only when it must convert (bf16/fp16,
     exactly; a strided or expanded view; a pending negation). Other devices and dtypes (a
-    float64 tensor would lose digits) are refused."""
-    if not x.is_cpu or x.dtype not in DTYPES:
-        raise TypeError(f"the numba reducer reads CPU float32, bfloat16 or float16 tensors, got {x.dtype} on {x.device}")
-    if x.dtype == _torch.float32 and x.is_contiguous() and not x.is_neg():
-        return x  # the common case: read as it is (autograd never sees the read)
-    x = x.detach().float().contiguous()  # a copy outside autograd
-    return x.resolve_neg() if x.is_neg() else x
+    float64 tensor would lose digits), subclasses, other layouts and tensors without readable
+    memory are refused (TypeError): the loops read raw memory at the pointer handed to them."""
+    if type(x) not in _PLAIN or x.layout != _torch.strided or not x.is_cpu or x.is_meta or x.dtype not in DTYPES:
+        raise TypeError(f"the numba reducer reads plain strided CPU float32, bfloat16 or float16 tensors, got "
+                        f"{type(x).__name__} of {x.dtype}, {x.layout} on {x.device}")
+    if not (x.dtype == _torch.float32 and x.is_contiguous() and not x.is_neg()):
+        x = x.detach().float().contiguous()  # a copy outside autograd
+        x = x.resolve_neg() if x.is_neg() else x
+    if x.numel() and (not x.is_contiguous() or not has_memory(x)):
+        raise TypeError("the numba reducer reads a contiguous tensor with memory")
+    return x  # the common case: read as it is (autograd never sees the read)
 
 
 def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool, S: int

@@ -43,6 +43,7 @@ from tinylm.init import declare
 from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
+from . import sharded
 from .reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
 from .sdpa import SDPAWatch
 from .sites import model_sites
@@ -153,6 +154,9 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     any entry is non-finite; the non-finite fraction says how many); grad_std likewise over
     the finite entries of ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank =
     sum sigma^2 / sigma_max^2 (:func:`spectral_stats`), for 2-D finite parameters when ``spectral``.
+    A sharded parameter (DTensor) is measured from its local shards, all parameters and gradients
+    merged over their mesh in one collective (:func:`.sharded.moments`); its spectral figures need
+    the full matrix and are not measured (``note`` says so). Every rank must call this alike.
     """
     decl = _declared(model)
     names, plist, glist = [], [], []
@@ -168,7 +172,9 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     # them at once (FIELDS: n_total, count, mean, m2, ...); a parameter with a non-finite entry
     # has no std (NaN), a gradient's std is over its finite entries
     have = [g is not None and g.numel() > 0 for g in glist]
-    vecs = [reduce(p).moments for p in plist] + [reduce(g).moments for g, h in zip(glist, have) if h]
+    vecs = sharded.moments(plist + [g for g, h in zip(glist, have) if h], lambda t: reduce(t).moments)
+    home = next((v.device for v in vecs if v is not None), None)  # None: not measured (NaN)
+    vecs = [torch.full((10,), math.nan, dtype=torch.float64, device=home) if v is None else v for v in vecs]
     values = []
     if vecs:
         v = torch.stack(vecs)
@@ -183,14 +189,16 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     out: dict[str, ParamStats] = {}
     for name, p, g, (std, nf, gstd, gnf) in zip(names, plist, glist, values):
         spec = srank = None
-        if spectral and p.dim() == 2 and nf == 0.0 and p.numel():
-            spec, srank = spectral_stats(p)
+        full = sharded.whole(p)  # None: sharded, the matrix is on several ranks
+        if spectral and p.dim() == 2 and nf == 0.0 and p.numel() and full is not None:
+            spec, srank = spectral_stats(full)
         d = decl.get(name)
         out[name] = ParamStats(
             shape=tuple(p.shape), std=std, grad_std=None if g is None else gstd, frac_nonfinite=nf,
             grad_frac_nonfinite=None if g is None else gnf,
             declared_std=d.actual_std if d is not None else None, declared=d.describe() if d is not None else "",
             spectral_norm=spec, stable_rank=srank,
+            note=sharded.NOT_MEASURED_SPECTRAL if spectral and p.dim() == 2 and full is None else "",
         )
     return out
 

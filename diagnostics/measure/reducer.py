@@ -17,6 +17,15 @@ rounding). Either way the result is a
 :class:`Reduction` of float64 tensors on ``x``'s device (row mean squares: float32, float64
 for float64 ``x``), with no device sync.
 
+Only a plain strided tensor's memory is ever read (:func:`plain`): a subclass that only
+overrides ``__torch_function__`` is read through a plain view of the same memory; a
+``DTensor`` (FSDP2, tensor parallel) through its local shard, merged over its mesh by
+:mod:`.sharded` (one collective; moments only); a sparse tensor through its stored values and
+the count of its implicit zeros (moments only). Anything else (a meta tensor, a FakeTensor or
+other ``__torch_dispatch__`` subclass, an uninitialized parameter, another layout, and the
+parts a sharded or sparse tensor cannot give) is not measured: a :class:`Reduction` with
+``measured`` False, whose moments count no entries.
+
 A :class:`Reducer` is ``reduce`` with a memory of the last few tensors it reduced: a tensor
 that reaches two hooks back to back (a branch is its last projection's output; backward, a
 gradient passes unchanged to the branch added at a residual point; a block's output is the
@@ -37,10 +46,11 @@ from torch import Tensor
 from tinylm.validate import check, refuse
 
 from ..options import OptionsError
-from . import compiled, numba_reducer, reference
+from . import compiled, numba_reducer, reference, sharded
 from .reference import ATTN_FIELDS, FIELDS
 
-__all__ = ["Reduction", "reduce", "Reducer", "merge_vectors", "merge_attention_vectors", "FIELDS", "ATTN_FIELDS"]
+__all__ = ["Reduction", "reduce", "Reducer", "plain", "merge_vectors", "merge_attention_vectors", "FIELDS",
+           "ATTN_FIELDS"]
 
 
 class Reduction(NamedTuple):
@@ -48,12 +58,73 @@ class Reduction(NamedTuple):
 
     moments: (10,) float64, laid out as :data:`FIELDS`. panel: (6,) float64, :data:`ATTN_FIELDS`.
     row_ms: mean(x^2) over the last dimension, shape ``x.shape[:-1]``. cosine: (10,) float64,
-    :data:`FIELDS` of each sequence's mean cosine between its different rows."""
+    :data:`FIELDS` of each sequence's mean cosine between its different rows. measured: False when
+    the tensor could not be read (see the module docstring): every vector then counts no entries
+    (the panel's minimum entropy inf, row mean squares NaN), so merging it changes nothing."""
 
     moments: Tensor
     panel: Tensor | None = None
     row_ms: Tensor | None = None
     cosine: Tensor | None = None
+    measured: bool = True
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def plain(x: Tensor) -> Tensor | None:
+    """``x`` as a plain strided tensor whose memory the reducers may read, or None.
+
+    A ``torch.Tensor`` or ``nn.Parameter``: ``x``; a subclass that overrides only
+    ``__torch_function__``: a plain view of its memory. None: a subclass that overrides
+    ``__torch_dispatch__`` (DTensor, FakeTensor, ...), an uninitialized parameter, a meta tensor
+    or a layout other than strided. (The numba reducer checks the data pointer itself.)"""
+    if type(x) not in _PLAIN:
+        if type(x).__torch_dispatch__ is not Tensor.__torch_dispatch__ \
+                or isinstance(x, torch.nn.parameter.UninitializedTensorMixin):
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            x = x.as_subclass(Tensor)
+    if x.layout is not torch.strided or x.is_meta:
+        return None
+    return x
+
+
+def _not_measured(x: Tensor, probs: bool, rows: bool, cosine: bool) -> Reduction:
+    """The :class:`Reduction` of a tensor that could not be read (CPU vectors that count nothing)."""
+    zeros = torch.zeros(len(FIELDS), dtype=torch.float64)
+    panel = torch.tensor([0.0, 0.0, 0.0, float("inf"), 0.0, 0.0], dtype=torch.float64) if probs else None
+    row_ms = torch.full(tuple(x.shape[:-1]), float("nan")) if rows else None
+    return Reduction(zeros, panel, row_ms, zeros.clone() if cosine else None, measured=False)
+
+
+def _sparse_values(x: Tensor) -> Tensor | None:
+    """The stored values of a sparse tensor (COO coalesced: duplicates summed), else None."""
+    if x.layout == torch.sparse_coo:
+        return x.coalesce().values()
+    if x.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return x.values()
+    return None
+
+
+def _moments(x: Tensor) -> Tensor:
+    return reduce(x).moments
+
+
+def _unplain(x: Tensor, causal: bool, probs: bool, rows: bool, cosine: bool) -> Reduction:
+    """:func:`reduce` of a tensor :func:`plain` refuses: a DTensor's merged shards, a sparse
+    tensor's values with its implicit zeros, else not measured (and so for any part but moments)."""
+    if causal or probs or rows or cosine:
+        return _not_measured(x, probs, rows, cosine)
+    if sharded.is_dtensor(x):
+        vec = sharded.moments([x], _moments)[0]
+        return Reduction(vec) if vec is not None else _not_measured(x, False, False, False)
+    values = _sparse_values(x) if not x.is_meta else None
+    if values is None or plain(values) is None:
+        return _not_measured(x, False, False, False)
+    k = float(x.numel() - values.numel())  # implicit zeros: measured, finite, zero
+    zeros = torch.tensor([k, k, 0.0, 0.0, 0.0, k, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64, device=values.device)
+    return Reduction(merge_vectors(reduce(values).moments, zeros))
 
 
 def _check(x: Tensor, causal: bool, probs: bool, rows: bool) -> None:
@@ -81,9 +152,14 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     probabilities ``x`` (entries above the diagonal taken as 0 when ``causal``). ``rows``: also
     mean(x^2) over the last dimension. ``cosine``: also the moments of each sequence's mean
     cosine between its rows (sequences: ``x.shape[-2]`` rows of ``x.shape[-1]`` entries).
-    Raises OptionsError for a tensor these do not fit."""
+    Raises OptionsError for a tensor these do not fit; a tensor whose memory cannot be read
+    is measured through its parts or not at all (module docstring: ``measured``)."""
     _check(x, causal, probs, rows)
-    if numba_reducer.takes(x):
+    readable = plain(x)
+    if readable is None:
+        return _unplain(x, causal, probs, rows, cosine)
+    x = readable
+    if numba_reducer.takes(x) and numba_reducer.has_memory(x):
         if not (rows or cosine) and (causal or not probs):
             v = numba_reducer.summary(x, x.shape[-1] if causal else None, probs=probs)
             if probs:  # numpy slices: slicing a tensor costs more than the small reductions
@@ -117,7 +193,12 @@ class Reducer:
 
     def __call__(self, x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
                  cosine: bool = False) -> Reduction:
-        key = (x.data_ptr(), x._version, causal)  # the object itself is checked below
+        try:
+            key = (x.data_ptr(), x._version, causal) if type(x) in _PLAIN else None  # the object: checked below
+        except RuntimeError:  # no storage (sparse; functorch and functional wrappers)
+            key = None
+        if key is None:  # nothing of its own to recognise it by
+            return reduce(x, causal=causal, probs=probs, rows=rows, cosine=cosine)
         for i, (ref, k, r) in enumerate(self._recent):
             if k == key and ref() is x:
                 if (not probs or r.panel is not None) and (not rows or r.row_ms is not None) \
