@@ -18,7 +18,7 @@ from typing import Any
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError
 from .intake import (check_device_name, check_input_file, check_model_path, check_outputs, check_suffixes, load_model,
-                     measured_tokens, parse_dtype, positive_int, resolve_device)
+                     measured_tokens, memory_check, parse_dtype, positive_int, report_width, resolve_device)
 from .progress import progress_bar
 
 # Defaults sized so that the no-argument run (the README Quickstart's main job)
@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", metavar="PATH", help="write a PNG of variance over depth (forward and backward); for a checkpoint with "
                    "a training history also PATH's stem + .training.png beside it (same rules)")
     g.add_argument("--all", action="store_true", help="every instrumented tensor in the per-layer table, not the summary")
-    g.add_argument("--width", type=positive_int, help="report width in columns (default: the terminal's)")
+    g.add_argument("--width", type=report_width, help="report width in columns (default: the terminal's)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -183,7 +183,8 @@ def _gather(args: argparse.Namespace) -> _Inputs:
     dtype = parse_dtype(args.dtype)
     device = resolve_device(args.device)
     source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
-                        context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed)
+                        context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed,
+                        check=memory_check(args.batch_size, args.seq_len, dtype))
     import tinylm
 
     model = source.model

@@ -25,7 +25,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
-from .memory import check_model_fits
+from .memory import MemoryLimitError, check_model_fits
 from .model import TransformerLM
 from .validate import file_error, refuse
 
@@ -660,7 +660,12 @@ def load(path: str | os.PathLike, *, unsafe: bool = False, check: Callable[[Mode
         state = {**state, "lm_head.weight": state["token_embeddings.weight"]}
     emb = state.get("token_embeddings.weight")
     dtype = emb.dtype if emb is not None and emb.is_floating_point() else torch.float32
-    check_model_fits(config, dtype, "cpu")  # the sizes a file or a flag claims, before anything is allocated
+    try:  # the sizes a file or a flag claims, before anything is allocated
+        check_model_fits(config, dtype, "cpu")
+    except MemoryLimitError as e:
+        err = MemoryLimitError(f"{path}: {e}")
+        err.argument = getattr(e, "argument", None)
+        raise err from None
     if check is not None:
         check(config)
     model = TransformerLM(config, device="meta", dtype=dtype)
