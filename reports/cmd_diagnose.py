@@ -276,6 +276,11 @@ def _write_plots(result: Any, inputs: _Inputs, args: argparse.Namespace, outputs
         plt.close(fig)
     watch_view = _watch_view(inputs.history)
     if watch_view:
-        watch_view.plot_history(inputs.history, str(_training_plot_path(args.plot)))
+        derived = str(_training_plot_path(args.plot))
+        path = export.free_path(derived)  # a file the user has there is never replaced
+        if path != derived:
+            print(f"note: {derived} exists and is kept; the training-history figure goes to {path}", file=sys.stderr)
+            outputs["--plot (training history)"] = path
+        watch_view.plot_history(inputs.history, path)
     else:
         outputs.pop("--plot (training history)", None)
