@@ -440,7 +440,8 @@ def foreign_message(state: dict[str, Any] | None, top: dict[str, Any] | None = N
     if top is not None:
         parts.append(f"top-level keys: {_sample(top, 8)}")
     if state:
-        parts.append(f"state-dict keys such as {_sample(state)}")
+        parts.append(f"state-dict keys such as {_sample(state)}, without the 2-D token_embeddings.weight and "
+                     "layers.N.* of a tinylm/CS336 model")
     found = f" ({'; '.join(parts)})" if parts else ""
     return f"not a model tinylm can rebuild{found}: tinylm reads {READ_FORMATS}; for another model, {PYTHON_ROUTE}"
 
