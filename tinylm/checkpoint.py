@@ -505,7 +505,8 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
             info = CheckpointInfo(str(path), "state_dict", "inferred", extra={"layout": "nanogpt"})
             return from_nanogpt_state(state, path), None, info
         return state, None, CheckpointInfo(str(path), "state_dict", "inferred")
-    if isinstance(obj, dict) and obj:
+    if isinstance(obj, dict) and any(isinstance(k, str) and (isinstance(v, torch.Tensor) or _is_state_dict(v))
+                                     for k, v in obj.items()):  # weights in a layout no loader here reads
         file_error(path, foreign_message(_nested_state(obj), obj), error=CheckpointError)
     file_error(path, f"holds a {type(obj).__name__}, not a model state dict",
                "save model.state_dict() or use tinylm.checkpoint.save", error=CheckpointError)
@@ -526,8 +527,13 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     """
     emb = state.get("token_embeddings.weight")
     blocks = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
-    if emb is None or emb.dim() != 2 or not blocks:
+    if emb is None and not blocks and state:
         refuse(f"the state dict is {foreign_message(state)}", error=CheckpointError)
+    if emb is None or emb.dim() != 2:
+        refuse("no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
+               f"(first keys: {', '.join(list(state)[:4])})", error=CheckpointError)
+    if not blocks:
+        refuse("no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model", error=CheckpointError)
     def any_block(suffix: str) -> str | None:  # the first block that has this key (one may be missing)
         return next((f"layers.{i}.{suffix}" for i in sorted(blocks) if f"layers.{i}.{suffix}" in state), None)
 
@@ -620,8 +626,8 @@ _NANOGPT_FIXED = {"ffn": "gelu", "norm_kind": "layer", "positions": "learned", "
 
 
 def _is_tinylm_state(state: dict[str, Any]) -> bool:
-    emb = state.get("token_embeddings.weight")
-    return isinstance(emb, torch.Tensor) and emb.dim() == 2 and any(re.match(r"layers\.\d+\.", k) for k in state)
+    """Holds tinylm's embedding or block keys (a damaged one is refused later, naming what is wrong)."""
+    return "token_embeddings.weight" in state or any(re.match(r"layers\.\d+\.", k) for k in state)
 
 
 def load(path: str | os.PathLike, *, unsafe: bool = False, check: Callable[[ModelConfig], None] | None = None,
@@ -642,7 +648,7 @@ def load(path: str | os.PathLike, *, unsafe: bool = False, check: Callable[[Mode
     """
     state, config_dict, info = read_state(path, unsafe=unsafe)
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if not _is_tinylm_state(state):
+    if info.format in ("training", "state_dict", "module-pickle") and not _is_tinylm_state(state):
         file_error(path, foreign_message(state, info.extra.get("top_level_keys")), error=CheckpointError)
     if config_dict is not None and not isinstance(config_dict, dict):
         file_error(path, f"the stored config is a {type(config_dict).__name__}, not a dict of fields",
