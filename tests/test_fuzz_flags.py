@@ -129,7 +129,7 @@ def test_flags_never_end_in_an_internal_error_thorough(argv, inputs, capsys, mon
     _check(argv, inputs, capsys, monkeypatch)
 
 
-#: sizes that once reached the allocator, each run through the same contract (a stored config's
+#: sizes the allocator must never see, each run through the same contract (a stored config's
 #: context_length of 10^9 or 10^7 is tests/test_intake_cli.py's; these are the flags')
 HUGE = [
     ["diagnose", "m.pt", "--batch-size", "1", "--batches", "1", "--no-progress", "--width", "1000000000"],

@@ -138,8 +138,8 @@ def _stored_config(tmp_path, model, **change):
     return path
 
 
-#: sizes in a stored config or a flag that once reached the allocator (exit 3, or gigabytes and
-#: half a minute before a refusal): each is refused from the estimate, before anything is allocated
+#: sizes in a stored config or a flag that the allocator must never see: each is refused from the
+#: estimate, before anything is allocated (exit 2, one line, within seconds, no memory taken)
 SIZE_CASES = {
     "stored context_length 10^9": (dict(context_length=10**9), [], "GiB"),
     "stored context_length 10^7": (dict(context_length=10**7), [], "GiB"),

@@ -308,6 +308,27 @@ def test_pickled_model_whose_module_is_missing_names_the_module(tmp_path, capsys
     assert "ModuleNotFoundError" in err  # the cause is chained for --debug
 
 
+_SCRIPT = """
+import sys, torch
+from torch import nn
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+torch.save(Net(), sys.argv[1])
+"""
+
+
+def test_pickled_model_of_a_script_says_so(tmp_path):
+    path = tmp_path / "script.pt"
+    subprocess.run([sys.executable, "-c", _SCRIPT, str(path)], check=True, timeout=120)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.load(path, unsafe=True)
+    msg = str(e.value)
+    assert "pickles class __main__.Net: it was saved from a script (module '__main__')" in msg
+    assert "diagnostics.diagnose(model)" in msg and isinstance(e.value.__cause__, AttributeError)
+
+
 # ---------------------------------------------------------------- diagnose takes nanoGPT's module as it is
 
 

@@ -227,20 +227,29 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
 
 def _missing_class(path: Path, e: Exception) -> str:
     """The message for a whole pickled model whose class cannot be imported here: the class the
-    pickle names, the module it needs, and the two routes that work."""
-    module = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    pickle names (read by opcode), the module it needs, and the two routes that work."""
     classes = _unsafe_globals(path)
-    if module is None:  # AttributeError: "Can't get attribute 'GPT' on <module '__main__' ...>"
-        found = re.search(r"attribute '([^']+)' on <module '([^']+)'", str(e))
-        module = found.group(2) if found else None
-    named = [c for c in classes if module is None or c.startswith(module + ".")] or classes
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        module, attr = e.name, None
+        named = [c for c in classes if c.startswith(module + ".")] or classes
+    else:  # AttributeError: "Can't get attribute 'GPT' on <module ...>"
+        found = re.search(r"attribute '([^']+)'", str(e))
+        attr = found.group(1) if found else None
+        named = [c for c in classes if attr is not None and c.rsplit(".", 1)[-1] == attr] or classes
+        module = named[0].rsplit(".", 1)[0] if named and "." in named[0] else None
     what = f"class {named[0]}" if named else "a Python class"
-    need = f"module '{module}' is not importable" if module else f"its class cannot be found ({e})"
-    if module == "__main__" or (isinstance(e, AttributeError) and module):
-        need = f"module '{module}' has no such class here ({str(e).splitlines()[0][:120]})"
-    folder = f"run from the folder that has {module.split('.')[0]}.py" if module and module != "__main__" \
-        else "run the script that defines the class"
-    return (f"{path}: the checkpoint pickles {what}: {need}; {folder}, or use the Python API: build the model "
+    top = (module or "").split(".")[0]
+    if module is None:
+        need, fix = f"its class cannot be imported ({str(e).splitlines()[0][:120]})", "run where its code imports"
+    elif module == "__main__":
+        need, fix = "it was saved from a script (module '__main__'), whose classes are not importable", \
+            "load it in that script"
+    elif attr is not None:
+        need, fix = f"module '{module}' has no class {attr}", "run with the version of its code that saved it"
+    else:
+        need = f"module '{module}' is not importable"
+        fix = f"run from the folder that has {top}.py" if top == module else f"run from the folder that has {top}/"
+    return (f"{path}: the checkpoint pickles {what}: {need}; {fix}, or use the Python API: build the model "
             "yourself and call diagnostics.diagnose(model) (diagnostics/API.md)")
 
 
@@ -342,10 +351,12 @@ NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 #: nanoGPT name -> tinylm name, per block; c_attn ([3d, d], rows q|k|v) is split apart
 _NANOGPT_BLOCK = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_proj": "attn.output_proj", "mlp.c_fc": "ffn.w1",
                   "mlp.c_proj": "ffn.w2"}
-_NANOGPT_TOP = {"transformer.wte.weight": "token_embeddings.weight", "transformer.wpe.weight": "position_embeddings.weight",
+_NANOGPT_TOP = {"transformer.wte.weight": "token_embeddings.weight",
+                "transformer.wpe.weight": "position_embeddings.weight",
                 "transformer.ln_f.weight": "ln_final.weight", "transformer.ln_f.bias": "ln_final.bias",
                 "lm_head.weight": "lm_head.weight"}
-_NANOGPT_KEY = re.compile(r"transformer\.h\.(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.(weight|bias)")
+_NANOGPT_KEY = re.compile(r"transformer\.h\.(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)"
+                          r"\.(weight|bias)")
 _NANOGPT_MASK = re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias")  # the causal-mask buffer, not a weight
 
 
@@ -377,8 +388,8 @@ def from_nanogpt_state(state: dict[str, torch.Tensor], path: Path) -> dict[str, 
             unknown.append(key)
     if unknown:
         file_error(path, f"a nanoGPT state dict with keys nanoGPT's GPT does not have ({', '.join(unknown[:3])}"
-                   f"{' ...' if len(unknown) > 3 else ''})", "load the model in Python and call diagnostics.diagnose(model)",
-                   error=CheckpointError)
+                   f"{' ...' if len(unknown) > 3 else ''})",
+                   "load the model in Python and call diagnostics.diagnose(model)", error=CheckpointError)
     return out
 
 
