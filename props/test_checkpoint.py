@@ -38,6 +38,11 @@ pytestmark = pytest.mark.tinylm_only
 SMALL = ModelConfig(vocab_size=12, context_length=6, d_model=8, num_layers=2, num_heads=2, d_ff=10)
 FLAGS = dict(num_heads=2, context_length=6, rope_theta=10000.0)
 FIX = "pass a file written by torch.save or safetensors"
+#: the end of the message for a file in a format tinylm does not read: what it reads, and the route that works
+FOREIGN = ("tinylm reads tinylm, CS336 and nanoGPT checkpoints, their bare state dicts, safetensors and Hugging Face "
+           "directories; for another model, build the model in Python and call diagnostics.diagnose(model, "
+           "options=DiagnoseOptions(inputs=...)) (diagnostics/API.md)")
+NOT_TINYLM = "without the 2-D token_embeddings.weight and layers.N.* of a tinylm/CS336 model"
 
 
 def model_of(cfg: ModelConfig = SMALL, seed: int = 0, dtype=None) -> TransformerLM:
@@ -189,8 +194,8 @@ def test_foreign_pickles_are_named_not_run(tmp_path, zipped):
             "if you made the file or trust it, rerun with unsafe=True (risk: it runs the code the file names, with "
             "your permissions), or convert it once to a state dict: torch.save(torch.load(p, weights_only=False)"
             ".state_dict(), 'state.pt')", load, path)
-    assert_refused(CheckpointError, f"{path}: holds a dict, not a model state dict; save model.state_dict() or use "
-            "tinylm.checkpoint.save", load, path, unsafe=True)
+    assert_refused(CheckpointError, f"{path}: not a model tinylm can rebuild (top-level keys: a, b, c, d, e, t): "
+            f"{FOREIGN}", load, path, unsafe=True)
 
 
 def test_pickle_globals_read_by_opcode():
@@ -332,8 +337,8 @@ def test_infer_config_from_shapes_and_flags():
         with pytest.raises(MissingOptionError) as info:
             infer_config(sd, **{k: v for k, v in FLAGS.items() if k != missing})
         assert str(info.value) == f"the checkpoint stores no config, so {missing} is unknown; pass {missing}={placeholder}"
-    assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
-            "(first keys: a, b, c, d)", infer_config, {k: torch.zeros(1) for k in "abcde"})
+    assert_refused(CheckpointError, "the state dict is not a model tinylm can rebuild (state-dict keys such as a, b, c, d "
+            f"... (5 in all), {NOT_TINYLM}): {FOREIGN}", infer_config, {k: torch.zeros(1) for k in "abcde"})
     assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
             "(first keys: token_embeddings.weight)", infer_config, {"token_embeddings.weight": torch.zeros(3)})
     assert_refused(CheckpointError, "no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model",
@@ -517,8 +522,8 @@ def test_lists_in_messages_name_the_first_three(tmp_path):
         assert_refused(CheckpointError, f"{p}: the state dict does not match the model (missing 1 key(s): {gone}); check the "
                 "config overrides or the file", load, p)
     torch.save({"w": torch.zeros(2)}, p)  # one tensor is still a state dict, of no language model
-    assert_refused(CheckpointError, "no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
-            "(first keys: w)", load, p, **FLAGS)
+    assert_refused(CheckpointError, f"{p}: not a model tinylm can rebuild (state-dict keys such as w, {NOT_TINYLM}): "
+            f"{FOREIGN}", load, p, **FLAGS)
 
 
 def test_safetensors_is_sniffed_by_its_header_bounds(tmp_path):

@@ -66,7 +66,7 @@ def _saved_bytes(cfg: ModelConfig, B: int, T: int) -> int:
     return sum(seen.values())
 
 
-@prop("estimate_bytes is its documented formula (5V + L(10d + 3d_ff + 4HT) per token, 3P; forward only a third and P), "
+@prop("estimate_bytes is its documented formula (5V + L(10d + 3d_ff + 4HT) per token, 3P, the RoPE tables; forward only a third and P), "
       "scales with the dtype's size, and covers what autograd saves plus weights and gradients")
 @pytest.mark.parametrize("B, T, ffn, norm, tie", [(2, 16, "swiglu", "pre", False), (3, 32, "silu", "post", True),
                                                   (1, 64, "swiglu", "none", False)])
@@ -74,9 +74,10 @@ def test_estimate(B, T, ffn, norm, tie):
     c = CFG.replace(ffn=ffn, norm=norm, tie_embeddings=tie)
     P = TransformerLM(c, device="meta").num_parameters()
     per_token = 5 * c.vocab_size + c.num_layers * (10 * c.d_model + 3 * c.d_ff + 4 * c.num_heads * T)
-    assert estimate_bytes(c, B, T) == 4 * (per_token * B * T + 3 * P)
-    assert estimate_bytes(c, B, T, torch.bfloat16) == 2 * (per_token * B * T + 3 * P)
-    assert estimate_bytes(c, B, T, torch.float64, backward=False) == 8 * (per_token // 3 * B * T + P)
+    R = c.num_layers * 2 * c.context_length * c.head_dim * 4  # the float32 RoPE tables
+    assert estimate_bytes(c, B, T) == 4 * (per_token * B * T + 3 * P) + R
+    assert estimate_bytes(c, B, T, torch.bfloat16) == 2 * (per_token * B * T + 3 * P) + R
+    assert estimate_bytes(c, B, T, torch.float64, backward=False) == 8 * (per_token // 3 * B * T + P) + R
     assert estimate_bytes(c, B, T, backward=False) < estimate_bytes(c, B, T)
     measured = _saved_bytes(c, B, T) + 2 * 4 * P  # what backward keeps, the weights and their gradients
     assert measured <= estimate_bytes(c, B, T), (measured, estimate_bytes(c, B, T))

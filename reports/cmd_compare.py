@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from .intake import check_outputs, parse_int_list, positive_int
+from .intake import check_outputs, parse_int_list, positive_int, report_width
 from .progress import progress_bar
 
 DEFAULT_DEPTHS, DEFAULT_WIDTHS, DEFAULT_SEEDS = "2,8,32", "128", 3
@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vocabulary of the models (default 256, or with --data its largest id + 1 when larger)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG grid (schemes x direction) of variance over depth")
     p.add_argument("--csv", metavar="PATH", help="write the tidy frame as CSV")
-    p.add_argument("--width", type=positive_int, help="table width in columns (default: the terminal's)")
+    p.add_argument("--width", type=report_width, help="table width in columns (default: the terminal's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError
 from .intake import (check_device_name, check_input_file, check_model_path, check_outputs, check_suffixes, load_model,
-                     measured_tokens, parse_dtype, positive_int, resolve_device)
+                     measured_tokens, memory_check, parse_dtype, positive_int, report_width, resolve_device)
 from .progress import progress_bar
 
 # Defaults sized so that the no-argument run (the README Quickstart's main job)
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plot", metavar="PATH", help="write a PNG of variance over depth (forward and backward); for a checkpoint with "
                    "a training history also PATH's stem + .training.png beside it (same rules)")
     g.add_argument("--all", action="store_true", help="every instrumented tensor in the per-layer table, not the summary")
-    g.add_argument("--width", type=positive_int, help="report width in columns (default: the terminal's)")
+    g.add_argument("--width", type=report_width, help="report width in columns (default: the terminal's)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -184,7 +184,8 @@ def _gather(args: argparse.Namespace) -> _Inputs:
 
     device = resolve_device(args.device)
     source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
-                        context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed)
+                        context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed,
+                        check=memory_check(args.batch_size, args.seq_len, dtype))
     import tinylm
 
     model = source.model
@@ -293,6 +294,11 @@ def _write_plots(result: Any, inputs: _Inputs, args: argparse.Namespace, outputs
         plt.close(fig)
     watch_view = _watch_view(inputs.history)
     if watch_view:
-        watch_view.plot_history(inputs.history, str(_training_plot_path(args.plot)))
+        derived = str(_training_plot_path(args.plot))
+        path = export.free_path(derived)  # a file the user has there is never replaced
+        if path != derived:
+            print(f"note: {derived} exists and is kept; the training-history figure goes to {path}", file=sys.stderr)
+            outputs["--plot (training history)"] = path
+        watch_view.plot_history(inputs.history, path)
     else:
         outputs.pop("--plot (training history)", None)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError, choose
 from .intake import (check_device_name, check_input_file, check_model_path, check_outputs, check_suffixes, load_model,
-                     load_token_stream, positive_int, resolve_device)
+                     load_token_stream, positive_int, resolve_device, report_width)
 
 #: what --against offers (diagnostics.jobs.diff.VARIANTS, named here to check the flag before torch loads)
 VARIANT_NAMES = ("compiled", "bf16", "fp16", "cpu-threads", "explicit-attention", "float64")
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", metavar="PATH", help="write the result as JSON")
     g.add_argument("--csv", metavar="PATH", help="write the tidy rows (site, direction, block, departure, ...) as CSV")
     g.add_argument("--save", metavar="PATH", help="write A's fingerprint (.npz) to compare on another machine")
-    g.add_argument("--width", type=positive_int, help="report width in columns (default: the terminal's)")
+    g.add_argument("--width", type=report_width, help="report width in columns (default: the terminal's)")
 
 
 def _is_fingerprint(path: str | None) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from .cli import UsageError, positive_int
+from .intake import report_width
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="the full table: every property with its claim, examples, worst error and tolerance")
     p.add_argument("--no-progress", action="store_true", help="no live counter on stderr")
-    p.add_argument("--width", type=positive_int, help="report width in columns (default: the terminal's)")
+    p.add_argument("--width", type=report_width, help="report width in columns (default: the terminal's)")
     p.add_argument("--profile", choices=["ci", "thorough"], help="hypothesis profile (default ci: fast, derandomized)")
     p.add_argument("-k", "--select", metavar="EXPR", help="only properties whose name matches (pytest -k)")
     p.add_argument("--slow", action="store_true", help="also run properties marked slow")

@@ -14,7 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
-__all__ = ["write_text", "write_json", "write_csv", "write_console", "write_figure", "AA_CONTRAST",
+__all__ = ["write_text", "write_json", "write_csv", "write_console", "write_figure", "free_path", "AA_CONTRAST",
            "contrast_ratio", "contrast_pairs", "accessible_html"]
 
 #: WCAG 2 level AA: normal-size text needs at least this contrast ratio against its background.
@@ -72,6 +72,21 @@ def write_figure(path: str | os.PathLike, fig: Any, dpi: int = 120) -> None:
 
     fmt = os.path.splitext(str(path))[1].lstrip(".").lower() or "png"
     write_atomic(path, lambda tmp: fig.savefig(tmp, format=fmt, dpi=dpi, bbox_inches="tight"))
+
+
+def free_path(path: str | os.PathLike) -> str:
+    """A derived output's path (one the user did not name, e.g. ``report.training.png`` beside
+    ``--plot report.png``): ``path`` itself when nothing is there, else the first free
+    ``{stem}-2{suffix}``, ``{stem}-3{suffix}``, ... beside it, so that a derived output never
+    replaces a file the user has."""
+    path = str(path)
+    if not os.path.lexists(path):
+        return path
+    stem, suffix = os.path.splitext(path)
+    n = 2
+    while os.path.lexists(f"{stem}-{n}{suffix}"):
+        n += 1
+    return f"{stem}-{n}{suffix}"
 
 
 # ---------------------------------------------------------------- contrast (WCAG 2)

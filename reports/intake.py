@@ -28,6 +28,9 @@ __all__ = [
     "parse_dtype",
     "resolve_device",
     "load_model",
+    "memory_check",
+    "report_width",
+    "MAX_WIDTH",
     "load_token_stream",
     "check_outputs",
     "check_suffixes",
@@ -70,6 +73,21 @@ class ModelSource:
             if isinstance(getattr(config, name, None), int):
                 return int(getattr(config, name))
         return None
+
+
+#: the widest report drawn, in columns: rich lays out every line at the width asked, so a width is a
+#: size like any other (a billion columns would take gigabytes); no screen or page is wider
+MAX_WIDTH = 10_000
+
+
+def report_width(text: str) -> int:
+    """argparse type of ``--width``: an integer in [1, MAX_WIDTH] columns."""
+    import argparse
+
+    value = positive_int(text)
+    if value > MAX_WIDTH:
+        raise argparse.ArgumentTypeError(f"{value} columns is wider than any screen or page; give at most {MAX_WIDTH:,}")
+    return value
 
 
 def parse_int_list(text: str, flag: str, minimum: int = 1) -> list[int]:
@@ -126,12 +144,31 @@ def resolve_device(name: str | None) -> torch.device:
     return dev
 
 
+def memory_check(batch_size: int, seq_len: int | None, dtype: Any = None) -> Any:
+    """A check of a tinylm config against the host's memory, made before any tensor is allocated:
+    the forward and backward pass of ``batch_size`` sequences of ``seq_len`` tokens (None: the
+    config's context length) at ``dtype`` (default float32), by ``tinylm.memory.check_fits`` (the
+    estimate times its margin of 1.5 against the available memory). A ``seq_len`` above the context
+    is left to the caller's own refusal."""
+    def check(config: Any) -> None:
+        import torch
+
+        from tinylm.memory import check_fits
+
+        seq = config.context_length if seq_len is None else seq_len
+        if seq <= config.context_length:
+            check_fits(config, batch_size, seq, dtype or torch.float32)
+    return check
+
+
 def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_theta: float | None = None,
                context_length: int | None = None, unsafe: bool = False, seed: int = 0,
-               command: str = "diagnose") -> ModelSource:
+               command: str = "diagnose", check: Any = None) -> ModelSource:
     """The checkpoint's model (read-only, through tinylm.checkpoint.load), or a fresh default one.
 
     No checkpoint: ``tinystories`` preset, ``cs336`` init, drawn from a generator seeded with ``seed``.
+    ``check(config)`` (e.g. :func:`memory_check`) is called with a tinylm config before its model is
+    allocated; the model's own tensors are always checked against the host's memory first.
     """
     import torch
 
@@ -146,6 +183,11 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
         if context_length is not None:
             changes["context_length"] = context_length
         config = tinylm.preset(DEFAULT_PRESET, **changes)
+        if check is not None:
+            from tinylm.memory import check_model_fits
+
+            check_model_fits(config)  # the model itself, then what the pass will need
+            check(config)
         model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(seed))
         model.eval()
         return ModelSource(model, f"fresh {DEFAULT_PRESET} preset, {DEFAULT_INIT} init, seed {seed}",
@@ -154,7 +196,7 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
         return _load_hf_directory(checkpoint, num_heads=num_heads, rope_theta=rope_theta,
                                   context_length=context_length, unsafe=unsafe)
     try:
-        model, info = ckpt.load(checkpoint, unsafe=unsafe, num_heads=num_heads, rope_theta=rope_theta,
+        model, info = ckpt.load(checkpoint, unsafe=unsafe, check=check, num_heads=num_heads, rope_theta=rope_theta,
                                 context_length=context_length)
     except ckpt.MissingOptionsError as e:
         raise UsageError(_missing_flags_message(checkpoint, e, command)) from None

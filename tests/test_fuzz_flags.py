@@ -129,6 +129,27 @@ def test_flags_never_end_in_an_internal_error_thorough(argv, inputs, capsys, mon
     _check(argv, inputs, capsys, monkeypatch)
 
 
+#: sizes the allocator must never see, each run through the same contract (a stored config's
+#: context_length of 10^9 or 10^7 is tests/test_intake_cli.py's; these are the flags')
+HUGE = [
+    ["diagnose", "m.pt", "--batch-size", "1", "--batches", "1", "--no-progress", "--width", "1000000000"],
+    ["diagnose", "--batch-size", "1", "--batches", "1", "--no-progress", "--context-length", "10000000"],
+    ["diagnose", "--batch-size", "1", "--batches", "1", "--no-progress", "--context-length", "1000000000"],
+    ["diagnose", "m.pt", "--batch-size", "1000000000", "--batches", "1", "--no-progress"],
+    ["compare", "--schemes", "cs336", "--depths", "1", "--widths", "16", "--seeds", "1", "--no-progress",
+     "--width", "1000000000"],
+]
+
+
+@pytest.mark.parametrize("argv", HUGE, ids=lambda a: " ".join(a[1:])[-40:])
+def test_huge_sizes_never_reach_the_allocator(argv, inputs, capsys, monkeypatch):
+    import time
+
+    start = time.perf_counter()
+    _check(argv, inputs, capsys, monkeypatch)
+    assert time.perf_counter() - start < 10, argv
+
+
 def test_the_check_fails_on_exit_3(inputs, capsys, monkeypatch):
     # negative control: an internal error is caught by _check
     import reports.cmd_init as cmd

@@ -8,6 +8,7 @@ when the forward or backward raises midway.
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -37,6 +38,23 @@ def ckpt(tmp_path, model):
     path = tmp_path / "m.pt"
     checkpoint.save(path, model)
     return path
+
+
+@contextmanager
+def time_limit(seconds: int):
+    """Fail, instead of hanging, when the body runs past ``seconds``."""
+    import signal
+
+    def hang(signum, frame):
+        raise AssertionError(f"no answer within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def run_cli(capsys, *argv):
@@ -111,6 +129,57 @@ def test_whole_module_pickle_needs_unsafe_load(tmp_path, model, capsys):
 def test_batch_too_large_for_memory_is_refused_before_allocating(ckpt, capsys):
     code, _, err = run_cli(capsys, ckpt, "--batch-size", "100000000", "--seq-len", "8", "--no-progress")
     assert_one_line_error(code, err, "GiB", "try --batch-size")
+
+
+def _stored_config(tmp_path, model, **change):
+    path = tmp_path / "sized.pt"
+    torch.save({"format": "tinylm", "version": 1, "config": {**SMALL.to_dict(), **change}, "model": model.state_dict()},
+               path)
+    return path
+
+
+#: sizes in a stored config or a flag that the allocator must never see: each is refused from the
+#: estimate, before anything is allocated (exit 2, one line, within seconds, no memory taken)
+SIZE_CASES = {
+    "stored context_length 10^9": (dict(context_length=10**9), [], "GiB"),
+    "stored context_length 10^7": (dict(context_length=10**7), [], "GiB"),
+    "bare checkpoint, --context-length 10^9": (None, ["--num-heads", "2", "--rope-theta", "10000",
+                                                      "--context-length", "1000000000"], "GiB"),
+    "fresh model, --context-length 10^7": ("fresh", ["--context-length", "10000000"], "GiB"),
+    "--width 10^9": ({}, ["--width", "1000000000"], "columns"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SIZE_CASES))
+def test_sizes_are_refused_from_the_estimate_before_allocating(tmp_path, model, capsys, case):
+    import resource
+    import time
+
+    change, flags, phrase = SIZE_CASES[case]
+    if change == "fresh":
+        argv = []
+    elif change is None:
+        torch.save(model.state_dict(), tmp_path / "bare.pt")
+        argv = [tmp_path / "bare.pt"]
+    else:
+        argv = [_stored_config(tmp_path, model, **change)]
+    argv += ["--batch-size", "1", "--batches", "1", "--no-progress", *flags]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    start = time.perf_counter()
+    with time_limit(10):
+        code, _, err = run_cli(capsys, *argv)
+    assert time.perf_counter() - start < 5, case
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024 < 256, case  # MiB: nothing was allocated
+    assert code != 3, err
+    assert_one_line_error(code, err, phrase)
+
+
+def test_the_library_refuses_a_stored_context_before_allocating(tmp_path, model):
+    from tinylm.memory import MemoryLimitError
+
+    path = _stored_config(tmp_path, model, context_length=10**9)
+    with time_limit(10), pytest.raises(MemoryLimitError, match=r"sized.pt: .*context_length=1000000000.* GiB"):
+        checkpoint.load(path)
 
 
 def test_tokens_outside_vocabulary(tmp_path, ckpt, capsys):

@@ -111,3 +111,50 @@ def test_force_replaces_a_previous_output_and_may_replace_names_the_exception(tm
                   may_replace={"-o": "--resume checkpoint"})  # writing a resumed run back over its checkpoint
     with pytest.raises(UsageError, match="both write"):
         check_outputs({"--json": str(tmp_path / "a.json"), "--csv": str(tmp_path / "x" / ".." / "a.json")}, {})
+
+
+def _checkpoint_with_history(path):
+    from diagnostics.jobs.watch import Watch
+    from tinylm.functional import cross_entropy
+
+    model = tinylm.TransformerLM(SMALL, generator=torch.Generator().manual_seed(0))
+    watch = Watch(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    for t in range(3):
+        batch = torch.randint(0, 300, (2, 9), generator=gen)
+        with watch.capture():
+            loss = cross_entropy(model(batch[:, :-1]), batch[:, 1:])
+            loss.backward()
+        before = watch.snapshot_params()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        watch.commit(t, float(loss.detach()), 0.1, 1.0, before=before)
+        watch.log(t, float(loss.detach()), 0.1, 1.0)
+    checkpoint.save(path, model, iteration=3, history=watch.history)
+
+
+def test_a_derived_plot_never_replaces_a_file_the_user_has(tmp_path, capsys):
+    ckpt = tmp_path / "trained.pt"
+    _checkpoint_with_history(ckpt)
+    mine = tmp_path / "r.training.png"
+    mine.write_bytes(b"\x89PNG the user's own figure")
+    os.utime(mine, ns=(1_000_000_000, 1_000_000_000))
+    code = main(["diagnose", str(ckpt), "--plot", str(tmp_path / "r.png"), *FAST])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert _snapshot(mine) == [(b"\x89PNG the user's own figure", 1_000_000_000)]
+    note = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "r.training.png exists and is kept" in note[0] and "r.training-2.png" in note[0]
+    assert (tmp_path / "r.training-2.png").stat().st_size > 1000 and "r.training-2.png" in err.splitlines()[-1]
+
+
+def test_free_path(tmp_path):
+    from reports.export import free_path
+
+    target = tmp_path / "a.training.png"
+    assert free_path(target) == str(target)
+    target.write_bytes(b"x")
+    assert free_path(target) == str(tmp_path / "a.training-2.png")
+    (tmp_path / "a.training-2.png").write_bytes(b"x")
+    assert free_path(target) == str(tmp_path / "a.training-3.png")

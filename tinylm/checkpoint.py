@@ -1,4 +1,4 @@
-"""Saving and loading models: the tinylm format, bare and training state dicts, safetensors.
+"""Saving and loading models: the tinylm format, bare and training state dicts, nanoGPT, safetensors.
 
 Loading never executes code from the file: torch pickles are read with
 ``torch.load(weights_only=True)`` and safetensors by its own parser. The file
@@ -18,13 +18,14 @@ import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, MissingOptionError, UnsafeCheckpointError
+from .memory import MemoryLimitError, check_model_fits
 from .model import TransformerLM
 from .validate import file_error, refuse
 
@@ -59,7 +60,7 @@ class CheckpointInfo:
     """What ``load`` learned about a file besides the weights."""
 
     path: str
-    format: str  # "tinylm", "safetensors", "training", "state_dict" or "module-pickle"
+    format: str  # "tinylm", "safetensors", "training", "nanogpt", "state_dict" or "module-pickle"
     config_source: str  # "stored" or "inferred"
     version: int | None = None
     iteration: int | None = None
@@ -207,6 +208,8 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
     except PermissionError:
         file_error(path, _UNREADABLE, _CHMOD, error=CheckpointError)
     except Exception as e:  # torch raises many types for a damaged file; classify them for the user
+        if unsafe and isinstance(e, (ModuleNotFoundError, AttributeError)):
+            raise CheckpointError(_missing_class(path, e)) from e  # the cause stays chained for --debug
         if not unsafe:
             bad = _unsafe_globals(path)
             if bad:
@@ -224,6 +227,34 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
         else:
             why = "not a PyTorch checkpoint (unreadable or corrupt data)"
         file_error(path, why, "pass a file written by torch.save or safetensors", error=CheckpointError)
+
+
+def _missing_class(path: Path, e: Exception) -> str:
+    """The message for a whole pickled model whose class cannot be imported here: the class the
+    pickle names (read by opcode), the module it needs, and the two routes that work."""
+    classes = _unsafe_globals(path)
+    if isinstance(e, ModuleNotFoundError) and e.name:
+        module, attr = e.name, None
+        named = [c for c in classes if c.startswith(module + ".")] or classes
+    else:  # AttributeError: "Can't get attribute 'GPT' on <module ...>"
+        found = re.search(r"attribute '([^']+)'", str(e))
+        attr = found.group(1) if found else None
+        named = [c for c in classes if attr is not None and c.rsplit(".", 1)[-1] == attr] or classes
+        module = named[0].rsplit(".", 1)[0] if named and "." in named[0] else None
+    what = f"class {named[0]}" if named else "a Python class"
+    top = (module or "").split(".")[0]
+    if module is None:
+        need, fix = f"its class cannot be imported ({str(e).splitlines()[0][:120]})", "run where its code imports"
+    elif module == "__main__":
+        need, fix = "it was saved from a script (module '__main__'), whose classes are not importable", \
+            "load it in that script"
+    elif attr is not None:
+        need, fix = f"module '{module}' has no class {attr}", "run with the version of its code that saved it"
+    else:
+        need = f"module '{module}' is not importable"
+        fix = f"run from the folder that has {top}.py" if top == module else f"run from the folder that has {top}/"
+    return (f"{path}: the checkpoint pickles {what}: {need}; {fix}, or use the Python API: build the model "
+            "yourself and call diagnostics.diagnose(model) (diagnostics/API.md)")
 
 
 def _is_broken_zip(path: Path) -> bool:
@@ -317,6 +348,124 @@ def _iteration(value: Any) -> int | None:
     return int(value)
 
 
+# --------------------------------------------------------------------------- nanoGPT
+
+#: the entries of nanoGPT's ``model_args`` that fix the sizes (``bias`` and ``dropout`` are optional)
+NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+#: nanoGPT name -> tinylm name, per block; c_attn ([3d, d], rows q|k|v) is split apart
+_NANOGPT_BLOCK = {"ln_1": "ln1", "ln_2": "ln2", "attn.c_proj": "attn.output_proj", "mlp.c_fc": "ffn.w1",
+                  "mlp.c_proj": "ffn.w2"}
+_NANOGPT_TOP = {"transformer.wte.weight": "token_embeddings.weight",
+                "transformer.wpe.weight": "position_embeddings.weight",
+                "transformer.ln_f.weight": "ln_final.weight", "transformer.ln_f.bias": "ln_final.bias",
+                "lm_head.weight": "lm_head.weight"}
+_NANOGPT_KEY = re.compile(r"transformer\.h\.(\d+)\.(ln_1|ln_2|attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)"
+                          r"\.(weight|bias)")
+_NANOGPT_MASK = re.compile(r"transformer\.h\.\d+\.attn\.(masked_)?bias")  # the causal-mask buffer, not a weight
+
+
+def is_nanogpt_state(state: dict[str, Any]) -> bool:
+    """A state dict in nanoGPT's ``GPT`` layout (``transformer.wte.weight``, ``transformer.h.N.*``)."""
+    return "transformer.wte.weight" in state and any(k.startswith("transformer.h.") for k in state)
+
+
+def from_nanogpt_state(state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """nanoGPT's keys as tinylm's. Its layers are ``nn.Linear`` (weight [out, in], as tinylm's:
+    no transpose); ``attn.c_attn`` stacks q, k and v along its rows, W = [W_q; W_k; W_v] (3d, d),
+    and is split into ``attn.{q,k,v}_proj``. The causal-mask buffer (``attn.bias``) is dropped.
+    A key that is none of these is refused, naming it."""
+    out, unknown = {}, []
+    for key, value in state.items():
+        if key in _NANOGPT_TOP:
+            out[_NANOGPT_TOP[key]] = value
+        elif (m := _NANOGPT_KEY.fullmatch(key)) is not None:
+            i, name, kind = m.groups()
+            if name == "attn.c_attn":
+                if value.dim() == 0 or value.shape[0] % 3:
+                    file_error(path, f"{key} has shape {tuple(value.shape)}: its rows are not q, k and v of equal size",
+                               "the file is damaged", error=CheckpointError)
+                for proj, part in zip(("q_proj", "k_proj", "v_proj"), value.chunk(3, dim=0)):  # 3 x (d, d) or (d,)
+                    out[f"layers.{i}.attn.{proj}.{kind}"] = part
+            else:
+                out[f"layers.{i}.{_NANOGPT_BLOCK[name]}.{kind}"] = value
+        elif not _NANOGPT_MASK.fullmatch(key):
+            unknown.append(key)
+    if unknown:
+        file_error(path, f"a nanoGPT state dict with keys nanoGPT's GPT does not have ({', '.join(unknown[:3])}"
+                   f"{' ...' if len(unknown) > 3 else ''})",
+                   "load the model in Python and call diagnostics.diagnose(model)", error=CheckpointError)
+    return out
+
+
+def nanogpt_config(model_args: dict[str, Any], state: dict[str, torch.Tensor], path: Path) -> dict[str, Any]:
+    """The tinylm config of nanoGPT's ``model_args`` (n_layer, n_head, n_embd, block_size, bias,
+    vocab_size, dropout): pre-norm LayerNorm (eps 1e-5, with a bias when ``bias``), exact GELU
+    MLP of 4 n_embd, learned positions, biases on every Linear when ``bias`` (absent: True, as
+    before nanoGPT had the flag), lm_head tied to the token embeddings."""
+    missing = [k for k in NANOGPT_ARGS if k not in model_args]
+    if missing:
+        file_error(path, f"a nanoGPT checkpoint whose model_args lack {', '.join(missing)}",
+                   "the file is damaged or was written by another tool", error=CheckpointError)
+    d = model_args["n_embd"]
+    emb, head = state.get("token_embeddings.weight"), state.get("lm_head.weight")
+    tied = head is None or (emb is not None and head.shape == emb.shape and head.layout == emb.layout == torch.strided
+                            and (head.data_ptr() == emb.data_ptr() or torch.equal(head, emb)))
+    return dict(vocab_size=model_args["vocab_size"], context_length=model_args["block_size"], d_model=d,
+                num_layers=model_args["n_layer"], num_heads=model_args["n_head"],
+                d_ff=4 * d if isinstance(d, int) and not isinstance(d, bool) else d, eps=1e-5, norm="pre",
+                norm_kind="layer", ffn="gelu", positions="learned", bias=model_args.get("bias", True),
+                tie_embeddings=bool(tied), dropout=model_args.get("dropout", 0.0), init="gpt2")
+
+
+def _read_nanogpt(obj: dict[str, Any], path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], CheckpointInfo]:
+    """nanoGPT's train.py checkpoint: {"model", "optimizer", "model_args", "iter_num", "best_val_loss", "config"}."""
+    state = from_nanogpt_state(_strip_prefixes(obj["model"]), path)
+    config = nanogpt_config(obj["model_args"], state, path)
+    info = CheckpointInfo(str(path), "nanogpt", "stored", iteration=_iteration(obj.get("iter_num")),
+                          has_optimizer="optimizer" in obj)
+    best = obj.get("best_val_loss")
+    if isinstance(best, torch.Tensor) and best.numel() == 1:
+        best = float(best)
+    if isinstance(best, (int, float)) and not isinstance(best, bool):
+        info.extra["best_val_loss"] = float(best)
+    if isinstance(obj.get("config"), dict):
+        info.extra["train_config"] = obj["config"]  # train.py's globals: out_dir, dataset, learning_rate, ...
+    return state, config, info
+
+
+# --------------------------------------------------------------------------- formats we do not read
+
+
+#: what to do with a model in a format no loader here reads
+PYTHON_ROUTE = ("build the model in Python and call diagnostics.diagnose(model, options=DiagnoseOptions(inputs=...)) "
+                "(diagnostics/API.md)")
+#: the formats load() reads, named in the message for one it does not
+READ_FORMATS = "tinylm, CS336 and nanoGPT checkpoints, their bare state dicts, safetensors and Hugging Face directories"
+
+
+def _sample(keys: Any, n: int = 4) -> str:
+    keys = [str(k) for k in keys]
+    return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+def foreign_message(state: dict[str, Any] | None, top: dict[str, Any] | None = None) -> str:
+    """What a file holds that is not a model tinylm rebuilds, and the route that works: its
+    top-level keys (when the file is a dict around the weights) and a sample of its state-dict keys."""
+    parts = []
+    if top is not None:
+        parts.append(f"top-level keys: {_sample(top, 8)}")
+    if state:
+        parts.append(f"state-dict keys such as {_sample(state)}, without the 2-D token_embeddings.weight and "
+                     "layers.N.* of a tinylm/CS336 model")
+    found = f" ({'; '.join(parts)})" if parts else ""
+    return f"not a model tinylm can rebuild{found}: tinylm reads {READ_FORMATS}; for another model, {PYTHON_ROUTE}"
+
+
+def _nested_state(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The first value of a dict that is a state dict (e.g. a training framework's ``state_dict`` entry)."""
+    return next((v for v in obj.values() if _is_state_dict(v)), None)
+
+
 def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None, CheckpointInfo]:
     """Read a file into (state_dict, stored config dict or None, info); no model is built."""
     path = Path(path)
@@ -359,11 +508,21 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
         info.history = obj.get("history")
         info.extra = {k: v for k, v in obj.items() if k not in ("format", "version", "config", "model", "optimizer", "iteration", "history")}
         return _strip_prefixes(state), obj.get("config"), info
+    if isinstance(obj, dict) and _is_state_dict(obj.get("model")) and isinstance(obj.get("model_args"), dict):
+        return _read_nanogpt(obj, path)
     if isinstance(obj, dict) and _is_state_dict(obj.get("model")):
         info = CheckpointInfo(str(path), "training", "inferred", iteration=_iteration(obj.get("iteration")), has_optimizer="optimizer" in obj)
+        info.extra["top_level_keys"] = list(obj)
         return _strip_prefixes(obj["model"]), obj.get("config") if isinstance(obj.get("config"), dict) else None, info
     if _is_state_dict(obj):
-        return _strip_prefixes(obj), None, CheckpointInfo(str(path), "state_dict", "inferred")
+        state = _strip_prefixes(obj)
+        if is_nanogpt_state(state):  # a bare nanoGPT state dict: its sizes are read from the shapes
+            info = CheckpointInfo(str(path), "state_dict", "inferred", extra={"layout": "nanogpt"})
+            return from_nanogpt_state(state, path), None, info
+        return state, None, CheckpointInfo(str(path), "state_dict", "inferred")
+    if isinstance(obj, dict) and any(isinstance(k, str) and (isinstance(v, torch.Tensor) or _is_state_dict(v))
+                                     for k, v in obj.items()):  # weights in a layout no loader here reads
+        file_error(path, foreign_message(_nested_state(obj), obj), error=CheckpointError)
     file_error(path, f"holds a {type(obj).__name__}, not a model state dict",
                "save model.state_dict() or use tinylm.checkpoint.save", error=CheckpointError)
 
@@ -382,10 +541,12 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     :class:`MissingOptionsError` naming each.
     """
     emb = state.get("token_embeddings.weight")
+    blocks = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
+    if emb is None and not blocks and state:
+        refuse(f"the state dict is {foreign_message(state)}", error=CheckpointError)
     if emb is None or emb.dim() != 2:
         refuse("no 2-D 'token_embeddings.weight' in the state dict: not a CS336/tinylm language model "
                f"(first keys: {', '.join(list(state)[:4])})", error=CheckpointError)
-    blocks = {int(m.group(1)) for k in state if (m := re.match(r"layers\.(\d+)\.", k))}
     if not blocks:
         refuse("no 'layers.N.*' keys in the state dict: not a CS336/tinylm language model", error=CheckpointError)
     def any_block(suffix: str) -> str | None:  # the first block that has this key (one may be missing)
@@ -475,15 +636,35 @@ def _validate_state(model: nn.Module, state: dict[str, torch.Tensor], path: str)
                    error=CheckpointError)
 
 
-def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> tuple[TransformerLM, CheckpointInfo]:
+#: what a bare nanoGPT state dict's shapes cannot show but its architecture fixes
+_NANOGPT_FIXED = {"ffn": "gelu", "norm_kind": "layer", "positions": "learned", "init": "gpt2"}
+
+
+def _is_tinylm_state(state: dict[str, Any]) -> bool:
+    """Holds tinylm's embedding or block keys (a damaged one is refused later, naming what is wrong)."""
+    return "token_embeddings.weight" in state or any(re.match(r"layers\.\d+\.", k) for k in state)
+
+
+def load(path: str | os.PathLike, *, unsafe: bool = False, check: Callable[[ModelConfig], None] | None = None,
+         **overrides: Any) -> tuple[TransformerLM, CheckpointInfo]:
     """Load a model from any supported file; returns (model in eval mode, info).
 
-    ``overrides`` set config fields: required (num_heads, rope_theta,
-    context_length) where the file has no config, optional otherwise.
-    ``unsafe=True`` allows a whole pickled module (runs code from the file!).
+    Args:
+        path: a tinylm, CS336 (bare or training state dict), nanoGPT (``train.py``'s
+            ``{"model", "model_args", ...}`` or its bare state dict) or safetensors file.
+        unsafe: allow a whole pickled module (runs code from the file!).
+        check: called with the config before any tensor of the model is allocated (e.g. a
+            memory estimate of the forward pass to come); what it raises propagates.
+        overrides: config fields: required (num_heads, rope_theta, context_length) where the
+            file has no config, optional otherwise.
+
+    The model's tensors are checked against the host's available memory
+    (:func:`tinylm.memory.check_model_fits`) before they are allocated.
     """
     state, config_dict, info = read_state(path, unsafe=unsafe)
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if info.format in ("training", "state_dict", "module-pickle") and not _is_tinylm_state(state):
+        file_error(path, foreign_message(state, info.extra.get("top_level_keys")), error=CheckpointError)
     if config_dict is not None and not isinstance(config_dict, dict):
         file_error(path, f"the stored config is a {type(config_dict).__name__}, not a dict of fields",
                    "the file is damaged or was written by another tool (save with tinylm.checkpoint.save)",
@@ -494,12 +675,21 @@ def load(path: str | os.PathLike, *, unsafe: bool = False, **overrides: Any) -> 
         except ConfigError as e:
             file_error(path, f"stored config is invalid: {e}", error=CheckpointError)
     else:
-        config = infer_config(state, **overrides)
+        fixed = _NANOGPT_FIXED if info.extra.get("layout") == "nanogpt" else {}
+        config = infer_config(state, **{**fixed, **overrides})
     _check_sizes(config, state, str(path))
     if config.tie_embeddings and "lm_head.weight" not in state and "token_embeddings.weight" in state:
         state = {**state, "lm_head.weight": state["token_embeddings.weight"]}
     emb = state.get("token_embeddings.weight")
     dtype = emb.dtype if emb is not None and emb.is_floating_point() else torch.float32
+    try:  # the sizes a file or a flag claims, before anything is allocated
+        check_model_fits(config, dtype, "cpu")
+    except MemoryLimitError as e:
+        err = MemoryLimitError(f"{path}: {e}")
+        err.argument = getattr(e, "argument", None)
+        raise err from None
+    if check is not None:
+        check(config)
     model = TransformerLM(config, device="meta", dtype=dtype)
     _validate_state(model, state, str(path))
     model.materialize("cpu")

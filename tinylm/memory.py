@@ -4,11 +4,16 @@ The estimate counts what autograd keeps for the backward pass of a tinylm
 ``TransformerLM`` (float elements per token), calibrated on this implementation:
 
   logits              ~5 V    (logits, log-softmax, its exp, their gradients)
-  per block           ~10 d + 3 d_ff + 4 H T   (projections, norms, FFN, scores/probs)
-  parameters          3 P     (weights, gradients, one spare copy during the update)
+  per block           ~10 d + 3 d_ff + 4 H T   (projections, norms, FFN, the T x T scores/probs)
+  parameters          3 P     (weights, gradients, one spare copy during the update;
+                               P counts learned position embeddings, context_length x d)
+  RoPE tables         2 L context_length d_k float32 (cos and sin buffers of every block)
 
 The calibration against measured peak memory is in docs/model.md. ``check_fits``
-multiplies by a safety factor of 1.5, so it errs on the side of refusing.
+multiplies by a safety factor of 1.5, so it errs on the side of refusing. Every size
+a file or a flag gives is checked here before anything is allocated: the model's
+tensors by ``check_model_fits`` (at building, and in ``tinylm.checkpoint.load`` before
+the weights are placed), the pass at the measured sequence length by ``check_fits``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from tinylm.config import ModelConfig
 from tinylm.errors import TinyLMError
 from tinylm.validate import refuse
 
-__all__ = ["MemoryLimitError", "estimate_bytes", "available_bytes", "check_fits", "model_bytes", "check_model_fits"]
+__all__ = ["MemoryLimitError", "estimate_bytes", "rope_bytes", "available_bytes", "check_fits", "model_bytes",
+           "check_model_fits"]
 
 SAFETY = 1.5
 #: host memory of the Python objects of one TransformerBlock (its modules, parameter and buffer
@@ -35,14 +41,22 @@ class MemoryLimitError(TinyLMError):
 
 def estimate_bytes(config: ModelConfig, batch_size: int, seq_len: int, dtype: torch.dtype = torch.float32,
                    backward: bool = True) -> int:
-    """Estimated peak bytes of one forward (+ backward) pass at (batch_size, seq_len)."""
+    """Estimated peak bytes of one forward (+ backward) pass at (batch_size, seq_len):
+    ``item * (per_token * B * T + 3 P) + rope`` (forward only: per_token / 3 and P), the terms
+    of the module's docstring, ``rope`` the float32 RoPE tables (:func:`rope_bytes`)."""
     c = config
     item = torch.finfo(dtype).bits // 8
     per_token = 5 * c.vocab_size + c.num_layers * (10 * c.d_model + 3 * c.d_ff + 4 * c.num_heads * seq_len)
     if not backward:
         per_token //= 3
     params = _params(c)
-    return int(item * (per_token * batch_size * seq_len + (3 if backward else 1) * params))
+    return int(item * (per_token * batch_size * seq_len + (3 if backward else 1) * params)) + rope_bytes(c)
+
+
+def rope_bytes(config: ModelConfig) -> int:
+    """Bytes of a RoPE model's cos and sin tables: float32 (context_length, d_k) each, in every block."""
+    c = config
+    return c.num_layers * 2 * c.context_length * (c.d_model // c.num_heads) * 4 if c.rope else 0
 
 
 def _params(c: ModelConfig) -> int:
@@ -68,8 +82,7 @@ def model_bytes(config: ModelConfig, dtype: torch.dtype | None = None) -> tuple[
     """
     c = config
     item = torch.finfo(dtype or torch.float32).bits // 8
-    rope = c.num_layers * 2 * c.context_length * (c.d_model // c.num_heads) * 4 if c.rope else 0
-    return item * _params(c) + rope, c.num_layers * BLOCK_OBJECT_BYTES
+    return item * _params(c) + rope_bytes(c), c.num_layers * BLOCK_OBJECT_BYTES
 
 
 def check_model_fits(config: ModelConfig, dtype: torch.dtype | None = None, device=None,

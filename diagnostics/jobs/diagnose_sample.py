@@ -6,6 +6,7 @@ Internal to :mod:`diagnostics.jobs.diagnose` (its ``_sample`` and ``_measure`` s
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Mapping
 
@@ -18,21 +19,30 @@ import tinylm
 from ..measure.outputs import read_output
 from ..options import DiagnoseOptions, OptionsError
 
-__all__ = ["model_context", "seed_batches", "seed_models", "batch_loss"]
+__all__ = ["CONTEXT_KEYS", "model_context", "takes_targets", "seed_batches", "seed_models", "batch_loss"]
 
 _HOW = ("diagnose reads next-token logits (B, T, V), a tuple whose first tensor they are, an object with .logits "
-        "or .loss, or a 0-d loss; pass DiagnoseOptions(inputs=ids -> model arguments, loss_fn=(logits, targets) -> "
+        "or .loss, or a 0-d loss (a forward(idx, targets=None) is given targets); pass DiagnoseOptions(inputs=ids -> model arguments, loss_fn=(logits, targets) -> "
         "loss) (diagnostics/API.md)")
 
 
+#: where a model's config states its context length, in the order they are read: tinylm,
+#: nanoGPT / minGPT, Hugging Face (Llama-style, GPT-2-style, ...)
+CONTEXT_KEYS = ("context_length", "block_size", "max_position_embeddings", "n_positions", "n_ctx", "seq_length",
+                "max_seq_len")
+
+
 def model_context(model: nn.Module) -> int | None:
-    """The longest sequence the model takes: a tinylm model's context_length, else a config's
-    ``max_position_embeddings`` or ``n_positions`` (Hugging Face), else None (unknown)."""
+    """The longest sequence the model takes: the first of :data:`CONTEXT_KEYS` that its
+    ``config`` (an object or a dict) holds as an integer > 1 (tinylm's ``context_length``,
+    nanoGPT's ``block_size``, Hugging Face's ``max_position_embeddings`` / ``n_positions``),
+    else None (unknown)."""
     config = getattr(model, "config", None)
     if isinstance(model, tinylm.TransformerLM):
         return config.context_length
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
+    get = config.get if isinstance(config, Mapping) else (lambda key: getattr(config, key, None))
+    for key in CONTEXT_KEYS:
+        value = get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > 1:
             return value
     return None
@@ -109,9 +119,23 @@ def seed_models(model: nn.Module, options: DiagnoseOptions) -> list[nn.Module]:
     return out
 
 
-def _call(model: nn.Module, ids: Tensor, options: DiagnoseOptions):
-    """The model's output on token ids (B, T), called as ``options.inputs`` says."""
-    x = options.inputs(ids) if options.inputs is not None else ids
+def takes_targets(model: nn.Module) -> bool:
+    """Whether ``model.forward`` has a parameter named ``targets`` (nanoGPT's and minGPT's
+    ``forward(idx, targets=None)``, which return ``(logits, loss)``; nanoGPT's logits are those of
+    the last position only, ``(B, 1, V)``, unless targets are given)."""
+    try:
+        return "targets" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a builtin or an object without a readable signature
+        return False
+
+
+def _call(model: nn.Module, ids: Tensor, targets: Tensor, options: DiagnoseOptions):
+    """The model's output on token ids (B, T), called as ``options.inputs`` says; without
+    ``inputs``, a model whose forward takes ``targets`` is called ``model(ids, targets=targets)``
+    so that it returns the logits of every position."""
+    if options.inputs is None:
+        return model(ids, targets=targets) if takes_targets(model) else model(ids)
+    x = options.inputs(ids)
     if isinstance(x, Mapping):
         return model(**x)
     if isinstance(x, tuple):
@@ -133,7 +157,7 @@ def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None 
     options = options or DiagnoseOptions()
     batch = batch.to(next((p.device for p in model.parameters()), batch.device))  # tokens go where the weights are
     ids, targets = batch[:, :-1], batch[:, 1:]
-    output = _call(model, ids, options)
+    output = _call(model, ids, targets, options)
     logits, own = read_output(output)
     next_token = logits is not None and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) \
         and logits.is_floating_point() and int(targets.max()) < logits.shape[-1]
@@ -147,6 +171,8 @@ def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None 
         loss = own
     else:
         shape = f" of shape {tuple(logits.shape)}" if logits is not None else ""
+        if logits is not None and logits.dim() == 3 and logits.shape[1] == 1 < ids.shape[1]:
+            shape += " (the last position's logits only)"
         raise OptionsError(f"model output {type(output).__name__}{shape}: not next-token logits for ids of shape "
                            f"{tuple(ids.shape)}; {_HOW}")
     if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.is_floating_point():

@@ -5,6 +5,10 @@
 * A model's output gives (logits, loss): a tensor of one or more dimensions is logits, a 0-d
   tensor a loss; a tuple or list is read as its first tensor; an object or mapping is read for
   its ``logits`` and ``loss`` (a Hugging Face ``ModelOutput``).
+
+How a model is called before its output is read (``model(ids, targets=targets)`` for a forward
+with a ``targets`` parameter, as nanoGPT's, whose logits are otherwise the last position's
+only) is :func:`diagnostics.jobs.diagnose_sample.takes_targets`'s rule (diagnostics/API.md).
 """
 
 from __future__ import annotations
