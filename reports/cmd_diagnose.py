@@ -185,7 +185,8 @@ def _gather(args: argparse.Namespace) -> _Inputs:
     device = resolve_device(args.device)
     source = load_model(args.checkpoint, num_heads=args.num_heads, rope_theta=args.rope_theta,
                         context_length=args.context_length, unsafe=args.unsafe_load, seed=args.seed,
-                        check=memory_check(args.batch_size, args.seq_len, dtype))
+                        check=memory_check(args.batch_size, args.seq_len,
+                                                  parse_dtype(args.dtype) if args.dtype else None))
     import tinylm
 
     model = source.model
