@@ -15,6 +15,16 @@ record is judged at once against the records before it (:mod:`diagnostics.judge.
 non_finite, exploding, vanishing), and its non-ok verdicts go to the writers
 (:mod:`diagnostics.integrations.writers`). The message on a spike names the site that moved
 first (:func:`diagnostics.judge.over_time.first_mover`).
+
+A recorded step moves its statistics to the host once: the loss, every site's moment vectors
+and the update ratios travel packed in one float64 vector
+(:func:`diagnostics.measure.distributed.exchange`). Under ``torch.distributed`` (initialised,
+more than one rank) that vector is all-gathered once over the process group (the DDP model's,
+else the default group) and merged over the ranks (Chan's update, rank order): every rank
+holds the same record, judges the ranks' mean loss, and reaches the same verdict at the same
+step; rank 0 alone writes. A step not recorded sends only the loss, lr and grad_norm then.
+A compiled or DDP model is watched through the module inside it (its own site names); a
+recorded step runs it eagerly (:mod:`diagnostics.measure.wrappers`). See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -184,6 +194,10 @@ class Watch:
     ``snapshot_params()`` before the optimizer step and ``commit(...)`` after it store the
     record; ``log(...)`` every step. ``every=0`` turns recording off (the loss series and the
     non-finite alarm remain).
+
+    ``model`` may be ``torch.compile``'d (before or after the watch is made) and wrapped in
+    ``DistributedDataParallel``; over several ranks the watch merges its records and the loss
+    over the process group by itself, and only rank 0 opens the writers (module docstring).
 
     ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object
     diagnose takes; the watch reads its watch_* and spike_* fields. ``spike_factor``, when
