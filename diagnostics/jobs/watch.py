@@ -232,6 +232,7 @@ class Watch:
         self._pending: dict[str, dict[str, float]] | None = None
         self._raw: tuple[dict, dict] | None = None  # the probe's vectors of a recorded step, not yet moved
         self._ratios: dict[str, float] | None = None
+        self._merged: tuple | None = None  # (t, loss, lr, grad_norm) as step t was judged
         self._pending_attention: dict[str, dict[str, float]] = {}
         self._ema: float | None = None
         self._n = 0
@@ -366,10 +367,8 @@ class Watch:
         if open_step is None:
             return None
         t = open_step["t"]
-        known = loss is not None
-        loss, lr, grad_norm = self._values(loss, lr, grad_norm, open_step["before"] if open_step["recording"] else None)
-        self._end_step(t, loss if known else None, lr, grad_norm, open_step["recording"], open_step["before"])
-        self.log(t, math.nan if loss is None else loss, lr, grad_norm)
+        self._end_step(t, loss, lr, grad_norm, open_step["recording"], open_step["before"])
+        self.log(t, *self._merged[1:])
         return self._check_stop()
 
     def _values(self, loss: Any, lr: Any, grad_norm: Any, before: dict[str, torch.Tensor] | None
@@ -424,14 +423,18 @@ class Watch:
         self._force_next = False
         return recording
 
-    def _end_step(self, t: int, loss: float | None, lr: float, grad_norm: float, recording: bool,
+    def _end_step(self, t: int, loss: float | torch.Tensor | None, lr: Any, grad_norm: Any, recording: bool,
                   before: dict[str, torch.Tensor]) -> str | None:
         """After step t's optimizer step: the alarm on its loss (None: no loss known, no alarm),
         its record when ``recording``, an alarm's event (a step not recorded makes the next one
-        recorded) and a non-finite loss's failure. Returns the alarm. The series entry is the
-        caller's (:meth:`log`)."""
-        alarm = None if loss is None else self.alarm(loss)
-        loss = math.nan if loss is None else loss
+        recorded) and a non-finite loss's failure. Returns the alarm. Over a process group the
+        loss judged is the ranks' mean (:meth:`_values`), so every rank raises the same alarm at
+        the same step. The series entry is the caller's (:meth:`log`, which takes these merged
+        values for step t)."""
+        known = loss is not None
+        loss, lr, grad_norm = self._values(loss, lr, grad_norm, before if recording else None)
+        self._merged = (t, loss, lr, grad_norm)
+        alarm = self.alarm(loss) if known else None
         if recording:
             self.commit(t, loss, lr, grad_norm, reason=alarm or "interval", before=before)
         elif alarm:
@@ -567,6 +570,11 @@ class Watch:
             self.on_event(event)
 
     def log(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
+        """Step t's entry of the loss series (and the writers'); over a process group, right after
+        :meth:`_end_step` of step t, the loss it judged (the ranks' mean) replaces ``loss``."""
+        merged, self._merged = self._merged, None
+        if self.group is not None and merged is not None and merged[0] == t:
+            loss = merged[1]
         s = self.history["series"]
         s["step"].append(int(t))
         s["loss"].append(float(loss))
