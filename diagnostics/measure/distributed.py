@@ -96,43 +96,69 @@ def exchange(entries: Sequence[tuple[str, str, Tensor | Sequence[float] | None]]
 
     Returns:
         {key: the merged values as floats (None: measured by no rank)}, the same on every rank.
-        One all-gather of one float64 vector, and one host transfer, whatever the number of entries.
+        One all-gather of one float64 vector, and one host transfer, whatever the number of
+        entries; the float values given stay on the host (in one process nothing is sent to
+        the device; over NCCL they go to it in one copy).
     """
-    layout, parts = [], []
+    host, tensors, layout = [0.0], [], []  # host[0]: the layout hash
+    at_tensor = 0
     for key, kind, vec in entries:
         if kind not in KINDS:
             raise OptionsError(f"kind={kind!r}: must be one of {', '.join(KINDS)}")
-        width = len(FIELDS) if kind == "moments" else len(ATTN_FIELDS) if kind == "attention" else None
+        flagged = kind in ("moments", "attention")  # these carry a flag: measured on this rank (1) or not (0)
+        present = 1.0
         if vec is None:
-            if width is None:
+            if not flagged:
                 raise OptionsError(f"{key}: a {kind} entry needs its values; pass a vector")
-            vec = (Moments() if kind == "moments" else AttnMoments()).vector() + [0.0]
-        elif width is not None:
-            vec = torch.cat([torch.as_tensor(vec, dtype=torch.float64).reshape(-1),
-                             torch.ones(1, dtype=torch.float64, device=getattr(vec, "device", None))])
-        parts.append(vec)
-        layout.append((key, kind, len(vec)))
-    device = next((p.device for p in parts if isinstance(p, Tensor) and not p.is_cpu), torch.device("cpu"))
-    head = torch.tensor([_layout_hash(layout)], dtype=torch.float64, device=device)
-    packed = torch.cat([head] + [torch.as_tensor(p, dtype=torch.float64).reshape(-1).to(device) for p in parts])
-    if group is None:
-        rows = [packed.tolist()]
-    else:
-        target = _device(group)
-        if packed.device != target:
-            packed = packed.cpu() if target.type == "cpu" else packed.to(target)
-        gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(gathered, packed, group=group)
-        rows = torch.stack(gathered).tolist()
-        if any(r[0] != rows[0][0] for r in rows):
-            raise OptionsError("the ranks measured different tensors (their layouts differ); every rank must "
-                               "run the same model through the same code")
+            vec, present = (Moments() if kind == "moments" else AttnMoments()).vector(), 0.0
+        if isinstance(vec, Tensor):  # stays on its device; the flag (known here) on the host
+            t = vec.detach().reshape(-1).to(torch.float64)
+            tensors.append(t)
+            segments = [("t", at_tensor, t.numel())]
+            at_tensor += t.numel()
+        else:
+            segments = [("h", len(host), len(vec))]
+            host += [float(v) for v in vec]
+        if flagged:
+            segments.append(("h", len(host), 1))
+            host.append(present)
+        layout.append((key, kind, segments))
+    host[0] = _layout_hash([(k, kind, sum(n for _, _, n in seg)) for k, kind, seg in layout])
+    segments = [("h", 0, 1)] + [seg for _, _, segs in layout for seg in segs]  # the packed order
+    rows = _rows(host, tensors, segments, group)
     out: dict[str, list[float] | None] = {}
     at = 1
-    for key, kind, n in layout:
+    for key, kind, segs in layout:
+        n = sum(k for _, _, k in segs)
         out[key] = _merge_rows(kind, [r[at:at + n] for r in rows])
         at += n
     return out
+
+
+def _rows(host: list[float], tensors: list[Tensor], segments: list[tuple[str, int, int]], group
+          ) -> list[list[float]]:
+    """Each rank's values in the packed order (``segments``: (host "h" or tensors "t", offset,
+    length) in turn), rank order. One process: the tensors' values in one host transfer, the
+    host's as they are. Over a group: both packed in one float64 vector on the collective's
+    device (the tensors moved there once, the host's values copied there once), one
+    all_gather; a layout that differs between ranks raises on every rank."""
+    device = next((t.device for t in tensors if not t.is_cpu), torch.device("cpu"))
+    dev = torch.cat([t.to(device) for t in tensors]) if tensors else None
+    if group is None:
+        values = {"h": host, "t": dev.tolist() if dev is not None else []}
+        return [[x for part, at, n in segments for x in values[part][at:at + n]]]
+    target = _device(group)
+    if dev is not None and dev.device != target:
+        dev = dev.cpu() if target.type == "cpu" else dev.to(target)
+    parts = {"h": torch.tensor(host, dtype=torch.float64).to(target), "t": dev}
+    packed = torch.cat([parts[part][at:at + n] for part, at, n in segments])
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, packed, group=group)
+    rows = torch.stack(gathered).tolist()
+    if any(r[0] != rows[0][0] for r in rows):
+        raise OptionsError("the ranks measured different tensors (their layouts differ); every rank must "
+                           "run the same model through the same code")
+    return rows
 
 
 def _param_values(p: ParamStats) -> list[float]:
