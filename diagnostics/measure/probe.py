@@ -24,6 +24,12 @@ gradient of the loss w.r.t. it the same way. Nothing else is kept. On exit the
 hooks are removed and the model's ``training`` flags, ``requires_grad`` and (by
 default) ``.grad`` are put back as they were on entry; a gradient hook left on a
 graph the caller still holds does nothing once the probe has exited.
+
+A ``torch.compile``'d or ``DistributedDataParallel`` model is probed through the module inside
+it (:func:`.wrappers.unwrap`; names without ``_orig_mod.`` or ``module.``), and while the probe
+is on every compiled function and module runs eagerly (:func:`.wrappers.eager`): a compiled
+graph would not run hooks added after it was built. ``stats`` moves everything measured to the
+host in one transfer per device.
 """
 
 from __future__ import annotations
