@@ -58,6 +58,7 @@ from ..measure.intervals import interval_scope
 from ..measure.moments import ProbeStats
 from ..measure.probe import block_index, probe
 from ..measure.sites import Sites, model_sites
+from ..measure.wrappers import unwrap
 from ..options import DiagnoseOptions, OptionsError, Progress, ProbeOptions
 from ..result import AttentionRow, DepthRow, DiagnoseResult, Finding, Header, ParamRow, TensorRow
 from ..theory import Prediction, predict
@@ -86,6 +87,7 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
         judged is status "not judged", never healthy.
     """
     options, thresholds = _checked(model, options)
+    model = unwrap(model)  # compiled or DDP: the module inside, run eagerly on this rank alone
     sample = _sample(model, tokens, options)
     steps = _Steps(options.progress, total=len(sample.models) * len(sample.batches[0]) + 2)
     measured = _measure(sample, options, steps)

@@ -39,7 +39,7 @@ from typing import Any
 
 from tinylm.errors import TinyLMError
 
-from ..judge.over_time import first_departure, first_mover, measured, thresholds_of, verdicts
+from ..judge.over_time import NOT_MEASURED, first_departure, first_mover, measured, thresholds_of, verdicts
 from ..judge.verdicts import Thresholds
 from ..result import Row, frame
 
@@ -94,7 +94,8 @@ def new_history(model: Any, sites: list[str], every: int, spike_factor: float) -
 
 def site_stats(stats: Any, site: str) -> dict[str, float]:
     """One site's entry of a record ({key: value} for :data:`STAT_KEYS`) from a probe's
-    ``ProbeStats`` (NaN where a direction was not measured; count 0 where the forward was not)."""
+    ``ProbeStats`` (NaN where a direction was not measured; count 0 where the forward was not,
+    which the verdicts read as "not_measured")."""
     out: dict[str, float] = {}
     for direction, prefix in (("forward", "fwd"), ("backward", "grad")):
         m = stats.tensors.get((site, direction))
@@ -253,8 +254,9 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
     the history's "model" (None in a history stored without it); name, kind, block, direction,
     statistic, value; verdict: the site's verdict at that record in the direction it concerns
     (an exploding or non-finite forward variance on the forward rows, a vanishing or non-finite
-    gradient on the backward rows; "ok" on the other direction; None on rows never judged:
-    a site not measured at that record, attention, update ratios, the series). predicted,
+    gradient on the backward rows; "ok" on the other direction; "not_measured" on both directions
+    of a site that counted no entry at that record; None on rows never judged: attention,
+    update ratios, the series). predicted,
     ratio and its interval, valid: None (the watch predicts nothing).
     """
     return _rows_of(history, verdicts(history, thresholds), run)
@@ -286,7 +288,7 @@ def record_rows(history: dict[str, Any], rec: dict[str, Any], bad: dict[tuple[in
         at = dict(common, step=step, name=site, kind=kinds.get(site), block=block_index(site))
         was_measured = measured(st)
         for direction in ("forward", "backward"):
-            verdict = v["verdict"] if judged_dir == direction else ("ok" if was_measured else None)
+            verdict = v["verdict"] if judged_dir == direction else ("ok" if was_measured else NOT_MEASURED)
             if "count" in st:
                 rows.append(Row(**at, direction=direction, statistic="count", value=_num(st["count"]),
                                 verdict=verdict))

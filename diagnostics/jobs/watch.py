@@ -15,6 +15,16 @@ record is judged at once against the records before it (:mod:`diagnostics.judge.
 non_finite, exploding, vanishing), and its non-ok verdicts go to the writers
 (:mod:`diagnostics.integrations.writers`). The message on a spike names the site that moved
 first (:func:`diagnostics.judge.over_time.first_mover`).
+
+A recorded step moves its statistics to the host once: the loss, every site's moment vectors
+and the update ratios travel packed in one float64 vector
+(:func:`diagnostics.measure.distributed.exchange`). Under ``torch.distributed`` (initialised,
+more than one rank) that vector is all-gathered once over the process group (the DDP model's,
+else the default group) and merged over the ranks (Chan's update, rank order): every rank
+holds the same record, judges the ranks' mean loss, and reaches the same verdict at the same
+step; rank 0 alone writes. A step not recorded sends only the loss, lr and grad_norm then.
+A compiled or DDP model is watched through the module inside it (its own site names); a
+recorded step runs it eagerly (:mod:`diagnostics.measure.wrappers`). See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -33,7 +43,10 @@ from torch import nn
 from ..integrations.writers import WatchWriter
 from ..judge.over_time import FAIL_VERDICTS, Extremes, describe_move, first_mover, record_verdicts
 from ..judge.thresholds import Thresholds
+from ..measure.distributed import exchange, process_group
+from ..measure.moments import ProbeStats
 from ..measure.sites import model_sites
+from ..measure.wrappers import unwrap
 from ..result import Row
 from .history import attention_stats, check_history, new_history, record_rows, site_stats, step_rows
 
@@ -182,6 +195,10 @@ class Watch:
     record; ``log(...)`` every step. ``every=0`` turns recording off (the loss series and the
     non-finite alarm remain).
 
+    ``model`` may be ``torch.compile``'d (before or after the watch is made) and wrapped in
+    ``DistributedDataParallel``; over several ranks the watch merges its records and the loss
+    over the process group by itself, and only rank 0 opens the writers (module docstring).
+
     ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object
     diagnose takes; the watch reads its watch_* and spike_* fields. ``spike_factor``, when
     given, replaces the thresholds' own (the training options carry one).
@@ -193,6 +210,10 @@ class Watch:
                  *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None):
         thresholds = _checked_thresholds(model, every, stop, thresholds, spike_factor)
         self.thresholds = thresholds
+        #: the process group the records and the loss are merged over (None: one process)
+        self.group = process_group(model)
+        self.rank = 0 if self.group is None else torch.distributed.get_rank(self.group)
+        model = unwrap(model)  # a compiled or DDP model: the module inside (the same parameters)
         self.model = model
         self.every = int(every)
         self.spike_factor = thresholds.spike_factor
@@ -209,6 +230,9 @@ class Watch:
         self.history["thresholds"] = thresholds.to_dict()  # a resumed run judges all its records by these
         self.events: list[WatchEvent] = []
         self._pending: dict[str, dict[str, float]] | None = None
+        self._raw: tuple[dict, dict] | None = None  # the probe's vectors of a recorded step, not yet moved
+        self._ratios: dict[str, float] | None = None
+        self._merged: tuple | None = None  # (t, loss, lr, grad_norm) as step t was judged
         self._pending_attention: dict[str, dict[str, float]] = {}
         self._ema: float | None = None
         self._n = 0
@@ -234,6 +258,8 @@ class Watch:
         from ..options import OptionsError
 
         out: list[WatchWriter] = []
+        if self.rank != 0:  # one set of files for a distributed run: rank 0's
+            return out
         if log_dir is not None:
             from ..integrations.writers import default_writers
 
@@ -259,7 +285,11 @@ class Watch:
         """What the watch watches, in a line (the sites, how often, where it writes)."""
         where = ", ".join(self._writer_names) or "the history only"
         every = f"every {self.every} steps" if self.every else "never (every=0: the loss alone)"
-        return f"watching {describe_sites(self.sites)}; recorded {every}; writing to {where}"
+        ranks = ""
+        if self.group is not None:
+            n = torch.distributed.get_world_size(self.group)
+            ranks = f"; merged over {n} ranks" + ("" if self.rank == 0 else f" (rank {self.rank} writes nothing)")
+        return f"watching {describe_sites(self.sites)}; recorded {every}{ranks}; writing to {where}"
 
     def __repr__(self) -> str:
         n = len(self.history["records"])
@@ -328,12 +358,9 @@ class Watch:
             from ..options import OptionsError
 
             raise OptionsError("watch.record(loss=None): pass the step's loss (a float or a 0-d tensor)")
-        lr, grad_norm = (math.nan if v is None else float(v) for v in (lr, grad_norm))
-        if isinstance(loss, torch.Tensor):
-            loss = loss.detach()
-        return self._finish_open(float(loss), lr, grad_norm)
+        return self._finish_open(loss, lr, grad_norm)
 
-    def _finish_open(self, loss: float | None = None, lr: float = math.nan, grad_norm: float = math.nan
+    def _finish_open(self, loss: float | torch.Tensor | None = None, lr: Any = None, grad_norm: Any = None
                      ) -> WatchFailure | None:
         """Record the open step (``loss`` None: left without :meth:`record`, kept as NaN and not alarmed on)."""
         open_step, self._open_step = self._open_step, None
@@ -341,8 +368,54 @@ class Watch:
             return None
         t = open_step["t"]
         self._end_step(t, loss, lr, grad_norm, open_step["recording"], open_step["before"])
-        self.log(t, math.nan if loss is None else loss, lr, grad_norm)
+        self.log(t, *self._merged[1:])
         return self._check_stop()
+
+    def _values(self, loss: Any, lr: Any, grad_norm: Any, before: dict[str, torch.Tensor] | None
+                ) -> tuple[float, float, float]:
+        """(loss, lr, grad_norm) of the step as floats (None: NaN); over a process group the loss
+        is the ranks' mean, lr and grad_norm rank 0's. With ``before`` (a recorded step) the
+        probe's vectors and the update ratios travel in the same exchange (one host transfer,
+        one collective over the ranks), and the merged record is kept for :meth:`commit`.
+        One process, a step not recorded: the loss is read once (none for a float loss)."""
+        def entry(v: Any) -> Any:
+            if v is None:
+                return [math.nan]
+            return v.detach().double().reshape(1) if isinstance(v, torch.Tensor) else [float(v)]
+
+        if self.group is None and before is None:
+            return tuple(math.nan if v is None else float(v.detach() if isinstance(v, torch.Tensor) else v)
+                         for v in (loss, lr, grad_norm))
+        got = self._collect(before, [("loss", "mean", entry(loss)), ("lr", "first", entry(lr)),
+                                     ("grad_norm", "first", entry(grad_norm))])
+        return got["loss"][0], got["lr"][0], got["grad_norm"][0]
+
+    def _collect(self, before: dict[str, torch.Tensor] | None, entries: list) -> dict[str, Any]:
+        """:func:`diagnostics.measure.distributed.exchange` of ``entries`` and, when the probe's
+        vectors are waiting, each site's moments, the attention panels and the update ratios
+        since ``before``; keeps the record's parts (``_pending``, ``_pending_attention``, ``_ratios``)."""
+        raw, self._raw = self._raw, None
+        names: list[str] = []
+        if raw is not None:
+            tensors, attention = raw
+            entries = entries + [(f"t/{s}/{d}", "moments", tensors.get((s, d)))
+                                 for s in self.sites for d in ("forward", "backward")]
+            entries += [(f"a/{n}", "attention", v) for n, v in attention.items()]
+            names, ratios = self._ratio_vector(before or {})
+            if names:
+                entries.append(("update_ratio", "first", ratios))
+        got = exchange(entries, self.group)
+        if raw is not None:
+            from ..measure.moments import AttnMoments, Moments
+
+            merged = ProbeStats(
+                tensors={(s, d): Moments.from_vector(got[f"t/{s}/{d}"]) for s in self.sites
+                         for d in ("forward", "backward") if got[f"t/{s}/{d}"] is not None},
+                attention={n: AttnMoments.from_vector(got[f"a/{n}"]) for n in raw[1] if got[f"a/{n}"] is not None})
+            self._pending = {site: site_stats(merged, site) for site in self.sites}
+            self._pending_attention = attention_stats(merged)
+            self._ratios = dict(zip(names, got["update_ratio"])) if names else {}
+        return got
 
     def _starts(self, t: int) -> bool:
         """Whether step t is recorded: it is due, or the step before it raised an alarm."""
@@ -350,14 +423,18 @@ class Watch:
         self._force_next = False
         return recording
 
-    def _end_step(self, t: int, loss: float | None, lr: float, grad_norm: float, recording: bool,
+    def _end_step(self, t: int, loss: float | torch.Tensor | None, lr: Any, grad_norm: Any, recording: bool,
                   before: dict[str, torch.Tensor]) -> str | None:
         """After step t's optimizer step: the alarm on its loss (None: no loss known, no alarm),
         its record when ``recording``, an alarm's event (a step not recorded makes the next one
-        recorded) and a non-finite loss's failure. Returns the alarm. The series entry is the
-        caller's (:meth:`log`)."""
-        alarm = None if loss is None else self.alarm(loss)
-        loss = math.nan if loss is None else loss
+        recorded) and a non-finite loss's failure. Returns the alarm. Over a process group the
+        loss judged is the ranks' mean (:meth:`_values`), so every rank raises the same alarm at
+        the same step. The series entry is the caller's (:meth:`log`, which takes these merged
+        values for step t)."""
+        known = loss is not None
+        loss, lr, grad_norm = self._values(loss, lr, grad_norm, before if recording else None)
+        self._merged = (t, loss, lr, grad_norm)
+        alarm = self.alarm(loss) if known else None
         if recording:
             self.commit(t, loss, lr, grad_norm, reason=alarm or "interval", before=before)
         elif alarm:
@@ -415,9 +492,8 @@ class Watch:
                                spectral=False, restore_grads=False, eval_mode=False)
         with probe(self.model, options) as run:
             yield
-        stats = run.stats
-        self._pending = {site: site_stats(stats, site) for site in self.sites}
-        self._pending_attention = attention_stats(stats)
+        self._raw = run.vectors()  # moved to the host (and merged over the ranks) once, at record
+        self._pending, self._ratios = None, None
 
     def _update_ema(self, loss: float) -> None:
         if not _finite(loss):
@@ -448,24 +524,26 @@ class Watch:
         return {n: p.detach().clone() for n, p in self.params.items()}
 
     @torch.no_grad()
-    def _update_ratios(self, before: dict[str, torch.Tensor]) -> dict[str, float]:
+    def _ratio_vector(self, before: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
+        """(names, ||W - W_before||_F / ||W_before||_F per parameter as one float64 tensor on the
+        parameters' device; inf for a zero W_before that moved, 0 for one that did not)."""
         if not before:
-            return {}
+            return [], None
         names = list(before)
         num = torch.stack([torch.linalg.vector_norm((self.params[n] - before[n]).double()) for n in names])
         den = torch.stack([torch.linalg.vector_norm(before[n].double()) for n in names])
-        ratio = torch.where(den > 0, num / den, torch.where(num > 0, torch.inf, 0.0))
-        return dict(zip(names, ratio.tolist()))
+        return names, torch.where(den > 0, num / den, torch.where(num > 0, torch.inf, 0.0))
 
     def commit(self, t: int, loss: float, lr: float, grad_norm: float, reason: str = "interval",
                before: dict[str, torch.Tensor] | None = None) -> None:
         """Store the record of step t (the moments captured, the update ratios since ``before``)."""
+        if self._raw is not None:  # the lower-level protocol: the vectors move (and merge) here
+            self._collect(before, [])
         if not self.enabled or self._pending is None:
             return
         record = {"step": int(t), "reason": reason, "loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm),
-                  "stats": self._pending, "attention": self._pending_attention,
-                  "update_ratio": self._update_ratios(before or {})}
-        self._pending = None
+                  "stats": self._pending, "attention": self._pending_attention, "update_ratio": self._ratios or {}}
+        self._pending, self._ratios = None, None
         self.history["records"].append(record)
         rows = self._judge(record)
         for w in self.writers:
@@ -492,6 +570,11 @@ class Watch:
             self.on_event(event)
 
     def log(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
+        """Step t's entry of the loss series (and the writers'); over a process group, right after
+        :meth:`_end_step` of step t, the loss it judged (the ranks' mean) replaces ``loss``."""
+        merged, self._merged = self._merged, None
+        if self.group is not None and merged is not None and merged[0] == t:
+            loss = merged[1]
         s = self.history["series"]
         s["step"].append(int(t))
         s["loss"].append(float(loss))

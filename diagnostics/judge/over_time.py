@@ -9,6 +9,8 @@ while it learns), with the watch thresholds of :class:`diagnostics.judge.verdict
     non_finite   a NaN or inf in the tensor or its gradient (any site)
     exploding    forward variance above watch_growth (10^3) x the lowest value it had at an earlier record
     vanishing    gradient variance below the highest value it had at an earlier record / watch_shrink (10^4)
+    not_measured the site's forward was not seen at that record (count 0: a hook that never ran,
+                 a module the model does not call); never ok, never a fail, never a reference
     ok           otherwise
 
 exploding and vanishing judge the sites that reach a computation at their scale
@@ -32,6 +34,7 @@ from .verdicts import Thresholds
 
 __all__ = [
     "FAIL_VERDICTS",
+    "NOT_MEASURED",
     "Extremes",
     "thresholds_of",
     "measured",
@@ -48,6 +51,9 @@ __all__ = [
 # vanishing gradient is a warning: training often goes on and recovers. These are the watch's
 # own words; where a finding carries a severity, "fail" is this set.
 FAIL_VERDICTS = ("non_finite", "exploding")
+#: The verdict of a site that was not measured at a record (count 0): it says nothing about the
+#: site's health, so it is never "ok"; it does not stop a run.
+NOT_MEASURED = "not_measured"
 
 
 def thresholds_of(history: dict[str, Any], thresholds: Thresholds | None = None) -> Thresholds:
@@ -76,9 +82,10 @@ def _finite(x: float | None) -> bool:
 
 
 def measured(st: dict[str, float]) -> bool:
-    """Whether one site's record was measured: False when its forward did not run at that record
-    (count 0 and no non-finite fraction known); such a record is neither judged nor a reference."""
-    return not (st.get("count", 1) == 0 and not _finite(st.get("fwd_nonfinite")))
+    """Whether one site's record was measured: False when it counted no entry (count 0: its
+    forward did not run, or ran where no hook saw it); such a record is judged
+    :data:`NOT_MEASURED` and is never a reference."""
+    return st.get("count", 1) != 0
 
 
 class Extremes:
@@ -130,7 +137,7 @@ def _site_verdict(st: dict[str, float], low_fwd: float | None, high_grad: float 
     """(verdict, statistic, value, threshold) of one site's record, given its earlier extremes
     (None for a site that is not :func:`judged` or has no earlier record)."""
     if not measured(st):
-        return "ok", None, math.nan, math.nan  # not measured at this record (its forward did not run)
+        return NOT_MEASURED, "count", 0.0, math.nan
     if st.get("fwd_nonfinite", 0.0) > 0 or not _finite(st.get("fwd_var")):
         return "non_finite", "fwd_nonfinite", st.get("fwd_nonfinite", math.nan), 0.0
     if st.get("grad_nonfinite", 0.0) > 0 or (high_grad is not None and not _finite(st.get("grad_var"))):
@@ -156,13 +163,11 @@ def record_verdicts(rec: dict[str, Any], earlier: Extremes, norm: str | None, th
         kinds: the history's site kinds (a head of kind "logits" is judged for growth whatever its name).
 
     Returns:
-        One row per site whose verdict is not ok, in the record's site order: step, site,
-        verdict, stat, value, threshold.
+        One row per site whose verdict is not ok (:data:`NOT_MEASURED` included), in the
+        record's site order: step, site, verdict, stat, value, threshold.
     """
     rows = []
     for site, st in rec["stats"].items():
-        if not measured(st):
-            continue
         j = judged(site, norm, (kinds or {}).get(site))
         verdict, key, value, threshold = _site_verdict(st, earlier.low.get(site) if j else None,
                                                        earlier.high.get(site) if j else None, th)
@@ -177,7 +182,8 @@ def verdicts(history: dict[str, Any], thresholds: Thresholds | None = None) -> l
 
     exploding: forward variance > watch_growth x the lowest value the site had at an earlier
     record; vanishing: gradient variance < the highest earlier value / watch_shrink;
-    non_finite: any NaN/inf entry in the tensor or its gradient. ``thresholds``: see
+    non_finite: any NaN/inf entry in the tensor or its gradient; not_measured: count 0 at that
+    record (:data:`NOT_MEASURED`). ``thresholds``: see
     :func:`thresholds_of` (None: the history's own, else the defaults).
     """
     th = thresholds_of(history, thresholds)
@@ -218,6 +224,8 @@ def first_mover(history: dict[str, Any], factor: float | None = None, thresholds
     for k, rec in enumerate(records):
         moved = {"fwd_var": [], "grad_var": []}
         for site, st in rec["stats"].items():
+            if not measured(st):
+                continue  # nothing seen: nothing moved
             j = judged(site, history.get("norm"), (history.get("kinds") or {}).get(site))
             for key in moved:
                 v = st.get(key)

@@ -24,6 +24,12 @@ gradient of the loss w.r.t. it the same way. Nothing else is kept. On exit the
 hooks are removed and the model's ``training`` flags, ``requires_grad`` and (by
 default) ``.grad`` are put back as they were on entry; a gradient hook left on a
 graph the caller still holds does nothing once the probe has exited.
+
+A ``torch.compile``'d or ``DistributedDataParallel`` model is probed through the module inside
+it (:func:`.wrappers.unwrap`; names without ``_orig_mod.`` or ``module.``), and while the probe
+is on every compiled function and module runs eagerly (:func:`.wrappers.eager`): a compiled
+graph would not run hooks added after it was built. ``stats`` moves everything measured to the
+host in one transfer per device.
 """
 
 from __future__ import annotations
@@ -43,10 +49,11 @@ from tinylm.init import declare
 from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
-from . import sharded
-from .reducer import Reducer, merge_attention_vectors, merge_vectors, reduce
+from . import compiled, sharded
+from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .sdpa import SDPAWatch
 from .sites import model_sites
+from .wrappers import default_stance, eager, unwrap
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats", "FLAT_EDGE"]
 
@@ -203,12 +210,34 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     return out
 
 
-def _as_lists(store: dict) -> dict:
-    """{key: vector as a list of floats} of a store of vectors (float64 tensors): CPU tensors
-    directly, the others stacked and moved in one transfer, so one device sync for all of them."""
-    keys = [k for k, v in store.items() if not v.is_cpu]
-    moved = dict(zip(keys, torch.stack([store[k] for k in keys]).tolist())) if keys else {}
-    return {k: moved[k] if k in moved else v.tolist() for k, v in store.items()}
+def _as_lists(*stores: dict) -> list[dict]:
+    """Each store of vectors (float64 tensors) as {key: vector as a list of floats}, moved to the
+    host in one transfer per device (one ``.tolist()`` of all the vectors concatenated), so the
+    transfers of a probe's results do not grow with the number of tensors it measured."""
+    flat = [(i, k, v) for i, store in enumerate(stores) for k, v in store.items()]
+    out: list[dict] = [{} for _ in stores]
+    for device in dict.fromkeys(v.device for _, _, v in flat):
+        part = [(i, k, v) for i, k, v in flat if v.device == device]
+        values = torch.cat([v.reshape(-1).double() for _, _, v in part]).tolist()
+        at = 0
+        for i, k, v in part:
+            out[i][k] = values[at:at + v.numel()]
+            at += v.numel()
+    return [{k: out[i][k] for k in store} for i, store in enumerate(stores)]
+
+
+class _Reducer(Reducer):
+    """The probe's :class:`Reducer`: while the model runs eagerly (``eager`` True, see
+    :mod:`.wrappers`), a tensor that goes to the compiled reductions (:func:`.compiled.takes`)
+    is reduced by them as compiled, not eagerly."""
+
+    eager = False
+
+    def __call__(self, x: Tensor, **kwargs) -> "Reduction":
+        if self.eager and compiled.takes(x):
+            with default_stance():
+                return super().__call__(x, **kwargs)
+        return super().__call__(x, **kwargs)
 
 
 class ProbeRun:
@@ -229,7 +258,7 @@ class ProbeRun:
         self._gates = {f"{n}.w1" for n, m in model.named_modules()
                        if isinstance(m, tinylm.SwiGLU) or (isinstance(m, tinylm.MLP) and m.activation == "silu")}
         #: reduces the hooks' tensors; one that reaches two hooks back to back is read once
-        self.reducer = Reducer()
+        self.reducer = _Reducer()
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
@@ -327,18 +356,24 @@ class ProbeRun:
             return None
         return hook
 
+    def vectors(self) -> tuple[dict[tuple[str, str], Tensor], dict[str, Tensor]]:
+        """The merged vectors so far, as tensors on the measured tensors' device (no host transfer):
+        ({(name, direction): :data:`FIELDS` vector}, {probs name: :data:`ATTN_FIELDS` vector})."""
+        return dict(self._vec), dict(self._attn)
+
     @property
     def stats(self) -> ProbeStats:
         """Everything measured so far, as Python floats (one device sync for all tensors)."""
         if self._stats is None:
-            tensors = {k: Moments.from_vector(r) for k, r in _as_lists(self._vec).items()}
-            attn = {k: AttnMoments.from_vector(r) for k, r in _as_lists(self._attn).items()}
-            cos = {k: Moments.from_vector(r) for k, r in _as_lists(self._cos).items()}
-            inv = {k: Moments.from_vector(r) for k, r in _as_lists(self._inv).items()}
-            nb = {k: Moments.from_vector(r) for k, r in _as_lists(self._normb).items()}
-            self._stats = ProbeStats(tensors=tensors, kinds=dict(self.kinds), order=list(self.order),
-                                     attention=attn, cosine=cos, params=dict(self.params), steps=self.steps,
-                                     inv_ms=inv, norm_back=nb, flat=_as_lists(self._flat))
+            vec, attn, cos, inv, nb, flat = _as_lists(self._vec, self._attn, self._cos, self._inv, self._normb,
+                                                      self._flat)
+            self._stats = ProbeStats(tensors={k: Moments.from_vector(r) for k, r in vec.items()},
+                                     kinds=dict(self.kinds), order=list(self.order),
+                                     attention={k: AttnMoments.from_vector(r) for k, r in attn.items()},
+                                     cosine={k: Moments.from_vector(r) for k, r in cos.items()},
+                                     params=dict(self.params), steps=self.steps,
+                                     inv_ms={k: Moments.from_vector(r) for k, r in inv.items()},
+                                     norm_back={k: Moments.from_vector(r) for k, r in nb.items()}, flat=flat)
         return self._stats
 
 
@@ -394,6 +429,7 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     """
     if not isinstance(model, nn.Module):
         raise OptionsError(f"model={type(model).__name__}: probe needs a torch.nn.Module")
+    model = unwrap(model)  # a compiled or data-parallel model: the module inside, by its own names
     options = options or ProbeOptions()
     sites = model_sites(model)
     points, stack = dict(sites.points), sites.blocks
@@ -417,6 +453,9 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     handles = []
     watch = None
     ok = False
+    stance = eager()  # compiled graphs do not run the hooks: the model runs eagerly while probed
+    stance.__enter__()
+    run.reducer.eager = True
     try:
         for attn, want in observed.items():
             observers.append(AttentionObserver(run, attn, want))
@@ -466,6 +505,7 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
             for observer in waiting:
                 observer.flush()
             run.seconds += time.perf_counter() - t0
+        stance.__exit__(None, None, None)
         if watch is not None:
             watch.__exit__(None, None, None)
         for h in handles:
