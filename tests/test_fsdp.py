@@ -216,8 +216,5 @@ def test_sharded_moments_and_update_ratios():
     _spawn("_sharded_primitives")
 
 
-@pytest.mark.xfail(strict=True, raises=mp.ProcessRaisedException,
-                   reason="Watch._update_ratios calls .tolist() on a DTensor; its body becomes "
-                          "sharded.update_ratios(self.params, before) (docs/distributed.md)")
 def test_fsdp2_watch_records_steps():
     _spawn("_watch")

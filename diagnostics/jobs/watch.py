@@ -45,6 +45,7 @@ from ..judge.over_time import FAIL_VERDICTS, Extremes, describe_move, first_move
 from ..judge.thresholds import Thresholds
 from ..measure.distributed import exchange, process_group
 from ..measure.moments import ProbeStats
+from ..measure import sharded
 from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
 from ..result import Row
@@ -529,10 +530,7 @@ class Watch:
         parameters' device; inf for a zero W_before that moved, 0 for one that did not)."""
         if not before:
             return [], None
-        names = list(before)
-        num = torch.stack([torch.linalg.vector_norm((self.params[n] - before[n]).double()) for n in names])
-        den = torch.stack([torch.linalg.vector_norm(before[n].double()) for n in names])
-        return names, torch.where(den > 0, num / den, torch.where(num > 0, torch.inf, 0.0))
+        return list(before), sharded.update_ratio_vector(self.params, before)  # DTensors from their shards
 
     def commit(self, t: int, loss: float, lr: float, grad_norm: float, reason: str = "interval",
                before: dict[str, torch.Tensor] | None = None) -> None:
