@@ -187,7 +187,7 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
         v = torch.stack(vecs)
         nf = (v[:, 0] - v[:, 1]) / v[:, 0].clamp(min=1.0)
         std = (v[:, 3] / v[:, 1].clamp(min=1.0)).sqrt()
-        std = torch.where((nf > 0) & (torch.arange(len(vecs)) < len(plist)), math.nan, std)
+        std = torch.where((nf > 0) & (torch.arange(len(vecs), device=v.device) < len(plist)), math.nan, std)
         flat = torch.stack([std, nf], 1).tolist()
         gi = iter(flat[len(plist):])
         for (pstd, pnf), h in zip(flat[:len(plist)], have):
