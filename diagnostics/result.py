@@ -348,7 +348,8 @@ class DepthRow:
     name: the tensor measured there. forward_var / backward_var: measured variance of
     the stream and of its gradient; *_predicted: theory's (None when none).
     cosine: mean cosine similarity between different tokens' vectors of a sequence
-    (0 for independent tokens; towards 1 as tokens collapse onto one direction).
+    (0 for independent tokens; towards 1 as tokens collapse onto one direction); None where it
+    was not measured (a model that is not tinylm, read through its block outputs).
     cosine_predicted: the token-kernel theory's prediction of ``cosine`` (global mode on a
     tinylm model; None otherwise).
     """
@@ -359,7 +360,7 @@ class DepthRow:
     forward_predicted: float | None
     backward_var: float | None
     backward_predicted: float | None
-    cosine: float
+    cosine: float | None
     cosine_predicted: float | None = None
 
 
@@ -377,6 +378,10 @@ class Header:
     cross-entropy (a tinylm model: ln vocab_size), else None (a custom loss_fn, a model returning its loss).
     interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
         documents written before it read "").
+    declared: the declared init the weights were judged against, in words ("cs336 (model config)",
+        "initializer_range 0.02 (config.json)", "none: weights judged by scale only"; "" in older documents).
+    fresh: whether the weights are at their declared init (True), have moved off it (False, trained),
+        or unknown (None: nothing declared); decided once by ``fresh_rule`` and used by every check.
     """
 
     model_class: str
@@ -394,6 +399,9 @@ class Header:
     loss_uniform: float | None
     token_source: str
     interval: str = ""
+    declared: str = ""
+    fresh: bool | None = None
+    fresh_rule: str = ""
 
 
 @dataclass
@@ -561,6 +569,25 @@ class DiagnoseResult:
             judged=list(data["judged"]) if version == "5" and data.get("judged") is not None else None,
             not_judged=[(str(c), str(why)) for c, why in data.get("not_judged", [])] if version == "5" else [],
         )
+
+    def __repr__(self) -> str:
+        """Short: class, status, finding and row counts (the report is ``str``)."""
+        return (f"DiagnoseResult(status={self.status!r}, model={self.header.model_class}, "
+                f"failures={len(self.failures)}, warnings={len(self.warnings)}, tensors={len(self.tensors)}, "
+                f"params={len(self.params)}, attention={len(self.attention)})")
+
+    def __str__(self) -> str:
+        """The report as the command prints it, drawn by the text renderer registered under the entry-point
+        group "tinylm.renderers" (:func:`diagnostics.display.text`); without one, a short summary: the
+        status and each finding."""
+        from .display import text
+
+        drawn = text(self)
+        if drawn is not None:
+            return drawn
+        lines = [f"{self.header.model_class}: {self.status}"]
+        lines += [f"{f.severity.upper()} {f.kind} {f.where}: {f.message} (cause: {f.cause})" for f in self.findings]
+        return "\n".join(lines)
 
     def _repr_html_(self) -> str:
         """The diagnosis drawn in a notebook (see :mod:`diagnostics.display`)."""
