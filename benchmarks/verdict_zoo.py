@@ -4,9 +4,10 @@ Every case is a model built in code with a fixed seed, with the verdict it must 
 healthy (no finding), or the one cause it was built to have (docs/verdicts.md), at the
 severity that cause has at that strength. Healthy cases span the init schemes, depths,
 widths, norm placements, FFN kinds, RoPE or not, sequence lengths, and a short ordinary
-training run; broken cases cover every cause at two strengths (mild and severe). Six cases
+training run; broken cases cover every cause at two strengths (mild and severe). Nine cases
 are not tinylm models (a plain PyTorch GELU residual LM, Hugging Face GPT-2 and Llama built
-from a config in code), diagnosed through their block stack found by structure.
+from a config in code, nanoGPT-style models of 2, 4 and 6 blocks trained at lr 1e-2),
+diagnosed through their block stack found by structure.
 
 A case is right when the diagnosis reports exactly the expected set of causes (none for a
 healthy model) and the worst severity expected. The script prints one line per case, the
@@ -375,6 +376,10 @@ CASES: list[Case] = [
     Case("plain GELU residual, weights x4", lambda: GeluLM(gain=4.0), "no_norm", F_, "severe"),
     Case("HF GPT-2 d64 L4, every weight std 10", hf("gpt2", std=10.0), "init_scale", F_, "severe"),
     Case("plain GELU residual, head x100", lambda: GeluLM(L=2, head_gain=100.0), "logit_scale", W, "mild"),
+    # plain nanoGPT-style models (pre-LayerNorm, not tinylm) trained hard but stably to a good loss
+    Case("nanoGPT L2 trained lr 1e-2", nanogpt(2, 200, 1e-2), None, None, seq_len=64),
+    Case("nanoGPT L4 trained lr 1e-2", nanogpt(4, 200, 1e-2), None, None, seq_len=64),
+    Case("nanoGPT L6 trained lr 1e-2", nanogpt(6, 200, 1e-2), None, None, seq_len=64),
 ]
 
 

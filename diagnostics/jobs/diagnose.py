@@ -430,20 +430,16 @@ def _deliberate_zeros(model: nn.Module, declared: Declaration) -> set[str]:
 def _loss_check(loss: float, vocabs: set, options: DiagnoseOptions, source: str, fresh: bool | None
                 ) -> tuple[tuple[float, float, str] | None, str]:
     """((loss, ln V, severity of a loss far above it), "") where the loss is judged against ln V, else
-    (None, why not). Judged: the mean next-token cross-entropy of (B, T, V) logits of a model that is
-    fresh (``fresh`` True) or whose state is unknown (None: nothing declared); not of a model known
-    trained. Severity "fail" where the model is known fresh or the tokens are given (a trained model's
-    loss on real tokens is below ln V); "warn" for a model of unknown state on random tokens, where a
-    trained model's loss is ln V plus how peaked its predictions are."""
+    (None, why not). Judged: the mean next-token cross-entropy of (B, T, V) logits. Severity "fail"
+    where the model is known fresh (``fresh`` True) or the tokens are given (a trained model's loss on
+    real tokens is below ln V); "warn" on random tokens for a model known trained (False) or of
+    unknown state (None), where a trained model's loss is ln V plus how peaked its predictions are."""
     vocab = next(iter(vocabs)) if len(vocabs) == 1 else None
     if vocab is None:
         return None, ("a custom loss_fn is not next-token cross-entropy" if options.loss_fn is not None else
                       "the model's output holds no next-token logits (B, T, V)")
     if vocab < 2:
         return None, f"the logits have V = {vocab} classes"
-    if fresh is False:
-        return None, ("judged at init only, and the weights have moved off their declared init (trained): on "
-                      "random tokens a trained model's loss is ln V plus how peaked its predictions are")
     return (loss, math.log(vocab), "fail" if fresh or source == "given" else "warn"), ""
 
 

@@ -69,8 +69,11 @@ def declaration(model: nn.Module) -> Declaration:
             r = marked.get("initializer_range")
             if not _positive(r):
                 return Declaration(NONE, None, {})
-            dists = declare(model, _hf_scheme(float(r), bool(marked.get("scaled_residual"))))
-            return Declaration(f"initializer_range {float(r):g} ({marked.get('source', 'config.json')})", None, dists)
+            scaled = bool(marked.get("scaled_residual"))
+            words = f"initializer_range {float(r):g} ({marked.get('source', 'config.json')})"
+            if scaled and float(r) == 0.02:  # exactly tinylm's gpt2 scheme: global theory can use it
+                return Declaration(f"{words}, the gpt2 scheme", "gpt2", declare(model, "gpt2"))
+            return Declaration(words, None, declare(model, _hf_scheme(float(r), scaled)))
         init = model.config.init
         if init not in tinylm.init.SCHEMES:
             return Declaration(NONE, None, {})
