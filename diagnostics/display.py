@@ -14,7 +14,7 @@ its own in ``pyproject.toml``::
     text = "<module>:<function taking the object, returning the report as plain text>"
 
 :func:`text` draws with the entry point named :data:`TEXT` likewise (or the one set by
-``use(text=...)``), else returns None (the object then prints a short summary of itself).
+``use(text=...)``), else gives a short summary.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 from importlib import metadata
 from typing import Any, Callable
 
-__all__ = ["html", "text", "use", "renderer", "GROUP", "NAME", "TEXT"]
+__all__ = ["html", "text", "summary", "use", "renderer", "GROUP", "NAME", "TEXT"]
 
 GROUP = "tinylm.renderers"  # the entry-point group a renderer is declared in
 NAME = "notebook"  # the entry point's name: a function obj -> HTML string
@@ -63,8 +63,20 @@ def html(obj: Any) -> str | None:
     return None if draw is None else draw(obj)
 
 
-def text(obj: Any) -> str | None:
-    """The report of ``obj`` (a DiagnoseResult) as plain text, or None when no text renderer is set
-    or registered."""
+def text(obj: Any) -> str:
+    """The report of ``obj`` (a DiagnoseResult) as plain text, drawn by the text renderer set or
+    registered; without one (or where it draws nothing), a short summary: status and each finding."""
     draw = _chosen_text or _registered(TEXT)
-    return None if draw is None else draw(obj)
+    drawn = None if draw is None else draw(obj)
+    if drawn is not None:
+        return drawn
+    lines = [f"{obj.header.model_class}: {obj.status}"]
+    lines += [f"{f.severity.upper()} {f.kind} {f.where}: {f.message} (cause: {f.cause})" for f in obj.findings]
+    return "\n".join(lines)
+
+
+def summary(obj: Any) -> str:
+    """One line of a DiagnoseResult: class, status, the model's class, finding and row counts."""
+    return (f"{type(obj).__name__}(status={obj.status!r}, model={obj.header.model_class}, "
+            f"failures={len(obj.failures)}, warnings={len(obj.warnings)}, tensors={len(obj.tensors)}, "
+            f"params={len(obj.params)}, attention={len(obj.attention)})")

@@ -66,25 +66,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = [
-    "COLUMNS",
-    "DTYPES",
-    "Row",
-    "frame",
-    "TENSOR_STATISTICS",
-    "SCHEMA_VERSION",
-    "VERDICT_KINDS",
-    "SEVERITIES",
-    "Finding",
-    "TensorRow",
-    "ParamRow",
-    "AttentionRow",
-    "DepthRow",
-    "Header",
-    "DiagnoseResult",
-    "CHECKS",
-    "STATUSES",
-]
+__all__ = ["COLUMNS", "DTYPES", "Row", "frame", "TENSOR_STATISTICS", "SCHEMA_VERSION", "VERDICT_KINDS",
+           "SEVERITIES", "Finding", "TensorRow", "ParamRow", "AttentionRow", "DepthRow", "Header", "DiagnoseResult",
+           "CHECKS", "STATUSES"]
 
 SCHEMA_VERSION = "5"
 
@@ -378,10 +362,8 @@ class Header:
     cross-entropy (a tinylm model: ln vocab_size), else None (a custom loss_fn, a model returning its loss).
     interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
         documents written before it read "").
-    declared: the declared init the weights were judged against, in words ("cs336 (model config)",
-        "initializer_range 0.02 (config.json)", "none: weights judged by scale only"; "" in older documents).
-    fresh: whether the weights are at their declared init (True), have moved off it (False, trained),
-        or unknown (None: nothing declared); decided once by ``fresh_rule`` and used by every check.
+    declared: the declared init judged against, in words ("" in older documents); fresh: the weights at it
+    (True), moved off it (False: trained), unknown (None: nothing declared), by ``fresh_rule``, for every check.
     """
 
     model_class: str
@@ -571,23 +553,16 @@ class DiagnoseResult:
         )
 
     def __repr__(self) -> str:
-        """Short: class, status, finding and row counts (the report is ``str``)."""
-        return (f"DiagnoseResult(status={self.status!r}, model={self.header.model_class}, "
-                f"failures={len(self.failures)}, warnings={len(self.warnings)}, tensors={len(self.tensors)}, "
-                f"params={len(self.params)}, attention={len(self.attention)})")
+        """Short: class, status and counts (``str`` is the report)."""
+        from .display import summary
+
+        return summary(self)
 
     def __str__(self) -> str:
-        """The report as the command prints it, drawn by the text renderer registered under the entry-point
-        group "tinylm.renderers" (:func:`diagnostics.display.text`); without one, a short summary: the
-        status and each finding."""
+        """The report as the command prints it (:func:`diagnostics.display.text`), else a short summary."""
         from .display import text
 
-        drawn = text(self)
-        if drawn is not None:
-            return drawn
-        lines = [f"{self.header.model_class}: {self.status}"]
-        lines += [f"{f.severity.upper()} {f.kind} {f.where}: {f.message} (cause: {f.cause})" for f in self.findings]
-        return "\n".join(lines)
+        return text(self)
 
     def _repr_html_(self) -> str:
         """The diagnosis drawn in a notebook (see :mod:`diagnostics.display`)."""
