@@ -339,7 +339,7 @@ def saturated(reading: Reading, attention: list[AttentionRow], th: Thresholds) -
         reading.symptoms.append(Symptom(
             "saturated", a.name, a.saturated_frac, th.saturated_rows,
             "fraction of query rows with max probability > 0.99", "forward", a.block,
-            f"{fmt(100 * a.saturated_frac)}% of {a.name}'s query rows put > 0.99 on one key "
+            f"{fmt(100 * a.saturated_frac)}% of {a.name}'s query rows are saturated, putting > 0.99 on one key "
             f"(> {fmt(100 * th.saturated_rows)}%; score std {fmt(a.score_std)})", "saturated",
             "fail" if a.saturated_frac > th.saturated_fail else "warn"))
 
