@@ -265,8 +265,8 @@ def _predict(model: nn.Module, sample: _Sample, measured: _Measured, pooled: Pro
     predictions (mode "none"); a global theory whose premise the weights contradict is kept but
     marked outside validity."""
     mode = options.theory
-    if mode == "off":
-        pass  # measurement only, as asked
+    if mode in ("off", "none"):
+        mode = "off"  # measurement only, as asked
     elif not isinstance(model, tinylm.TransformerLM):
         mode = "off"
     elif mode == "auto":
