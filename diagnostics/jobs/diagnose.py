@@ -156,7 +156,7 @@ class _State:
 
 @dataclass
 class _Theory:
-    """The theory mode used ("local", "global", "off" or "none") and its predictions, per replicate and pooled."""
+    """The theory mode used ("local", "global" or "off") and its predictions, per replicate and pooled."""
 
     mode: str
     per_rep: list[Predictions]
@@ -261,9 +261,9 @@ def _state(model: nn.Module, sample: _Sample, measured: _Measured) -> _State:
 def _predict(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats,
              options: DiagnoseOptions, steps: _Steps, state: _State) -> _Theory:
     """Theory's predictions in the mode asked ("auto": global for a fresh tinylm model whose declared
-    init is a tinylm scheme, else local; "off" for any other model). A theory that fails warns and leaves the measurement without
-    predictions (mode "none"); a global theory whose premise the weights contradict is kept but
-    marked outside validity."""
+    init is a tinylm scheme, else local; "off" for any other model). A theory that fails warns and
+    leaves the measurement without predictions (mode "off"); a global theory whose premise the
+    weights contradict is kept but marked outside validity."""
     mode = options.theory
     if mode in ("off", "none"):
         mode = "off"  # measurement only, as asked

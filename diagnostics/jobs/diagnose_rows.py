@@ -72,10 +72,12 @@ def tensor_rows(pooled: ProbeStats, pooled_pred: Predictions, replicates: Sequen
                 frac_zero=mom.frac_zero, frac_nonfinite=mom.frac_nonfinite,
                 frac_fp16_underflow=mom.frac_fp16_underflow, frac_fp16_overflow=mom.frac_fp16_overflow,
                 frac_bf16_underflow=mom.frac_bf16_underflow, frac_bf16_overflow=mom.frac_bf16_overflow,
-                predicted=pred.var if pred is not None and _possible(pred.var) else None, ratio=ratio, ratio_low=low, ratio_high=high,
+                predicted=pred.var if pred is not None and _possible(pred.var) else None, ratio=ratio,
+                ratio_low=low, ratio_high=high,
                 theory=mode if pred is not None else "", valid=pred.valid if pred is not None else True,
                 validity=pred.validity if pred is not None else "", rule=pred.rule if pred is not None else "",
-                predicted_independent=pred.independent.var if pred is not None and pred.independent else None,
+                predicted_independent=pred.independent.var if pred is not None and pred.independent
+                and _possible(pred.independent.var) else None,
             ))
     return rows
 
