@@ -166,6 +166,24 @@ def test_print_result_is_the_report_and_repr_is_short(capsys):
         display.use(None)
 
 
+def test_the_text_renderer_is_found_through_the_entry_point(monkeypatch, capsys):
+    from importlib import metadata
+
+    table = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][display.GROUP]
+    points = metadata.EntryPoints([metadata.EntryPoint(name=k, value=v, group=display.GROUP) for k, v in table.items()])
+    real = metadata.entry_points
+    monkeypatch.setattr(metadata, "entry_points",
+                        lambda **kw: points if kw.get("group") == display.GROUP else real(**kw))
+    display.use(None)
+    try:
+        print(diagnose(small(), options=OPTS))
+        out = capsys.readouterr().out
+        assert "verdict: healthy" in out and "Per layer" in out
+    finally:
+        monkeypatch.undo()
+        display.use(None)
+
+
 def test_a_shallow_stack_is_not_exploding_by_two_gains():
     """Two blocks each multiplying the stream by 10 is not a run of exploding_run (3); four are."""
     def rows(n, gain):
