@@ -2,7 +2,8 @@
 
 For every model of the healthy set (six init schemes x depth 2-48 x width 64-1024 x sequence
 length 16-1024 at init, the FFN / RoPE ablations, shallow post-norm, scaled no-norm, gpt2-small
-with the gpt2 init, and pre-norm models after short ordinary training) it prints the numbers
+with the gpt2 init, pre-norm models after short ordinary training, and plain nanoGPT-style
+modules of 2, 4 and 6 blocks trained at lr 1e-2) it prints the numbers
 each threshold of :class:`diagnostics.Thresholds` is compared with, then, per statistic, the
 most extreme healthy value beside the threshold, and the findings: the false-alarm rate on
 this set is the share of its models with any finding (with the 95% upper bound 3/N when none
@@ -76,6 +77,10 @@ def healthy_set(quick: bool):
             train(m, stdlib_corpus(2_000_000), TrainOptions(steps=steps, batch_size=16, lr=lr, watch_every=0))
             return m.eval()
         out.append((f"trained pre {ffn} {s} d{d} L{L} T{T} {steps} steps lr {lr:g}", build, T, 2))
+    from benchmarks.verdict_zoo import nanogpt  # plain pre-LayerNorm modules, not tinylm
+
+    for L in (2, 4, 6):
+        out.append((f"nanoGPT L{L} T64 trained 200 steps lr 0.01", nanogpt(L, 200, 1e-2), 64, 2))
     return out
 
 
@@ -106,15 +111,17 @@ def measure(build, T, batch):
     finally:
         dmod.judge = real
     th = Thresholds()
-    ev = evidence(r.tensors, r.params, dmod._architecture(m), seen.get("flat"), set(), r.depth)
+    arch = dmod._architecture(m, dmod.model_sites(m).blocks)
+    ev = evidence(r.tensors, r.params, arch, seen.get("flat"), set(), r.depth, r.header.fresh)
     fwd = [d.forward_var for d in r.depth]
     bwd = [d.backward_var for d in r.depth]
-    if m.config.norm == "pre":
+    config = getattr(m, "config", None)
+    if dmod._scale_invariant(m, arch):  # as diagnose judges it
         bwd = [b * f for b, f in zip(bwd, fwd)]
     fg = [b / a for a, b in zip(fwd, fwd[1:])]
     bg = [bwd[i] / bwd[i + 1] for i in range(len(bwd) - 1)]
     rows = {(t.name, t.direction): t for t in r.tensors}
-    zero = m.config.init == "zero-residual"
+    zero = getattr(config, "init", None) == "zero-residual"
     branch = [t.var / rows[(branch_stream("attn" if t.kind == "attn_branch" else "ffn", t.block), "forward")].var
               for t in r.tensors if t.direction == "forward" and t.kind in ("attn_branch", "ffn_branch") and not zero]
     top = max(p.grad_std for p in r.params if p.grad_std and len(p.shape) == 2)
@@ -127,7 +134,7 @@ def measure(build, T, batch):
         "branch": min(branch, default=math.nan), "grads": min(grads, default=math.nan),
         "score": max(ev.score_ratio.values(), default=math.nan), "flat": max(ev.flat.values(), default=0.0),
         "gain": ev.gain_all, "gain_inner": ev.gain_inner, "drift": ev.drift, "qk": max(ev.qk_gain.values(), default=0),
-        "imbalance": ev.imbalance if m.config.norm == "post" else math.nan,
+        "imbalance": ev.imbalance if getattr(config, "norm", None) == "post" else math.nan,
         "saturated": max((a.saturated_frac for a in r.attention), default=0.0),
         "fresh": ev.fresh, "findings": [f"{f.cause}/{f.severity}" for f in r.findings],
     }

@@ -4,9 +4,10 @@ Every case is a model built in code with a fixed seed, with the verdict it must 
 healthy (no finding), or the one cause it was built to have (docs/verdicts.md), at the
 severity that cause has at that strength. Healthy cases span the init schemes, depths,
 widths, norm placements, FFN kinds, RoPE or not, sequence lengths, and a short ordinary
-training run; broken cases cover every cause at two strengths (mild and severe). Six cases
+training run; broken cases cover every cause at two strengths (mild and severe). Nine cases
 are not tinylm models (a plain PyTorch GELU residual LM, Hugging Face GPT-2 and Llama built
-from a config in code), diagnosed through their block stack found by structure.
+from a config in code, nanoGPT-style models of 2, 4 and 6 blocks trained at lr 1e-2),
+diagnosed through their block stack found by structure.
 
 A case is right when the diagnosis reports exactly the expected set of causes (none for a
 healthy model) and the worst severity expected. The script prints one line per case, the
@@ -210,6 +211,83 @@ class GeluLM(nn.Module):
         return self.head(h)
 
 
+class NanoBlock(nn.Module):
+    """nanoGPT's block: x + attn(ln_1 x), then x + mlp(ln_2 x); causal SDPA attention, GELU MLP."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.attn_proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.c_fc, self.mlp_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=2)
+        q, k, v = (t.view(B, T, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, d))
+        return x + self.mlp_proj(torch.nn.functional.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    """A plain nanoGPT-style LM (not tinylm): learned token and position embeddings, L pre-LayerNorm
+    blocks, a final LayerNorm and a head tied to the token embedding; GPT-2's init (N(0, 0.02^2),
+    the residual projections 0.02 / sqrt(2L))."""
+
+    def __init__(self, L: int = 4, d: int = 64, heads: int = 4, vocab: int = 256, context: int = 64, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList([NanoBlock(d, heads) for _ in range(L)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / (2 * L) ** 0.5)
+            elif p.dim() == 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, ids):
+        h = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for b in self.blocks:
+            h = b(h)
+        return self.lm_head(self.ln_f(h))
+
+
+def train_nanogpt(L: int, steps: int = 300, lr: float = 6e-3, warmup: int = 30, batch: int = 16, T: int = 64,
+                  seed: int = 0) -> tuple[NanoGPT, float]:
+    """A :class:`NanoGPT` trained hard but stably on the built-in corpus (the standard library's bytes):
+    AdamW (0.9, 0.95, weight decay 0.1) at peak ``lr`` after a linear warm-up, cosine decay to lr/10,
+    gradients clipped at 1. Returns (the model in eval mode, its mean loss over the last 20 steps)."""
+    import math
+
+    from tinylm.data import get_batch, stdlib_corpus
+
+    m = NanoGPT(L=L, context=T, seed=seed)
+    opt = torch.optim.AdamW(m.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    data, gen, last = stdlib_corpus(2_000_000), torch.Generator().manual_seed(seed), []
+    for t in range(steps):
+        frac = max(0.0, (t - warmup) / max(1, steps - warmup))
+        for g in opt.param_groups:
+            g["lr"] = lr * (t + 1) / warmup if t < warmup else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        x, y = get_batch(data, batch, T, gen)
+        loss = torch.nn.functional.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        last = (last + [loss.item()])[-20:]
+    return m.eval(), sum(last) / len(last)
+
+
+def nanogpt(L: int, steps: int = 300, lr: float = 6e-3) -> Callable[[], nn.Module]:
+    return lambda: train_nanogpt(L, steps, lr)[0]
+
+
 def hf(kind: str, std: float | None = None, L: int = 4, d: int = 64, V: int = 1000) -> Callable[[], nn.Module]:
     """A Hugging Face GPT2LMHeadModel or LlamaForCausalLM built from a config in code (nothing
     downloaded), at its own init, or with every parameter redrawn N(0, std^2)."""
@@ -298,6 +376,10 @@ CASES: list[Case] = [
     Case("plain GELU residual, weights x4", lambda: GeluLM(gain=4.0), "no_norm", F_, "severe"),
     Case("HF GPT-2 d64 L4, every weight std 10", hf("gpt2", std=10.0), "init_scale", F_, "severe"),
     Case("plain GELU residual, head x100", lambda: GeluLM(L=2, head_gain=100.0), "logit_scale", W, "mild"),
+    # plain nanoGPT-style models (pre-LayerNorm, not tinylm) trained hard but stably to a good loss
+    Case("nanoGPT L2 trained lr 1e-2", nanogpt(2, 200, 1e-2), None, None, seq_len=64),
+    Case("nanoGPT L4 trained lr 1e-2", nanogpt(4, 200, 1e-2), None, None, seq_len=64),
+    Case("nanoGPT L6 trained lr 1e-2", nanogpt(6, 200, 1e-2), None, None, seq_len=64),
 ]
 
 

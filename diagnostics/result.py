@@ -66,25 +66,9 @@ from typing import TYPE_CHECKING, Any, Iterable
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = [
-    "COLUMNS",
-    "DTYPES",
-    "Row",
-    "frame",
-    "TENSOR_STATISTICS",
-    "SCHEMA_VERSION",
-    "VERDICT_KINDS",
-    "SEVERITIES",
-    "Finding",
-    "TensorRow",
-    "ParamRow",
-    "AttentionRow",
-    "DepthRow",
-    "Header",
-    "DiagnoseResult",
-    "CHECKS",
-    "STATUSES",
-]
+__all__ = ["COLUMNS", "DTYPES", "Row", "frame", "TENSOR_STATISTICS", "SCHEMA_VERSION", "VERDICT_KINDS",
+           "SEVERITIES", "Finding", "TensorRow", "ParamRow", "AttentionRow", "DepthRow", "Header", "DiagnoseResult",
+           "CHECKS", "STATUSES"]
 
 SCHEMA_VERSION = "5"
 
@@ -348,7 +332,8 @@ class DepthRow:
     name: the tensor measured there. forward_var / backward_var: measured variance of
     the stream and of its gradient; *_predicted: theory's (None when none).
     cosine: mean cosine similarity between different tokens' vectors of a sequence
-    (0 for independent tokens; towards 1 as tokens collapse onto one direction).
+    (0 for independent tokens; towards 1 as tokens collapse onto one direction); None where it
+    was not measured (a model that is not tinylm, read through its block outputs).
     cosine_predicted: the token-kernel theory's prediction of ``cosine`` (global mode on a
     tinylm model; None otherwise).
     """
@@ -359,7 +344,7 @@ class DepthRow:
     forward_predicted: float | None
     backward_var: float | None
     backward_predicted: float | None
-    cosine: float
+    cosine: float | None
     cosine_predicted: float | None = None
 
 
@@ -377,6 +362,8 @@ class Header:
     cross-entropy (a tinylm model: ln vocab_size), else None (a custom loss_fn, a model returning its loss).
     interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
         documents written before it read "").
+    declared: the declared init judged against, in words ("" in older documents); fresh: the weights at it
+    (True), moved off it (False: trained), unknown (None: nothing declared), by ``fresh_rule``, for every check.
     """
 
     model_class: str
@@ -394,6 +381,9 @@ class Header:
     loss_uniform: float | None
     token_source: str
     interval: str = ""
+    declared: str = ""
+    fresh: bool | None = None
+    fresh_rule: str = ""
 
 
 @dataclass
@@ -561,6 +551,18 @@ class DiagnoseResult:
             judged=list(data["judged"]) if version == "5" and data.get("judged") is not None else None,
             not_judged=[(str(c), str(why)) for c, why in data.get("not_judged", [])] if version == "5" else [],
         )
+
+    def __repr__(self) -> str:
+        """Short: class, status and counts (``str`` is the report)."""
+        from .display import summary
+
+        return summary(self)
+
+    def __str__(self) -> str:
+        """The report as the command prints it (:func:`diagnostics.display.text`), else a short summary."""
+        from .display import text
+
+        return text(self)
 
     def _repr_html_(self) -> str:
         """The diagnosis drawn in a notebook (see :mod:`diagnostics.display`)."""

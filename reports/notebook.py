@@ -93,8 +93,10 @@ def diagnosis_html(result: Any) -> str:
     cfg = h.config or {}
     verdict = verdict_words(result)
     shape = ", ".join(f"{k}={cfg[k]}" for k in ("num_layers", "d_model", "num_heads", "vocab_size") if k in cfg)
+    declared = getattr(h, "declared", "") or h.init
     facts = (f"{_e(h.model_class)} ({_e(shape) + ', ' if shape else ''}{h.parameter_count:,} parameters"
-             f"{', init ' + _e(h.init) if h.init else ''}); {h.tokens_measured:,} tokens from {_e(h.token_source)}, "
+             f"{', declared init ' + _e(declared) if declared else ''}"
+             f"); {h.tokens_measured:,} tokens from {_e(h.token_source)}, "
              f"{h.seeds} seed(s); loss <b>{_num(h.loss)}</b>"
              + (f" (ln V = {_num(h.loss_uniform)})" if h.loss_uniform is not None else ""))
     findings = _table(["kind", "where", "statistic", "value", "threshold", "message", "what to try"],

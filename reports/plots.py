@@ -133,11 +133,22 @@ def depth_figure(result: Any) -> Any:
         ax.set_title(f"{direction}: measured (solid) vs predicted (dashed; x outside validity)", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
     _shared_legend(fig, axes)
-    verdict = verdict_words(result)
-    cfg = result.header.config or {}
-    fig.suptitle(f"{result.header.model_class} L={cfg.get('num_layers', '?')} d={cfg.get('d_model', '?')} "
-                 f"init={result.header.init or '?'}: {verdict}", fontsize=11)
+    fig.suptitle(f"{figure_title(result)}: {verdict_words(result)}", fontsize=11)
     return fig
+
+
+def figure_title(result: Any) -> str:
+    """What the figure is of, in words that name only what is known: a tinylm model's depth, width and
+    declared init; of another model, its class, the blocks found and the declared init if any."""
+    h = result.header
+    cfg = h.config or {}
+    declared = getattr(h, "declared", "") or (f"{h.init} (model config)" if h.init else "")
+    init = f"init {declared.split(':')[0]}" if declared and not declared.startswith("none") else "no declared init"
+    if cfg:
+        return f"{h.model_class} L={cfg.get('num_layers')} d={cfg.get('d_model')}, {init}"
+    blocks = max(0, len(result.depth) - 1)
+    shape = f"{blocks} blocks found" if blocks else "no block stack found"
+    return f"{h.model_class} (not tinylm: {shape}, width unknown), {init}"
 
 
 def _shared_legend(fig: Any, axes: Sequence[Any]) -> None:

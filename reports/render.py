@@ -11,6 +11,8 @@ the report reads the same on a terminal without colour.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -108,11 +110,16 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     seeds = f"seed {h.seed}" if h.seeds == 1 else f"seeds {h.seed}..{h.seed + h.seeds - 1}"
     init = f", init {h.init}" if h.init else ""
     rules = _theories(result)
-    if h.theory == "off":
+    if h.theory in ("off", "none"):  # "none": documents written before the header said "off"
         _kv(t, "theory", f"off: measurement only, no predictions{init}; {seeds}")
     else:
         scope = _interval_scope(h)
         _kv(t, "theory", f"{h.theory}{rules}{init}; {seeds}" + (f"; 99% intervals over {scope}" if scope else ""))
+    declared = getattr(h, "declared", "")
+    if declared:
+        state = {True: "fresh (at its declared init)", False: "trained (moved off its declared init)",
+                 None: "fresh or trained unknown"}[getattr(h, "fresh", None)]
+        _kv(t, "init", f"declared: {declared}; {state}")
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
@@ -461,7 +468,8 @@ def attention_table(result: Any, drop: Sequence[str] = ()) -> Table:
     entropy to the caption when every block shares it, "short" abbreviates the headings, "min"
     and "pred" leave those columns out.
     """
-    cos_after = {r.index - 1: r.cosine for r in result.depth if r.index >= 1}
+    cos_after = {r.index - 1: _measured(r.cosine) for r in result.depth if r.index >= 1}
+    measured = any(_measured(r.cosine) is not None for r in result.depth)
     # a predicted cosine is outside validity where its tensor's forward prediction is (the table's "*")
     invalid = {r.name for r in result.tensors if r.direction == "forward" and r.predicted is not None and not r.valid}
 
@@ -480,9 +488,11 @@ def attention_table(result: Any, drop: Sequence[str] = ()) -> Table:
     if not show_uniform and uniforms:
         caption += f", {uniforms.pop()} here"
     caption += "); saturated: rows with max prob > 0.99; cosine: between tokens after the block (towards 1 = rank collapse)"
+    if not measured:
+        caption += ", not measured for this model (- in the table)"
     if show_pred:
         caption += ", pred: as the token-kernel theory predicts it (* = outside its validity)"
-    if embed is not None:
+    if embed is not None and _measured(embed.cosine) is not None:
         caption += f"; after the embedding {num(embed.cosine)}"
         if getattr(embed, "cosine_predicted", None) is not None:
             caption += f" (pred {predicted_text(embed)})"
@@ -518,6 +528,11 @@ def attention_table(result: Any, drop: Sequence[str] = ()) -> Table:
     return t
 
 
+def _measured(cosine: float | None) -> float | None:
+    """A cosine as measured, None where it was not (None, or NaN in a document written before None)."""
+    return None if cosine is None or (isinstance(cosine, float) and math.isnan(cosine)) else cosine
+
+
 class AttentionTable:
     """:func:`attention_table` as a renderable that fits itself to the width without cutting a
     number: the uniform entropy moves to the caption, the headings shorten, then the min
@@ -548,3 +563,21 @@ def report(result: Any, ctx: ReportContext | None = None, extra: Sequence[Render
     for e in extra:
         parts += [Text(""), e]
     return Group(*parts)
+
+
+def report_text(result: Any, width: int = 100) -> str:
+    """The report :func:`report` draws, as plain text ``width`` columns wide (no colour codes): what
+    ``print(result)`` shows of a DiagnoseResult (the "text" renderer of the entry-point group
+    "tinylm.renderers"). Anything else is drawn by ``str`` of its dataclass fields."""
+    import io
+
+    from rich.console import Console
+
+    from diagnostics import DiagnoseResult
+
+    if not isinstance(result, DiagnoseResult):
+        raise TypeError(f"reports.render.report_text: cannot draw a {type(result).__name__}; pass a DiagnoseResult")
+    out = io.StringIO()
+    Console(file=out, width=width, highlight=False, color_system=None, force_terminal=False,
+            legacy_windows=False).print(report(result))
+    return out.getvalue()

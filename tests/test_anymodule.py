@@ -194,14 +194,21 @@ def test_a_loss_far_above_ln_v_alone_is_too_large_logits_warned_on_random_tokens
     assert diagnose(GeluLM(L=2, head_gain=1.0), tokens, options=OPTS).findings == []  # negative control
 
 
-def test_a_tinylm_model_judges_its_loss_at_init_only():
+def test_a_tinylm_model_judges_its_loss_by_the_one_fresh_decision():
+    """Fresh: a loss far above ln V fails; moved off its init (trained), on random tokens: it warns (a
+    trained model's loss there is ln V plus how peaked its predictions are), and a grown head is no alarm."""
     cfg = tinylm.ModelConfig(vocab_size=128, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64)
     model = tinylm.TransformerLM(cfg, generator=torch.Generator().manual_seed(0))
-    assert LOSS in diagnose(model, options=OPTS).judged
+    fresh = diagnose(model, options=OPTS)
+    assert LOSS in fresh.judged and fresh.header.fresh is True
     with torch.no_grad():
-        model.lm_head.weight.mul_(1.5)  # no longer its declared init: a trained model's loss is not judged
+        model.lm_head.weight.mul_(1.5)  # no longer its declared init
     r = diagnose(model, options=OPTS)
-    assert LOSS not in r.judged and "at init only" in dict(r.not_judged)[LOSS] and r.status == "healthy"
+    assert r.header.fresh is False and LOSS in r.judged and r.status == "healthy"
+    with torch.no_grad():
+        model.lm_head.weight.mul_(200.0)  # logits far too wide: judged at warn, as trained on random tokens
+    far = diagnose(model, options=OPTS)
+    assert [(f.cause, f.severity) for f in far.findings] == [("logit_scale", "warn")]
 
 
 def test_documents_before_version_5_keep_their_status_from_their_findings():

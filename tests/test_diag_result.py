@@ -157,7 +157,7 @@ def test_any_module_without_theory():
             return self.out(torch.tanh(self.emb(x)))
 
     r = diagnose(Tiny(), options=DiagnoseOptions(batch_size=2, seq_len=5, batches=2))
-    assert r.header.theory == "none" and r.depth == [] and r.tensor("out").predicted is None
+    assert r.header.theory == "off" and r.depth == [] and r.tensor("out").predicted is None
     assert r.header.loss_uniform == pytest.approx(math.log(20))
 
 

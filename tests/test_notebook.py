@@ -244,7 +244,8 @@ def test_pyproject_registers_the_notebook_renderer_and_the_lookup_finds_it():
     from diagnostics import display
     from reports import notebook
 
-    assert [(p.name, p.value) for p in declared_renderers()] == [("notebook", "reports.notebook:html")]
+    assert [(p.name, p.value) for p in declared_renderers()] == [("notebook", "reports.notebook:html"),
+                                                                 ("text", "reports.render:report_text")]
     assert display.renderer() is notebook.html  # found through the entry point, not imported by name
 
 

@@ -44,5 +44,5 @@ def test_a_theory_that_fails_leaves_the_measurement_and_says_so(monkeypatch):
     model = tinylm.TransformerLM(SMALL, generator=torch.Generator().manual_seed(0))
     with pytest.warns(RuntimeWarning, match="could not be computed .*OverflowError"):
         result = diagnose(model, options=OPTS)
-    assert result.header.theory == "none" and result.tensors
+    assert result.header.theory == "off" and result.tensors
     assert all(r.predicted is None for r in result.tensors)

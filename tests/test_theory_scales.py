@@ -153,7 +153,7 @@ def test_any_failure_inside_theory_leaves_the_measurement_and_the_verdict(monkey
     monkeypatch.setattr(D, "predict", broken)
     with pytest.warns(RuntimeWarning, match=f"could not be computed .*{type(error).__name__}"):
         result = diagnose(model, options=DiagnoseOptions(**OPTS))
-    assert result.header.theory == "none" and all(r.predicted is None for r in result.tensors)
+    assert result.header.theory == "off" and all(r.predicted is None for r in result.tensors)
     assert kinds(result) == kinds(measured_only) and not result.healthy
     check_report(result, "none")
 

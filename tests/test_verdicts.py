@@ -235,7 +235,8 @@ def test_thresholds_are_validated_and_change_verdicts():
     old = {k: v for k, v in Thresholds().to_dict().items() if k in ("exploding_gain", "vanishing_gain", "watch_growth")}
     assert Thresholds.from_dict(old) == Thresholds()  # a history written before the new fields
     # negative control: a threshold below what a healthy model measures turns it into a finding
-    r = diagnose(model_of(2), options=DiagnoseOptions(batch_size=2, seq_len=16, batches=1,
+    # (4 blocks: a stack shallower than exploding_run has no run of gains to judge)
+    r = diagnose(model_of(4), options=DiagnoseOptions(batch_size=2, seq_len=16, batches=1,
                                                        thresholds=Thresholds(exploding_gain=1.01)))
     assert any(f.kind == "exploding" for f in r.findings)
 

@@ -595,6 +595,9 @@ def load(path: str | os.PathLike) -> tuple[TransformerLM, CheckpointInfo]:
     model.materialize("cpu")
     model.load_state_dict(ours, strict=True)
     model.eval()
+    # the init the weights were drawn from is transformers', not config.init's placeholder scheme
+    model.declared_init = {"source": "config.json", "initializer_range": cfg.get("initializer_range"),
+                           "scaled_residual": fam is _GPT2}
     info = CheckpointInfo(str(root), fmt, "stored", extra={"model_type": cfg.get("model_type")})
     info.nonfinite = [k for k, v in model.named_parameters() if not torch.isfinite(v).all()]
     return model, info

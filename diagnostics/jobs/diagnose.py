@@ -26,8 +26,10 @@ The point is the geometric mean of the replicates; the interval is asymmetric
 around it and always positive. It is never taken over the elements of one tensor
 (those are correlated).
 
-Theory: "global" for a freshly initialised tinylm model (every parameter's std within 5%
-of its declared init), "local" otherwise (:func:`diagnostics.theory.predict`). In global
+Fresh or trained is decided once (:mod:`.diagnose_init`: the model's declared init, and whether
+every weight is still within a fresh draw's spread of it), stored in the header and used by every
+check that depends on it. Theory: "global" for a fresh tinylm model whose declared init is a tinylm
+scheme, "local" otherwise (:func:`diagnostics.theory.predict`). In global
 mode the forward predictions come from the token-kernel theory (:mod:`diagnostics.theory.tokenkernel`),
 computed once per process for each (config, seq_len, scheme, token coincidences): the
 seeds and batches of a run share it, as they share every global prediction (the theory
@@ -50,7 +52,6 @@ import torch
 from torch import Tensor, nn
 
 import tinylm
-from tinylm.init import declare
 
 from ..judge import Thresholds, coverage, judge
 from ..measure.blocks import BlockStack
@@ -63,6 +64,7 @@ from ..options import DiagnoseOptions, OptionsError, Progress, ProbeOptions
 from ..result import AttentionRow, DepthRow, DiagnoseResult, Finding, Header, ParamRow, TensorRow
 from ..theory import Prediction, predict
 from ..theory.tokenkernel import token_coincidence
+from .diagnose_init import FRESH_RULE, Declaration, declaration, fresh
 from .diagnose_rows import attention_rows, depth_rows, param_rows, tensor_rows
 from .diagnose_sample import batch_loss, model_context, seed_batches, seed_models
 
@@ -92,10 +94,12 @@ def diagnose(model: nn.Module, tokens=None, options: DiagnoseOptions | None = No
     steps = _Steps(options.progress, total=len(sample.models) * len(sample.batches[0]) + 2)
     measured = _measure(sample, options, steps)
     pooled = _pool(measured)
-    theory = _predict(model, sample, measured, pooled, options, steps)
-    rows = _rows(model, sample, measured, pooled, theory)
-    verdicts = _judge(model, sample, measured, pooled, rows, thresholds, options, steps)
-    return DiagnoseResult(header=_header(model, sample, measured, theory, options), tensors=verdicts.rows.tensors,
+    state = _state(model, sample, measured)
+    theory = _predict(model, sample, measured, pooled, options, steps, state)
+    rows = _rows(model, sample, measured, pooled, theory, state)
+    verdicts = _judge(model, sample, measured, pooled, rows, thresholds, options, steps, state)
+    return DiagnoseResult(header=_header(model, sample, measured, theory, options, state),
+                          tensors=verdicts.rows.tensors,
                           params=verdicts.rows.params, attention=verdicts.rows.attention, depth=verdicts.rows.depth,
                           findings=verdicts.findings, thresholds=thresholds.to_dict(),
                           created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -144,8 +148,17 @@ class _Measured:
 
 
 @dataclass
+class _State:
+    """The model's declared init and whether its weights are still at it (None: nothing declared),
+    decided once for every check."""
+
+    declared: Declaration
+    fresh: bool | None
+
+
+@dataclass
 class _Theory:
-    """The theory mode used ("local", "global", "off" or "none") and its predictions, per replicate and pooled."""
+    """The theory mode used ("local", "global" or "off") and its predictions, per replicate and pooled."""
 
     mode: str
     per_rep: list[Predictions]
@@ -239,19 +252,27 @@ def _pool(measured: _Measured) -> ProbeStats:
     return pooled
 
 
+def _state(model: nn.Module, sample: _Sample, measured: _Measured) -> _State:
+    """The declared init and the fresh-or-trained decision (:mod:`.diagnose_init`), from the first
+    replicate's parameters (the model as given; one seed's draw when several are measured)."""
+    decl = declaration(sample.models[0])
+    rows = param_rows(measured.replicates[0].stats, lambda n: None, decl.dists)
+    return _State(decl, fresh(rows, decl))
+
+
 def _predict(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats,
-             options: DiagnoseOptions, steps: _Steps) -> _Theory:
-    """Theory's predictions in the mode asked ("auto": global for a fresh tinylm model, else local;
-    "none" for any other model). A theory that fails warns and leaves the measurement without
-    predictions (mode "none"); a global theory whose premise the weights contradict is kept but
-    marked outside validity."""
+             options: DiagnoseOptions, steps: _Steps, state: _State) -> _Theory:
+    """Theory's predictions in the mode asked ("auto": global for a fresh tinylm model whose declared
+    init is a tinylm scheme, else local; "off" for any other model). A theory that fails warns and
+    leaves the measurement without predictions (mode "off"); a global theory whose premise the
+    weights contradict is kept but marked outside validity."""
     mode = options.theory
-    if mode == "off":
-        pass  # measurement only, as asked
+    if mode in ("off", "none"):
+        mode = "off"  # measurement only, as asked
     elif not isinstance(model, tinylm.TransformerLM):
-        mode = "none"
+        mode = "off"
     elif mode == "auto":
-        mode = "global" if _fresh_init(measured.replicates[0].stats) else "local"
+        mode = "global" if state.fresh and state.declared.scheme else "local"
     per_rep: list[Predictions] = []
     pooled_pred: Predictions = {}
     if mode in ("local", "global"):
@@ -264,12 +285,13 @@ def _predict(model: nn.Module, sample: _Sample, measured: _Measured, pooled: Pro
         except Exception as e:  # noqa: BLE001 - theory never takes the measurement, the verdict or the exit code down
             warnings.warn(f"theory ({mode}) could not be computed for this model ({type(e).__name__}: {e}); "
                           "the measurements and verdicts stand without predictions", RuntimeWarning, stacklevel=3)
-            mode, per_rep, pooled_pred = "none", [], {}
+            mode, per_rep, pooled_pred = "off", [], {}
     steps.advance(f"theory ({mode})")
     return _Theory(mode, per_rep, pooled_pred)
 
 
-def _rows(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats, theory: _Theory) -> _Rows:
+def _rows(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats, theory: _Theory,
+          state: _State) -> _Rows:
     """The tensor rows (with ratios over the independent replicates: the draws when there are several
     seeds, else the batches), the parameter rows (the model as given), attention and depth rows."""
     stack = sample.stack
@@ -279,28 +301,26 @@ def _rows(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeS
     replicates = [r.stats for r in measured.replicates]
     tensors = tensor_rows(pooled, theory.pooled, replicates, theory.per_rep,
                           lambda k: k // per_seed if several else k, theory.mode, index)
-    return _Rows(tensors=tensors, params=param_rows(replicates[0], index),
+    return _Rows(tensors=tensors, params=param_rows(replicates[0], index, state.declared.dists),
                  attention=attention_rows(pooled, sample.seq_len, index),
                  depth=depth_rows(sample.sites.depth, pooled, theory.pooled))
 
 
 def _judge(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats, rows: _Rows,
-           thresholds: Thresholds, options: DiagnoseOptions, steps: _Steps) -> _Verdicts:
+           thresholds: Thresholds, options: DiagnoseOptions, steps: _Steps, state: _State) -> _Verdicts:
     """Every verdict (:func:`diagnostics.judge.verdicts.judge`) with the evidence it needs, and the
     checks made (:func:`~diagnostics.judge.verdicts.coverage`); the rows get their verdicts."""
-    tiny = isinstance(model, tinylm.TransformerLM)
-    deliberate = _deliberate_zeros(model)
-    loss_check, loss_reason = _loss_check(float(np.mean(measured.losses)), measured.vocabs, options, tiny,
-                                          sample.source, tiny and _fresh_init(measured.replicates[0].stats))
+    deliberate = _deliberate_zeros(model, state.declared)
+    loss_check, loss_reason = _loss_check(float(np.mean(measured.losses)), measured.vocabs, options,
+                                          sample.source, state.fresh)
+    arch = _architecture(model, sample.stack, state.declared)
     stream_reason = "" if sample.stack is not None else (
         "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
     findings, tv, pv, av = judge(rows.tensors, rows.params, rows.attention, rows.depth, list(pooled.order),
-                                 thresholds, deliberate, scale_invariant=tiny and model.config.norm == "pre",
-                                 architecture=_architecture(model, sample.stack), flat=pooled.flat_frac,
-                                 loss=loss_check)
-    judged, not_judged = coverage(rows.tensors, rows.params, rows.attention, rows.depth,
-                                  _architecture(model, sample.stack), pooled.flat_frac, deliberate, loss_reason,
-                                  stream_reason)
+                                 thresholds, deliberate, scale_invariant=_scale_invariant(model, arch),
+                                 architecture=arch, flat=pooled.flat_frac, loss=loss_check, fresh=state.fresh)
+    judged, not_judged = coverage(rows.tensors, rows.params, rows.attention, rows.depth, arch, pooled.flat_frac,
+                                  deliberate, loss_reason, stream_reason, fresh=state.fresh)
     judged_rows = _Rows(tensors=[replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows.tensors],
                         params=[replace(p, verdict=pv.get(p.name, "ok")) for p in rows.params],
                         attention=[replace(a, verdict=av.get(a.name, "ok")) for a in rows.attention],
@@ -310,7 +330,7 @@ def _judge(model: nn.Module, sample: _Sample, measured: _Measured, pooled: Probe
 
 
 def _header(model: nn.Module, sample: _Sample, measured: _Measured, theory: _Theory,
-            options: DiagnoseOptions) -> Header:
+            options: DiagnoseOptions, state: _State) -> Header:
     """What was measured, how, and the mean loss beside ln V of the logits where the loss is their
     next-token cross-entropy (a tinylm model's: its vocabulary)."""
     tiny = isinstance(model, tinylm.TransformerLM)
@@ -319,22 +339,16 @@ def _header(model: nn.Module, sample: _Sample, measured: _Measured, theory: _The
     header = Header(
         model_class=type(model).__name__, config=model.config.to_dict() if tiny else None,
         parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
-        init=model.config.init if tiny else "",
+        init=state.declared.scheme or "",
         tokens_measured=sum(b.shape[0] for bs in sample.batches for b in bs) * sample.seq_len,
         batch_size=options.batch_size, seq_len=sample.seq_len, batches=len(sample.batches[0]),
         seeds=len(sample.models), seed=options.seed, theory=theory.mode, loss=loss,
-        loss_uniform=math.log(vocab) if vocab else None, token_source=sample.source)
+        loss_uniform=math.log(vocab) if vocab else None, token_source=sample.source,
+        declared=state.declared.words, fresh=state.fresh, fresh_rule=FRESH_RULE)
     return replace(header, interval=interval_scope(header))
 
 
 # ----------------------------------------------------------------------------- theory's helpers
-
-
-def _fresh_init(stats: ProbeStats) -> bool:
-    """Whether every parameter's std is within 5% of its declared init std (a constant one exactly 0)."""
-    drifts = [p.drift for p in stats.params.values() if p.drift is not None]
-    consts = [p for p in stats.params.values() if p.declared_std == 0]
-    return bool(drifts) and all(abs(d - 1) < 0.05 for d in drifts) and all(p.std == 0 for p in consts)
 
 
 #: A parameter whose std is outside [1/x, x] times its declared init std breaks global theory's
@@ -394,14 +408,14 @@ def _predictions(mode: str, sample: _Sample, measured: _Measured, pooled: ProbeS
 # ----------------------------------------------------------------------------- the verdicts' evidence
 
 
-def _deliberate_zeros(model: nn.Module) -> set[str]:
-    """The modules a tinylm model's init scheme declares exactly zero and that are still all zero (a
+def _deliberate_zeros(model: nn.Module, declared: Declaration) -> set[str]:
+    """The modules a tinylm model's declared init makes exactly zero and that are still all zero (a
     zero-initialised output projection or w2, and the attention or FFN branch it ends): their zero
     output is by design, not dead."""
     deliberate: set[str] = set()
     if not isinstance(model, tinylm.TransformerLM):
         return deliberate
-    decl = declare(model, model.config.init) if model.config.init in tinylm.init.SCHEMES else {}
+    decl = declared.dists
     named = dict(model.named_parameters())
     for pname, dist in decl.items():
         if dist.family == "constant" and dist.value == 0 and pname.endswith(".weight") \
@@ -415,37 +429,44 @@ def _deliberate_zeros(model: nn.Module) -> set[str]:
     return deliberate
 
 
-def _loss_check(loss: float, vocabs: set, options: DiagnoseOptions, tiny: bool, source: str, fresh: bool
+def _loss_check(loss: float, vocabs: set, options: DiagnoseOptions, source: str, fresh: bool | None
                 ) -> tuple[tuple[float, float, str] | None, str]:
     """((loss, ln V, severity of a loss far above it), "") where the loss is judged against ln V, else
-    (None, why not). Judged: the mean next-token cross-entropy of (B, T, V) logits, of a tinylm model
-    whose weights follow its declared init or of any other model (whose state is unknown). Severity
-    "fail" where the model is known to be fresh or the tokens are given (a trained model's loss on
-    real tokens is below ln V); "warn" for another model on random tokens, where a trained model's
-    loss is ln V plus how peaked its predictions are."""
+    (None, why not). Judged: the mean next-token cross-entropy of (B, T, V) logits. Severity "fail"
+    where the model is known fresh (``fresh`` True) or the tokens are given (a trained model's loss on
+    real tokens is below ln V); "warn" on random tokens for a model known trained (False) or of
+    unknown state (None), where a trained model's loss is ln V plus how peaked its predictions are."""
     vocab = next(iter(vocabs)) if len(vocabs) == 1 else None
     if vocab is None:
         return None, ("a custom loss_fn is not next-token cross-entropy" if options.loss_fn is not None else
                       "the model's output holds no next-token logits (B, T, V)")
     if vocab < 2:
         return None, f"the logits have V = {vocab} classes"
-    if tiny and not fresh:
-        return None, ("judged at init only: the weights do not follow the declared init (trained?), and on random "
-                      "tokens a trained model's loss is ln V plus how peaked its predictions are")
-    return (loss, math.log(vocab), "fail" if tiny or source == "given" else "warn"), ""
+    return (loss, math.log(vocab), "fail" if fresh or source == "given" else "warn"), ""
 
 
-def _architecture(model: nn.Module, stack=None) -> dict | None:
+def _scale_invariant(model: nn.Module, arch: dict | None) -> bool:
+    """Whether the backward stream is judged on Var(g) Var(x): a pre-norm tinylm model, or any other
+    model whose blocks hold a norm module (pre-norm: exact; post-norm: its block outputs are
+    normalised, so Var(x) is flat over depth and the product's gains are Var(g)'s)."""
+    if isinstance(model, tinylm.TransformerLM):
+        return model.config.norm == "pre"
+    return bool(arch and arch.get("norms"))
+
+
+def _architecture(model: nn.Module, stack=None, declared: Declaration | None = None) -> dict | None:
     """What the verdicts' causes and advice need to know of a model's build: a tinylm model's
-    norm placement, FFN kind, RoPE, depth, head width and init scheme; of any other module, only
-    {"norm": "none"} when its blocks hold no normalisation module (no class whose name holds
-    "Norm": LayerNorm, RMSNorm, LlamaRMSNorm, ...), else None (unknown)."""
+    norm placement, FFN kind, RoPE, depth, head width and declared init (its tinylm scheme, else the
+    declaration's words, "" for none); of any other module, {"norm": "none"} when its blocks hold no
+    normalisation module (no class whose name holds "Norm": LayerNorm, RMSNorm, LlamaRMSNorm, ...),
+    {"norms": True} when they hold one (placement unknown), None without a block stack."""
     if not isinstance(model, tinylm.TransformerLM):
         if stack is None:
             return None
         named = dict(model.named_modules())
         normed = any("Norm" in type(m).__name__ for b in stack.names for m in named[b].modules())
-        return None if normed else {"norm": "none"}
+        return {"norms": True} if normed else {"norm": "none"}
     c = model.config
+    init = c.init if declared is None else declared.scheme or (declared.words if declared.known else "")
     return {"norm": c.norm, "ffn": c.ffn, "rope": c.rope, "num_layers": c.num_layers, "d_model": c.d_model,
-            "d_k": c.head_dim, "init": c.init}
+            "d_k": c.head_dim, "init": init}

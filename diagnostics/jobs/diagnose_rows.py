@@ -32,6 +32,12 @@ def comparable(p: Prediction) -> bool:
     return math.isfinite(p.var) and p.var > 0
 
 
+def _possible(v: float) -> bool:
+    """Whether a predicted variance can be reported: finite and not negative (else the prediction is
+    outside validity, with why, and the row carries no number)."""
+    return math.isfinite(v) and v >= 0
+
+
 def _ratio(name: str, direction: str, replicates: Sequence[ProbeStats], per_rep: Sequence[Predictions],
            group: Callable[[int], int]) -> tuple[float | None, float | None, float | None]:
     """(ratio, low, high) of measured over predicted variance over the replicates (replicate k in
@@ -66,20 +72,34 @@ def tensor_rows(pooled: ProbeStats, pooled_pred: Predictions, replicates: Sequen
                 frac_zero=mom.frac_zero, frac_nonfinite=mom.frac_nonfinite,
                 frac_fp16_underflow=mom.frac_fp16_underflow, frac_fp16_overflow=mom.frac_fp16_overflow,
                 frac_bf16_underflow=mom.frac_bf16_underflow, frac_bf16_overflow=mom.frac_bf16_overflow,
-                predicted=pred.var if pred is not None else None, ratio=ratio, ratio_low=low, ratio_high=high,
+                predicted=pred.var if pred is not None and _possible(pred.var) else None, ratio=ratio,
+                ratio_low=low, ratio_high=high,
                 theory=mode if pred is not None else "", valid=pred.valid if pred is not None else True,
                 validity=pred.validity if pred is not None else "", rule=pred.rule if pred is not None else "",
-                predicted_independent=pred.independent.var if pred is not None and pred.independent else None,
+                predicted_independent=pred.independent.var if pred is not None and pred.independent
+                and _possible(pred.independent.var) else None,
             ))
     return rows
 
 
-def param_rows(first: ProbeStats, index: BlockIndex) -> list[ParamRow]:
-    """One row per parameter, from the first replicate's statistics (the model as given)."""
-    return [ParamRow(
-        name=n, block=index(n), shape=tuple(p.shape), std=p.std, declared_std=p.declared_std,
-        declared=p.declared, drift=p.drift, spectral_norm=p.spectral_norm, stable_rank=p.stable_rank,
-        grad_std=p.grad_std, frac_nonfinite=p.frac_nonfinite) for n, p in first.params.items()]
+def param_rows(first: ProbeStats, index: BlockIndex, declared: dict | None = None) -> list[ParamRow]:
+    """One row per parameter, from the first replicate's statistics (the model as given).
+
+    ``declared``: {name: tinylm.init.Dist}, the model's declared init
+    (:func:`~diagnostics.jobs.diagnose_init.declaration`); a parameter not in it has no declared std.
+    None: the probe's own (from ``model.config.init``)."""
+    rows = []
+    for n, p in first.params.items():
+        std_d, words = p.declared_std, p.declared
+        if declared is not None:
+            d = declared.get(n)
+            std_d, words = (d.actual_std, d.describe()) if d is not None else (None, "")
+        drift = p.std / std_d if std_d and math.isfinite(p.std) else None
+        rows.append(ParamRow(
+            name=n, block=index(n), shape=tuple(p.shape), std=p.std, declared_std=std_d,
+            declared=words, drift=drift, spectral_norm=p.spectral_norm, stable_rank=p.stable_rank,
+            grad_std=p.grad_std, frac_nonfinite=p.frac_nonfinite))
+    return rows
 
 
 def attention_rows(pooled: ProbeStats, seq_len: int, index: BlockIndex) -> list[AttentionRow]:
@@ -107,10 +127,10 @@ def depth_rows(points: Sequence[str], pooled: ProbeStats, pooled_pred: Predictio
             continue
         b = pooled.tensors.get((name, "backward"))
         pf, pb = pooled_pred.get((name, "forward")), pooled_pred.get((name, "backward"))
-        cos = pooled.cosine.get(name)
+        cos = pooled.cosine.get(name)  # not measured (None) where the probe sees no token vectors
         rows.append(DepthRow(index=k, name=name, forward_var=f.var, forward_predicted=pf.var if pf else None,
                              backward_var=b.var if b is not None else None,
                              backward_predicted=pb.var if pb else None,
-                             cosine=cos.mean if cos is not None else math.nan,
+                             cosine=cos.mean if cos is not None and math.isfinite(cos.mean) else None,
                              cosine_predicted=pf.cosine if pf is not None else None))
     return rows

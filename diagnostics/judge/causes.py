@@ -165,7 +165,8 @@ def _init_scale(causes: _Causes, ev: Evidence, th: Thresholds, arch: dict) -> No
     if (drift_hi or drift_lo) and not (gain_hi or gain_lo):
         value, threshold, stat = ev.drift, th.init_drift if large else 1 / th.init_drift, \
             "median weight std / declared init std"
-        text = (f"the block weights' std is {fmt(ev.drift)} times what the declared {scheme or ''} scheme gives "
+        text = (f"the block weights' std is {fmt(ev.drift)} times what their declared init ({scheme or 'declared'}) "
+                f"gives "
                 f"(median; {'>' if large else '<'} {fmt(threshold)})")
     else:
         value = ev.gain_all if large else ev.gain_inner

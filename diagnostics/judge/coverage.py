@@ -10,18 +10,19 @@ __all__ = ["coverage"]
 
 def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
              architecture: dict | None = None, flat: dict[str, float] | None = None,
-             deliberate_zero: set[str] = frozenset(), loss_reason: str = "", stream_reason: str = ""
-             ) -> tuple[list[str], list[tuple[str, str]]]:
+             deliberate_zero: set[str] = frozenset(), loss_reason: str = "", stream_reason: str = "",
+             fresh: bool | None = None) -> tuple[list[str], list[tuple[str, str]]]:
     """What :func:`~.verdicts.judge` could judge from these records (the check names of
     :data:`diagnostics.result.CHECKS`, in that order), and each check it could not, with why.
 
     ``loss_reason``: why the loss was not judged against ln V ("" if it was); ``stream_reason``:
     why there is no residual stream (no block stack found; "" if there is one). A check that
     does not apply to a known build (post-norm imbalance of a pre-norm tinylm model) is neither.
+    ``fresh``: the diagnosis's one decision whether the weights are at their declared init.
     """
     arch = architecture or {}
     tiny = "init" in arch  # a tinylm model's build is known from its config; another's only its norms
-    ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth)
+    ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth, fresh)
     fwd = [d for d in depth if d.forward_var is not None]
     bwd = [d for d in depth if d.backward_var is not None]
     few = f"only {len(depth)} residual point(s) (before and after the blocks): a run of gains needs 3"
@@ -33,11 +34,14 @@ def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[A
         "no block holds a weight with a gradient",
         "weights' scale (std^2 fan_in)": "" if ev.gain_all is not None else "no 2-D weights inside the blocks",
         "weights against the declared init": "" if ev.drift is not None else
-        "no declared init scheme (a tinylm model declares one)" if not tiny else "the scheme declares no std",
+        "no declared init (a tinylm scheme, or a Hugging Face config's initializer_range)",
         "attention (saturated rows)": "" if attention else
         "no attention seen (no scaled_dot_product_attention call; explicit matmul-softmax attention is not seen)",
         "attention score scaling": "" if ev.fresh and ev.score_ratio else
-        "judged on weights at their declared init only" if tiny or attention else "no attention seen",
+        ("no attention seen" if not (tiny or attention) else
+         "judged on weights at their declared init only, and these have moved off it (trained)" if fresh is False
+         else "judged on weights at their declared init only, and no init is declared" if fresh is None
+         else "no q/k projections measured beside the scores"),
         "SiLU gates in the flat region": "" if flat else "no SiLU gate known (a tinylm SwiGLU or SiLU FFN)",
         "residual branches": "" if any(r.kind in ("attn_branch", "ffn_branch") for r in tensors) else
         "the branches of a block are known for tinylm models only",

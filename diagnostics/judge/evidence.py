@@ -35,7 +35,7 @@ class Evidence:
     qk_gain: dict[int, float] = field(default_factory=dict)  # block -> sqrt(gain(q) gain(k))
     grad_medians: dict[int, float] = field(default_factory=dict)  # block -> median weight-gradient std
     dead_blocks: set[int] = field(default_factory=set)  # blocks whose FFN holds an exactly-zero tensor
-    fresh: bool = False  # every block weight within 5% of its declared init std (q and k independent)
+    fresh: bool = False  # the weights at their declared init (the diagnosis's one decision): q, k independent
     imbalance: float | None = None  # stream gradient variance at the first block's output / the last's
 
 
@@ -51,7 +51,7 @@ def median(v: list[float]) -> float | None:
 
 def evidence(tensors: list[TensorRow], params: list[ParamRow], architecture: dict | None = None,
              flat: dict[str, float] | None = None, deliberate_zero: set[str] = frozenset(),
-             depth: list[DepthRow] = ()) -> Evidence:
+             depth: list[DepthRow] = (), fresh: bool | None = None) -> Evidence:
     """The measurements that tell the causes apart (see docs/verdicts.md for each one).
 
     Args:
@@ -59,6 +59,8 @@ def evidence(tensors: list[TensorRow], params: list[ParamRow], architecture: dic
         architecture: what is known of the build ({"norm", "d_k", ...}; None: nothing).
         flat: {SiLU gate input name: fraction of its entries below -6}.
         deliberate_zero: tensor names exactly zero by design (their Linear's weight is left out).
+        fresh: whether the weights are at their declared init (decided once per diagnosis; None: unknown,
+            treated as not fresh).
 
     Returns:
         The :class:`Evidence`; ``dead_blocks`` is left empty (the symptoms fill it).
@@ -69,6 +71,7 @@ def evidence(tensors: list[TensorRow], params: list[ParamRow], architecture: dic
     ev.score_ratio = _score_ratios(tensors, rows)
     ev.flat, ev.gate_offset = _gates(flat or {}, rows)
     _weights(ev, params, deliberate_zero)
+    ev.fresh = bool(fresh)
     ev.imbalance = _imbalance(depth)
     return ev
 
@@ -113,7 +116,6 @@ def _weights(ev: Evidence, params: list[ParamRow], deliberate_zero: set[str]) ->
     ev.gain_all = median(list(gain.values()))
     ev.gain_inner = median([g for n, g in gain.items() if not n.endswith((".output_proj.weight", ".w2.weight"))])
     ev.drift = median([p.drift for p in weights if p.drift is not None])
-    ev.fresh = bool(weights) and all(p.drift is not None and abs(p.drift - 1) < 0.05 for p in weights)
     for p in weights:
         if p.name.endswith(".attn.q_proj.weight"):
             kname = p.name.replace(".q_proj.", ".k_proj.")

@@ -8,7 +8,8 @@ uniform guess.
 The stream is judged by the shape of its growth, not one ratio: geometric growth multiplies
 the stream block after block, so "exploding" is a run of exploding_run blocks in a row each
 multiplying it (forward) or its gradient (backward, on the way down) by more than
-exploding_gain. A pre-norm stream adds one normalised branch per block: while the stream is
+exploding_gain; a stack shallower than exploding_run is called exploding only by its total's
+geometric growth. A pre-norm stream adds one normalised branch per block: while the stream is
 small next to the branches (small-init's or gpt2's tiny embedding, or a trained model's
 grown branches) one block's gain 1 + Var(branch)/Var(stream) can be 40 or 400, but the next
 ones fall back towards 1 (linear growth), so no run forms. Where the stream overflows
@@ -202,16 +203,11 @@ def _gains(direction: str, vals: list) -> tuple[list[tuple[int, float]], list[fl
 
 def _runs(gains: list[tuple[int, float]], beyond, length: int) -> list[int]:
     """Indices j into ``gains`` that start a run of ``length`` consecutive gains each ``beyond`` the
-    threshold (fewer when fewer gains remain after j, but at least two blocks)."""
-    out = []
+    threshold. A stack with fewer blocks than ``length`` has no run: one or two large gains are what a
+    pre-norm stream's linear growth gives (its first blocks add branches to a small embedding), and
+    only the total's geometric growth (exploding_total) can call so shallow a stack exploding."""
     n = len(gains)
-    for j in range(n):
-        window = gains[j:j + length]
-        if len(window) < min(length, n) or len(window) < 2:
-            continue
-        if all(beyond(g) for _, g in window):
-            out.append(j)
-    return out
+    return [j for j in range(n - length + 1) if all(beyond(g) for _, g in gains[j:j + length])]
 
 
 def stream(reading: Reading, direction: str, vals: list, sites: Sites, th: Thresholds,
@@ -235,7 +231,7 @@ def stream(reading: Reading, direction: str, vals: list, sites: Sites, th: Thres
         reading.mark_root(direction, k)
         reading.symptoms.append(Symptom(
             "exploding", sites.block_name(k), g, th.exploding_gain, f"per-block {direction} {what} gain", direction, k,
-            f"from block {k} {way}, {min(run, len(gains))} or more blocks "
+            f"from block {k} {way}, {run} or more blocks "
             f"in a row each multiply the residual "
             f"stream's {what} by more than {fmt(th.exploding_gain)} (block {k}: {fmt(g)}; {n_up} of "
             f"{len(gains)} blocks; {fmt(total)}x in all, {shape or 'geometric'} growth)", "stream"))
@@ -254,7 +250,7 @@ def stream(reading: Reading, direction: str, vals: list, sites: Sites, th: Thres
         k, g = down[0]
         reading.symptoms.append(Symptom(
             "vanishing", sites.block_name(k), g, th.vanishing_gain, f"per-block {direction} {what} gain", direction, k,
-            f"from block {k} {way}, {min(run, len(gains))} or more blocks "
+            f"from block {k} {way}, {run} or more blocks "
             f"in a row each shrink the residual stream's {what} by a factor under "
             f"{fmt(th.vanishing_gain)} (block {k}: {fmt(g)})", "stream"))
 
@@ -343,7 +339,7 @@ def saturated(reading: Reading, attention: list[AttentionRow], th: Thresholds) -
         reading.symptoms.append(Symptom(
             "saturated", a.name, a.saturated_frac, th.saturated_rows,
             "fraction of query rows with max probability > 0.99", "forward", a.block,
-            f"{fmt(100 * a.saturated_frac)}% of {a.name}'s query rows put > 0.99 on one key "
+            f"{fmt(100 * a.saturated_frac)}% of {a.name}'s query rows are saturated, putting > 0.99 on one key "
             f"(> {fmt(100 * th.saturated_rows)}%; score std {fmt(a.score_std)})", "saturated",
             "fail" if a.saturated_frac > th.saturated_fail else "warn"))
 

@@ -24,7 +24,7 @@ class Thresholds:
     One-shot (:func:`diagnostics.judge.judge`):
 
     exploding_gain = 4.0: exploding stream, exploding_run blocks in a row each with gain > 4.
-    exploding_run = 3: that run's length in blocks (every block of a shallower stack, at least 2).
+    exploding_run = 3: that run's length in blocks (a shallower stack has none: judged by exploding_total only).
     exploding_total = 1e4: exploding stream, total gain over the stack > 1e4 and geometric (:func:`.symptoms.growth`).
     vanishing_gain = 0.25: vanishing stream, exploding_run blocks in a row each with gain < 0.25.
     vanishing_branch = 1e-8: vanishing branch, Var(branch) / Var(the stream it is added to) < 1e-8.

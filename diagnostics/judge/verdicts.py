@@ -24,7 +24,7 @@ __all__ = ["judge"]
 def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
           order: list[str], thresholds: Thresholds, deliberate_zero: set[str] = frozenset(),
           scale_invariant: bool = False, architecture: dict | None = None, flat: dict[str, float] | None = None,
-          loss: tuple[float, float, str] | None = None
+          loss: tuple[float, float, str] | None = None, fresh: bool | None = None
           ) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
     """All findings (one per cause, fail first), and the verdict of each tensor (name, direction),
     parameter and attention layer.
@@ -40,7 +40,9 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     depend on it. ``flat``: {SiLU gate input name: fraction of its entries in the flat region}.
     ``loss``: (mean next-token cross-entropy, ln V, the severity of a loss far above ln V), where
     the loss is judged (None: not judged). Block k's output is ``depth`` row k + 1 (row 0: the
-    stream before the blocks); blocks are the tensors' ``block`` fields.
+    stream before the blocks); blocks are the tensors' ``block`` fields. ``fresh``: whether the
+    weights are at their declared init (one decision per diagnosis; None: unknown): the score
+    scaling is judged on fresh weights only.
     """
     th = thresholds
     arch = architecture or {}
@@ -60,7 +62,7 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     symptoms.loss(reading, loss, th)
     # the evidence beside them: scores read from a blown-up stream say nothing of their scaling
     # (float32 rounds q k at that size)
-    ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth)
+    ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth, fresh)
     ev.score_ratio = {b: r for b, r in ev.score_ratio.items() if not reading.downstream("forward", b)}
     ev.dead_blocks = {s.block for s in reading.symptoms if s.family == "dead" and ".ffn" in s.where}
     findings = attribute(reading.symptoms, ev, th, norm, reading.folded, arch)

@@ -22,6 +22,7 @@ the backward kernel's, keeping the one it replaces in ``Prediction.independent``
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 from torch import nn
@@ -114,6 +115,22 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
             out = _with_kernel(out, bk.predictions(dropout_active=False))
         if mode == "global":  # every global gradient starts from the cross-entropy rule at the logits
             out = _ce_premise(out, out.get((tinylm.plan.HEAD, "backward")))
+    return _no_impossible_variance(out)
+
+
+def _no_impossible_variance(preds: dict[tuple[str, str], Prediction]) -> dict[tuple[str, str], Prediction]:
+    """Every prediction whose variance E[x^2] - E[x]^2 is negative or not finite marked outside validity,
+    with the value and why: a variance cannot be negative, so the rules' premises failed there (a mean
+    predicted larger than the root mean square, as a local rule combines measured moments of trained weights)."""
+    out = {}
+    for key, p in preds.items():
+        v = p.var
+        if math.isfinite(v) and v >= 0:
+            out[key] = p
+            continue
+        why = (f"the rules give a {'negative' if v < 0 else 'non-finite'} variance ({v:.3g}): their premises fail "
+               "here" if not math.isnan(v) else "the rules give no finite variance here: their premises fail")
+        out[key] = dataclasses.replace(p, valid=False, validity=why if p.valid else f"{why}; {p.validity}")
     return out
 
 
