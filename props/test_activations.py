@@ -342,10 +342,10 @@ def test_activation_moments_reject_wrong_activations(seed):
 # Every row carries its own magnitude, log-uniform over the dtype's whole normal range
 # (props.strategies.wide_tensors), in float64, float32, bfloat16 and float16; the reference is the
 # formula in float64 on the (exact) input. Element-wise, in the input's dtype d (u_d its unit
-# roundoff, t_d its smallest normal, below which a result may be flushed to zero):
+# roundoff, t_d 8 times its smallest normal, below which a result may be flushed to zero):
 #
 #   silu:  |out - x s(x)| <= 3 u_d |ref| + (1 + |x|) t_d   (three roundings; s(x) below t_d, from
-#          x ~ -87 in float32, may be flushed to 0: an absolute error t_d, which the product scales by |x|)
+#          x ~ -85 in float32, may be flushed to 0: an absolute error t_d, which the product scales by |x|)
 #   gelu, both forms:  |out - ref| <= 8 u_d (|ref| + |x| 1[x < 0]) + (1 + |x|) t_d   (at most six
 #          roundings of operands no larger than |x|; for x < 0, 1 + erf and 1 + tanh cancel, so their
 #          absolute error u_d reaches the output multiplied by |x| / 2)

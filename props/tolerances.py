@@ -37,7 +37,9 @@ def compute_roundoff(dtype: torch.dtype) -> float:
 
 
 def flush_floor(dtype: torch.dtype) -> float:
-    """The smallest normal number of ``dtype``: the absolute error allowed for a result in the
-    subnormal range, which may be flushed to zero (torch's vectorized CPU exp and sigmoid return 0
-    below e^-87.3 in float32 rather than a subnormal)."""
-    return float(torch.finfo(dtype).tiny)
+    """8 times the smallest normal number of ``dtype``: the absolute error allowed for a result
+    that small, which an implementation may flush to zero. torch's vectorized CPU exp and sigmoid
+    return 0 below e^-87.3 in float32 rather than a subnormal, and tinylm's softmax sets the
+    exponentials below e^2 times the smallest normal to 0 (they are far below the ulp of the
+    sum they join)."""
+    return 8.0 * float(torch.finfo(dtype).tiny)

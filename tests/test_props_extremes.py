@@ -10,12 +10,16 @@ existed), and at least one other property must have passed.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import given, settings
 
 from props import impl as impl_mod
+from props import strategies
 from props.runner import run_suite
 from reports import cli
 
@@ -77,3 +81,27 @@ def test_cli_names_the_whole_range_property(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert code == 1, out
     assert "FAILED activation_wide_range[relu]: relu gave NaN/inf" in out
+
+
+# -- the strategies that draw the whole finite range ------------------------------------------------
+
+
+def test_finite_exponents_and_their_errors():
+    lo, hi = strategies.finite_exponents(torch.float16)
+    assert abs(lo - math.log10(2.0**-14)) < 1e-12 and abs(hi - math.log10(65504.0)) < 1e-12
+    assert strategies.finite_exponents(torch.float32, headroom=10.0)[1] == pytest.approx(math.log10(3.4028234663852886e38) - 1)
+    with pytest.raises(ValueError, match=r"^dtype=torch.int64: must be a floating-point dtype"):
+        strategies.finite_exponents(torch.int64)
+    with pytest.raises(ValueError, match=r"^headroom=0.5: must be >= 1"):
+        strategies.finite_exponents(torch.float32, headroom=0.5)
+    with pytest.raises(ValueError, match=r"^min_exp=10.0, max_exp=20.0: no exponent of torch.float16"):
+        strategies.magnitudes(torch.float16, min_exp=10.0, max_exp=20.0)
+
+
+@settings(max_examples=40)
+@given(x=strategies.wide_tensors(headroom=4.0), m=strategies.magnitudes(torch.bfloat16, min_exp=-3.0))
+def test_wide_tensors_stay_finite_within_the_headroom(x, m):
+    info = torch.finfo(x.dtype)
+    assert x.dim() == 2 and bool(torch.isfinite(x).all())
+    assert float(x.double().abs().max()) <= info.max / 4.0
+    assert 1e-3 * (1 - 1e-12) <= m <= torch.finfo(torch.bfloat16).max
