@@ -342,7 +342,8 @@ def test_activation_moments_reject_wrong_activations(seed):
 # Every row carries its own magnitude, log-uniform over the dtype's whole normal range
 # (props.strategies.wide_tensors), in float64, float32, bfloat16 and float16; the reference is the
 # formula in float64 on the (exact) input. Element-wise, in the input's dtype d (u_d its unit
-# roundoff, t_d 8 times its smallest normal, below which a result may be flushed to zero):
+# roundoff, t_d props.tolerances.flush_floor: 8 times the compute
+# dtype's smallest normal, below which a result may be flushed to zero, plus the dtype's subnormal spacing):
 #
 #   silu:  |out - x s(x)| <= 3 u_d |ref| + (1 + |x|) t_d   (three roundings; s(x) below t_d, from
 #          x ~ -85 in float32, may be flushed to 0: an absolute error t_d, which the product scales by |x|)

@@ -202,8 +202,9 @@ def test_cross_entropy_gradient_rejects_p(impl, batch):
 # (props.strategies.wide_tensors), in float64, float32, bfloat16 and float16, and rows run up
 # to 10^5 entries. The input is exact in its dtype; the reference is float64 on that input.
 # u_d is the output dtype's unit roundoff (one final rounding), u_c the compute dtype's
-# (float32 for bf16/fp16: every function here upcasts), t_d 8 times the dtype's smallest normal
-# (a result below it may be flushed to zero: props.tolerances.flush_floor).
+# (float32 for bf16/fp16: every function here upcasts), t_d 8 times the compute dtype's
+# smallest normal (a result below it may be flushed to zero) plus the spacing of the dtype's
+# subnormals: props.tolerances.flush_floor.
 
 ALL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 

@@ -37,9 +37,10 @@ def compute_roundoff(dtype: torch.dtype) -> float:
 
 
 def flush_floor(dtype: torch.dtype) -> float:
-    """8 times the smallest normal number of ``dtype``: the absolute error allowed for a result
-    that small, which an implementation may flush to zero. torch's vectorized CPU exp and sigmoid
+    """The absolute error allowed for a tiny result of ``dtype``: 8 times the smallest normal of the
+    dtype it is computed in (at least float32), where a result may be flushed to zero, plus the
+    spacing of ``dtype``'s subnormals (its final rounding). torch's vectorized CPU exp and sigmoid
     return 0 below e^-87.3 in float32 rather than a subnormal, and tinylm's softmax sets the
-    exponentials below e^2 times the smallest normal to 0 (they are far below the ulp of the
-    sum they join)."""
-    return 8.0 * float(torch.finfo(dtype).tiny)
+    exponentials below e^2 times the smallest normal to 0 (far below the ulp of the sum they join)."""
+    compute = torch.promote_types(dtype, torch.float32)
+    return 8.0 * float(torch.finfo(compute).tiny) + 2.0 * unit_roundoff(dtype) * float(torch.finfo(dtype).tiny)
