@@ -276,11 +276,11 @@ def _shift_rel(n: int, dtype: torch.dtype, delta: float, spread: float) -> float
 
 
 @st.composite
-def shifted_rows(draw):
-    """(z, c): logits over the whole finite range less a factor 4 (wide_tensors) and a shift
-    c = +-10^e, e uniform over the same dtype's exponents, so that z + c stays finite."""
-    z = draw(wide_tensors(dtypes=st.sampled_from(ALL_DTYPES), headroom=4.0))
-    lo, hi = finite_exponents(z.dtype, headroom=4.0)
+def shifted_rows(draw, headroom: float = 4.0, rows=None, cols=None):
+    """(z, c): logits over the whole finite range less a factor ``headroom`` (wide_tensors) and a
+    shift c = +-10^e, e uniform over the same dtype's exponents, so that z + c stays finite."""
+    z = draw(wide_tensors(rows=rows, cols=cols, dtypes=st.sampled_from(ALL_DTYPES), headroom=headroom))
+    lo, hi = finite_exponents(z.dtype, headroom=headroom)
     return z, math.copysign(10.0 ** draw(st.floats(lo, hi)), draw(st.sampled_from([-1.0, 1.0])))
 
 
@@ -333,3 +333,24 @@ def test_cross_entropy_wide_range(impl, z, seed, ls):
     tol = unit_roundoff(z.dtype) * ref.abs() + 8 * (z.shape[-1] + 8) * compute_roundoff(z.dtype) * (z64.abs().max() + 1)
     check(float((loss.double() - ref).abs() / tol), 1.0, f"cross_entropy(label_smoothing={ls}) over the whole finite range "
           f"({z.dtype})", kind="err/tol")
+
+
+@prop("cross_entropy(z + c) = cross_entropy(z) over the whole finite range, all dtypes: within "
+      "2 delta + u_d(|CE(z)| + |CE(z+c)|) + 8(C+8)u_c(2 max|z| + |c| + 2), delta = 2u_d(|c| + max|z|)",
+      needs=("cross_entropy",))
+@given(case=shifted_rows(headroom=1024.0, rows=sizes(1, 8), cols=sizes(2, 12)), seed=seeds())
+def test_cross_entropy_shift_wide(impl, case, seed):
+    z, c = case
+    t = torch.randint(0, z.shape[-1], z.shape[:-1], generator=generator(seed))
+    shifted = z + torch.tensor(c, dtype=z.dtype)  # |z|, |c| <= max/1024: the loss stays finite
+    a, b = impl.cross_entropy(z, t), impl.cross_entropy(shifted, t)
+    assert bool(torch.isfinite(a) and torch.isfinite(b)), f"cross_entropy is {float(a)}, {float(b)} at shift c={c:.3g} ({z.dtype})"
+    # z + c rounded in the dtype moves each difference z_i - z_t by at most 2 delta; each loss carries
+    # the bound of cross_entropy_precision, at the size of its own logits
+    big = float(z.double().abs().max())
+    delta = 2 * unit_roundoff(z.dtype) * (abs(c) + big)
+    u_c, u_d = compute_roundoff(z.dtype), unit_roundoff(z.dtype)
+    tol = (2 * delta + u_d * (abs(float(a)) + abs(float(b)))
+           + 8 * (z.shape[-1] + 8) * u_c * (2 * big + abs(c) + 2) + flush_floor(z.dtype))
+    check(abs(float(a) - float(b)) / tol, 1.0, f"cross_entropy shift by c={c:.3g} beyond the ulp-derived bound ({z.dtype})",
+          kind="err/tol")

@@ -33,7 +33,8 @@ CASES = {
     "log_softmax_naive_backward.py": (
         "log_softmax", {"vjp_wide_range[log_softmax]"}, "vjp_wide_range[log_softmax]"),
     "cross_entropy_log_of_softmax.py": (
-        "cross_entropy", {"cross_entropy_wide_range", "vjp_wide_range[cross_entropy]"}, "cross_entropy_wide_range"),
+        "cross_entropy", {"cross_entropy_wide_range", "cross_entropy_shift_wide", "vjp_wide_range[cross_entropy]"},
+        "cross_entropy_wide_range"),
     "silu_exp_minus_x.py": (
         "silu", {"activation_derivative_asymptotes[silu]"}, "activation_derivative_asymptotes[silu]"),
     "gelu_handwritten_tanh.py": (
