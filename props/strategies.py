@@ -8,6 +8,10 @@ Import them in your own tests::
     @given(t=tensors(shapes(min_rank=2), dtypes=float_dtypes()))
     def test_mine(t): ...
 
+For the whole finite range of a dtype, :func:`wide_tensors` gives each row its own magnitude
+(log-uniform over the dtype's normal exponents, :func:`finite_exponents`), and
+:func:`magnitudes` draws single scale factors over many decades.
+
 Randomness inside an example comes from an explicit ``torch.Generator`` seeded by
 a hypothesis-drawn integer (:func:`seeds` then :func:`generator`), so a failing
 example replays exactly and hypothesis never touches torch's global RNG.
