@@ -8,6 +8,10 @@ Import them in your own tests::
     @given(t=tensors(shapes(min_rank=2), dtypes=float_dtypes()))
     def test_mine(t): ...
 
+For the whole finite range of a dtype, :func:`wide_tensors` gives each row its own magnitude
+(log-uniform over the dtype's normal exponents, :func:`finite_exponents`), and
+:func:`magnitudes` draws single scale factors over many decades.
+
 Randomness inside an example comes from an explicit ``torch.Generator`` seeded by
 a hypothesis-drawn integer (:func:`seeds` then :func:`generator`), so a failing
 example replays exactly and hypothesis never touches torch's global RNG.
@@ -33,6 +37,9 @@ __all__ = [
     "tensors",
     "dyadic_logits",
     "model_configs",
+    "finite_exponents",
+    "magnitudes",
+    "wide_tensors",
 ]
 
 #: dtypes whose large values overflow when squared (bf16 keeps float32's range but not its precision).
@@ -92,6 +99,73 @@ def tensors(
     s = draw(scale if scale is not None else st.just(1.0))
     g = generator(draw(seeds()))
     return (torch.randn(shp, generator=g, dtype=torch.float64) * s).to(dtype)
+
+
+def finite_exponents(dtype: torch.dtype, headroom: float = 1.0) -> tuple[float, float]:
+    """(log10 of ``dtype``'s smallest normal, log10 of its largest finite value / ``headroom``).
+
+    float32 and bfloat16: (-37.9, 38.5); float16: (-4.2, 4.8); float64: (-307.7, 308.3). ``headroom``
+    (>= 1) keeps room above the magnitudes drawn: a property whose function adds or squares its
+    inputs passes the factor by which the result may exceed them.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype}: must be a floating-point dtype; pass torch.float32, torch.float16, ...")
+    if not headroom >= 1.0:
+        raise ValueError(f"headroom={headroom}: must be >= 1; pass 1.0 for the whole finite range")
+    info = torch.finfo(dtype)
+    return math.log10(info.tiny), math.log10(info.max / headroom)
+
+
+def magnitudes(
+    dtype: torch.dtype = torch.float32, min_exp: float | None = None, max_exp: float | None = None, headroom: float = 1.0
+) -> st.SearchStrategy[float]:
+    """Positive magnitudes 10^e, e uniform over [min_exp, max_exp] (log-uniform over many decades).
+
+    Unset bounds default to ``finite_exponents(dtype, headroom)``: the whole normal range of ``dtype``;
+    a bound beyond that range is clipped to it.
+    """
+    lo, hi = finite_exponents(dtype, headroom)
+    lo = lo if min_exp is None else max(lo, min_exp)
+    hi = hi if max_exp is None else min(hi, max_exp)
+    if not lo <= hi:
+        raise ValueError(f"min_exp={min_exp}, max_exp={max_exp}: no exponent of {dtype} lies between them")
+    return st.floats(lo, hi, allow_nan=False).map(lambda e: float(10.0**e))
+
+
+@st.composite
+def wide_tensors(
+    draw,
+    rows: st.SearchStrategy[int] | None = None,
+    cols: st.SearchStrategy[int] | None = None,
+    dtypes: st.SearchStrategy[torch.dtype] | None = None,
+    min_exp: float | None = None,
+    max_exp: float | None = None,
+    headroom: float = 8.0,
+) -> torch.Tensor:
+    """(rows, cols) tensors whose rows each carry their own magnitude: row i is N(0, 1) times
+    10^e_i, e_i drawn from [min_exp, max_exp] (default: ``dtype``'s whole normal range less
+    ``headroom``), uniform or one of its two ends, in float64, clamped to +-max/headroom and
+    rounded to the dtype (so a row at the top end holds +-max/headroom itself).
+
+    One example thus spans many decades: a bug that shows only at large (or tiny) magnitudes
+    meets them in most examples, and the rows near N(0, 1) still check the ordinary case.
+    The rounded tensor is exact in its dtype; compare against a float64 reference of ``x.double()``.
+    """
+    n_rows = draw(rows if rows is not None else sizes(1, 6))
+    n_cols = draw(cols if cols is not None else sizes(1, 16))
+    dtype = draw(dtypes if dtypes is not None else float_dtypes(low_precision=True))
+    lo, hi = finite_exponents(dtype, headroom)
+    lo = lo if min_exp is None else max(lo, min_exp)
+    hi = hi if max_exp is None else min(hi, max_exp)
+    if not lo <= hi:
+        raise ValueError(f"min_exp={min_exp}, max_exp={max_exp}: no exponent of {dtype} lies between them")
+    # the ends of the range are drawn on purpose: uniform exponents would rarely reach the last decade
+    exponent = st.one_of(st.floats(lo, hi), st.sampled_from([lo, hi]))
+    e = torch.tensor(draw(st.lists(exponent, min_size=n_rows, max_size=n_rows)), dtype=torch.float64)[:, None]
+    g = generator(draw(seeds()))
+    x = torch.randn(n_rows, n_cols, generator=g, dtype=torch.float64) * 10.0**e
+    big = float(torch.finfo(dtype).max) / headroom
+    return x.clamp(-big, big).to(dtype)
 
 
 @st.composite

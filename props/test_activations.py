@@ -14,8 +14,8 @@ from scipy import integrate, optimize, special, stats
 
 from props.record import check, prop
 from props.stattests import ALPHA, mean_test
-from props.strategies import generator, seeds, sizes
-from props.tolerances import unit_roundoff
+from props.strategies import generator, seeds, sizes, wide_tensors
+from props.tolerances import flush_floor, unit_roundoff
 
 U64 = unit_roundoff(torch.float64)
 
@@ -321,7 +321,8 @@ def test_relu_moments(impl, seed):
 
 
 def _activation_moments(impl, seed, name):
-    f = {"gelu": lambda v: impl.gelu(v), "gelu_tanh": lambda v: impl.gelu(v, approximate="tanh"), "relu": impl.relu}[name]
+    f = {"gelu": lambda v: impl.gelu(v), "gelu_tanh": lambda v: impl.gelu(v, approximate="tanh"),
+         "relu": lambda v: impl.relu(v)}[name]  # lambdas: only the function the property needs is looked up
     value, slope = _moment_tests(f, name, seed)
     max(value, slope, key=lambda r: r.statistic / r.threshold).record()
     return value, slope
@@ -334,3 +335,119 @@ def test_activation_moments_reject_wrong_activations(seed):
     results = [*_moment_tests(_gelu_erf_unscaled, "gelu", seed), *_moment_tests(lambda v: TF.leaky_relu(v, 0.2), "relu", seed)]
     check(max(r.threshold / r.statistic for r in results), 1.0, "negative control", kind="zcrit/|z|")
     assert all(r.rejected for r in results), [str(r) for r in results]
+
+
+# -- the whole finite range ---------------------------------------------------------------------------
+#
+# Every row carries its own magnitude, log-uniform over the dtype's whole normal range
+# (props.strategies.wide_tensors), in float64, float32, bfloat16 and float16; the reference is the
+# formula in float64 on the (exact) input. Element-wise, in the input's dtype d (u_d its unit
+# roundoff, t_d props.tolerances.flush_floor: 8 times the compute
+# dtype's smallest normal, below which a result may be flushed to zero, plus the dtype's subnormal spacing):
+#
+#   silu:  |out - x s(x)| <= 3 u_d |ref| + (1 + |x|) t_d   (three roundings; s(x) below t_d, from
+#          x ~ -85 in float32, may be flushed to 0: an absolute error t_d, which the product scales by |x|)
+#   gelu, both forms:  |out - ref| <= 8 u_d (|ref| + |x| 1[x < 0]) + (1 + |x|) t_d   (at most six
+#          roundings of operands no larger than |x|; for x < 0, 1 + erf and 1 + tanh cancel, so their
+#          absolute error u_d reaches the output multiplied by |x| / 2)
+#   relu:  exactly max(x, 0).
+#
+# These force the asymptotes: f(x) = x within 8 u_d as x -> +inf, |f(x)| <= 8 u_d |x| as x -> -inf,
+# and no NaN. The derivatives (autograd, |x| in 10^[0, 4]) must approach their asymptotes 1 (x > 0)
+# and 0 (x < 0) as fast as the true derivative does: |f'(x) - L| <= 3 |f'_ref(x) - L| + 8 u_d.
+# Where the true derivative's distance from L falls below the rounding level, the computed tail
+# (x s (1 - s), x phi, the tanh form's x (1 - t^2) ...) is either exactly 0 or off by at most
+# |x| times the rounding of 1 - s (or 1 - t^2), which is no larger than twice that distance.
+
+ALL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+#: the largest magnitudes drawn are max/headroom: the whole range for silu and relu; max/2 for the GELUs,
+#: whose usual evaluation order x (1 + erf) / 2 (torch's own, for one) overflows above half the largest float
+HEADROOM = {"silu": 1.0, "relu": 1.0, "gelu": 2.0, "gelu_tanh": 2.0}
+
+
+def _activation(impl, name: str):
+    return {
+        "silu": lambda v: impl.silu(v),
+        "relu": lambda v: impl.relu(v),
+        "gelu": lambda v: impl.gelu(v),
+        "gelu_tanh": lambda v: impl.gelu(v, approximate="tanh"),
+    }[name]
+
+
+def _reference(name: str, x64: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        return x64 * torch.sigmoid(x64)
+    if name == "relu":
+        return x64.clamp(min=0)
+    if name == "gelu":
+        return _gelu_ref(x64)
+    return 0.5 * x64 * (1 + torch.tanh(K_TANH * (x64 + C_TANH * x64**3)))
+
+
+def _derivative_reference(name: str, x64: torch.Tensor) -> torch.Tensor:
+    if name == "silu":
+        s = torch.sigmoid(x64)
+        return s + x64 * s * (1 - s)
+    if name == "relu":
+        return (x64 > 0).to(x64.dtype)
+    if name == "gelu":
+        return _dgelu_ref(x64)
+    return _dgelu_tanh_ref(x64)
+
+
+def _needs(impl, name: str) -> None:
+    fn = "gelu" if name.startswith("gelu") else name
+    if not impl.has(fn):
+        pytest.skip(f"implementation {impl.name!r} provides no {fn}")
+
+
+@st.composite
+def _wide_for(draw, name: str):
+    return draw(wide_tensors(dtypes=st.sampled_from(ALL_DTYPES), headroom=HEADROOM[name]))
+
+
+@prop("silu, gelu (both forms), relu over the whole finite range, all dtypes: finite, asymptotes x and 0, "
+      "within 3u_d|ref| (silu), 8u_d(|ref| + |x| 1[x<0]) (gelu), exactly max(x, 0) (relu)", needs=())
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "relu"])
+@given(data=st.data())
+def test_activation_wide_range(impl, name, data):
+    _needs(impl, name)
+    x = data.draw(_wide_for(name), label="x")
+    out = _activation(impl, name)(x)
+    assert out.dtype == x.dtype and out.shape == x.shape, f"{name} returned {out.dtype} {tuple(out.shape)} for {x.dtype}"
+    assert bool(torch.isfinite(out).all()), f"{name} gave NaN/inf for {x.dtype} inputs up to {float(x.abs().max()):.3g}"
+    x64 = x.double()
+    ref = _reference(name, x64)
+    if name == "relu":
+        assert torch.equal(out.double(), ref), f"relu is not max(x, 0) exactly for {x.dtype} inputs"
+        check(0.0, 0.0, "relu over the whole finite range", kind="exact")
+        return
+    u, t_d = unit_roundoff(x.dtype), flush_floor(x.dtype)
+    if name == "silu":
+        tol = 3 * u * ref.abs() + (1 + x64.abs()) * t_d
+    else:
+        tol = 8 * u * (ref.abs() + x64.abs() * (x64 < 0)) + (1 + x64.abs()) * t_d
+    check(float(((out.double() - ref).abs() / tol).max()), 1.0, f"{name} over the whole finite range ({x.dtype})", kind="err/tol")
+
+
+#: dtypes of the derivative property: float16 leaves out the tanh GELU, whose autograd multiplies
+#: 1 - t^2 = 0 by 3x^2 = inf (overflowing float16 above |x| ~ 148): NaN
+DERIVATIVE_DTYPES = {name: ALL_DTYPES if name != "gelu_tanh" else ALL_DTYPES[:3] for name in HEADROOM}
+
+
+@prop("silu', gelu' (both forms), relu' at |x| in 10^[0, 4]: finite and |f' - L| <= 3|f'_ref - L| + 8u_d, "
+      "L = 1[x > 0] (the asymptotes, reached no later than the true derivative reaches them)", needs=())
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh", "relu"])
+@given(data=st.data())
+def test_activation_derivative_asymptotes(impl, name, data):
+    _needs(impl, name)
+    x = data.draw(wide_tensors(dtypes=st.sampled_from(DERIVATIVE_DTYPES[name]), min_exp=0.0, max_exp=4.0), label="x")
+    x = x[x != 0]  # relu has no derivative at its kink
+    xx = x.clone().requires_grad_(True)
+    (d,) = torch.autograd.grad(_activation(impl, name)(xx).sum(), xx)
+    assert bool(torch.isfinite(d).all()), f"{name}' gave NaN/inf for {x.dtype} inputs up to {float(x.abs().max()):.3g}"
+    x64 = x.double()
+    limit = (x64 > 0).to(torch.float64)
+    tol = 3 * (_derivative_reference(name, x64) - limit).abs() + 8 * unit_roundoff(x.dtype)
+    check(float(((d.double() - limit).abs() / tol).max()), 1.0, f"{name}' does not reach its asymptotes ({x.dtype})",
+          kind="err/tol")

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as TF
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from props.record import check, prop
-from props.strategies import generator, seeds, sizes
-from props.tolerances import TINY, unit_roundoff
+from props.strategies import generator, seeds, sizes, wide_tensors
+from props.tolerances import TINY, flush_floor, unit_roundoff
 
 U64 = unit_roundoff(torch.float64)
 
@@ -61,12 +62,12 @@ def _vjp(fn, x: torch.Tensor, g_seed: int, scale: float = 1.0):
     return dx, g
 
 
-def _rel(x: torch.Tensor, dim: int) -> float:
+def _rel(x: torch.Tensor, dim: int, u: float = U64) -> float:
     """2 (max|x - max| + n + 8) u: the relative accuracy of p = softmax(x) and of the sums below."""
     n = x.shape[dim]
     fin = torch.isfinite(x)
     spread = float((x.amax(dim, keepdim=True) - x).masked_fill(~fin, 0).max()) if bool(fin.any()) else 0.0
-    return 2 * (spread + n + 8) * U64
+    return 2 * (spread + n + 8) * u
 
 
 def _ratio(err: torch.Tensor, size: torch.Tensor, rel: float) -> float:
@@ -190,3 +191,59 @@ def test_fully_masked_row(impl, seed, rows, n, dim):
     rest = torch.arange(1, rows)
     assert torch.equal(p.index_select(other, rest), p_ref.index_select(other, rest)), "a masked row changed another row's softmax"
     check(0.0, 0.0, "fully masked row", kind="exact")
+
+
+# -- the whole finite range -------------------------------------------------------------------------------
+#
+# The VJPs above draw logits up to 10^1.5. Here each row of a float32 or float64 tensor carries its
+# own magnitude, log-uniform over the dtype's whole normal range (props.strategies.wide_tensors),
+# and the four VJPs are held to the same closed forms in float64 on that exact input, with the
+# bound's u that of the dtype the implementation computes in. Where |x - max| u >= 1 the bound
+# says nothing about the size; the gradient must still be finite.
+
+
+def _vjp_want(name: str, x64: torch.Tensor, g64: torch.Tensor, targets: torch.Tensor | None):
+    """(closed-form VJP, size of its terms) in float64 for the upstream g64, along the last dim."""
+    p = torch.softmax(x64, -1)
+    if name == "softmax":
+        return p * (g64 - (g64 * p).sum(-1, keepdim=True)), p * (g64.abs() + (g64.abs() * p).sum(-1, keepdim=True))
+    if name == "log_softmax":
+        return g64 - p * g64.sum(-1, keepdim=True), g64.abs() + p * g64.abs().sum(-1, keepdim=True)
+    if name == "logsumexp":
+        return g64.unsqueeze(-1) * p, g64.abs().unsqueeze(-1) * p
+    y = TF.one_hot(targets, x64.shape[-1]).to(x64.dtype)
+    N = targets.numel()
+    return g64 * (p - y) / N, g64.abs() * (p + y) / N
+
+
+@prop("softmax/log_softmax/logsumexp/cross_entropy VJPs over the whole finite range (f32, f64): finite "
+      "and within 2(|x - max| + n + 8)u (+ e^{4u max|x|} - 1 where lse enters) of the closed forms", needs=())
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "logsumexp", "cross_entropy"])
+@given(x=wide_tensors(dtypes=st.sampled_from([torch.float32, torch.float64]), headroom=8.0), seed=seeds())
+@example(x=torch.tensor([[1e4, 10001.0], [-4.25e37, -4.25e37]]), seed=0)  # a large common offset; ties at 10^37
+def test_vjp_wide_range(impl, name, x, seed):
+    if not impl.has(name):
+        pytest.skip(f"implementation {impl.name!r} provides no {name}")
+    g = generator(seed)
+    targets = torch.randint(0, x.shape[-1], x.shape[:-1], generator=g) if name == "cross_entropy" else None
+    fn = {
+        "softmax": lambda v: impl.softmax(v, -1),
+        "log_softmax": lambda v: impl.log_softmax(v, -1),
+        "logsumexp": lambda v: impl.logsumexp(v, -1),
+        "cross_entropy": lambda v: impl.cross_entropy(v, targets),
+    }[name]
+    xx = x.clone().requires_grad_(True)
+    y = fn(xx)
+    up = torch.randn(y.shape, generator=g, dtype=torch.float64).to(x.dtype)
+    (dx,) = torch.autograd.grad(y, xx, grad_outputs=up)
+    assert bool(torch.isfinite(dx).all()), f"{name}'s gradient is NaN/inf for {x.dtype} logits up to {float(x.abs().max()):.3g}"
+    want, size = _vjp_want(name, x.double(), up.double(), targets)
+    u = unit_roundoff(x.dtype)
+    rel = _rel(x.double(), -1, u)
+    if name != "softmax":
+        # the backward may form p = exp(x - lse) from the forward's lse, rounded at the size of max|x|:
+        # x - lse then carries 2u(|x| + |lse|) <= 4u max|x| + 2u log n, which exp turns into a relative error
+        big = float(x.double().abs().max()) + math.log(x.shape[-1])
+        rel += math.expm1(min(1.0, 4 * u * big))
+    err = (dx.double() - want).abs() / (rel * size + flush_floor(x.dtype) + TINY)
+    check(float(err.max()), 1.0, f"{name} VJP over the whole finite range ({x.dtype})", kind="err/tol")

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 
+import math
+
 import torch
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from props.record import check, prop
 from props.stattests import ALPHA, binomial_test, mean_test, variance_test
-from props.strategies import LOW_PRECISION, generator, seeds, sizes
-from props.tolerances import unit_roundoff
+from props.strategies import LOW_PRECISION, finite_exponents, generator, seeds, sizes, wide_tensors
+from props.tolerances import compute_roundoff, flush_floor, unit_roundoff
 
 U64 = unit_roundoff(torch.float64)
 N_DROP = 200_000
@@ -426,3 +428,119 @@ def test_layer_norm_jacobian_rejects_no_centering(point):
     formula, structure = _ln_jacobian_ratios(lambda v, g, b, e: _ln_no_centering(v, g, b, e), x, 0.0)
     check(1.0 / max(formula, structure), 1.0, "negative control", kind="bound/err")
     assert formula > 1.0 and structure > 1.0
+
+
+# -- the whole finite range ---------------------------------------------------------------------------
+#
+# The properties above hold RMSNorm and LayerNorm in float64 at scales 10^-4..10^4 (float16 and
+# bfloat16 only at one large magnitude). Here every row carries its own magnitude, drawn over
+# the dtype's normal range (props.strategies.wide_tensors), in float64, float32, bfloat16 and
+# float16, against the formula in float64 on the exact input. Both norms compute in at least
+# float32 (u_c: float32 for bf16/fp16), so the range ends where mean(x^2) overflows the compute
+# dtype: magnitudes up to 10^18 in float32 and bfloat16 (an RMSNorm of bf16 inputs near 10^19
+# and above overflows whatever else it does right), 10^150 in float64; float16 ends at its own
+# largest value. At the small end eps takes over: N(x) -> x / sqrt(eps), which the float64
+# reference also computes.
+
+ALL_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _norm_max_exp(dtype: torch.dtype, headroom: float) -> float:
+    """The largest decimal exponent drawn: below the dtype's max / headroom and below
+    sqrt(max of the compute dtype) / 10, so that mean(x^2) cannot overflow the computation."""
+    compute_max = torch.finfo(torch.promote_types(dtype, torch.float32)).max
+    return min(finite_exponents(dtype, headroom)[1], math.log10(compute_max) / 2 - 1)
+
+
+@st.composite
+def wide_norm_rows(draw, max_d: int = 32):
+    """(x (rows, d) with per-row magnitudes over the dtype's usable range, gain (d,), eps), x and gain in one dtype."""
+    dtype = draw(st.sampled_from(ALL_DTYPES))
+    x = draw(wide_tensors(rows=sizes(1, 8), cols=sizes(1, max_d), dtypes=st.just(dtype),
+                          max_exp=_norm_max_exp(dtype, 8.0)))
+    g = generator(draw(seeds()))
+    gain = (1 + 0.5 * torch.randn(x.shape[-1], generator=g, dtype=torch.float64)).to(dtype)
+    return x, gain, draw(st.sampled_from([1e-5, 1e-6]))
+
+
+def _rms_wide_ratio(out: torch.Tensor, x: torch.Tensor, gain: torch.Tensor, eps: float) -> float:
+    """max |out - ref| / ((u_d + 4(d + 8)u_c)|ref| + t_d): one rounding to the dtype after a u_c computation."""
+    ref = _rms_ref(x.double(), gain.double(), eps)
+    d, dtype = x.shape[-1], x.dtype
+    tol = (unit_roundoff(dtype) + 4 * (d + 8) * compute_roundoff(dtype)) * ref.abs() + flush_floor(dtype)
+    return float(((out.double() - ref).abs() / tol).max())
+
+
+@prop("RMSNorm at magnitudes from the dtype's smallest normal to 10^18 (f32/bf16), 10^150 (f64), fp16's max, "
+      "all dtypes: finite, within (u_d + 4(d+8)u_c)|ref| of x / sqrt(mean(x^2) + eps) g in float64", needs=("rmsnorm",))
+@given(case=wide_norm_rows())
+def test_rmsnorm_wide_range(impl, case):
+    x, gain, eps = case
+    out = impl.rmsnorm(x, gain, eps)
+    assert out.dtype == x.dtype and out.shape == x.shape, f"RMSNorm returned {out.dtype} {tuple(out.shape)} for {x.dtype}"
+    assert bool(torch.isfinite(out).all()), f"RMSNorm gave NaN/inf for {x.dtype} inputs up to {float(x.abs().max()):.3g}"
+    check(_rms_wide_ratio(out, x, gain, eps), 1.0, f"RMSNorm over the whole range ({x.dtype}, eps={eps})", kind="err/tol")
+
+
+@prop("RMSNorm(2^k x) = RMSNorm(x) for power-of-two scalings over 10^-6..10^6 (exact inputs), all dtypes: "
+      "within |N(x)| eps|1 - a^-2| / mean(x^2) + both rounding bounds", needs=("rmsnorm",))
+@given(case=wide_norm_rows(), k=st.integers(-20, 20))
+def test_rmsnorm_scale_invariance_wide(impl, case, k):
+    x, gain, eps = case
+    a = 2.0**k
+    xa = (x.double() * a).to(x.dtype)
+    # a power of two scales exactly unless the result leaves the dtype's normal range: keep such rows out
+    info = torch.finfo(x.dtype)
+    mags = x.double().abs()
+    exact = ((mags == 0) | ((mags * a >= info.tiny) & (mags >= info.tiny))).all(-1) & (mags.amax(-1) * a <= 10.0 ** _norm_max_exp(x.dtype, 8.0))
+    assume(bool(exact.any()))
+    x, xa = x[exact], xa[exact]
+    assert torch.equal(xa.double(), x.double() * a)
+    y, ya = impl.rmsnorm(x, gain, eps), impl.rmsnorm(xa, gain, eps)
+    assert bool(torch.isfinite(y).all() and torch.isfinite(ya).all()), f"RMSNorm gave NaN/inf at scale 2^{k} ({x.dtype})"
+    ref = _rms_ref(x.double(), gain.double(), eps)
+    m = x.double().pow(2).mean(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # x^2 underflows below 1e-154
+    d, dtype = x.shape[-1], x.dtype
+    rounding = (unit_roundoff(dtype) + 4 * (d + 8) * compute_roundoff(dtype)) * ref.abs() + flush_floor(dtype)
+    bound = ref.abs() * eps * abs(1 - a**-2) / m + 2.5 * rounding
+    check(float(((ya.double() - y.double()).abs() / bound).max()), 1.0,
+          f"RMSNorm scale invariance at a=2^{k} beyond the eps bound ({dtype})", kind="err/bound")
+
+
+@st.composite
+def wide_ln_rows(draw, max_d: int = 32):
+    """(x (rows, d), gain (d,), bias (d,), eps) in one dtype: row i = offset_i + spread_i N(0, 1) with
+    spread_i = 10^e_i over the dtype's usable range and |offset_i| = 10^o_i spreads, o_i in [0, 3]."""
+    dtype = draw(st.sampled_from(ALL_DTYPES))
+    rows, d = draw(sizes(1, 8)), draw(sizes(2, max_d))
+    lo, _ = finite_exponents(dtype)
+    hi = _norm_max_exp(dtype, 8.0)
+    g = generator(draw(seeds()))
+    o = torch.tensor(draw(st.lists(st.floats(0.0, 3.0), min_size=rows, max_size=rows)), dtype=torch.float64)[:, None]
+    top = hi - o - 0.8  # room for the offset and for 6 spreads
+    e = lo + (top - lo) * torch.tensor(draw(st.lists(st.floats(0.0, 1.0), min_size=rows, max_size=rows)),
+                                       dtype=torch.float64)[:, None]
+    sign = torch.where(torch.rand(rows, 1, generator=g) < 0.5, -1.0, 1.0).to(torch.float64)
+    spread = 10.0**e
+    x = (sign * spread * 10.0**o + spread * torch.randn(rows, d, generator=g, dtype=torch.float64)).to(dtype)
+    gain = (1 + 0.5 * torch.randn(d, generator=g, dtype=torch.float64)).to(dtype)
+    bias = torch.randn(d, generator=g, dtype=torch.float64).to(dtype)
+    return x, gain, bias, draw(st.sampled_from([1e-5, 1e-6]))
+
+
+@prop("LayerNorm at spreads over the dtype's range and offsets up to 10^3 spreads, all dtypes: finite, within "
+      "u_d|ref| + 16(d+8)u_c(r|g| + |b| + 1), r = max|x| / sqrt(var + eps), of the float64 formula", needs=("layer_norm",))
+@given(case=wide_ln_rows())
+def test_layer_norm_wide_range(impl, case):
+    x, gain, bias, eps = case
+    out = impl.layer_norm(x, gain, bias, eps)
+    assert out.dtype == x.dtype and out.shape == x.shape, f"LayerNorm returned {out.dtype} {tuple(out.shape)} for {x.dtype}"
+    assert bool(torch.isfinite(out).all()), f"LayerNorm gave NaN/inf for {x.dtype} inputs up to {float(x.abs().max()):.3g}"
+    x64, g64, b64 = x.double(), gain.double(), bias.double()
+    ref = _ln_ref(x64, g64, b64, eps)
+    d, u_c = x.shape[-1], compute_roundoff(x.dtype)
+    r = x64.abs().amax(-1, keepdim=True) / _spread(x64, eps)
+    tol = (unit_roundoff(x.dtype) * ref.abs() + 16 * (d + 8) * u_c * (r * float(g64.abs().max()) + float(b64.abs().max()) + 1)
+           + flush_floor(x.dtype))
+    check(float(((out.double() - ref).abs() / tol).max()), 1.0, f"LayerNorm over the whole range ({x.dtype}, eps={eps})",
+          kind="err/bound")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["unit_roundoff", "ulp", "TINY"]
+__all__ = ["unit_roundoff", "ulp", "TINY", "compute_roundoff", "flush_floor"]
 
 #: An absolute floor for comparisons of probabilities (far below any float32 normal value).
 TINY = 2.0**-120
@@ -28,3 +28,19 @@ def ulp(x: float, dtype: torch.dtype) -> float:
     t = torch.tensor(x, dtype=dtype)
     nxt = torch.nextafter(t, torch.tensor(float("inf"), dtype=dtype))
     return max(float(nxt - t), float(torch.finfo(dtype).tiny))
+
+
+def compute_roundoff(dtype: torch.dtype) -> float:
+    """Unit roundoff of the dtype a function that upcasts computes in: float32 for bfloat16 and
+    float16 inputs (at least float32), ``dtype``'s own otherwise."""
+    return unit_roundoff(torch.promote_types(dtype, torch.float32))
+
+
+def flush_floor(dtype: torch.dtype) -> float:
+    """The absolute error allowed for a tiny result of ``dtype``: 8 times the smallest normal of the
+    dtype it is computed in (at least float32), where a result may be flushed to zero, plus the
+    spacing of ``dtype``'s subnormals (its final rounding). torch's vectorized CPU exp and sigmoid
+    return 0 below e^-87.3 in float32 rather than a subnormal, and tinylm's softmax sets the
+    exponentials below e^2 times the smallest normal to 0 (far below the ulp of the sum they join)."""
+    compute = torch.promote_types(dtype, torch.float32)
+    return 8.0 * float(torch.finfo(compute).tiny) + 2.0 * unit_roundoff(dtype) * float(torch.finfo(dtype).tiny)
