@@ -287,7 +287,8 @@ class ParamRow:
     declared_std: the std its init scheme declares (truncation corrected; None when
     the model has no scheme); drift = std / declared_std (None when undefined, e.g.
     a constant-declared gain). spectral_norm, stable_rank (= ||W||_F^2 / ||W||_2^2):
-    for 2-D parameters, else None. frac_nonfinite: of the entries.
+    for 2-D parameters, else None. frac_nonfinite: of the entries. note: what could not be
+    measured and why (e.g. the spectra of a sharded parameter), "" when everything was.
     """
 
     name: str
@@ -302,6 +303,7 @@ class ParamRow:
     grad_std: float | None
     frac_nonfinite: float
     verdict: str = "ok"
+    note: str = ""
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,7 @@ def param_rows(first: ProbeStats, index: BlockIndex, declared: dict | None = Non
         rows.append(ParamRow(
             name=n, block=index(n), shape=tuple(p.shape), std=p.std, declared_std=std_d,
             declared=words, drift=drift, spectral_norm=p.spectral_norm, stable_rank=p.stable_rank,
-            grad_std=p.grad_std, frac_nonfinite=p.frac_nonfinite))
+            grad_std=p.grad_std, frac_nonfinite=p.frac_nonfinite, note=p.note))
     return rows
 
 
