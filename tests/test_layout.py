@@ -195,7 +195,6 @@ def test_every_diagnostics_file_is_at_most_600_lines():
     assert not long, long
 
 
-@pytest.mark.xfail(strict=False, reason="restructure in progress")
 def test_every_diagnostics_function_is_at_most_80_lines():
     long = [f for p in sorted((ROOT / "diagnostics").rglob("*.py")) for f in _long_functions(p)]
     assert not long, long

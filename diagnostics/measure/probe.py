@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Iterator
 
 import torch
@@ -246,6 +246,7 @@ class ProbeRun:
     def __init__(self, model: nn.Module, options: ProbeOptions):
         self.model, self.options = model, options
         self.active = False
+        self.completed = False  # the probed body ran to its end (set by probe)
         # the stores hold float64 vectors (tensors on the measured tensors' device), merged as they come
         self._vec: dict[tuple[str, str], Tensor] = {}
         self._attn: dict[str, Tensor] = {}
@@ -389,9 +390,9 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
     return pre
 
 
-def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], handles: list) -> SDPAWatch:
+def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> SDPAWatch:
     """An :class:`SDPAWatch` whose calls are named by the innermost running block or block child
-    (the hooks that keep that stack go into ``handles``); each call adds ``{name}.scores`` moments
+    (the hooks that keep that stack are owned by ``owner``); each call adds ``{name}.scores`` moments
     (kind "attn_scores") and the ``{name}.probs`` attention panel to ``run``."""
     running: list[str] = []
     for block in stack.names:
@@ -402,8 +403,8 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], handles:
             def pop(module, args, output, _name=name):
                 if running and running[-1] == _name:
                     running.pop()
-            handles.append(named[name].register_forward_pre_hook(push))
-            handles.append(named[name].register_forward_hook(pop))
+            owner.callback(named[name].register_forward_pre_hook(push).remove)
+            owner.callback(named[name].register_forward_hook(pop).remove)
 
     def record(name: str, scores: Tensor, panel: Tensor) -> None:
         t0 = time.perf_counter()
@@ -418,6 +419,134 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], handles:
     return SDPAWatch(record, lambda: running[-1] if running and run.active else None)
 
 
+def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module]]:
+    """(name -> kind of every point measured, the block stack or None, the named modules): the
+    model's sites (:func:`~diagnostics.measure.sites.model_sites`), or ``options.modules``."""
+    sites = model_sites(model)
+    points, named = dict(sites.points), dict(model.named_modules())
+    if options.modules is not None:
+        missing = [m for m in options.modules if m not in named and m not in points]
+        if missing:
+            raise OptionsError(f"modules={missing!r}: no such module in the model; names look like "
+                               f"{', '.join(list(points)[:3])}")
+        points = {m: points.get(m, "module") for m in options.modules}
+    return points, sites.blocks, named
+
+
+class _ModelState:
+    """What a probe must leave as it found it: every module's ``training``, every parameter's
+    ``requires_grad`` and ``.grad`` (the same tensor object, its values restored)."""
+
+    def __init__(self, model: nn.Module, named: dict[str, nn.Module]):
+        self.model = model
+        self.training = {m: m.training for m in named.values()}
+        entry = list(model.named_parameters())
+        self.requires = {n: p.requires_grad for n, p in entry}
+        self.grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
+        self.grad_objs = {n: p.grad for n, p in entry}
+
+    def grad_deltas(self, params: dict[str, Tensor]) -> dict[str, Tensor | None]:
+        """Each parameter's gradient less what it held when the probe began (this pass's share)."""
+        out = {}
+        for n, p in params.items():
+            g, before = p.grad, self.grads.get(n)
+            out[n] = g if (g is None or before is None) else g.detach() - before
+        return out
+
+    def restore(self, grads: bool) -> None:
+        params = dict(self.model.named_parameters())  # as they are now (a parameter may have been replaced)
+        for m, flag in self.training.items():
+            m.training = flag
+        for n, flag in self.requires.items():
+            params[n].requires_grad_(flag)
+        if grads:
+            for n, p in params.items():
+                saved = self.grads.get(n)
+                if saved is None:
+                    p.grad = None
+                else:
+                    obj = self.grad_objs[n]
+                    with torch.no_grad():
+                        obj.copy_(saved)
+                    p.grad = obj
+
+
+def _forward_hook(run: ProbeRun, name: str, kind: str):
+    """A forward hook that measures a module's output (its first tensor) as ``name``; an RMSNorm's
+    input too (:meth:`ProbeRun._norm`)."""
+    def fwd(module, inputs, output):
+        if not run.active:
+            return None
+        t0 = time.perf_counter()
+        t = _first_tensor(output)
+        if t is not None and t.is_floating_point():
+            run._forward(name, kind, t)
+            if isinstance(module, tinylm.RMSNorm):
+                run._norm(name, module, inputs, t)
+        run.seconds += time.perf_counter() - t0
+        return None
+    return fwd
+
+
+def _heads_hook(run: ProbeRun, name: str, kind: str):
+    """A forward pre-hook on an attention's ``output_proj`` that measures its input (the heads) as ``name``."""
+    def pre(module, inputs):
+        if run.active and inputs and isinstance(inputs[0], Tensor):
+            t0 = time.perf_counter()
+            run._forward(name, kind, inputs[0])
+            run.seconds += time.perf_counter() - t0
+        return None
+    return pre
+
+
+def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, nn.Module],
+                 observed: dict[str, frozenset[str]], owner: ExitStack) -> list[AttentionObserver]:
+    """Attach the measurement to every point, each hook owned by ``owner`` (removed when it
+    unwinds). tinylm attention keeps its path under a probe (the fused kernel unless something
+    else needs the weights): its scores and weights are measured by an observer, never by hooks
+    on its Taps. Returns the observers."""
+    observers = []
+    for attn, want in observed.items():
+        observers.append(AttentionObserver(run, attn, want))
+        owner.callback(named[attn].register_observer(observers[-1]).remove)
+    for name, kind in points.items():
+        parent, _, leaf = name.rpartition(".")
+        if leaf in observed.get(parent, ()):
+            continue  # measured by the attention's observer
+        if stack is not None and name == stack.input:  # not a module: block 0's input
+            handle = named[stack.names[0]].register_forward_pre_hook(_stream_in(run, name, kind), with_kwargs=True)
+        elif kind == "attn_heads":  # not a module: the input of the attention's output_proj
+            handle = named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(_heads_hook(run, name, kind))
+        else:
+            handle = named[name].register_forward_hook(_forward_hook(run, name, kind))
+        owner.callback(handle.remove)
+    return observers
+
+
+def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
+    """The pass is over: hooks go quiet, and forwards whose gradient never came are measured now
+    (only when the body completed)."""
+    run.active = False
+    waiting = [o for o in observers if o.pending] if run.completed else []
+    if waiting:
+        t0 = time.perf_counter()
+        for observer in waiting:
+            observer.flush()
+        run.seconds += time.perf_counter() - t0
+
+
+def _measure_params(run: ProbeRun, state: _ModelState) -> None:
+    """Parameter and gradient statistics (``options.params``) of a pass that completed."""
+    if not (run.completed and run.options.params):
+        return None
+    t0 = time.perf_counter()
+    grads = state.grad_deltas(dict(state.model.named_parameters()))
+    run.params = param_stats(state.model, spectral=run.options.spectral, grads=grads)
+    run._stats = None
+    run.seconds += time.perf_counter() - t0
+    return None
+
+
 @contextmanager
 def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[ProbeRun]:
     """Instrument ``model`` for the duration of the ``with`` block; yields a :class:`ProbeRun`.
@@ -425,114 +554,29 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     Per instrumented tensor and direction the run accumulates count, mean, M2 (variance),
     max |x|, exact zeros, non-finite entries and fp16/bf16 under/overflow counts; see
     :mod:`diagnostics.measure.moments`. Raises OptionsError for a name in ``options.modules`` that
-    the model does not have.
+    the model does not have. One :class:`~contextlib.ExitStack` owns every hook, the attention
+    watchers and the eager stance, so whatever happens in the body (or in the probe's own set-up)
+    they are removed and the model is left exactly as it was (``restore_grads``: its gradients too).
+    A compiled or data-parallel model is measured through the module inside, by its own names.
     """
     if not isinstance(model, nn.Module):
         raise OptionsError(f"model={type(model).__name__}: probe needs a torch.nn.Module")
-    model = unwrap(model)  # a compiled or data-parallel model: the module inside, by its own names
+    model = unwrap(model)
     options = options or ProbeOptions()
-    sites = model_sites(model)
-    points, stack = dict(sites.points), sites.blocks
-    named = dict(model.named_modules())
-    if options.modules is not None:
-        missing = [m for m in options.modules if m not in named and m not in points]
-        if missing:
-            raise OptionsError(f"modules={missing!r}: no such module in the model; names look like "
-                               f"{', '.join(list(points)[:3])}")
-        points = {m: points.get(m, "module") for m in options.modules}
+    points, stack, named = _points(model, options)
     run = ProbeRun(model, options)
-    training = {m: m.training for m in named.values()}
-    # tinylm attention keeps its path under a probe (the fused kernel unless something else needs
-    # the weights): its scores and weights are measured by an observer, never by hooks on its Taps
-    observed = observed_attention(model, points)
-    observers: list = []
-    entry = list(model.named_parameters())
-    requires = {n: p.requires_grad for n, p in entry}
-    grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
-    grad_objs = {n: p.grad for n, p in entry}
-    handles = []
-    watch = None
-    ok = False
-    stance = eager()  # compiled graphs do not run the hooks: the model runs eagerly while probed
-    stance.__enter__()
-    run.reducer.eager = True
-    try:
-        for attn, want in observed.items():
-            observers.append(AttentionObserver(run, attn, want))
-            handles.append(named[attn].register_observer(observers[-1]))
-        for name, kind in points.items():
-            parent, _, leaf = name.rpartition(".")
-            if leaf in observed.get(parent, ()):
-                continue  # measured by the attention's observer
-            def fwd(module, inputs, output, _name=name, _kind=kind):
-                if not run.active:
-                    return None
-                t0 = time.perf_counter()
-                t = _first_tensor(output)
-                if t is not None and t.is_floating_point():
-                    run._forward(_name, _kind, t)
-                    if isinstance(module, tinylm.RMSNorm):
-                        run._norm(_name, module, inputs, t)
-                run.seconds += time.perf_counter() - t0
-                return None
-            if stack is not None and name == stack.input:  # not a module: block 0's input
-                handles.append(named[stack.names[0]].register_forward_pre_hook(
-                    _stream_in(run, name, kind), with_kwargs=True))
-                continue
-            if kind == "attn_heads":  # not a module: the input of the attention's output_proj
-                def pre(module, inputs, _name=name, _kind=kind):
-                    if run.active and inputs and isinstance(inputs[0], Tensor):
-                        t0 = time.perf_counter()
-                        run._forward(_name, _kind, inputs[0])
-                        run.seconds += time.perf_counter() - t0
-                    return None
-                handles.append(named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(pre))
-                continue
-            handles.append(named[name].register_forward_hook(fwd))
+    state = _ModelState(model, named)
+    with ExitStack() as owner:  # unwinds last-in first-out: the restore below runs last
+        owner.callback(state.restore, options.restore_grads)
+        owner.callback(_measure_params, run, state)
+        owner.enter_context(eager())  # compiled graphs do not run the hooks: the model runs eagerly while probed
+        run.reducer.eager = True
+        observers = _hook_points(run, points, stack, named, observed_attention(model, points), owner)
         if options.eval_mode:
             model.eval()
         if options.attention and options.modules is None and stack is not None and not run._tinylm:
-            watch = _watch_attention(run, stack, named, handles)
-            watch.__enter__()
+            owner.enter_context(_watch_attention(run, stack, named, owner))
+        owner.callback(_finish, run, observers)
         run.active = True
         yield run
-        ok = True
-    finally:
-        run.active = False
-        waiting = [o for o in observers if o.pending] if ok else []
-        if waiting:  # forwards whose gradient never came
-            t0 = time.perf_counter()
-            for observer in waiting:
-                observer.flush()
-            run.seconds += time.perf_counter() - t0
-        stance.__exit__(None, None, None)
-        if watch is not None:
-            watch.__exit__(None, None, None)
-        for h in handles:
-            h.remove()
-        params = dict(model.named_parameters())  # as they are now (a parameter may have been replaced)
-        try:
-            if ok and options.params:
-                t0 = time.perf_counter()
-                delta = {}
-                for n, p in params.items():
-                    g, before = p.grad, grads.get(n)
-                    delta[n] = g if (g is None or before is None) else g.detach() - before
-                run.params = param_stats(model, spectral=options.spectral, grads=delta)
-                run._stats = None
-                run.seconds += time.perf_counter() - t0
-        finally:
-            for m, flag in training.items():
-                m.training = flag
-            for n, flag in requires.items():
-                params[n].requires_grad_(flag)
-            if options.restore_grads:
-                for n, p in params.items():
-                    saved = grads.get(n)
-                    if saved is None:
-                        p.grad = None
-                    else:
-                        obj = grad_objs[n]
-                        with torch.no_grad():
-                            obj.copy_(saved)
-                        p.grad = obj
+        run.completed = True
