@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from .cli import UsageError, positive_int
+from .cli import UsageError
 from .intake import report_width
 
 

@@ -12,9 +12,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
-from torch import nn
-
-import tinylm
 
 from ..measure.intervals import group_geometric_means, log_t_interval
 from ..measure.moments import ProbeStats

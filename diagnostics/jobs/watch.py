@@ -36,7 +36,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-import tinylm
 from tinylm.errors import TinyLMError
 from torch import nn
 

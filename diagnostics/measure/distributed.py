@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..options import OptionsError
-from .moments import ATTN_FIELDS, FIELDS, AttnMoments, Moments, ParamStats, ProbeStats
+from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 
 __all__ = ["merge_distributed", "exchange", "process_group", "KINDS", "PARAM_FIELDS"]
 
