@@ -103,7 +103,7 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     t.add_column(no_wrap=True)
     t.add_column(overflow="fold")
     _kv(t, "model", f"{h.model_class} {_config_line(h.config)}")
-    _kv(t, "parameters", f"{h.parameter_count:,} ({ctx.dtype} on {ctx.device})")
+    _kv(t, "parameters", f"{h.parameter_count:,} on {ctx.device}, dtype {ctx.dtype}")
     _kv(t, "source", ctx.source)
     _kv(t, "tokens", f"{h.tokens_measured:,} measured = {h.seeds} seed(s) x {h.batches} batch(es) x "
                      f"{h.batch_size} x {h.seq_len}; {ctx.data or h.token_source}")
