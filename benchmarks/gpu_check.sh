@@ -80,8 +80,6 @@ if [ "$MODE" = cuda ]; then
     run_step tests 150 "$PY" -m pytest -q -p no:randomly -n 0 tests/test_cuda.py
     run_step bench_model 45 "$PY" benchmarks/bench_model.py --device cuda --repeats 15 --explicit
     run_step bench_overhead 75 "$PY" benchmarks/bench_overhead.py --device cuda --repeats 15 --breakdown 0
-    run_step bench_overhead_1024 60 "$PY" benchmarks/bench_overhead.py --device cuda --repeats 9 --breakdown 0 \
-        --batch 1 --seq 1024
     run_step bench_diagnose_256 90 env OMP_NUM_THREADS=8 MKL_NUM_THREADS=8 \
         "$PY" benchmarks/bench_diagnose.py --device cuda --seq-len 256 --repeats 1
     run_step bench_diagnose_1024 120 env OMP_NUM_THREADS=8 MKL_NUM_THREADS=8 \
