@@ -3,7 +3,7 @@
 A watch history (the format of :mod:`diagnostics.jobs.history`) holds, per record, each
 site's moments. A site is compared with its own earlier records (not with the first alone:
 a badly initialised model starts far from healthy, and a healthy one's statistics move
-while it learns), with the watch thresholds of :class:`diagnostics.judge.verdicts.Thresholds`
+while it learns), with the watch thresholds of :class:`diagnostics.judge.thresholds.Thresholds`
 (the one set diagnose uses too; their defaults and margins are documented there):
 
     non_finite   a NaN or inf in the tensor or its gradient (any site)
