@@ -254,3 +254,22 @@ def test_a_subclass_with_its_own_forward_is_measured_through_its_taps():
     for key in [("layers.0.attn.scores", "forward"), ("layers.1.attn.probs", "backward")]:
         assert got.tensors[key].count == want.tensors[key].count > 0
     assert got.attention["layers.1.attn.probs"].rows == want.attention["layers.1.attn.probs"].rows
+
+
+def test_a_windowed_attention_is_measured_over_the_entries_its_window_allows():
+    """A sliding window masks causal entries with -inf: those are not scores. The probe measures
+    the scores over the (T, T) entries the window allows (sum over rows of min(i + 1, W)), and a
+    healthy windowed model is not called non-finite."""
+    import dataclasses
+
+    import tinylm
+    from diagnostics import DiagnoseOptions, diagnose
+
+    T, W, B, batches = 16, 4, 4, 2
+    cfg = dataclasses.replace(tinylm.preset("tiny"), sliding_window=W)
+    model = tinylm.TransformerLM(cfg, generator=torch.Generator().manual_seed(0))
+    result = diagnose(model, options=DiagnoseOptions(batch_size=B, batches=batches, seq_len=T))
+    assert result.status == "healthy", result.findings
+    allowed = sum(min(i + 1, W) for i in range(T))
+    assert result.tensor("layers.0.attn.scores").count == allowed * cfg.num_heads * B * batches
+    assert result.tensor("layers.0.attn.scores").frac_nonfinite == 0.0

@@ -218,8 +218,11 @@ class AttentionObserver:
             return None
         t0 = time.perf_counter()
         if weights is not None:
+            allowed = self._window_mask(weights[0])
             for leaf, t in zip(("scores", "probs"), weights):
                 if getattr(self, leaf) and t.is_floating_point():
+                    if leaf == "scores" and allowed is not None:  # the entries a window masks are not scores
+                        t = t.detach().masked_select(allowed)
                     run._forward(f"{self.name}.{leaf}", KINDS[leaf], t)
         else:
             self.flush()
@@ -235,6 +238,14 @@ class AttentionObserver:
                 self._measure(entry, None)
         run.seconds += time.perf_counter() - t0
         return None
+
+    def _window_mask(self, scores: Tensor) -> Tensor | None:
+        """The (T, T) mask of the entries a sliding-window attention may attend to (None without a
+        window: the causal entries are the reducer's own)."""
+        module = self.run.model.get_submodule(self.name)
+        if getattr(module, "sliding_window", None) is None:
+            return None
+        return module.mask(scores.shape[-1], scores.device)
 
     def flush(self) -> None:
         """Measure the forward still waiting for its gradient, if any."""
