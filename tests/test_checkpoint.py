@@ -112,3 +112,17 @@ def test_cli_init_writes_a_checkpoint_load_reads_back_identically(tmp_path):
     assert same_weights(m, model_of(tinylm.preset("tiny"), seed=5))
     again = subprocess.run([sys.executable, "-m", "reports", "init", "-o", str(out)], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_bare_state_dict_of_grouped_query_attention_gives_its_kv_heads():
+    """k_proj's rows / d_k are the K/V heads once num_heads is given; a plain model keeps None."""
+    import dataclasses
+
+    from tinylm.checkpoint import infer_config
+
+    cfg = dataclasses.replace(tinylm.preset("tiny"), num_kv_heads=2)
+    state = tinylm.TransformerLM(cfg, generator=torch.Generator().manual_seed(0)).state_dict()
+    given = dict(num_heads=cfg.num_heads, rope_theta=cfg.rope_theta, context_length=cfg.context_length)
+    assert infer_config(state, **given).num_kv_heads == 2
+    plain = tinylm.TransformerLM(tinylm.preset("tiny"), generator=torch.Generator().manual_seed(0)).state_dict()
+    assert infer_config(plain, **given).num_kv_heads is None

@@ -531,8 +531,9 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     """Rebuild a ModelConfig from a state dict's keys and shapes, plus ``overrides``.
 
     Shapes determine vocab_size, d_model, d_ff, num_layers, the FFN kind, tied
-    embeddings and norm placement (ln1 and ln_final: pre; ln1 only: post; none:
-    none); keys determine learned positions (``position_embeddings.weight``, whose rows
+    embeddings, norm placement (ln1 and ln_final: pre; ln1 only: post; none:
+    none) and, once num_heads is known, the K/V heads of grouped-query attention
+    (k_proj's rows / d_k); keys determine learned positions (``position_embeddings.weight``, whose rows
     are context_length), biases (``attn.q_proj.bias``) and LayerNorm (a norm bias). A
     non-gated FFN's activation cannot be seen and defaults to "silu" (pass ffn=...); nor
     can a bias-free LayerNorm be told from RMSNorm (pass norm_kind=...). num_heads,
@@ -588,6 +589,11 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     missing = [name for name in needed if name not in fields]
     if missing:
         raise MissingOptionsError(missing, known=fields, given={k: overrides.get(k) for k in UNSEEN})
+    wk = state.get(any_block("attn.k_proj.weight") or "")
+    if "num_kv_heads" not in fields and wk is not None and wk.dim() == 2 and wk.shape[0] != fields["d_model"]:
+        d_k, rows = fields["d_model"] // fields["num_heads"], wk.shape[0]  # grouped-query attention: fewer K/V heads
+        if d_k and rows % d_k == 0:
+            fields["num_kv_heads"] = rows // d_k
     return ModelConfig(**fields)
 
 
