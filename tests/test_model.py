@@ -178,3 +178,16 @@ def test_dropout_is_active_in_training_only():
     assert torch.equal(model(x), model(x))
     model.train()
     assert not torch.equal(model(x), model(x))
+
+
+def test_the_builtin_reference_refuses_what_it_does_not_build():
+    """BuiltinLM has one K/V head per query head and no window: a config asking for either is refused."""
+    import dataclasses
+
+    from tinylm.errors import ConfigError
+    from tinylm.reference import BuiltinLM
+
+    for change in (dict(num_kv_heads=2), dict(sliding_window=4)):
+        with pytest.raises(ConfigError, match="BuiltinLM covers full causal multi-head attention"):
+            BuiltinLM(dataclasses.replace(tinylm.preset("tiny"), **change))
+    BuiltinLM(tinylm.preset("tiny"))  # the plain config still builds

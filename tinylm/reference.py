@@ -107,6 +107,9 @@ class BuiltinLM(nn.Module):
         super().__init__()
         if config.norm != "pre" or config.dropout:
             raise ConfigError(f"BuiltinLM covers pre-norm without dropout; got norm={config.norm!r}, dropout={config.dropout}")
+        if config.kv_heads != config.num_heads or config.sliding_window is not None:
+            raise ConfigError(f"BuiltinLM covers full causal multi-head attention; got num_kv_heads={config.num_kv_heads}, "
+                              f"sliding_window={config.sliding_window}")
         self.config = config
         self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model)
         if config.positions == "learned":
