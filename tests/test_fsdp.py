@@ -45,8 +45,9 @@ def _entry(rank: int, body: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(body: str, limit: float = DEADLINE_S) -> None:
-    """Run ``body(rank)`` in two spawned processes; fail (killing them) past ``limit`` seconds."""
+def _check_in_workers(body: str, limit: float = DEADLINE_S) -> None:
+    """Run ``body(rank)`` (whose assertions are the check) in two spawned processes: a worker's
+    failure is raised here; past ``limit`` seconds the workers are killed and the test fails."""
     ctx = mp.start_processes(_entry, args=(body, _free_port()), nprocs=2, join=False, start_method="spawn")
     deadline = time.monotonic() + limit
     try:
@@ -204,17 +205,17 @@ def test_a_hung_worker_is_killed_at_the_deadline():
     """Negative control of the harness: workers that never finish fail the test in time."""
     start = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match="did not finish"):
-        _spawn("_hang", limit=20.0)
+        _check_in_workers("_hang", limit=20.0)
     assert time.monotonic() - start < 40.0
 
 
 def test_fsdp2_parameter_statistics_equal_the_unsharded_model():
-    _spawn("_probe_and_diagnose")
+    _check_in_workers("_probe_and_diagnose")
 
 
 def test_sharded_moments_and_update_ratios():
-    _spawn("_sharded_primitives")
+    _check_in_workers("_sharded_primitives")
 
 
 def test_fsdp2_watch_records_steps():
-    _spawn("_watch")
+    _check_in_workers("_watch")

@@ -109,8 +109,9 @@ def test_stop_raise_leaves_no_hook_and_closes_the_writers(tmp_path):
 
 
 def test_a_record_interval_off_the_logging_steps_is_warned_of(tmp_path):
-    with pytest.warns(UserWarning, match="logging_steps=2: records at steps the Trainer does not log"):
+    with pytest.warns(UserWarning, match="logging_steps=2: records at steps the Trainer does not log") as caught:
         train(tiny_gpt2(), WatchCallback(every=3), tmp_path, steps=1, logging_steps=2)
+    assert sum("logging_steps=2" in str(w.message) for w in caught) == 1  # once, not at every step
 
 
 def test_records_carry_the_trainers_grad_norm_and_loss_at_the_steps_it_logs(tmp_path):
