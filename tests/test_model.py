@@ -191,3 +191,36 @@ def test_the_builtin_reference_refuses_what_it_does_not_build():
         with pytest.raises(ConfigError, match="BuiltinLM covers full causal multi-head attention"):
             BuiltinLM(dataclasses.replace(tinylm.preset("tiny"), **change))
     BuiltinLM(tinylm.preset("tiny"))  # the plain config still builds
+
+
+def _scalar_reads(fn) -> int:
+    """How many tensor -> Python scalar reads (``aten._local_scalar_dense``: a device sync on a GPU) ``fn`` makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_a_forward_and_backward_reads_no_scalar_from_the_device():
+    """RoPE's bound check reads the largest position only for positions a caller passes; the model's own
+    positions 0..T-1 are checked from the shape, so a step makes no device sync at any depth."""
+    import dataclasses
+
+    tok = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
+    for layers in (2, 4):
+        model = tinylm.TransformerLM(dataclasses.replace(tinylm.preset("tiny"), num_layers=layers))
+        step = lambda: tinylm.functional.cross_entropy(model(tok[:, :-1]), tok[:, 1:]).backward()  # noqa: E731
+        assert _scalar_reads(step) == 0
+    # negative control: positions given by the caller are checked once per attention (one read each)
+    attn = model.layers[0].attn
+    x = torch.randn(2, 16, model.config.d_model)
+    assert _scalar_reads(lambda: attn(x, torch.arange(16))) == 1

@@ -268,11 +268,20 @@ class RotaryPositionalEmbedding(nn.Module):
         self.sin.copy_(torch.sin(angles))
 
     def forward(self, x: Tensor, token_positions: Tensor) -> Tensor:
+        self.check(token_positions)
+        return self.rotate(x, token_positions)
+
+    def check(self, token_positions: Tensor) -> None:
+        """Refuse a position past the table (reads the largest position: one device sync)."""
         if token_positions.numel() and int(token_positions.max()) >= self.max_seq_len:
-            raise ValueError(
-                f"token position {int(token_positions.max())} >= max_seq_len={self.max_seq_len}: "
-                "the sequence is longer than the RoPE table"
-            )
+            self.refuse(int(token_positions.max()))
+
+    def refuse(self, position: int) -> None:
+        raise ValueError(f"token position {position} >= max_seq_len={self.max_seq_len}: "
+                         "the sequence is longer than the RoPE table")
+
+    def rotate(self, x: Tensor, token_positions: Tensor) -> Tensor:
+        """The rotation of ``forward`` for positions already known to be inside the table."""
         cos = self.cos[token_positions].to(x.dtype)  # (..., T, d_k/2)
         sin = self.sin[token_positions].to(x.dtype)
         return F.apply_rope(x, cos, sin)
@@ -374,10 +383,14 @@ class MultiHeadSelfAttention(nn.Module):
         k = rearrange(self.k_proj(x), split, h=self.num_kv_heads)  # (..., H_kv, T, d_k)
         v = rearrange(self.v_proj(x), split, h=self.num_kv_heads)
         if self.rope is not None:
-            if token_positions is None:
+            if token_positions is None:  # 0 .. T-1: checked from the shape, no device sync
+                if T > self.rope.max_seq_len:
+                    self.rope.refuse(T - 1)
                 token_positions = torch.arange(T, device=x.device)
+            else:
+                self.rope.check(token_positions)  # once for q and k
             pos = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (..., 1, T)
-            q, k = self.rope(q, pos), self.rope(k, pos)
+            q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
         k, v = self.repeat_kv(k), self.repeat_kv(v)  # (..., H, T, d_k): K/V head g for query heads g G .. g G + G - 1
         if self.weights_needed():
             scores = self.scores(F.attention_scores(q, k, self.mask(T, x.device)))  # (..., H, T, T)
