@@ -15,7 +15,7 @@ synchronised at the end of every step) without the watch and with ``Watch(model,
 in alternating order, rounds of ``--steps`` steps; the figure is the median over rounds of
 the within-round ratio of time per step (target <= 1.05 as on the CPU).
 
-``transfers``: :class:`TransferCounter` (a ``TorchDispatchMode``) counts, per step of a watched
+``transfers``: :class:`diagnostics.measure.transfers.TransferCounter` counts, per step of a watched
 loop, the calls of ``aten._local_scalar_dense`` (``.item()``, ``float(t)``: each a device sync)
 and the copies whose source is on the device and whose result is on the CPU. Reported per
 recorded and per unrecorded step, against the number of blocks. The check: a step the watch
@@ -38,53 +38,17 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-_aten = torch.ops.aten
+from diagnostics.measure.transfers import TransferCounter  # noqa: E402
 
-
-class TransferCounter(TorchDispatchMode):
-    """Counts device-to-host traffic while entered: ``scalars``, the calls of
-    ``aten._local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``) on a tensor that is not on
-    the CPU (each a device sync); ``copies``, a ``_to_copy`` or ``copy_`` whose source is not on the
-    CPU and whose result is; ``host_scalars``, the same scalar reads of CPU tensors (no sync: an
-    optimizer's step count, say; on a CPU-only run the stand-in for ``scalars``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.scalars = 0
-        self.copies = 0
-        self.host_scalars = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func is _aten._local_scalar_dense.default:
-            if args[0].device.type == "cpu":
-                self.host_scalars += 1
-            else:
-                self.scalars += 1
-        elif func is _aten._to_copy.default:
-            if isinstance(out, torch.Tensor) and out.device.type == "cpu" and args[0].device.type != "cpu":
-                self.copies += 1
-        elif func is _aten.copy_.default:
-            dst, src = args[0], args[1]
-            if dst.device.type == "cpu" and isinstance(src, torch.Tensor) and src.device.type != "cpu":
-                self.copies += 1
-        return out
-
-    @property
-    def total(self) -> int:
-        """Device-to-host transfers: scalar reads of device tensors and copies to the CPU."""
-        return self.scalars + self.copies
-
-    def reads(self, device: str) -> tuple[int, int]:
-        """(scalar reads, copies) that count on ``device``: on the CPU its scalar reads stand in."""
-        return (self.scalars if device != "cpu" else self.host_scalars), self.copies
+def _reads(c: TransferCounter, device: str) -> tuple[int, int]:
+    """(scalar reads, copies to the CPU) that count on ``device``: on the CPU, where nothing
+    synchronises, its scalar reads stand in for a device's."""
+    return (c.on_device["item"] if device != "cpu" else c.counts["item"]), c.counts["to_cpu"]
 
 
 def _sync(device: str) -> None:
@@ -185,9 +149,9 @@ def cmd_transfers(args) -> int:
         counter = TransferCounter()
         with counter:
             _train_step(model, opt, batch, watch, t)
-        (recorded if t % args.every == 0 else unrecorded).append(counter.reads(args.device))
+        (recorded if t % args.every == 0 else unrecorded).append(_reads(counter, args.device))
     watch.close()
-    base = sum(plain.reads(args.device))
+    base = sum(_reads(plain, args.device))
     rec = max(recorded, key=sum)
     unrec = max(unrecorded, key=sum)
     extra_rec, extra_unrec = sum(rec) - base, sum(unrec) - base  # the watch's own
@@ -196,8 +160,8 @@ def cmd_transfers(args) -> int:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"preset {args.preset} ({layers} blocks), batch {args.batch} x {config.context_length}, {where}, "
           f"watch every {args.every}")
-    print(f"plain step: {plain.scalars} scalar reads of device tensors, {plain.copies} device-to-host copies, "
-          f"{plain.host_scalars} scalar reads of CPU tensors")
+    print(f"plain step: {plain.on_device['item']} scalar reads of device tensors, {plain.counts['to_cpu']} "
+          f"device-to-host copies, {plain.counts['item'] - plain.on_device['item']} scalar reads of CPU tensors")
     print(f"recorded steps (scalar reads, copies): {recorded}")
     print(f"unrecorded steps (scalar reads, copies): {unrecorded}")
     print(f"RESULT layers={layers} plain={base} recorded_scalars={rec[0]} recorded_copies={rec[1]} "

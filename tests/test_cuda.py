@@ -186,10 +186,7 @@ def test_probe_on_cuda_equals_the_probe_on_the_cpu():
 def test_probe_on_cuda_makes_no_transfer_per_layer():
     """A probed step's transfers to the host do not grow with depth: the hooks keep their figures
     on the device, and reading them is one packed transfer."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from gpu_check_steps import TransferCounter
+    from diagnostics.measure.transfers import TransferCounter
 
     counts = {}
     for layers in (2, 4):
@@ -201,7 +198,7 @@ def test_probe_on_cuda_makes_no_transfer_per_layer():
         with probe(model) as run:
             with counter:
                 TF.cross_entropy(model(tok[:, :-1]), tok[:, 1:]).backward()
-        counts[layers] = counter.total
+        counts[layers] = counter.syncs
         run.stats
     assert counts[2] == counts[4], counts
 

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_check_steps import TransferCounter  # noqa: E402
+from gpu_check_steps import TransferCounter, _reads  # noqa: E402
 
 STEPS = ("tests", "bench_model", "bench_overhead", "bench_diagnose", "watch", "transfers", "nccl_2_ranks")
 
@@ -28,12 +28,12 @@ def test_counter_counts_scalar_reads_and_nothing_else():
         float(y)
         y.item()
         bool(y > 0)
-    assert c.host_scalars == 3 and c.scalars == 0 and c.copies == 0 and c.reads("cpu") == (3, 0)
+    assert c.counts["item"] == 3 and c.syncs == 0 and _reads(c, "cpu") == (3, 0) and _reads(c, "cuda") == (0, 0)
     with TransferCounter() as none:  # negative control: tensor work without a read to the host
         z = (x @ x).softmax(-1).sum(0)
         z.add_(1.0)
         torch.stack([z, z]).cpu()  # already on the CPU: no transfer
-    assert none.total == 0 and none.host_scalars == 0
+    assert none.counts["item"] == 0 and none.syncs == 0
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None, reason="needs bash and timeout")

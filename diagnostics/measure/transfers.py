@@ -3,6 +3,7 @@
     with TransferCounter() as c:
         ...one training step...
     c.total, c.counts        # {"item": ..., "tolist": ..., "cpu": ..., "to_cpu": ...}
+    c.syncs                  # those that read a tensor not on the CPU: each a sync there
 
 A transfer to the host is a synchronisation on an accelerator: the host waits for every
 kernel queued before it. On the CPU none of these moves anything, so the counter counts the
@@ -36,15 +37,17 @@ def _device_of(x) -> torch.device | None:
 
 
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, counts: Counter):
+    def __init__(self, counts: Counter, on_device: Counter):
         super().__init__()
-        self.counts = counts
+        self.counts, self.on_device = counts, on_device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = getattr(func, "overloadpacket", None)
         if packet is torch.ops.aten._local_scalar_dense:
             self.counts["item"] += 1
+            if args and _device_of(args[0]) is not None and args[0].device.type != "cpu":
+                self.on_device["item"] += 1
         elif packet is torch.ops.aten._to_copy:
             src, dev = _device_of(args[0] if args else None), kwargs.get("device")
             if src is not None and src.type != "cpu" and dev is not None and torch.device(dev).type == "cpu":
@@ -61,10 +64,12 @@ class TransferCounter:
 
     Attributes:
         counts: a ``collections.Counter`` of "item", "tolist", "cpu" and "to_cpu" calls.
+        on_device: the "item" calls among them that read a tensor not on the CPU.
     """
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
+        self.on_device: Counter = Counter()
         self._saved: dict[str, object] = {}
         self._mode: _Dispatch | None = None
 
@@ -72,6 +77,12 @@ class TransferCounter:
     def total(self) -> int:
         """Every counted call: the transfers an accelerator would make."""
         return sum(self.counts.values())
+
+    @property
+    def syncs(self) -> int:
+        """The transfers that synchronise an accelerator now: scalar reads of a tensor that is not
+        on the CPU and copies from such a tensor to the CPU (on a CPU-only run: 0)."""
+        return self.on_device["item"] + self.counts["to_cpu"]
 
     def _wrap(self, name: str):
         original = self._saved[name]
@@ -88,7 +99,7 @@ class TransferCounter:
             self._saved[name] = getattr(torch.Tensor, name)
         for name in self._saved:
             setattr(torch.Tensor, name, self._wrap(name))
-        self._mode = _Dispatch(self.counts)
+        self._mode = _Dispatch(self.counts, self.on_device)
         try:
             self._mode.__enter__()
         except BaseException:
