@@ -10,6 +10,9 @@ from ..errors import OptionsError
 
 __all__ = ["Thresholds"]
 
+#: the fields that count (blocks, losses, records, steps): whole numbers
+_WHOLE = ("spike_warmup", "exploding_run", "early_persist", "plateau_steps")
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -51,6 +54,27 @@ class Thresholds:
     spike_ema = 0.9: the running loss, ema <- 0.9 ema + (1 - 0.9) loss.
     spike_warmup = 10: no spike alarm before this many finite losses.
 
+    Precursors over training (:mod:`diagnostics.judge.precursors`; diagnose reads the ones
+    that a single measurement can show). A precursor is judged when its signal is past the
+    threshold at early_persist records in a row (a fail: at the fail threshold):
+
+    attn_logit = 50.0: attention logit growth, the largest |attention logit| of a layer > 50.
+    attn_entropy = 0.05: attention entropy collapse, a layer's mean row entropy / its causal
+        maximum (mean over rows of ln(keys)) < 0.05.
+    logz_limit = 30.0: log-partition drift, |mean log Z| of the output rows > 30 (log Z = logsumexp of a row's logits).
+    logit_limit = 100.0: output logit growth, the largest |output logit| > 100.
+    update_high = 0.1: updates too large, a matrix's ||W_after - W_before|| / ||W_before|| > 0.1 per step.
+    update_low = 1e-4: updates too small, the median matrix's update ratio < 1e-4 per step.
+    eps_share = 0.5: epsilon-dominated Adam, share of entries with sqrt(v_hat) < eps > 0.5.
+    underflow_share = 0.05: gradient underflow, share of a block's gradient entries that are
+        exact zeros or below the smallest normal of the training format > 0.05.
+    overflow_headroom = 8.0: overflow ahead, max |activation| > the training format's largest finite / 8.
+    massive_ratio = 1e4: massive activations, a block output's max |x| / median |x| > 1e4.
+    early_persist = 3: records in a row a precursor must hold before it is reported.
+    plateau_steps = 100: stall, the loss has not fallen (its fitted slope over the last 100 steps
+        is not below zero at the false-alarm rate) while updates are too small or Adam is
+        epsilon-dominated.
+
     Raises:
         OptionsError: a field negative or not a number, or the fields inconsistent (each
             factor > 1, vanishing_gain < 1, spike_ema < 1, init_gain_low < init_gain_high,
@@ -82,6 +106,18 @@ class Thresholds:
     spike_factor: float = 1.5
     spike_ema: float = 0.9
     spike_warmup: int = 10
+    attn_logit: float = 50.0
+    attn_entropy: float = 0.05
+    logz_limit: float = 30.0
+    logit_limit: float = 100.0
+    update_high: float = 0.1
+    update_low: float = 1e-4
+    eps_share: float = 0.5
+    underflow_share: float = 0.05
+    overflow_headroom: float = 8.0
+    massive_ratio: float = 1e4
+    early_persist: int = 3
+    plateau_steps: int = 100
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -96,9 +132,15 @@ class Thresholds:
                                    "pass a larger value")
         if self.spike_ema >= 1:
             raise OptionsError(f"spike_ema={self.spike_ema!r}: must be in [0, 1); pass e.g. 0.9")
-        for name in ("spike_warmup", "exploding_run"):
+        for name in _WHOLE:
             if getattr(self, name) != int(getattr(self, name)):
                 raise OptionsError(f"{name}={getattr(self, name)!r}: must be a whole number")
+        for name in ("attn_entropy", "eps_share", "underflow_share"):
+            if getattr(self, name) > 1:
+                raise OptionsError(f"{name}={getattr(self, name)!r}: must be a fraction in [0, 1]")
+        if self.update_low >= self.update_high:
+            raise OptionsError(f"update_low={self.update_low}, update_high={self.update_high}: "
+                               "need update_low < update_high")
         if self.exploding_run < 1:
             raise OptionsError(f"exploding_run={self.exploding_run!r}: must be at least 1 block")
         for name in ("init_drift", "score_ratio", "post_norm_imbalance", "init_gain_high"):
@@ -124,7 +166,7 @@ class Thresholds:
         if unknown:
             raise OptionsError(f"thresholds {unknown}: not fields of Thresholds; use {', '.join(sorted(names))}")
         kw = dict(data)
-        for name in ("spike_warmup", "exploding_run"):
+        for name in _WHOLE:
             if name in kw and float(kw[name]).is_integer():
                 kw[name] = int(kw[name])
         return cls(**kw)
