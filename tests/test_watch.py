@@ -424,7 +424,7 @@ def test_a_history_stored_in_the_old_format_reads_the_same():
         w.commit(t, 1.0, 1e-3, 1.0)
         w.log(t, 1.0, 1e-3, 1.0)
     new = w.history
-    old = {k: v for k, v in new.items() if k not in ("kinds", "model", "thresholds")}
+    old = {k: v for k, v in new.items() if k not in ("kinds", "model", "thresholds", "param_dims")}
     assert set(old) == {"format", "version", "watch_every", "spike_factor", "sites", "norm", "series", "records",
                         "events"}
     a, b = H.to_frame(new), H.to_frame(old)

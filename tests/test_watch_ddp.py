@@ -63,7 +63,7 @@ def _worker(rank, port, out):
                 opt.zero_grad()
             if rank == 1 and t == NAN_AT:
                 loss = loss * math.nan
-            failure = watch.record(loss, lr=0.1)
+            failure = watch.record(loss, lr=0.1).failure
             if failure:
                 break
         watch.close()

@@ -48,7 +48,7 @@ def run_loop(watch: Watch, model, steps: int, blow_up_at: int | None = None, lr:
             loss.backward()
             opt.step()
             opt.zero_grad()
-        returned.append(watch.record(loss, lr=lr, grad_norm=1.0))
+        returned.append(watch.record(loss, lr=lr, grad_norm=1.0).failure)
     return returned, before
 
 
@@ -123,6 +123,10 @@ def test_a_fail_is_signalled_from_its_step_on():
     assert f.verdict == "exploding" and f.site == "lm_head" and f.stat == "fwd_var" and f.step == 4
     assert f.value > f.threshold and "lm_head" in f.message
     assert watch.failure is f  # the first one
+    # the loop hears it once as an alert, with its cause and fix (the fail persists, the alert is not repeated)
+    fail_alerts = [a for a in watch.alerts if a.severity == "fail"]
+    assert [(a.step, a.signal, a.site) for a in fail_alerts] == [(4, "exploding", "lm_head")]
+    assert "fix:" in fail_alerts[0].message and fail_alerts[0].fix
 
 
 def test_negative_control_no_signal_without_the_blow_up():
@@ -130,6 +134,7 @@ def test_negative_control_no_signal_without_the_blow_up():
     watch = Watch(model, every=1)
     returned, _ = run_loop(watch, model, 6)
     assert returned == [None] * 6 and watch.failure is None and V.verdicts(watch.history) == []
+    assert watch.alerts == []  # nothing reported: no warning either
 
 
 def test_stop_raise_raises_watchstop_at_the_fail_and_removes_the_hooks():
@@ -149,8 +154,10 @@ def test_a_nonfinite_loss_is_a_fail_even_when_not_recorded():
     for t, loss in enumerate([3.0, 3.0, math.nan]):
         with watch.step(t):
             model(x).sum().backward()
-        got = watch.record(loss)
-        assert (got is None) == (t < 2)
+        report = watch.record(loss)
+        got = report.failure
+        assert (got is None) == (t < 2) and bool(report) == (t == 2)
+    assert report.alerts[0].severity == "fail" and report.alerts[0].signal == "non_finite"
     assert got.verdict == "non_finite" and got.site is None and got.step == 2
     assert watch.history["events"][-1]["kind"] == "nonfinite"
 

@@ -9,14 +9,16 @@ The writers here:
   written as they happen, so a run that dies leaves what it had);
 * :class:`JSONLWriter` — ``watch.jsonl``: one JSON object a line, ``{"type": "step", "step",
   "loss", "lr", "grad_norm"}``, ``{"type": "record", ...the history's record..., "verdicts":
-  [...]}`` and ``{"type": "event", ...}`` (:func:`json_safe`: NaN as null, infinities as "inf"/"-inf");
+  [...]}``, ``{"type": "event", ...}``, ``{"type": "alert", ...}`` and ``{"type": "forensics",
+  "step", "path"}`` (the report itself in ``forensics/step_<t>.json``) (:func:`json_safe`: NaN as null, infinities as "inf"/"-inf");
 * :class:`TensorBoardWriter` — TensorBoard event files through ``torch.utils.tensorboard``
   (the ``tensorboard`` package: ``pip install "tinylm[tensorboard]"``). Scalars
   ``train/loss``, ``train/lr``, ``train/grad_norm`` every step (lr and grad_norm when known);
   at each record ``watch/activation_var/<site>``, ``watch/gradient_var/<site>``,
   ``watch/max_abs/<site>``, ``watch/update_ratio/<parameter>``,
   ``watch/attention_entropy/<site>`` and ``watch/not_ok`` (how many sites are not ok); text
-  ``watch/verdicts`` (each verdict other than ok) and ``watch/alarms`` (spikes, non-finite losses).
+  ``watch/verdicts`` (each verdict other than ok), ``watch/alarms`` (spikes, non-finite losses)
+  and ``watch/alerts`` (each warning or fail reported).
 
 A whole history is written at once by :func:`write_json` and :func:`write_csv`; every file
 written whole goes through :func:`write_atomic` (a temporary file in the same folder, then a
@@ -52,6 +54,13 @@ class WatchWriter(Protocol):
       :func:`diagnostics.judge.over_time.verdicts` gives them);
     * ``event(event)`` on a spike or a non-finite loss (a :class:`diagnostics.WatchEvent`);
     * ``close()`` at :meth:`diagnostics.Watch.close`.
+
+    Two more methods are called when a writer has them (they are not part of the protocol's
+    check; the JSONL and TensorBoard writers have them):
+    ``alert(alert)`` for each warning or fail the watch reports (a
+    :class:`diagnostics.judge.precursors.Alert`, the same the loop gets from
+    :meth:`diagnostics.Watch.record`), and ``forensics(report)`` on a spike or a fail, with the
+    watch's last records and steps before it (:meth:`diagnostics.Watch.forensics_report`).
 
     Subclass it to inherit a do-nothing default for each method and override what you need,
     or write a class with all five (the watch checks for them).
@@ -221,6 +230,18 @@ class JSONLWriter(_File):
         self._line({"type": "event", **event.to_dict()})
         self.f.flush()
 
+    def alert(self, alert: Any) -> None:
+        self._line({"type": "alert", **alert.to_dict()})
+        self.f.flush()
+
+    def forensics(self, report: dict[str, Any]) -> None:
+        """The report in its own file, ``forensics/step_<t>.json`` beside this one (atomic), and a
+        line here that names it."""
+        path = self.path.parent / "forensics" / f"step_{int(report['step']):08d}.json"
+        write_atomic(path, json.dumps(json_safe(report), indent=1, allow_nan=False))
+        self._line({"type": "forensics", "step": report["step"], "path": str(path)})
+        self.f.flush()
+
 
 class TensorBoardWriter(WatchWriter):
     """TensorBoard scalars and text (see the module docstring) in ``log_dir``."""
@@ -263,6 +284,10 @@ class TensorBoardWriter(WatchWriter):
 
     def event(self, event: Any) -> None:
         self.w.add_text("watch/alarms", event.message, event.step)
+        self.w.flush()
+
+    def alert(self, alert: Any) -> None:
+        self.w.add_text("watch/alerts", f"{alert.severity}: {alert.message}", alert.step)
         self.w.flush()
 
     def close(self) -> None:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -41,6 +42,7 @@ from torch import nn
 
 from ..integrations.writers import WatchWriter
 from ..judge.over_time import FAIL_VERDICTS, Extremes, describe_move, first_mover, record_verdicts
+from ..judge.precursors import Alert, precursor_alerts, signal_values, verdict_alert
 from ..judge.thresholds import Thresholds
 from ..measure.distributed import exchange, process_group
 from ..measure.moments import ProbeStats
@@ -52,6 +54,7 @@ from .history import attention_stats, check_history, new_history, record_rows, s
 
 __all__ = [
     "Watch",
+    "WatchReport",
     "WatchEvent",
     "WatchFailure",
     "WatchStop",
@@ -90,6 +93,34 @@ class WatchFailure:
     value: float
     threshold: float
     message: str
+
+
+@dataclass
+class WatchReport:
+    """What :meth:`Watch.record` tells the loop about its step: ``alerts``, every warning and fail
+    first reported at this step (:class:`diagnostics.judge.precursors.Alert`: the signal, the value
+    against its threshold, the cause and the fix), and ``failure``, the first fail as a
+    :class:`WatchFailure` (None if none).
+
+    ``bool(report)`` is True when there is a failure, so ``if watch.record(...): break`` stops at
+    a fail and goes on through warnings; iterate over it for the alerts themselves.
+    """
+
+    alerts: list[Alert] = field(default_factory=list)
+    failure: WatchFailure | None = None
+
+    def __bool__(self) -> bool:
+        return self.failure is not None
+
+    def __iter__(self) -> Iterator[Alert]:
+        return iter(self.alerts)
+
+    def __len__(self) -> int:
+        return len(self.alerts)
+
+    @property
+    def warnings(self) -> list[Alert]:
+        return [a for a in self.alerts if a.severity == "warn"]
 
 
 class WatchStop(RuntimeError):
@@ -207,8 +238,14 @@ class Watch:
     def __init__(self, model: nn.Module, every: int = 25, spike_factor: float | None = None,
                  sites: list[str] | None = None, history: dict[str, Any] | None = None,
                  on_event: Callable[[WatchEvent], None] | None = None, thresholds: Thresholds | None = None,
-                 *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None):
+                 *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None,
+                 forensics: int = 8):
         thresholds = _checked_thresholds(model, every, stop, thresholds, spike_factor)
+        from tinylm import validate
+
+        from ..options import OptionsError
+
+        validate.integer("forensics", forensics, low=1, fix="forensics=N (records kept for a report)", error=OptionsError)
         self.thresholds = thresholds
         #: the process group the records and the loss are merged over (None: one process)
         self.group = process_group(model)
@@ -243,6 +280,16 @@ class Watch:
         self._earlier = Extremes()
         for rec in self.history["records"]:
             self._earlier.update(rec)
+        self.history.setdefault("param_dims", {n: int(p.dim()) for n, p in self.params.items()})
+        #: every warning and fail reported so far (:class:`diagnostics.judge.precursors.Alert`)
+        self.alerts: list[Alert] = []
+        self._new_alerts: list[Alert] = []
+        self._signals = [signal_values(self.history, k) for k in range(len(self.history["records"]))]
+        self._open_verdicts: set[tuple[str, str]] = set()  # (site, verdict) not ok at the last record
+        #: the forensics reports written so far (:meth:`forensics_report`), the last ten
+        self.reports: deque[dict[str, Any]] = deque(maxlen=10)
+        self.forensics = int(forensics)
+        self._ring: deque[tuple[int, float, float, float]] = deque(maxlen=self.forensics * max(self.every, 1))
         self.stop = stop
         self.failure: WatchFailure | None = None
         self._new_failure: WatchFailure | None = None
@@ -341,14 +388,16 @@ class Watch:
             yield self
 
     def record(self, loss: float | torch.Tensor, lr: float | None = None, grad_norm: float | torch.Tensor | None = None
-               ) -> WatchFailure | None:
+               ) -> WatchReport:
         """The end of the step entered by :meth:`step`: its loss (a float or a 0-d tensor), learning
         rate and gradient norm (None: not known, kept as NaN). Stores the record when the step
-        was recorded, raises the spike and non-finite alarms and writes to the writers.
+        was recorded, judges it, raises the spike and non-finite alarms and writes to the writers.
 
-        Returns the first :class:`WatchFailure` found at this step (None when there is none; a
-        fail that persists is returned at each step it is found); with ``stop="raise"`` raises
-        :class:`WatchStop` instead. ``failure`` keeps the first of the run.
+        Returns a :class:`WatchReport`: the warnings and fails first reported at this step
+        (``report.alerts``, each with its cause and fix) and the first :class:`WatchFailure` found
+        at it (``report.failure``; a fail that persists is returned at each step it is found);
+        ``bool(report)`` is whether there is a failure. With ``stop="raise"`` a failure raises
+        :class:`WatchStop` instead. ``failure`` keeps the first of the run, ``alerts`` all of them.
         """
         if self._open_step is None:
             from ..options import OptionsError
@@ -361,15 +410,16 @@ class Watch:
         return self._finish_open(loss, lr, grad_norm)
 
     def _finish_open(self, loss: float | torch.Tensor | None = None, lr: Any = None, grad_norm: Any = None
-                     ) -> WatchFailure | None:
+                     ) -> WatchReport:
         """Record the open step (``loss`` None: left without :meth:`record`, kept as NaN and not alarmed on)."""
         open_step, self._open_step = self._open_step, None
         if open_step is None:
-            return None
+            return WatchReport()
         t = open_step["t"]
         self._end_step(t, loss, lr, grad_norm, open_step["recording"], open_step["before"])
         self.log(t, *self._merged[1:])
-        return self._check_stop()
+        alerts, self._new_alerts = self._new_alerts, []
+        return WatchReport(alerts, self._check_stop())
 
     def _values(self, loss: Any, lr: Any, grad_norm: Any, before: dict[str, torch.Tensor] | None
                 ) -> tuple[float, float, float]:
@@ -467,7 +517,51 @@ class Watch:
         fail = next((row for row in rows if row["verdict"] in FAIL_VERDICTS), None)
         if fail is not None:
             self._fail(_failure_of(fail))
+        self._alert_record(rec, rows)
         return rows
+
+    def _alert_record(self, rec: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """The alerts of a new record: each verdict over time that was ok at the record before
+        (:func:`diagnostics.judge.precursors.verdict_alert`), and the precursors first due at it
+        (:func:`diagnostics.judge.precursors.precursor_alerts`)."""
+        judged = [r for r in rows if r["verdict"] in ("non_finite", "exploding", "vanishing")]
+        now = {(r["site"], r["verdict"]) for r in judged}
+        alerts = [verdict_alert(self.history, rec, r, self.thresholds) for r in judged
+                  if (r["site"], r["verdict"]) not in self._open_verdicts]
+        self._open_verdicts = now
+        self._signals.append(signal_values(self.history, len(self.history["records"]) - 1))
+        found = precursor_alerts(self.history, len(self._signals) - 1, self.thresholds, self._signals)
+        for a in found:
+            if a.severity == "fail":
+                self._fail(WatchFailure(a.step, a.signal, a.site, a.signal, a.value, a.threshold, a.message))
+        for a in alerts + found:
+            self._emit(a)
+
+    def _emit(self, alert: Alert) -> None:
+        """Report an alert: to the run's list, the loop's next report and the writers; a fail
+        (and a spike, through :meth:`_raise_event`) also writes a forensics report."""
+        self.alerts.append(alert)
+        self._new_alerts.append(alert)
+        for w in self.writers:
+            if hasattr(w, "alert"):
+                w.alert(alert)
+        if alert.severity == "fail" and not any(r["step"] == alert.step for r in self.reports):
+            self._forensics(alert)
+
+    def forensics_report(self, trigger: Alert | WatchEvent) -> dict[str, Any]:
+        """What moved before ``trigger``: its step and message, the last ``forensics`` records
+        (each site's statistics, attention, logits, update ratios) and the logged steps of the
+        same span (loss, lr, grad_norm), oldest first."""
+        steps = [{"step": t, "loss": loss, "lr": lr, "grad_norm": g} for t, loss, lr, g in self._ring]
+        return {"step": int(trigger.step), "trigger": trigger.to_dict(),
+                "records": list(self.history["records"][-self.forensics:]), "steps": steps}
+
+    def _forensics(self, trigger: Alert | WatchEvent) -> None:
+        report = self.forensics_report(trigger)
+        self.reports.append(report)
+        for w in self.writers:
+            if hasattr(w, "forensics"):
+                w.forensics(report)
 
     @property
     def enabled(self) -> bool:
@@ -565,6 +659,23 @@ class Watch:
             w.event(event)
         if self.on_event is not None:
             self.on_event(event)
+        self._forensics(event)
+        self._emit(self._event_alert(event, loss))
+
+    def _event_alert(self, event: WatchEvent, loss: float) -> Alert:
+        """A spike (warn) or a non-finite loss (fail) as an :class:`Alert`, with the alerts before it as its cause."""
+        earlier = [a for a in self.alerts if a.signal not in ("spike", "non_finite")]
+        if earlier:
+            first = earlier[0]
+            cause = f"preceded by {first.signal} at step {first.step} ({first.cause})"
+            fix = first.fix
+        else:
+            cause, fix = "no precursor was reported before it", "lower the learning rate, clip the gradient norm"
+        ema = self._ema if self._ema is not None else math.nan
+        signal, severity = ("spike", "warn") if event.kind == "spike" else ("non_finite", "fail")
+        return Alert(event.step, severity, signal, event.site, float(loss),
+                     self.spike_factor * ema if event.kind == "spike" else math.nan, 0, event.step, cause, fix, "",
+                     f"{event.message}; {cause}; fix: {fix}")
 
     def log(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
         """Step t's entry of the loss series (and the writers'); over a process group, right after
@@ -577,6 +688,7 @@ class Watch:
         s["loss"].append(float(loss))
         s["lr"].append(float(lr))
         s["grad_norm"].append(float(grad_norm))
+        self._ring.append((int(t), float(loss), float(lr), float(grad_norm)))
         for w in self.writers:
             w.step(int(t), float(loss), float(lr), float(grad_norm))
 

@@ -1,0 +1,396 @@
+"""Precursors of training failures, judged over a watch history: what is about to go wrong, why,
+and what to change.
+
+Each signal is read from the history's records (the format of :mod:`diagnostics.jobs.history`)
+at one or more of its sites (an attention layer, a parameter, a block), and is *past* its
+threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
+
+    attention_logits   max |attention logit| of a layer          > attn_logit
+    attention_entropy  mean row entropy / its causal maximum      < attn_entropy
+    log_z              |mean log Z| of the output rows            > logz_limit
+    output_logits      max |output logit|                         > logit_limit
+    update_large       a matrix's update ratio ||dW|| / ||W||     > update_high
+    update_small       the median matrix's update ratio           < update_low
+                       (not measured at a record where no matrix moved: no optimizer step ran in it)
+    adam_epsilon       share of Adam entries with sqrt(v_hat) < eps > eps_share
+    underflow          share of a block's gradient entries that are exact zeros, in a
+                       float16 or bfloat16 run                    > underflow_share
+    overflow_ahead     max |activation| x overflow_headroom       > the largest finite of the site's
+                       float16 format
+    massive            a block output's max |x| / median |x|      > massive_ratio
+
+A precursor is reported (an :class:`Alert`) at the record where its signal has been past its
+threshold at ``early_persist`` records in a row; then not again at that site until it has
+come back within its threshold (or it reaches its fail level: :data:`FAIL_FACTOR` times past the
+threshold, where it is reported once more, as a fail). Persistence is what keeps a single noisy
+record from raising an alarm; it costs ``(early_persist - 1) x every`` steps of lead.
+
+Every alert says the value, the threshold, how many records in a row the value has been rising,
+the cause and the fix, and what was ruled out: the other signals that were measured at that
+record and within their thresholds (signals not measured are said to be so, never "ok").
+
+Every function reads the history dict and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Iterable
+
+from .thresholds import Thresholds
+
+__all__ = ["Alert", "SIGNALS", "FAIL_FACTOR", "signal_values", "precursor_alerts", "all_precursor_alerts",
+           "LOW_PRECISION"]
+
+#: how far past its threshold a signal must go to be a fail (larger-is-worse signals: x this
+#: factor; smaller-is-worse: / this factor; shares: halfway from the threshold to 1)
+FAIL_FACTOR = 10.0
+
+#: the largest finite value of each low-precision format a site may run in
+LOW_PRECISION = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
+
+
+@dataclass
+class Alert:
+    """One judged warning or fail of the watch, at ``step``.
+
+    ``signal``: a key of :data:`SIGNALS` (or a verdict over time: "exploding", "vanishing",
+    "non_finite", or "spike"); ``site``: where (a module, attention layer, parameter, or None for
+    the model); ``value`` against ``threshold``; ``rising``: records in a row the value has moved
+    the bad way, ending here; ``since``: the step it first passed its threshold in this run of
+    records; ``cause``, ``fix``: what it means and what to change; ``ruled_out``: the signals
+    measured here and within their thresholds; ``message``: all of it in a line.
+    """
+
+    step: int
+    severity: str  # "warn" or "fail"
+    signal: str
+    site: str | None
+    value: float
+    threshold: float
+    rising: int
+    since: int | None
+    cause: str
+    fix: str
+    ruled_out: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Signal:
+    """How one precursor is read and judged: ``read(record, history)`` gives {site: value};
+    ``threshold`` names the Thresholds field; ``worse`` is "high" or "low"; ``share``: a fraction."""
+
+    name: str
+    read: Callable[[dict[str, Any], dict[str, Any]], dict[str, float]]
+    threshold: str
+    worse: str
+    what: str
+    cause: str
+    fix: str
+    share: bool = False
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _attention(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
+    out = {n: a.get("max_logit") for n, a in (rec.get("attention") or {}).items() if _finite(a.get("max_logit"))}
+    for site, st in (rec.get("stats") or {}).items():  # a tinylm scores site (also in older histories)
+        if site.rsplit(".", 1)[-1] == "scores" and site[:-len("scores")] + "probs" not in out:
+            out[site[:-len("scores")] + "probs"] = st.get("fwd_absmax")
+    return {k: float(v) for k, v in out.items() if _finite(v)}
+
+
+def _entropy(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for n, a in (rec.get("attention") or {}).items():
+        h, ceiling = a.get("entropy_mean"), a.get("entropy_ceiling")
+        if _finite(h) and _finite(ceiling) and ceiling > 0:
+            out[n] = h / ceiling
+    return out
+
+
+def _logits(key: str) -> Callable[[dict[str, Any], dict[str, Any]], dict[str, float]]:
+    def read(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
+        v = (rec.get("logits") or {}).get(key)
+        return {"logits": abs(float(v))} if _finite(v) else {}
+    return read
+
+
+def _matrices(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
+    """Update ratios of the matrices (parameters named like weights; biases, gains and norms excluded)."""
+    shapes = h.get("param_dims") or {}
+    out = {}
+    for name, r in (rec.get("update_ratio") or {}).items():
+        leaf = name.rsplit(".", 1)[-1]
+        matrix = shapes.get(name, 2) >= 2 if shapes else (leaf == "weight" and "norm" not in name and "ln" not in name)
+        if matrix and _finite(r):
+            out[name] = float(r)
+    return out
+
+
+def _median_update(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
+    ratios = list(_matrices(rec, h).values())
+    if not any(ratios):  # no matrix moved: no optimizer step inside the recorded step, nothing measured
+        return {}
+    return {"model": statistics.median(ratios)}
+
+
+def _eps(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
+    v = (rec.get("optimizer") or {}).get("eps_share")
+    return {"optimizer": float(v)} if _finite(v) else {}
+
+
+def _underflow(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
+    dtypes = rec.get("dtypes") or {}
+    out = {}
+    for site, st in (rec.get("stats") or {}).items():
+        z = st.get("grad_zero")
+        if dtypes.get(site) in LOW_PRECISION and _finite(z) and (h.get("kinds") or {}).get(site) != "logits":
+            out[site] = float(z)
+    return out
+
+
+def _headroom(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
+    """max |activation| / the largest finite of the site's format, for sites in float16."""
+    dtypes = rec.get("dtypes") or {}
+    out = {}
+    for site, st in (rec.get("stats") or {}).items():
+        top, a = LOW_PRECISION.get(dtypes.get(site)), st.get("fwd_absmax")
+        if dtypes.get(site) == "float16" and _finite(a):
+            out[site] = float(a) / top
+    return out
+
+
+def _peak(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
+    return {site: float(st["fwd_peak"]) for site, st in (rec.get("stats") or {}).items() if _finite(st.get("fwd_peak"))}
+
+
+SIGNALS: dict[str, Signal] = {s.name: s for s in (
+    Signal("attention_logits", _attention, "attn_logit", "high", "max |attention logit|",
+           "attention logits are growing (Dehghani et al. 2023; Wortsman et al. 2023): the softmax "
+           "saturates and the attention collapses onto single keys",
+           "normalise queries and keys (qk-norm: ModelConfig(qk_norm=\"rms\")) or lower the learning rate"),
+    Signal("attention_entropy", _entropy, "attn_entropy", "low", "attention entropy / its causal maximum",
+           "attention entropy collapse (Zhai et al. 2023): rows put nearly all their weight on one key",
+           "qk-norm (ModelConfig(qk_norm=\"rms\")), a lower learning rate or a longer warm-up"),
+    Signal("log_z", _logits("logz_mean"), "logz_limit", "high", "|mean log Z| of the output rows",
+           "the output logits' log-partition is drifting (Wortsman et al. 2023): the softmax of the "
+           "head loses precision and the loss can diverge",
+           "add a z-loss (1e-4 x mean (log Z)^2: tinylm train --z-loss 1e-4, tinylm.functional.z_loss) "
+           "or weight decay on the head"),
+    Signal("output_logits", _logits("max_logit"), "logit_limit", "high", "max |output logit|",
+           "the output logits are growing (Wortsman et al. 2023)",
+           "add a z-loss (tinylm train --z-loss 1e-4) or weight decay, or lower the learning rate"),
+    Signal("update_large", _matrices, "update_high", "high", "update ratio ||dW|| / ||W|| per step",
+           "each step moves this matrix by a large fraction of its size: the learning rate is too "
+           "high for it (at the start of a post-norm run: no warm-up, Xiong et al. 2020)",
+           "lower the learning rate or warm it up (a few hundred steps), and clip the gradient norm"),
+    Signal("update_small", _median_update, "update_low", "low", "median matrix update ratio per step",
+           "the updates are too small against the weights: the run stalls",
+           "raise the learning rate, or lower Adam's eps if it dominates sqrt(v)"),
+    Signal("adam_epsilon", _eps, "eps_share", "high", "share of Adam entries with sqrt(v_hat) < eps",
+           "Adam's eps dominates its denominator (Wortsman et al. 2023): the updates shrink with the "
+           "gradient and the run stalls", "lower Adam's eps (1e-8, or 1e-15 for very small gradients)",
+           share=True),
+    Signal("underflow", _underflow, "underflow_share", "high", "share of zero gradient entries",
+           "gradients underflow to zero in low precision (Micikevicius et al. 2018)",
+           "scale the loss (torch.amp.GradScaler) or train in bfloat16", share=True),
+    Signal("overflow_ahead", _headroom, "overflow_headroom", "high", "max |activation| / float16's largest",
+           "activations approach float16's largest finite value: an overflow to inf is near",
+           "train in bfloat16, or keep this site in float32"),
+    Signal("massive", _peak, "massive_ratio", "high", "max |x| / median |x|",
+           "massive activations (Sun et al. 2024): a few features dwarf the rest; low-precision formats "
+           "lose them or overflow", "keep the residual stream in float32 or bfloat16; check the norms"),
+)}
+
+
+def _limit(sig: Signal, th: Thresholds) -> float:
+    """The threshold value of a signal: overflow_ahead's is the headroom's reciprocal (a fraction of the format's top)."""
+    v = float(getattr(th, sig.threshold))
+    return 1.0 / v if sig.name == "overflow_ahead" else v
+
+
+def _fail_limit(sig: Signal, limit: float) -> float:
+    if sig.share:
+        return (limit + 1.0) / 2.0
+    if sig.name == "overflow_ahead":
+        return 1.0 / 2.0  # within a factor 2 of the format's largest finite
+    return limit * FAIL_FACTOR if sig.worse == "high" else limit / FAIL_FACTOR
+
+
+def _past(sig: Signal, value: float | None, limit: float) -> bool:
+    if value is None or not math.isfinite(value):
+        return False
+    return value > limit if sig.worse == "high" else value < limit
+
+
+def signal_values(history: dict[str, Any], k: int) -> dict[str, dict[str, float]]:
+    """{signal: {site: value}} at record k (signals not measured there are absent)."""
+    rec = history["records"][k]
+    out = {}
+    for name, sig in SIGNALS.items():
+        got = sig.read(rec, history)
+        if got:
+            out[name] = got
+    return out
+
+
+def _rising(sig: Signal, series: list[float | None]) -> int:
+    """Records in a row, ending at the last, at which the value moved the bad way."""
+    n = 0
+    for a, b in zip(reversed(series[:-1]), reversed(series[1:])):
+        if a is None or b is None or not (b > a if sig.worse == "high" else b < a):
+            break
+        n += 1
+    return n
+
+
+def _ruled_out(values: dict[str, dict[str, float]], th: Thresholds, skip: str) -> str:
+    """The signals measured here and within their thresholds, and those not measured, in words."""
+    within, unmeasured = [], []
+    for name, sig in SIGNALS.items():
+        if name == skip:
+            continue
+        got = values.get(name)
+        if not got:
+            unmeasured.append(name)
+            continue
+        limit = _limit(sig, th)
+        if not any(_past(sig, v, limit) for v in got.values()):
+            worst = max(got.values()) if sig.worse == "high" else min(got.values())
+            within.append(f"{name} {worst:.3g}")
+    text = "within thresholds: " + (", ".join(within) or "none")
+    return text + ("; not measured: " + ", ".join(unmeasured) if unmeasured else "")
+
+
+def _judge_site(sig: Signal, series: list[float | None], steps: list[int], th: Thresholds) -> tuple[str, int] | None:
+    """(severity, index where its run of past records began) when the last value of ``series``
+    should be reported, else None. ``series``: the site's values at records 0..k."""
+    p, limit = int(th.early_persist), _limit(sig, th)
+    run = 0
+    for v in reversed(series):
+        if not _past(sig, v, limit):
+            break
+        run += 1
+    if run < p:
+        return None
+    begun = len(series) - run
+    fail = _fail_limit(sig, limit)
+    now_fail = _past(sig, series[-1], fail)
+    was_fail = any(_past(sig, v, fail) for v in series[begun:-1])
+    if run == p:
+        return ("fail" if now_fail else "warn"), begun
+    if now_fail and not was_fail:
+        return "fail", begun
+    return None
+
+
+def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | None = None,
+                     values: list[dict[str, dict[str, float]]] | None = None) -> list[Alert]:
+    """The precursor alerts first due at record k of ``history``.
+
+    Args:
+        history: a watch history dict.
+        k: the index of the record judged (its earlier records are the reference).
+        thresholds: the thresholds (None: the history's own, else the defaults).
+        values: :func:`signal_values` of records 0..k when already computed (None: computed here).
+
+    Returns:
+        The alerts of record k, most severe first, then in :data:`SIGNALS` order.
+    """
+    from .over_time import thresholds_of
+
+    th = thresholds_of(history, thresholds)
+    values = values if values is not None else [signal_values(history, j) for j in range(k + 1)]
+    steps = [int(r["step"]) for r in history["records"][:k + 1]]
+    out: list[Alert] = []
+    for name, sig in SIGNALS.items():
+        for site in values[k].get(name, {}):
+            series = [v.get(name, {}).get(site) for v in values[:k + 1]]
+            due = _judge_site(sig, series, steps, th)
+            if due is not None:
+                out.append(_alert(history, sig, site, series, steps, due, th, values[k]))
+    return sorted(out, key=lambda a: a.severity != "fail")
+
+
+def _alert(history: dict[str, Any], sig: Signal, site: str, series: list[float | None], steps: list[int],
+           due: tuple[str, int], th: Thresholds, here: dict[str, dict[str, float]]) -> Alert:
+    severity, begun = due
+    value, limit = float(series[-1]), _limit(sig, th)
+    rising = _rising(sig, series)
+    cause, fix = sig.cause, sig.fix
+    if sig.name == "update_large" and history.get("norm") == "post":
+        fix = "warm the learning rate up (post-norm needs it, Xiong et al. 2020) or move to pre-norm"
+    ruled = _ruled_out(here, th, sig.name)
+    cmp = ">" if sig.worse == "high" else "<"
+    where = "" if site in ("model", "logits", "optimizer") else f" at {site}"
+    trend = f"rising for {rising} record{'s' if rising != 1 else ''}" if rising else "not rising"
+    message = (f"step {steps[-1]}: {sig.name}{where}: {sig.what} = {value:.3g} {cmp} {limit:.3g} since step "
+               f"{steps[begun]} ({trend}); cause: {cause}; fix: {fix}; {ruled}")
+    return Alert(steps[-1], severity, sig.name, None if where == "" else site, value, limit, rising,
+                 steps[begun], cause, fix, ruled, message)
+
+
+def all_precursor_alerts(history: dict[str, Any], thresholds: Thresholds | None = None) -> list[Alert]:
+    """Every precursor alert of a history, record by record (what a watch raised as it went)."""
+    records = history.get("records") or []
+    values = [signal_values(history, j) for j in range(len(records))]
+    out: list[Alert] = []
+    for k in range(len(records)):
+        out += precursor_alerts(history, k, thresholds, values[:k + 1])
+    return out
+
+
+def sites_of(alerts: Iterable[Alert]) -> list[str]:
+    """The distinct sites named by ``alerts``, in order (the model-level ones as "model")."""
+    return list(dict.fromkeys(a.site or "model" for a in alerts))
+
+
+#: the cause and fix of each verdict over time (:mod:`diagnostics.judge.over_time`) as an alert
+_VERDICT_WORDS = {
+    "non_finite": ("a NaN or inf appeared in this tensor or its gradient",
+                   "find the first site that went non-finite (named here); in float16: scale the loss or "
+                   "train in bfloat16; otherwise lower the learning rate and clip the gradient norm"),
+    "exploding": ("this site's activation variance grew past its threshold over its own lowest earlier value",
+                  "lower the learning rate or warm it up, clip the gradient norm; the precursor alerts "
+                  "before this one say what grew first"),
+    "vanishing": ("the gradient reaching this site shrank far below its own earlier highest",
+                  "check the residual path and the norms; a gradient that recovers later is benign"),
+}
+
+
+def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, Any], th: Thresholds) -> Alert:
+    """A verdict over time (a row of :func:`diagnostics.judge.over_time.record_verdicts`:
+    non_finite, exploding or vanishing) as an :class:`Alert`, with its cause told apart where the
+    record shows it: a vanishing gradient made of zeros in float16 or bfloat16 is underflow, and
+    one in a post-norm model is the norms' shrinkage."""
+    site, verdict = row["site"], row["verdict"]
+    cause, fix = _VERDICT_WORDS[verdict]
+    signal = verdict
+    if verdict == "vanishing":
+        st = (rec.get("stats") or {}).get(site) or {}
+        dtype = (rec.get("dtypes") or {}).get(site)
+        zero = st.get("grad_zero")
+        if dtype in LOW_PRECISION and _finite(zero) and zero > th.underflow_share:
+            signal = "underflow"
+            cause = (f"{zero:.1%} of its gradient entries are exactly zero in {dtype}: the gradient "
+                     "underflows (Micikevicius et al. 2018), it does not vanish")
+            fix = SIGNALS["underflow"].fix
+        elif history.get("norm") == "post":
+            cause = ("post-norm: each block's norm rescales the gradient on its way down, so the lower "
+                     "layers' gradients shrink at the start of training (Xiong et al. 2020)")
+            fix = "warm the learning rate up, or move to pre-norm"
+    severity = "fail" if verdict in ("non_finite", "exploding") else "warn"
+    value, threshold = float(row["value"]), float(row["threshold"])
+    message = (f"step {row['step']}: {signal} at {site}: {row['stat']} = {value:.3g} (threshold {threshold:.3g}); "
+               f"cause: {cause}; fix: {fix}")
+    return Alert(int(row["step"]), severity, signal, site, value, threshold, 0, int(row["step"]), cause, fix, "",
+                 message)
