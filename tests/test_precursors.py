@@ -158,3 +158,28 @@ def test_forensics_keep_a_bounded_window():
     assert [s["step"] for s in watch.reports[-1]["steps"]] == [2, 3]  # forensics x every steps
     with pytest.raises(ValueError, match="forensics"):
         Watch(model, forensics=0)
+
+
+def _series(history, losses):
+    history["series"] = {"step": list(range(len(losses))), "loss": list(losses), "lr": [1e-3] * len(losses),
+                         "grad_norm": [1.0] * len(losses)}
+    return history
+
+
+def test_a_stall_is_a_flat_loss_beside_its_cause():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    flat = 3.0 + 0.01 * rng.standard_normal(200)
+    recs = [_rec(t, optimizer={"eps_share": 0.9, "alignment": 1.0, "alignment_min": 1.0}) for t in range(0, 200, 10)]
+    alerts = _all(_series(_history(recs), flat))
+    stalls = [a for a in alerts if a.signal == "stall"]
+    assert [a.step for a in stalls] == [50]  # half the window logged: reported when it begins, once
+    assert "adam_epsilon" in stalls[0].message and "eps" in stalls[0].fix
+    # negative controls: the same flat loss without a cause; a falling loss beside the same cause
+    calm = [_rec(t, optimizer={"eps_share": 0.1, "alignment": 1.0, "alignment_min": 1.0}) for t in range(0, 200, 10)]
+    assert _all(_series(_history(calm), flat)) == []
+    falling = 3.0 - 0.002 * np.arange(200) + 0.01 * rng.standard_normal(200)
+    assert not [a for a in _all(_series(_history(recs), falling)) if a.signal == "stall"]
+    slope, se = P.loss_trend(_series(_history(recs), falling), 199, 100)
+    assert abs(slope + 0.002) < 6 * se  # the fitted slope holds the true one

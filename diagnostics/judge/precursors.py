@@ -18,6 +18,9 @@ threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
     overflow_ahead     max |activation| x overflow_headroom       > the largest finite of the site's
                        float16 format
     massive            a block output's max |x| / median |x|      > massive_ratio
+    stall              the loss has not fallen over the last plateau_steps steps (its least-squares
+                       slope is not below zero at a false-alarm rate of 1e-6) while update_small,
+                       adam_epsilon or underflow is past its threshold (reported when it begins)
 
 A precursor is reported (an :class:`Alert`) at the record where its signal has been past its
 threshold at ``early_persist`` records in a row; then not again at that site until it has
@@ -212,6 +215,50 @@ SIGNALS: dict[str, Signal] = {s.name: s for s in (
 )}
 
 
+#: one-sided normal quantile of the stall test at a false-alarm rate of 1e-6 (scipy.stats.norm.isf(1e-6))
+_Z_STALL = 4.753424308822899
+#: the signals that name a stall's cause: a stall is reported only beside one of them
+_STALL_CAUSES = ("update_small", "adam_epsilon", "underflow")
+
+
+def loss_trend(history: dict[str, Any], step: int, window: int) -> tuple[float, float] | None:
+    """(slope, its standard error) of the ordinary least-squares line through the finite losses
+    logged at the last ``window`` steps up to ``step``; None with fewer than ``window`` // 2 of them."""
+    series = history.get("series") or {}
+    pts = [(t, v) for t, v in zip(series.get("step") or [], series.get("loss") or [])
+           if step - window < t <= step and _finite(v)]
+    if len(pts) < max(3, window // 2):
+        return None
+    n = len(pts)
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    stt = sum((t - mt) ** 2 for t, _ in pts)
+    if stt == 0:
+        return None
+    slope = sum((t - mt) * (v - mv) for t, v in pts) / stt
+    resid = sum((v - mv - slope * (t - mt)) ** 2 for t, v in pts)
+    return slope, math.sqrt(resid / (n - 2) / stt)
+
+
+def _stalled(history: dict[str, Any], values: dict[str, dict[str, float]], step: int, th: Thresholds
+             ) -> Alert | None:
+    """A stall at ``step``: the loss has not fallen over the last ``plateau_steps`` steps (its fitted
+    slope is not below zero at the false-alarm rate 1e-6: slope > -4.75 standard errors) while a
+    signal that stalls training is past its threshold (:data:`_STALL_CAUSES`)."""
+    causes = [n for n in _STALL_CAUSES if any(_past(SIGNALS[n], v, _limit(SIGNALS[n], th)) for v in values.get(n, {}).values())]
+    trend = loss_trend(history, step, int(th.plateau_steps)) if causes else None
+    if trend is None or trend[0] < -_Z_STALL * trend[1]:
+        return None
+    slope, se = trend
+    sig = SIGNALS[causes[0]]
+    fall = -slope * th.plateau_steps
+    message = (f"step {step}: stall: the loss fell {fall:.3g} over the last {int(th.plateau_steps)} steps "
+               f"(slope {slope:.3g} +- {se:.2g} per step, not below zero) while {causes[0]} is past its threshold; "
+               f"cause: {sig.cause}; fix: {sig.fix}")
+    return Alert(step, "warn", "stall", None, slope, -_Z_STALL * se, 0, step, sig.cause, sig.fix,
+                 f"the loss is not falling; {', '.join(causes)} past threshold", message)
+
+
 def _limit(sig: Signal, th: Thresholds) -> float:
     """The threshold value of a signal: overflow_ahead's is the headroom's reciprocal (a fraction of the format's top)."""
     v = float(getattr(th, sig.threshold))
@@ -312,6 +359,9 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
     values = values if values is not None else [signal_values(history, j) for j in range(k + 1)]
     steps = [int(r["step"]) for r in history["records"][:k + 1]]
     out: list[Alert] = []
+    stall = _stalled(history, values[k], steps[-1], th)
+    if stall is not None and not _stalled_before(history, values, k, th):
+        out.append(stall)
     for name, sig in SIGNALS.items():
         for site in values[k].get(name, {}):
             series = [v.get(name, {}).get(site) for v in values[:k + 1]]
@@ -319,6 +369,12 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
             if due is not None:
                 out.append(_alert(history, sig, site, series, steps, due, th, values[k]))
     return sorted(out, key=lambda a: a.severity != "fail")
+
+
+def _stalled_before(history: dict[str, Any], values: list[dict[str, dict[str, float]]], k: int, th: Thresholds
+                    ) -> bool:
+    """Whether the record before k was already stalled (a stall is reported when it begins)."""
+    return k > 0 and _stalled(history, values[k - 1], int(history["records"][k - 1]["step"]), th) is not None
 
 
 def _alert(history: dict[str, Any], sig: Signal, site: str, series: list[float | None], steps: list[int],
