@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from diagnostics.integrations.writers import WatchWriter
 
 from .cli import EXIT_NONFINITE, EXIT_OK, PRESET_NAMES, SCHEME_NAMES, UsageError, choose
 from .intake import check_input_file, check_outputs, check_suffixes
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     display = _Display(console, options.steps, quiet=args.quiet)
     with display:
         result = train_watched(model, tokens, options, output=out, resume=resume, on_step=display.step,
-                               on_event=display.event, data=None if args.data is None else str(Path(args.data).resolve()))
+                               writers=[_Alerts(console)], data=None if args.data is None else str(Path(args.data).resolve()))
     history = History(result.history)  # its verdicts, judged once for the summary and the CSV
     _summary(console, result, history, options, out)
     from . import export
@@ -214,8 +215,17 @@ class _Display:
             self.console.print(f"step {info.step}/{info.steps}  loss {info.loss:.4f}  {info.tokens_per_s:,.0f} tok/s  "
                                f"lr {info.lr:.2e}  |g| {info.grad_norm:.3g}")
 
-    def event(self, event) -> None:
-        self.console.print(f"[bold red]watch:[/] {event.message}")
+
+
+class _Alerts(WatchWriter):
+    """A watch writer that prints each alert of the run (a spike's included, with its cause) as it comes."""
+
+    def __init__(self, console):
+        self.console = console
+
+    def alert(self, alert) -> None:
+        color = "bold red" if alert.severity == "fail" else "yellow"
+        self.console.print(f"[{color}]watch {alert.severity}:[/] {alert.message}", markup=True, highlight=False)
 
 
 def _summary(console, result, history, options, out: Path) -> None:

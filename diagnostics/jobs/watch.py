@@ -695,13 +695,14 @@ class Watch:
 
 def train_watched(model: nn.Module, tokens, options, *, sites: list[str] | None = None,
                   on_event: Callable[[WatchEvent], None] | None = None, resume: dict[str, Any] | None = None,
-                  thresholds: Thresholds | None = None, **kwargs: Any):
+                  thresholds: Thresholds | None = None, writers: list[WatchWriter] | tuple = (), **kwargs: Any):
     """``tinylm.train.train`` with a :class:`Watch` built from ``options`` (``watch_every``,
     ``spike_factor``) and ``thresholds`` (None: the defaults) that continues the resumed run's
-    history; ``sites``: the tensors it records (None: its default set); other keyword
-    arguments go to ``train``."""
+    history; ``sites``: the tensors it records (None: its default set); ``writers``: where its
+    steps, records and alerts go (:class:`diagnostics.integrations.writers.WatchWriter`); other
+    keyword arguments go to ``train``."""
     from tinylm.train import train
 
     watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites,
-                  history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds)
+                  history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds, writers=writers)
     return train(model, tokens, options, resume=resume, monitor=watch, **kwargs)
