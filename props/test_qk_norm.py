@@ -22,9 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from props.record import check, prop
-from props.strategies import generator, seeds, sizes
+from props.strategies import GPT2_FAMILY, generator, model_configs, seeds, sizes
 from props.tolerances import unit_roundoff
+from tinylm import checkpoint, init, memory
 from tinylm.layers import MultiHeadSelfAttention
+from tinylm.model import TransformerLM
 
 pytestmark = pytest.mark.tinylm_only
 
@@ -140,3 +142,25 @@ def test_no_qk_norm_scores_follow_the_weights_scale(seed, c):
     rel = float(((after - before * 10.0**c).abs().max()) / (before.abs().max() * 10.0**c))
     check(rel, 64 * U64, "without qk-norm the scores did not scale with W_q")
     assert float((after - before).abs().max()) > 0.2 * float(before.abs().max())
+
+
+@prop("qk-norm configs of the whole family: parameter count = memory._params, every scheme declares the norms' "
+      "gains 1 and biases 0 and draws them so, a checkpoint round trip keeps the config and the function")
+@settings(max_examples=15, deadline=None)
+@given(cfg=model_configs(max_layers=2, max_vocab=24, max_context=6, qk_norms=("rms", "layer"), **GPT2_FAMILY),
+       scheme=st.sampled_from(sorted(init.SCHEMES)), seed=seeds())
+def test_qk_norm_configs_count_declare_and_round_trip(cfg, scheme, seed, tmp_path_factory):
+    model = TransformerLM(cfg, generator(seed))
+    assert model.num_parameters() == memory._params(cfg)
+    drawn = init.apply(model, scheme, generator=generator(seed))
+    norms = {n: p for n, p in model.named_parameters() if "_norm." in n}
+    assert len(norms) == cfg.num_layers * (4 if cfg.qk_norm == "layer" else 2)
+    for name, p in norms.items():
+        value = 1.0 if name.endswith("weight") else 0.0
+        assert drawn[name].family == "constant" and drawn[name].value == value and bool((p == value).all()), name
+    path = tmp_path_factory.mktemp("qk") / "m.pt"
+    checkpoint.save(path, model)
+    back, _ = checkpoint.load(path)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), generator=generator(seed))
+    with torch.no_grad():
+        assert back.config == cfg and torch.equal(back(ids), model.eval()(ids))
