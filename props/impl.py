@@ -186,7 +186,7 @@ class TinyLMImpl:
         theta = c.rope_theta if c.rope else None
         block = TransformerBlock(
             c.d_model, c.num_heads, c.d_ff, c.context_length, theta, c.eps, c.norm, c.ffn, c.dropout,
-            norm_kind=c.norm_kind, bias=c.bias,
+            norm_kind=c.norm_kind, bias=c.bias, qk_norm=c.qk_norm,
         )
         self._tl.init.apply(block, c.init, generator=generator)
         return block

@@ -194,11 +194,13 @@ def model_configs(
     tie: tuple[bool, ...] = (False, True),
     norm_kinds: tuple[str, ...] = ("rms",),
     biases: tuple[bool, ...] = (False,),
+    qk_norms: tuple[str, ...] = ("none",),
 ) -> ModelConfig:
     """Small :class:`tinylm.ModelConfig` that are always valid (even head dims for RoPE, d divisible by H).
 
     The defaults draw the CS336 block's variants; pass ``GPT2_FAMILY`` (``**GPT2_FAMILY``) to draw
-    the GPT-2 family's choices too (LayerNorm, GELU/ReLU MLPs, learned positions, biases).
+    the GPT-2 family's choices too (LayerNorm, GELU/ReLU MLPs, learned positions, biases);
+    ``qk_norms`` draws the per-head query/key norm (default: none).
     """
     heads = draw(st.integers(1, max_heads))
     head_dim = 2 * draw(st.integers(1, max(1, max_head_dim // 2)))
@@ -218,6 +220,7 @@ def model_configs(
         tie_embeddings=draw(st.sampled_from(tie)),
         **({"norm_kind": draw(st.sampled_from(norm_kinds))} if norm_kinds != ("rms",) else {}),
         **({"bias": draw(st.sampled_from(biases))} if biases != (False,) else {}),
+        **({"qk_norm": draw(st.sampled_from(qk_norms))} if qk_norms != ("none",) else {}),
     )
 
 

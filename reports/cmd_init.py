@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="key/value heads (grouped-query attention; must divide the heads; default: one per head)")
     p.add_argument("--sliding-window", type=positive_int,
                    help="each position attends to the last N positions only, itself included (default: all)")
+    p.add_argument("--qk-norm", choices=["none", "rms", "layer"],
+                   help="normalise each head's queries and keys (RMSNorm or LayerNorm over d_k) before RoPE "
+                   "(default none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the init draws (default 0)")
     p.add_argument("-o", "--output", required=True, help="where to write the checkpoint (.pt or .safetensors)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         get(args.init)  # unknown scheme: a clear error before any work
     changes = {} if args.init is None else {"init": args.init}
     for name in ("norm", "norm_kind", "ffn", "positions", "bias", "num_layers", "d_model", "num_kv_heads",
-                 "sliding_window"):
+                 "sliding_window", "qk_norm"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.no_rope:

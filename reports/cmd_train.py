@@ -28,8 +28,10 @@ _TRAIN_FLAGS = {
     "watch_every": (int, "record the watch every K steps, 0 turns it off (default 25)"),
     "spike_factor": (float, "a loss above this multiple of the running loss is a spike (default 1.5)"),
     "checkpoint_every": (int, "also save the checkpoint every N steps (default 0: at the end only)"),
+    "z_loss": (float, "coefficient C of the z-loss C mean (log Z)^2 added to the cross-entropy; the loss shown "
+                      "stays the cross-entropy (default 0: off; PaLM uses 1e-4)"),
 }
-_MODEL_FLAGS = ("norm", "ffn", "d_model", "d_ff", "num_layers", "num_heads", "context_length", "vocab_size")
+_MODEL_FLAGS = ("norm", "ffn", "d_model", "d_ff", "num_layers", "num_heads", "context_length", "vocab_size", "qk_norm")
 DEFAULT_STEPS = 60
 
 
@@ -45,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, help=text)
     p.add_argument("--norm", choices=["pre", "post", "none"], help="norm placement (default: the preset's, pre)")
     p.add_argument("--ffn", choices=["swiglu", "silu"], help="feed-forward kind (default swiglu)")
+    p.add_argument("--qk-norm", choices=["none", "rms", "layer"],
+                   help="normalise each head's queries and keys before RoPE (default none)")
     p.add_argument("--d-model", type=int, help="override the preset's width (d_ff follows as 8/3 d unless --d-ff)")
     p.add_argument("--d-ff", type=int, help="override the feed-forward width")
     p.add_argument("--num-layers", type=int, help="override the preset's number of blocks")

@@ -534,7 +534,8 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
     embeddings, norm placement (ln1 and ln_final: pre; ln1 only: post; none:
     none) and, once num_heads is known, the K/V heads of grouped-query attention
     (k_proj's rows / d_k); keys determine learned positions (``position_embeddings.weight``, whose rows
-    are context_length), biases (``attn.q_proj.bias``) and LayerNorm (a norm bias). A
+    are context_length), biases (``attn.q_proj.bias``), LayerNorm (a norm bias) and qk-norm
+    (``attn.q_norm.weight``; "layer" when it has a bias, else "rms"). A
     non-gated FFN's activation cannot be seen and defaults to "silu" (pass ffn=...); nor
     can a bias-free LayerNorm be told from RMSNorm (pass norm_kind=...). num_heads,
     rope_theta (RoPE models) and context_length (unless learned positions show it)
@@ -581,6 +582,8 @@ def infer_config(state: dict[str, torch.Tensor], **overrides: Any) -> ModelConfi
         fields["bias"] = True
     if any_block("ln1.bias") or any_block("ln2.bias") or "ln_final.bias" in state:
         fields["norm_kind"] = "layer"
+    if any_block("attn.q_norm.weight"):  # qk-norm: LayerNorm has a bias, RMSNorm none
+        fields["qk_norm"] = "layer" if any_block("attn.q_norm.bias") else "rms"
     fields.update({k: v for k, v in overrides.items() if v is not None})
     if "rope" in fields:  # the legacy boolean flag
         legacy = fields.pop("rope")

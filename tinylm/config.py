@@ -21,6 +21,7 @@ NORMS = ("pre", "post", "none")
 NORM_KINDS = ("rms", "layer")
 FFNS = ("swiglu", "silu", "gelu", "gelu_tanh", "relu")
 POSITIONS = ("rope", "learned", "none")
+QK_NORMS = ("none", "rms", "layer")
 
 
 def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
@@ -71,6 +72,11 @@ class ModelConfig:
         init: name of the init scheme a fresh model gets (see ``tinylm.init``).
         sliding_window: None (attend to every earlier position) or W >= 1: query i attends to
             key j iff 0 <= i - j < W (Mistral's convention).
+        qk_norm: "none", or a norm of each head's query and key vectors over d_k, after the
+            q/k projections and before RoPE: "rms" (RMSNorm with a gain ``q_norm.weight`` /
+            ``k_norm.weight`` of size d_k shared by the heads) or "layer" (LayerNorm, a gain
+            and a bias), with epsilon ``eps``. With RMSNorm and unit gains every score
+            |q_hat . k_hat| / sqrt(d_k) is at most sqrt(d_k), whatever the weights.
     """
 
     vocab_size: int
@@ -91,6 +97,7 @@ class ModelConfig:
     bias: bool = False
     num_kv_heads: int | None = None
     sliding_window: int | None = None
+    qk_norm: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -116,6 +123,7 @@ class ModelConfig:
         choice("norm_kind", self.norm_kind, NORM_KINDS, error=ConfigError)
         choice("ffn", self.ffn, FFNS, error=ConfigError)
         choice("positions", self.positions, POSITIONS, error=ConfigError)
+        choice("qk_norm", self.qk_norm, QK_NORMS, error=ConfigError)
         boolean("bias", self.bias, error=ConfigError)
         boolean("tie_embeddings", self.tie_embeddings, error=ConfigError)
         check("dropout", self.dropout, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -206,6 +206,7 @@ def _require(c: ModelConfig, arch: str, **wanted: Any) -> None:
         "ffn": f"Hugging Face {arch}'s MLP is {'SwiGLU (gate, up, down)' if arch == 'Llama' else 'non-gated'}",
         "positions": f"Hugging Face {arch} {'rotates q and k (RoPE)' if arch == 'Llama' else 'adds learned positions'}",
         "bias": f"Hugging Face {arch} has biases on every projection and LayerNorm",
+        "qk_norm": f"Hugging Face {arch} normalises neither queries nor keys",
     }
     for name, allowed in wanted.items():
         value = getattr(c, name)
@@ -214,7 +215,7 @@ def _require(c: ModelConfig, arch: str, **wanted: Any) -> None:
 
 
 def _llama_hf_config(c: ModelConfig) -> dict[str, Any]:
-    _require(c, "Llama", norm=("pre",), ffn=("swiglu",), positions=("rope",))
+    _require(c, "Llama", norm=("pre",), ffn=("swiglu",), positions=("rope",), qk_norm=("none",))
     if c.sliding_window is not None and c.bias:
         _refuse("sliding_window", c.sliding_window, "Hugging Face Mistral (the Llama layout with a window) has no "
                 "biases; this model has no Hugging Face equivalent")
@@ -305,7 +306,8 @@ def _gpt2_config(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _gpt2_hf_config(c: ModelConfig) -> dict[str, Any]:
-    _require(c, "GPT-2", norm=("pre",), ffn=tuple(_GPT2_ACTIVATION_OF), positions=("learned",), bias=(True,))
+    _require(c, "GPT-2", norm=("pre",), ffn=tuple(_GPT2_ACTIVATION_OF), positions=("learned",), bias=(True,),
+             qk_norm=("none",))
     if c.kv_heads != c.num_heads:
         _refuse("num_kv_heads", c.num_kv_heads, "Hugging Face GPT-2 has one key/value head per query head; "
                 "this model has no Hugging Face equivalent")
@@ -395,7 +397,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
 def hf_config(config: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config.json (as a dict) of a tinylm config, or a one-line :class:`MappingError`
     naming the field with no Hugging Face equivalent (post-norm, no norm, a non-gated MLP with
-    RMSNorm, NoPE, a LayerNorm model without biases)."""
+    RMSNorm, NoPE, a LayerNorm model without biases, qk-norm)."""
     return _family_of(config).to_hf_config(config)
 
 

@@ -24,7 +24,9 @@ zero-residual   as cs336, but residual outputs are 0 (blocks start as id.)  as c
 "Embeddings" covers both tables: the token embedding and, with learned positions, the
 position embedding (``position_embeddings``), which every scheme draws like the token
 table (gpt2: N(0, 0.02^2), as GPT-2 does; cs336: N(0,1) truncated [-3,3]; and so on).
-The norm gain is RMSNorm's or LayerNorm's ``weight``.
+The norm gain is RMSNorm's or LayerNorm's ``weight``: the block norms' and, with
+``ModelConfig.qk_norm``, the attention's ``q_norm`` and ``k_norm`` (d_k entries; 1 under every
+scheme, their LayerNorm bias 0).
 
 Biases (only present with ``ModelConfig.bias``): every Linear bias is 0, except
 torch-default's U(-1/sqrt(d_in), 1/sqrt(d_in)) (nn.Linear's default); LayerNorm's bias

@@ -305,6 +305,13 @@ class MultiHeadSelfAttention(nn.Module):
     this is multi-head attention. ``sliding_window`` (W): query i attends to key j iff
     0 <= i - j < W (None: every j <= i).
 
+    QK-norm (``qk_norm`` "rms" or "layer"; default "none"): each head's query and key vectors
+    pass through ``q_norm`` / ``k_norm`` over d_k after the projections and before RoPE,
+    q_hat = RMSNorm(q) (or LayerNorm(q)) with a gain of size d_k shared by the heads (LayerNorm:
+    and a bias), epsilon ``eps``. So with RMSNorm and gains g_q, g_k every score satisfies
+    |s| <= sqrt(d_k) max|g_q| max|g_k| (Cauchy-Schwarz; RoPE preserves norms), whatever the
+    scale of W_q and W_k (Dehghani et al. 2023; Wortsman et al. 2023).
+
     Shape: x (..., T, d_model) -> (..., T, d_model). Taps: ``scores`` (pre-softmax,
     masked entries -inf) and ``probs`` (attention weights), each (..., H, T, T).
 
@@ -318,7 +325,7 @@ class MultiHeadSelfAttention(nn.Module):
 
     ``register_observer(fn)`` adds a hook point that does not change the path:
     ``fn(q, k, v, heads, weights)`` is called after each forward with the heads' inputs
-    (q, k after RoPE; each (..., H, T, d_k)) and output (..., H, T, d_k), and ``weights``
+    (q, k after qk-norm and RoPE; each (..., H, T, d_k)) and output (..., H, T, d_k), and ``weights``
     = (scores, probs) when the explicit path formed them, else None. Instrumentation
     (the diagnostics probe) uses it to measure the attention without the T x T matrices.
     """
@@ -336,8 +343,12 @@ class MultiHeadSelfAttention(nn.Module):
         bias: bool = False,
         num_kv_heads: int | None = None,
         sliding_window: int | None = None,
+        qk_norm: str = "none",
+        eps: float = 1e-5,
     ):
         super().__init__()
+        if qk_norm not in ("none", "rms", "layer"):
+            raise ValueError(f"qk_norm={qk_norm!r}: must be one of none, rms, layer")
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model}, num_heads={num_heads}: d_model must be divisible by num_heads")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -352,6 +363,15 @@ class MultiHeadSelfAttention(nn.Module):
         self.q_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
         self.k_proj = Linear(d_model, d_kv, bias, device=device, dtype=dtype)
         self.v_proj = Linear(d_model, d_kv, bias, device=device, dtype=dtype)
+        self.qk_norm = qk_norm
+        if qk_norm == "rms":
+            self.q_norm = RMSNorm(self.d_k, eps, device=device, dtype=dtype)
+            self.k_norm = RMSNorm(self.d_k, eps, device=device, dtype=dtype)
+        elif qk_norm == "layer":
+            self.q_norm = LayerNorm(self.d_k, eps, True, device=device, dtype=dtype)
+            self.k_norm = LayerNorm(self.d_k, eps, True, device=device, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
         self.output_proj = Linear(d_model, d_model, bias, device=device, dtype=dtype)
         if theta is not None:
             if max_seq_len is None:
@@ -373,8 +393,9 @@ class MultiHeadSelfAttention(nn.Module):
         return handle
 
     def reset_parameters(self) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.output_proj):
-            lin.reset_parameters()
+        for mod in (self.q_proj, self.k_proj, self.v_proj, self.q_norm, self.k_norm, self.output_proj):
+            if mod is not None:
+                mod.reset_parameters()
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
         T = x.shape[-2]
@@ -382,6 +403,9 @@ class MultiHeadSelfAttention(nn.Module):
         q = rearrange(self.q_proj(x), split, h=self.num_heads)  # (..., H, T, d_k)
         k = rearrange(self.k_proj(x), split, h=self.num_kv_heads)  # (..., H_kv, T, d_k)
         v = rearrange(self.v_proj(x), split, h=self.num_kv_heads)
+        q_norm = getattr(self, "q_norm", None)  # None: no qk-norm (or a module pickled before it existed)
+        if q_norm is not None:  # per head over d_k, before RoPE
+            q, k = q_norm(q), self.k_norm(k)
         if self.rope is not None:
             if token_positions is None:  # 0 .. T-1: checked from the shape, no device sync
                 if T > self.rope.max_seq_len:
@@ -437,5 +461,6 @@ class MultiHeadSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
         extra += f", sliding_window={self.sliding_window}" if self.sliding_window is not None else ""
+        extra += f", qk_norm={self.qk_norm!r}" if getattr(self, "q_norm", None) is not None else ""
         rope = self.rope is not None
         return f"d_model={self.d_model}, num_heads={self.num_heads}, d_k={self.d_k}, rope={rope}{extra}"

@@ -68,6 +68,8 @@ def _params(c: ModelConfig) -> int:
     mats = 3 if c.ffn == "swiglu" else 2
     ffn = mats * d * c.d_ff + b * ((mats - 1) * c.d_ff + d)  # w1 (w3): d_ff biases each; w2: d
     attn = 4 * d * d + b * 4 * d
+    if c.qk_norm != "none":  # q_norm and k_norm: a gain of d_k each (LayerNorm: and a bias)
+        attn += 2 * c.head_dim * (2 if c.qk_norm == "layer" else 1)
     positions = c.context_length * d if c.positions == "learned" else 0
     return (c.vocab_size * d * (1 if c.tie_embeddings else 2) + positions + final
             + c.num_layers * (attn + ffn + norms))

@@ -42,7 +42,8 @@ class TransformerBlock(nn.Module):
 
     ln1/ln2 are RMSNorm (``norm_kind="rms"``) or LayerNorm (``"layer"``); the FFN is
     SwiGLU or a non-gated MLP (``ffn``); ``bias`` gives the attention and FFN linears
-    (and LayerNorm) biases. Branch outputs pass through inverted dropout (p = ``dropout``)
+    (and LayerNorm) biases; ``qk_norm`` normalises each attention head's queries and keys
+    (see :class:`MultiHeadSelfAttention`). Branch outputs pass through inverted dropout (p = ``dropout``)
     before they are added. Shape: (..., T, d_model) -> (..., T, d_model). The Tap
     ``resid_mid`` marks h, the residual stream between the two sublayers.
     """
@@ -65,6 +66,7 @@ class TransformerBlock(nn.Module):
         bias: bool = False,
         num_kv_heads: int | None = None,
         sliding_window: int | None = None,
+        qk_norm: str = "none",
     ):
         super().__init__()
         if norm not in ("pre", "post", "none"):
@@ -75,7 +77,8 @@ class TransformerBlock(nn.Module):
         if norm != "none":
             self.ln1 = make_norm(norm_kind, d_model, eps, bias, **kw)
         self.attn = MultiHeadSelfAttention(d_model, num_heads, max_seq_len, theta, dropout=dropout, bias=bias,
-                                           num_kv_heads=num_kv_heads, sliding_window=sliding_window, **kw)
+                                           num_kv_heads=num_kv_heads, sliding_window=sliding_window,
+                                           qk_norm=qk_norm, eps=eps, **kw)
         if norm != "none":
             self.ln2 = make_norm(norm_kind, d_model, eps, bias, **kw)
         self.ffn = ffn_module
@@ -132,7 +135,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(c.d_model, c.num_heads, c.d_ff, c.context_length, theta, c.eps, c.norm, c.ffn, c.dropout,
                              norm_kind=c.norm_kind, bias=c.bias, num_kv_heads=c.num_kv_heads,
-                             sliding_window=c.sliding_window, **kw)
+                             sliding_window=c.sliding_window, qk_norm=c.qk_norm, **kw)
             for _ in range(c.num_layers)
         )
         self.ln_final = make_norm(c.norm_kind, c.d_model, c.eps, c.bias, **kw) if c.norm == "pre" else None

@@ -123,7 +123,9 @@ class Step:
     attention, fewer with grouped queries: each K/V head serves H / H_kv query heads),
     ``kv_width`` (H_kv d_k, the output width of k_proj and v_proj) and ``window`` (the
     sliding window W, query i reads key j iff 0 <= i - j < W; None: every j <= i); 0, 0 and
-    None for the other kinds.
+    None for the other kinds. ``qk_norm``: the norm an attention step applies to each head's
+    queries and keys inside the attention module ("rms" or "layer", modules ``{attn}.q_norm``
+    and ``{attn}.k_norm``), "none" without one and for the other kinds.
     """
 
     kind: str
@@ -136,6 +138,7 @@ class Step:
     kv_heads: int = 0
     kv_width: int = 0
     window: int | None = None
+    qk_norm: str = "none"
 
     @property
     def output(self) -> str:
@@ -184,7 +187,8 @@ class BlockPlan:
 
 
 def _block(i: int, norm: str, first: str = EMBEDDING, *, norm_kind: str = "rms", ffn_kind: str = "swiglu",
-           attention: str = "rope", bias: bool = False, kv: tuple[int, int, int | None] = (0, 0, None)) -> BlockPlan:
+           attention: str = "rope", bias: bool = False, kv: tuple[int, int, int | None] = (0, 0, None),
+           qk_norm: str = "none") -> BlockPlan:
     b, x, h, z = block_name(i), stream_into(i, first), mid_name(i), block_name(i)
     attn, ffn, ln1, ln2 = f"{b}.attn", f"{b}.ffn", f"{b}.ln1", f"{b}.ln2"
 
@@ -192,7 +196,7 @@ def _block(i: int, norm: str, first: str = EMBEDDING, *, norm_kind: str = "rms",
         return Step("norm", module, reads, writes, branch, norm_kind, bias and norm_kind == "layer")
 
     def attn_step(reads):
-        return Step("attention", attn, reads, (attn,), "attn", attention, bias, *kv)
+        return Step("attention", attn, reads, (attn,), "attn", attention, bias, *kv, qk_norm=qk_norm)
 
     def ffn_step(reads):
         return Step("ffn", ffn, reads, (ffn,), "ffn", ffn_kind, bias)
@@ -307,12 +311,13 @@ class ModelPlan:
 
 def _heads(step: Step, config: ModelConfig) -> str:
     """What an attention step's line adds where it is not plain multi-head causal attention:
-    `` [H_kv=2 of H=8 (k/v width 32), window 4]``; "" otherwise."""
+    `` [H_kv=2 of H=8 (k/v width 32), window 4, qk-norm rms]``; "" otherwise."""
     if step.kind != "attention":
         return ""
     parts = [f"H_kv={step.kv_heads} of H={config.num_heads} (k/v width {step.kv_width})"] \
         if step.kv_heads != config.num_heads else []
     parts += [f"window {step.window}"] if step.window is not None else []
+    parts += [f"qk-norm {step.qk_norm}"] if step.qk_norm != "none" else []
     return f" [{', '.join(parts)}]" if parts else ""
 
 
@@ -324,7 +329,8 @@ def build(config: ModelConfig) -> ModelPlan:
     first = RESID_IN if learned else EMBEDDING
     blocks = tuple(_block(i, config.norm, first, norm_kind=config.norm_kind, ffn_kind=config.ffn,
                           attention="rope" if config.rope else "nope", bias=config.bias,
-                          kv=(config.kv_heads, config.kv_heads * config.head_dim, config.sliding_window))
+                          kv=(config.kv_heads, config.kv_heads * config.head_dim, config.sliding_window),
+                          qk_norm=config.qk_norm)
                    for i in range(config.num_layers))
     return ModelPlan(config, blocks, final_norm=FINAL_NORM if config.norm == "pre" else None,
                      positions=POSITIONS if learned else None, input=first)

@@ -6,7 +6,8 @@
 model's weights load into the other. It serves two purposes: a check that tinylm
 computes the same function (tests), and the speed baseline of ``benchmarks/bench_model.py``.
 Covered: pre-norm with RMSNorm or LayerNorm, SwiGLU or any non-gated MLP activation,
-RoPE, learned (``nn.Embedding``) or no positions, biases, tied embeddings, no dropout.
+RoPE, learned (``nn.Embedding``) or no positions, biases, tied embeddings, qk-norm
+(``F.rms_norm`` / ``F.layer_norm`` of each head's q and k before RoPE), no dropout.
 RoPE here is written as multiplication by complex phases, a different route to
 the same rotation of adjacent pairs.
 """
@@ -56,6 +57,12 @@ class _Attention(nn.Module):
         d = c.d_model
         self.h = c.num_heads
         self.q_proj, self.k_proj, self.v_proj, self.output_proj = (nn.Linear(d, d, bias=c.bias) for _ in range(4))
+        if c.qk_norm == "rms":
+            self.q_norm, self.k_norm = _RMSNorm(c.head_dim, c.eps), _RMSNorm(c.head_dim, c.eps)
+        elif c.qk_norm == "layer":
+            self.q_norm, self.k_norm = _LayerNorm(c.head_dim, c.eps), _LayerNorm(c.head_dim, c.eps)
+        else:
+            self.q_norm = self.k_norm = None
         if c.rope:
             inv = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
             ang = torch.arange(c.context_length, dtype=torch.float64)[:, None] * inv  # (T, d_k/2)
@@ -70,6 +77,8 @@ class _Attention(nn.Module):
     def forward(self, x):
         B, T, d = x.shape
         q, k, v = (p(x).view(B, T, self.h, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.phase is not None:
             q, k = self._rope(q), self._rope(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, d_k)

@@ -4,7 +4,8 @@ One step t = 0 .. steps-1 (CS336 assignment 1, section 4):
 
     x, y      = get_batch(tokens, B, T, generator)          # (B, T) windows, y shifted by one
     loss      = cross_entropy(model(x), y)                   # mean next-token CE, nats
-    g         = grad loss;  n = ||g||_2 over all parameters  # global norm
+    objective = loss + z_loss * mean_t (log Z_t)^2           # z_loss = 0 (default): the CE alone
+    g         = grad objective;  n = ||g||_2 over all params # global norm
     g         = g * min(1, clip / n)                         # clipping by global norm
     lr_t      = schedule(t)                                  # warmup, then cosine to a floor
     W         = AdamW(W, g, lr_t, betas, eps, weight_decay)
@@ -67,6 +68,12 @@ class TrainOptions:
         spike_factor: a step whose loss exceeds spike_factor x the running (EMA) loss is a spike.
         checkpoint_every: also save a checkpoint every N steps (0: only at the end).
         stop_on_nonfinite: stop (before the optimizer step) when the loss is NaN or inf.
+        z_loss: coefficient c >= 0 of the auxiliary z-loss (:func:`tinylm.functional.z_loss`):
+            the gradient is taken of CE + c mean_t (log Z_t)^2, log Z_t the logsumexp of row t's
+            logits (PaLM uses 1e-4); 0 (default) trains on the cross-entropy alone. The loss the
+            loop reports, records and checks (``StepInfo.loss``, the monitor's ``alarm`` and
+            ``commit``, so the watch's history and its spike and non-finite alarms) stays the
+            cross-entropy in nats.
     """
 
     steps: int
@@ -84,6 +91,7 @@ class TrainOptions:
     spike_factor: float = 1.5
     checkpoint_every: int = 0
     stop_on_nonfinite: bool = True
+    z_loss: float = 0.0
 
     def __post_init__(self) -> None:
         def integer(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -108,6 +116,7 @@ class TrainOptions:
         number("clip", self.clip, 0.0, False)
         number("adam_eps", self.adam_eps, 0.0, True)
         number("spike_factor", self.spike_factor, 1.0, True)
+        number("z_loss", self.z_loss, 0.0, False)
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             number(name, value, 0.0, False)
@@ -349,9 +358,11 @@ def train(
     t_start, cpu_start = time.perf_counter(), time.process_time()
 
     def forward_backward(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        return float(loss.detach())
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        objective = loss + options.z_loss * F.z_loss(logits) if options.z_loss > 0 else loss
+        objective.backward()
+        return float(loss.detach())  # the cross-entropy: what is reported, recorded and checked
 
     def save(iteration: int) -> None:
         if output is not None:

@@ -77,13 +77,15 @@ def evidence(tensors: list[TensorRow], params: list[ParamRow], architecture: dic
 
 
 def _score_ratios(tensors: list[TensorRow], rows: dict) -> dict[int, float]:
-    """Per block: E[s^2] / (E[q^2] E[k^2]) of its attention scores over its q and k projections."""
+    """Per block: E[s^2] / (E[q^2] E[k^2]) of its attention scores over the q and k they are formed
+    from: the per-head q/k norms' outputs where the model has them (qk-norm), else the projections."""
     out: dict[int, float] = {}
     for r in tensors:
         if r.kind != "attn_scores" or r.direction != "forward" or r.block is None:
             continue
         base = r.name[: -len(".scores")]
-        q, k = rows.get((f"{base}.q_proj", "forward")), rows.get((f"{base}.k_proj", "forward"))
+        q = rows.get((f"{base}.q_norm", "forward")) or rows.get((f"{base}.q_proj", "forward"))
+        k = rows.get((f"{base}.k_norm", "forward")) or rows.get((f"{base}.k_proj", "forward"))
         if q is None or k is None:
             continue
         den = q.mean_square * k.mean_square

@@ -32,7 +32,7 @@ import tinylm
 from ..measure.moments import ProbeStats
 from ..options import OptionsError
 from .independent import ce_grad_mean_square, independent_predictions, silu_moments, softmax_moments
-from .prediction import Prediction, no_variance_left
+from .prediction import Prediction, no_variance_left, qk_norm_outside
 from . import backkernel
 from .backkernel import BackwardKernel, backward_kernel, cached_backward_kernel
 from .tokenkernel import KernelTheory, cached_kernel_theory, kernel_theory, token_coincidence
@@ -83,7 +83,9 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
     (E[sum_c p_c^2], E[p_y]) over the loss's positions (diagnose measures them), against
     which the cross-entropy rule's premises are checked (None: not checked).
     Returns {} for a model that is not a tinylm.TransformerLM. Predictions outside their
-    stated validity carry valid=False and say why (see :mod:`.independent`).
+    stated validity carry valid=False and say why (see :mod:`.independent`); with a per-head
+    query/key norm (``qk_norm``) the predictions it changes are outside validity
+    (:func:`.prediction.qk_norm_outside`).
     """
     if mode not in ("local", "global"):
         raise OptionsError(f"mode={mode!r}: choose 'local' or 'global'")
@@ -115,6 +117,7 @@ def predict(model: nn.Module, mode: str, stats: ProbeStats | None = None, *, seq
             out = _with_kernel(out, bk.predictions(dropout_active=False))
         if mode == "global":  # every global gradient starts from the cross-entropy rule at the logits
             out = _ce_premise(out, out.get((tinylm.plan.HEAD, "backward")))
+        out = qk_norm_outside(out, model.config, tinylm.plan.build(model.config), mode)
     return _no_impossible_variance(out)
 
 

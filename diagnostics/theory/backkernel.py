@@ -94,7 +94,7 @@ from ..options import OptionsError
 from .backkernel_maps import (attention_backward, dact_cross_moment, dsilu_cross_moment, layer_norm_backward,
                               norm_backward)
 from .gaussian import activation_of, ce_grad_mean_square
-from .prediction import Prediction
+from .prediction import Prediction, qk_norm_not_covered, qk_norm_outside
 from . import tokenkernel
 from .tokenkernel import KernelTheory
 from .tokenkernel_maps import act_cross_moment
@@ -113,7 +113,10 @@ MAX_SEQ_LEN = 512
 def not_covered(config: tinylm.ModelConfig, seq_len: int) -> str | None:
     """Why the backward kernel does not describe ``config`` at ``seq_len`` (None: it does). Its rules
     cover RMSNorm and LayerNorm, every FFN of :data:`.gaussian.ACTIVATIONS`, biases and learned
-    positions; what remains is the cost of long sequences."""
+    positions; not a per-head query/key norm (``qk_norm``), nor long sequences (the cost)."""
+    qk = qk_norm_not_covered(config)
+    if qk:
+        return qk
     if seq_len > MAX_SEQ_LEN:
         return f"seq_len={seq_len} > {MAX_SEQ_LEN}: the backward kernel's cost grows as T^3"
     return None
@@ -141,7 +144,8 @@ class BackwardKernel:
         validity from ``_validity`` (the regime ``benchmarks/backward_accuracy.py`` shows within 10%).
         With dropout in the config and ``dropout_active`` every one is outside validity (the
         theory describes the model without dropout: pass False when the measurement ran in eval
-        mode, as ``probe`` does by default)."""
+        mode, as ``probe`` does by default). With qk-norm every one is outside validity
+        (:func:`.prediction.qk_norm_outside`)."""
         c = self.forward.config
         plan = tinylm.plan.build(c)
         out = {}
@@ -150,7 +154,7 @@ class BackwardKernel:
             if valid and c.dropout > 0 and dropout_active:
                 valid, why = False, f"dropout={c.dropout}: the kernel theory describes the model without dropout (eval)"
             out[key] = Prediction(ms, 0.0, valid, why, self.rules[key])
-        return out
+        return qk_norm_outside(out, c, plan, "global")
 
 
 #: gradients through the softmax of the scores: the scores' own, and the queries' and keys' it makes

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-__all__ = ["Prediction", "no_variance_left"]
+__all__ = ["Prediction", "no_variance_left", "qk_norm_not_covered", "qk_norm_outside"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,48 @@ class Prediction:
     @property
     def var(self) -> float:
         return self.mean_square - self.mean * self.mean  # inf, never OverflowError, past the float64 range
+
+
+def qk_norm_not_covered(config) -> str:
+    """Why the theories do not describe ``config``'s attention ("" where they do): their score rules
+    read q and k from the projections, E[s^2] = E[q^2] E[k^2], and a per-head query/key norm
+    (``ModelConfig.qk_norm``) replaces those moments by the norm's (about g^2 per entry, whatever
+    the projections' scale), so the scores and everything computed from them differ."""
+    qk = getattr(config, "qk_norm", "none")
+    if qk == "none":
+        return ""
+    return (f"qk_norm={qk!r} is not covered: the theory takes the attention scores from the q/k projections, "
+            "without the per-head query/key norm that sets their scale")
+
+
+def qk_norm_outside(preds: dict, config, plan, mode: str) -> dict:
+    """``preds`` ({(name, direction): Prediction}) with every prediction a qk-norm changes marked
+    outside validity (:func:`qk_norm_not_covered` says why; unchanged without qk-norm).
+
+    mode "global" (predictions carried from the embeddings): every backward prediction and every
+    forward one from block 0's attention scores on; what block 0 computes before them (the
+    embeddings, the norm its attention reads, q_proj, k_proj, v_proj) stays. mode "local" (each rule
+    from measured inputs): the scores' forward rule (E[q^2] E[k^2] of the projections) and the
+    q/k projections' gradients (which cross the norm's Jacobian)."""
+    why = qk_norm_not_covered(config)
+    if not why:
+        return preds
+    if mode == "local":
+        def changed(name: str, direction: str) -> bool:
+            if direction == "forward":
+                return name.endswith(".attn.scores")
+            return name.endswith((".attn.q_proj", ".attn.k_proj"))
+    else:
+        first = plan.blocks[0]
+        attn = next(s for s in first.steps if s.kind == "attention")
+        before = {plan.embedding, plan.input} | ({plan.positions} if plan.positions else set())
+        before |= {s.module for s in first.steps[:first.steps.index(attn)] if s.kind == "norm"}
+        before |= {f"{attn.module}.{p}" for p in ("q_proj", "k_proj", "v_proj")}
+
+        def changed(name: str, direction: str) -> bool:
+            return direction == "backward" or name not in before
+    return {k: dataclasses.replace(p, valid=False, validity=why) if p.valid and changed(*k) else p
+            for k, p in preds.items()}
 
 
 def no_variance_left(p: Prediction) -> Prediction:

@@ -100,7 +100,7 @@ from tinylm.validate import integer
 
 from ..options import OptionsError
 from .gaussian import activation_of
-from .prediction import Prediction
+from .prediction import Prediction, qk_norm_outside
 from .tokenkernel_maps import (_QUAD_NODES, _act_mean, act_cross_moment, attention_kernel, attention_samples,
                                layer_normalize, mean_cosine, normalize, silu_cross_moment)
 
@@ -180,7 +180,8 @@ class KernelTheory:
         fluctuates far from its expectation) and with dropout
         when ``dropout_active`` (the kernel describes the model without dropout: pass False when
         the measurement ran in eval mode, as ``probe`` does by default); pre- and post-norm were
-        checked against measurement.
+        checked against measurement. With qk-norm the predictions from block 0's scores on are
+        outside validity (:func:`.prediction.qk_norm_outside`).
         """
         c = self.config
         valid, why = True, ""
@@ -189,9 +190,10 @@ class KernelTheory:
                                  "from the expected kernel this theory propagates")
         elif c.dropout > 0 and dropout_active:
             valid, why = False, f"dropout={c.dropout}: the kernel theory describes the model without dropout (eval)"
-        return {k: Prediction(ms, self.mean.get(k, 0.0), valid, why, self.rules.get(k, "kernel"),
-                              cosine=self.cosine.get(k[0]))
-                for k, ms in self.mean_square.items()}
+        out = {k: Prediction(ms, self.mean.get(k, 0.0), valid, why, self.rules.get(k, "kernel"),
+                             cosine=self.cosine.get(k[0]))
+               for k, ms in self.mean_square.items()}
+        return qk_norm_outside(out, c, tinylm.plan.build(c), "global")
 
 
 # ---------------------------------------------------------------- the recursion
