@@ -93,6 +93,8 @@ def _config_line(cfg: dict[str, Any] | None) -> str:
         variant.append("biases")
     if cfg.get("tie_embeddings"):
         variant.append("tied embeddings")
+    if cfg.get("qk_norm", "none") != "none":
+        variant.append(f"qk-norm {cfg['qk_norm']}")
     return " ".join(parts) + " · " + ", ".join(variant)
 
 
