@@ -44,6 +44,7 @@ from ..judge.over_time import FAIL_VERDICTS, Extremes, describe_move, first_move
 from ..judge.thresholds import Thresholds
 from ..measure.distributed import exchange, process_group
 from ..measure.moments import ProbeStats
+from ..measure.optimizer import optimizer_signals
 from ..measure import sharded
 from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
@@ -199,15 +200,16 @@ class Watch:
     ``DistributedDataParallel``; over several ranks the watch merges its records and the loss
     over the process group by itself, and only rank 0 opens the writers (module docstring).
 
-    ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object
-    diagnose takes; the watch reads its watch_* and spike_* fields. ``spike_factor``, when
-    given, replaces the thresholds' own (the training options carry one).
+    ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object diagnose takes; the
+    watch reads its watch_* and spike_* fields. ``spike_factor``, when given, replaces the thresholds' own (the
+    training options carry one). ``optimizer``: the loop's optimizer (figures: :mod:`diagnostics.measure.optimizer`).
     """
 
     def __init__(self, model: nn.Module, every: int = 25, spike_factor: float | None = None,
                  sites: list[str] | None = None, history: dict[str, Any] | None = None,
                  on_event: Callable[[WatchEvent], None] | None = None, thresholds: Thresholds | None = None,
-                 *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None):
+                 *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
         thresholds = _checked_thresholds(model, every, stop, thresholds, spike_factor)
         self.thresholds = thresholds
         #: the process group the records and the loss are merged over (None: one process)
@@ -225,6 +227,7 @@ class Watch:
                               "name modules from model.named_modules()")
         self.on_event = on_event
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._opt = optimizer_signals(optimizer, self.params, self.group)  # its figures (off without one)
         history, self.history_problem = check_history(history)  # a damaged history: start a new one
         self.history = history if history is not None else new_history(model, self.sites, self.every, self.spike_factor)
         self.history["thresholds"] = thresholds.to_dict()  # a resumed run judges all its records by these
@@ -312,6 +315,7 @@ class Watch:
         try:
             self._finish_open()
         finally:
+            self._opt.close()  # the optimizer's hook removed
             writers, self.writers = self.writers, []
             for w in writers:
                 w.close()
@@ -350,13 +354,11 @@ class Watch:
         fail that persists is returned at each step it is found); with ``stop="raise"`` raises
         :class:`WatchStop` instead. ``failure`` keeps the first of the run.
         """
-        if self._open_step is None:
-            from ..options import OptionsError
+        from ..options import OptionsError
 
+        if self._open_step is None:
             raise OptionsError("watch.record(...) without a step: call it after `with watch.step(t):`")
         if loss is None:
-            from ..options import OptionsError
-
             raise OptionsError("watch.record(loss=None): pass the step's loss (a float or a 0-d tensor)")
         return self._finish_open(loss, lr, grad_norm)
 
@@ -404,6 +406,7 @@ class Watch:
             names, ratios = self._ratio_vector(before or {})
             if names:
                 entries.append(("update_ratio", "first", ratios))
+            entries += self._opt.entries()  # the optimizer's sums (none without one)
         got = exchange(entries, self.group)
         if raw is not None:
             from ..measure.moments import AttnMoments, Moments
@@ -415,6 +418,7 @@ class Watch:
             self._pending = {site: site_stats(merged, site) for site in self.sites}
             self._pending_attention = attention_stats(merged)
             self._ratios = dict(zip(names, got["update_ratio"])) if names else {}
+            self._opt.merge(got)
         return got
 
     def _starts(self, t: int) -> bool:
@@ -518,10 +522,10 @@ class Watch:
 
     @torch.no_grad()
     def snapshot_params(self) -> dict[str, torch.Tensor]:
-        """Copies of the parameters, for the update ratio of the step about to be taken."""
+        """Copies of the parameters, for the update ratio (and optimizer figures) of the step about to be taken."""
         if not self.enabled:
             return {}
-        return {n: p.detach().clone() for n, p in self.params.items()}
+        return self._opt.arm({n: p.detach().clone() for n, p in self.params.items()})
 
     @torch.no_grad()
     def _ratio_vector(self, before: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
@@ -539,7 +543,8 @@ class Watch:
         if not self.enabled or self._pending is None:
             return
         record = {"step": int(t), "reason": reason, "loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm),
-                  "stats": self._pending, "attention": self._pending_attention, "update_ratio": self._ratios or {}}
+                  "stats": self._pending, "attention": self._pending_attention, "update_ratio": self._ratios or {},
+                  **self._opt.record()}
         self._pending, self._ratios = None, None
         self.history["records"].append(record)
         rows = self._judge(record)
@@ -584,12 +589,12 @@ class Watch:
 def train_watched(model: nn.Module, tokens, options, *, sites: list[str] | None = None,
                   on_event: Callable[[WatchEvent], None] | None = None, resume: dict[str, Any] | None = None,
                   thresholds: Thresholds | None = None, **kwargs: Any):
-    """``tinylm.train.train`` with a :class:`Watch` built from ``options`` (``watch_every``,
-    ``spike_factor``) and ``thresholds`` (None: the defaults) that continues the resumed run's
-    history; ``sites``: the tensors it records (None: its default set); other keyword
-    arguments go to ``train``."""
-    from tinylm.train import train
-
-    watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites,
+    """``tinylm.train.train`` with a :class:`Watch` built from ``options`` (``watch_every``, ``spike_factor``)
+    and ``thresholds`` (None: the defaults) that continues the resumed run's history and measures the steps
+    of the run's optimizer (``optimizer`` in ``kwargs``, else ``make_optimizer``); ``sites``: the tensors
+    it records (None: its default set); other keyword arguments go to ``train``."""
+    from tinylm.train import make_optimizer, train
+    opt = kwargs.pop("optimizer", None) or make_optimizer(model, options)
+    watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites, optimizer=opt,
                   history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds)
-    return train(model, tokens, options, resume=resume, monitor=watch, **kwargs)
+    return train(model, tokens, options, resume=resume, monitor=watch, optimizer=opt, **kwargs)
