@@ -595,6 +595,6 @@ def train_watched(model: nn.Module, tokens, options, *, sites: list[str] | None 
     it records (None: its default set); other keyword arguments go to ``train``."""
     from tinylm.train import make_optimizer, train
     opt = kwargs.pop("optimizer", None) or make_optimizer(model, options)
-    watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites, optimizer=opt,
-                  history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds)
-    return train(model, tokens, options, resume=resume, monitor=watch, optimizer=opt, **kwargs)
+    with Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites, optimizer=opt,
+               history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds) as watch:
+        return train(model, tokens, options, resume=resume, monitor=watch, optimizer=opt, **kwargs)
