@@ -258,6 +258,10 @@ def test_a_bad_optimizer_is_refused_in_one_line():
     assert optimizer_signals(None, dict(model.named_parameters())).record() == {}
     assert usable_optimizer("not one", model) is None
     assert usable_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), model) is None
+    from tinylm.train import TrainError, TrainOptions, train
+
+    with pytest.raises(TrainError, match=r"^optimizer=str: must be a torch.optim.Optimizer"):
+        train(model, np.tile(np.arange(32), 40), TrainOptions(steps=1, batch_size=2), optimizer="adam")
 
 
 def test_history_keeps_checks_and_tidies_the_optimizer_figures():
