@@ -313,6 +313,7 @@ def train(
     on_step: Callable[[StepInfo], None] | None = None,
     monitor: Monitor | Any | None = None,
     data: str | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``tokens`` for ``options.steps`` steps (see the module docstring).
 
@@ -330,6 +331,8 @@ def train(
             monitor should start from ``resume["history"]``.
         data: the token file's path, stored in the checkpoint so that a resume finds it
             (None: the built-in corpus or data given in memory).
+        optimizer: the optimizer to step, built over ``model``'s parameters (None:
+            :func:`make_optimizer`); its groups' lr follow the schedule, a resumed run loads its state.
     Returns:
         a :class:`TrainResult` with the model (left in train mode), optimizer and history.
     """
@@ -342,7 +345,9 @@ def train(
         validate.refuse(f"the checkpoint is already at iteration {start} >= steps={options.steps}",
                         "pass a larger steps=N", error=TrainError, argument="steps")
     generator = _sampler_generator(options, resume.get("sampler_state"))
-    optimizer = make_optimizer(model, options)
+    if optimizer is None:
+        optimizer = make_optimizer(model, options)
+    validate.check_type("optimizer", optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer", error=TrainError)
     if resume.get("optimizer") is not None:
         try:
             optimizer.load_state_dict(resume["optimizer"])

@@ -33,7 +33,9 @@ whole batch without accumulation (equal up to rounding), not as a step of one mi
 A site whose output is shared across the batch (GPT-2's position embedding, shape
 (1, T, D)) is the exception: its gradient is summed over each micro-batch's sequences, so
 its statistics depend on the micro-batch size. The parameters are copied before the
-optimizer step and the update ratios taken after it.
+optimizer step and the update ratios taken after it; the Trainer's optimizer (a torch
+optimizer, through accelerate's wrapper) gives each record its "optimizer" figures
+(:mod:`diagnostics.measure.optimizer`).
 
 ``stop="signal"`` sets ``control.should_training_stop`` at the first fail (the Trainer ends
 the run cleanly after that step); ``stop="raise"`` raises
@@ -54,6 +56,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
                       "(or pip install transformers)") from e
 
 from ..jobs.watch import Watch, WatchFailure, WatchStop
+from ..measure.optimizer import usable_optimizer
 from ._steps import Steps
 
 __all__ = ["WatchCallback"]
@@ -68,7 +71,7 @@ class WatchCallback(TrainerCallback):
         stop: None (go on), "signal" (end the Trainer's run after the first fail) or "raise"
             (raise :class:`~diagnostics.jobs.watch.WatchStop`).
         **watch_kwargs: to :class:`~diagnostics.jobs.watch.Watch` (``log_dir``, ``writers``,
-            ``sites``, ``thresholds``, ``spike_factor``).
+            ``sites``, ``thresholds``, ``spike_factor``; ``optimizer``: by default the Trainer's).
 
     ``watch`` is None until training begins; ``failure`` holds the first fail seen (None
     while all is well).
@@ -92,10 +95,11 @@ class WatchCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ Trainer events
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.watch is None:
+            watch_kwargs = {"optimizer": usable_optimizer(optimizer, model), **self.watch_kwargs}
             self.watch = Watch(model, every=self.every, stop="raise" if self.stop == "raise" else None,
-                               **self.watch_kwargs)
+                               **watch_kwargs)
         self._steps = Steps(self.watch)
         self._hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
         logging_steps = getattr(state, "logging_steps", None) or args.logging_steps

@@ -28,7 +28,9 @@ statistics are those of the optimizer step's whole batch, and its gradient stati
 of the gradient of the step's loss (each micro-batch's loss divided by
 ``accumulate_grad_batches``: 1/A of the gradient the same micro-batch alone would give,
 variance 1/A^2; an accumulated step reads as one step of the whole batch). The parameters
-are copied before the optimizer step and the update ratios taken after it.
+are copied before the optimizer step and the update ratios taken after it; the trainer's
+optimizer (when it has exactly one) gives each record its "optimizer" figures
+(:mod:`diagnostics.measure.optimizer`).
 
 With ``log_to_logger`` (the default) each record's scalars go to the trainer's loggers
 (``logger.log_metrics(..., step=t)``, the names of the TensorBoard writer:
@@ -52,6 +54,7 @@ except ImportError as e:  # pragma: no cover - the message is the point
 import torch
 
 from ..jobs.watch import Watch, WatchFailure, WatchStop
+from ..measure.optimizer import usable_optimizer
 from ._steps import Steps, record_scalars
 from .writers import WatchWriter
 
@@ -93,7 +96,7 @@ class WatchCallback(Callback):
             (raise :class:`~diagnostics.jobs.watch.WatchStop`).
         log_to_logger: send each record's scalars to the trainer's loggers.
         **watch_kwargs: to :class:`~diagnostics.jobs.watch.Watch` (``log_dir``, ``writers``,
-            ``sites``, ``thresholds``, ``spike_factor``).
+            ``sites``, ``thresholds``, ``spike_factor``; ``optimizer``: by default the trainer's one).
 
     ``watch`` is None until fitting starts; ``failure`` holds the first fail seen (None while
     all is well).
@@ -123,6 +126,8 @@ class WatchCallback(Callback):
             kwargs = dict(self.watch_kwargs)
             if self.log_to_logger and trainer.loggers:
                 kwargs["writers"] = [*kwargs.get("writers", ()), LoggerWriter(trainer.loggers)]
+            optimizers = list(getattr(trainer, "optimizers", None) or [])
+            kwargs.setdefault("optimizer", usable_optimizer(optimizers[0], pl_module) if len(optimizers) == 1 else None)
             self.watch = Watch(pl_module, every=self.every, stop="raise" if self.stop == "raise" else None, **kwargs)
         self._steps = Steps(self.watch)
 

@@ -15,17 +15,21 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
                   "stats": {site: {"count", "fwd_mean", "fwd_var", "fwd_absmax", "fwd_nonfinite",
                                    "grad_mean", "grad_var", "grad_absmax", "grad_nonfinite"}},
                   "attention": {probs site: {"entropy_mean", "saturated"}},
-                  "update_ratio": {parameter: r}}, ...],
+                  "update_ratio": {parameter: r},
+                  "optimizer": {"eps_share", "alignment", "alignment_min"}}, ...],  # optional
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
 "kinds", "model" and "thresholds" are optional: a history without them reads the same,
-with kind, scheme, depth and width None in its rows and the default thresholds.
+with kind, scheme, depth and width None in its rows and the default thresholds. A record's
+"optimizer" is there when the watch was given the optimizer (its figures of that step:
+:mod:`diagnostics.measure.optimizer`).
 
 The history as tidy rows of the one result schema (:func:`to_rows`, :func:`to_frame`):
 per record and site, the moments in each direction (statistics "count", "mean", "var",
 "max_abs", "frac_nonfinite", with the verdict of that direction at that record); per
 record, each attention layer's "entropy_mean" and "saturated_frac" (direction forward)
-and each parameter's "update_ratio" (kind "parameter"); per logged step, the model's
+and each parameter's "update_ratio" (kind "parameter"); the optimizer's "eps_share",
+"alignment" and "alignment_min" (kind "optimizer", name None); per logged step, the model's
 "loss", "lr" and "grad_norm" (name None).
 
 The verdicts over time are :mod:`diagnostics.judge.over_time`'s; :class:`History` computes
@@ -47,6 +51,7 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "STAT_KEYS",
+    "OPTIMIZER_KEYS",
     "History",
     "new_history",
     "site_stats",
@@ -63,6 +68,7 @@ __all__ = [
 FORMAT, VERSION = "tinylm-watch", 1
 STAT_KEYS = ("count", "fwd_mean", "fwd_var", "fwd_absmax", "fwd_nonfinite",
              "grad_mean", "grad_var", "grad_absmax", "grad_nonfinite")
+OPTIMIZER_KEYS = ("eps_share", "alignment", "alignment_min")  # a record's "optimizer" figures
 # a record's key -> (direction, statistic) of the tidy row
 _ROW_OF = {"fwd_mean": ("forward", "mean"), "fwd_var": ("forward", "var"), "fwd_absmax": ("forward", "max_abs"),
            "fwd_nonfinite": ("forward", "frac_nonfinite"), "grad_mean": ("backward", "mean"),
@@ -183,6 +189,9 @@ def _record_problem(rec: Any, where: str) -> str | None:
             ok = (isinstance(v, dict) and all(_is_number(v.get(k)) for k in keys)) if keys else _is_number(v)
             if not isinstance(name, str) or not ok:
                 return f"{where}.{part}[{name!r}] is not of the documented shape"
+    opt = rec.get("optimizer")
+    if opt is not None and not (isinstance(opt, dict) and all(_is_number(opt.get(k)) for k in OPTIMIZER_KEYS)):
+        return f"{where}.optimizer is not {{{', '.join(OPTIMIZER_KEYS)}: number}}"
     return None
 
 
@@ -256,7 +265,7 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
     (an exploding or non-finite forward variance on the forward rows, a vanishing or non-finite
     gradient on the backward rows; "ok" on the other direction; "not_measured" on both directions
     of a site that counted no entry at that record; None on rows never judged: attention,
-    update ratios, the series). predicted,
+    update ratios, the optimizer's figures, the series). predicted,
     ratio and its interval, valid: None (the watch predicts nothing).
     """
     return _rows_of(history, verdicts(history, thresholds), run)
@@ -303,6 +312,9 @@ def record_rows(history: dict[str, Any], rec: dict[str, Any], bad: dict[tuple[in
     for param, ratio in (rec.get("update_ratio") or {}).items():
         rows.append(Row(**common, step=step, name=param, kind="parameter", block=block_index(param),
                         statistic="update_ratio", value=_num(ratio)))
+    opt = rec.get("optimizer") or {}
+    rows += [Row(**common, step=step, kind="optimizer", statistic=k, value=_num(opt[k]))
+             for k in OPTIMIZER_KEYS if k in opt]
     return rows
 
 

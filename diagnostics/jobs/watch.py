@@ -46,6 +46,7 @@ from ..judge.precursors import Alert, precursor_alerts, signal_values, verdict_a
 from ..judge.thresholds import Thresholds
 from ..measure.distributed import exchange, process_group
 from ..measure.moments import ProbeStats
+from ..measure.optimizer import optimizer_signals
 from ..measure import sharded
 from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
@@ -230,16 +231,16 @@ class Watch:
     ``DistributedDataParallel``; over several ranks the watch merges its records and the loss
     over the process group by itself, and only rank 0 opens the writers (module docstring).
 
-    ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object
-    diagnose takes; the watch reads its watch_* and spike_* fields. ``spike_factor``, when
-    given, replaces the thresholds' own (the training options carry one).
+    ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object diagnose takes; the
+    watch reads its watch_* and spike_* fields. ``spike_factor``, when given, replaces the thresholds' own (the
+    training options carry one). ``optimizer``: the loop's optimizer (figures: :mod:`diagnostics.measure.optimizer`).
     """
 
     def __init__(self, model: nn.Module, every: int = 25, spike_factor: float | None = None,
                  sites: list[str] | None = None, history: dict[str, Any] | None = None,
                  on_event: Callable[[WatchEvent], None] | None = None, thresholds: Thresholds | None = None,
                  *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None,
-                 forensics: int = 8):
+                 optimizer: torch.optim.Optimizer | None = None, forensics: int = 8):
         thresholds = _checked_thresholds(model, every, stop, thresholds, spike_factor)
         from tinylm import validate
 
@@ -262,6 +263,7 @@ class Watch:
                               "name modules from model.named_modules()")
         self.on_event = on_event
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self._opt = optimizer_signals(optimizer, self.params, self.group)  # its figures (off without one)
         history, self.history_problem = check_history(history)  # a damaged history: start a new one
         self.history = history if history is not None else new_history(model, self.sites, self.every, self.spike_factor)
         self.history["thresholds"] = thresholds.to_dict()  # a resumed run judges all its records by these
@@ -359,6 +361,7 @@ class Watch:
         try:
             self._finish_open()
         finally:
+            self._opt.close()  # the optimizer's hook removed
             writers, self.writers = self.writers, []
             for w in writers:
                 w.close()
@@ -399,13 +402,11 @@ class Watch:
         ``bool(report)`` is whether there is a failure. With ``stop="raise"`` a failure raises
         :class:`WatchStop` instead. ``failure`` keeps the first of the run, ``alerts`` all of them.
         """
-        if self._open_step is None:
-            from ..options import OptionsError
+        from ..options import OptionsError
 
+        if self._open_step is None:
             raise OptionsError("watch.record(...) without a step: call it after `with watch.step(t):`")
         if loss is None:
-            from ..options import OptionsError
-
             raise OptionsError("watch.record(loss=None): pass the step's loss (a float or a 0-d tensor)")
         return self._finish_open(loss, lr, grad_norm)
 
@@ -454,6 +455,7 @@ class Watch:
             names, ratios = self._ratio_vector(before or {})
             if names:
                 entries.append(("update_ratio", "first", ratios))
+            entries += self._opt.entries()  # the optimizer's sums (none without one)
         got = exchange(entries, self.group)
         if raw is not None:
             from ..measure.moments import AttnMoments, Moments
@@ -465,6 +467,7 @@ class Watch:
             self._pending = {site: site_stats(merged, site) for site in self.sites}
             self._pending_attention = attention_stats(merged)
             self._ratios = dict(zip(names, got["update_ratio"])) if names else {}
+            self._opt.merge(got)
         return got
 
     def _starts(self, t: int) -> bool:
@@ -612,10 +615,10 @@ class Watch:
 
     @torch.no_grad()
     def snapshot_params(self) -> dict[str, torch.Tensor]:
-        """Copies of the parameters, for the update ratio of the step about to be taken."""
+        """Copies of the parameters, for the update ratio (and optimizer figures) of the step about to be taken."""
         if not self.enabled:
             return {}
-        return {n: p.detach().clone() for n, p in self.params.items()}
+        return self._opt.arm({n: p.detach().clone() for n, p in self.params.items()})
 
     @torch.no_grad()
     def _ratio_vector(self, before: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
@@ -633,7 +636,8 @@ class Watch:
         if not self.enabled or self._pending is None:
             return
         record = {"step": int(t), "reason": reason, "loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm),
-                  "stats": self._pending, "attention": self._pending_attention, "update_ratio": self._ratios or {}}
+                  "stats": self._pending, "attention": self._pending_attention, "update_ratio": self._ratios or {},
+                  **self._opt.record()}
         self._pending, self._ratios = None, None
         self.history["records"].append(record)
         rows = self._judge(record)
@@ -696,13 +700,14 @@ class Watch:
 def train_watched(model: nn.Module, tokens, options, *, sites: list[str] | None = None,
                   on_event: Callable[[WatchEvent], None] | None = None, resume: dict[str, Any] | None = None,
                   thresholds: Thresholds | None = None, writers: list[WatchWriter] | tuple = (), **kwargs: Any):
-    """``tinylm.train.train`` with a :class:`Watch` built from ``options`` (``watch_every``,
-    ``spike_factor``) and ``thresholds`` (None: the defaults) that continues the resumed run's
-    history; ``sites``: the tensors it records (None: its default set); ``writers``: where its
-    steps, records and alerts go (:class:`diagnostics.integrations.writers.WatchWriter`); other
-    keyword arguments go to ``train``."""
-    from tinylm.train import train
-
-    watch = Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites,
-                  history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds, writers=writers)
-    return train(model, tokens, options, resume=resume, monitor=watch, **kwargs)
+    """``tinylm.train.train`` with a :class:`Watch` built from ``options`` (``watch_every``, ``spike_factor``)
+    and ``thresholds`` (None: the defaults) that continues the resumed run's history and measures the steps
+    of the run's optimizer (``optimizer`` in ``kwargs``, else ``make_optimizer``); ``sites``: the tensors
+    it records (None: its default set); ``writers``: where its steps, records and alerts go
+    (:class:`diagnostics.integrations.writers.WatchWriter`); other keyword arguments go to ``train``."""
+    from tinylm.train import make_optimizer, train
+    opt = kwargs.pop("optimizer", None) or make_optimizer(model, options)
+    with Watch(model, every=options.watch_every, spike_factor=options.spike_factor, sites=sites, optimizer=opt,
+               history=(resume or {}).get("history"), on_event=on_event, thresholds=thresholds,
+               writers=writers) as watch:
+        return train(model, tokens, options, resume=resume, monitor=watch, optimizer=opt, **kwargs)
