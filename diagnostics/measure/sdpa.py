@@ -12,7 +12,7 @@ attention of a sample of query rows, and passes the call on unchanged:
 
 for the rows t of :func:`sample_rows` (every row up to :data:`ROWS`, else :data:`ROWS`
 evenly spaced rows, the first and the last included) and every key, so its memory is
-B x H x ROWS x S, never T x T. An additive mask's entries that are -inf or <= finfo.min / 2
+B x H x ROWS x S, never T x T, in float32 at least. An additive mask's entries that are -inf or <= finfo.min / 2
 (Hugging Face adds finfo.min) mask their keys. From those rows (:func:`row_statistics`): the
 moments of the unmasked scores, the attention panel of
 :func:`diagnostics.measure.reference.panel` (entropy per row, its minimum and the saturated
@@ -102,7 +102,8 @@ def _sampled(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sc
     T, S = q.shape[-2], k.shape[-2]
     idx = sample_rows(T, rows).to(q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    s = (q.index_select(-2, idx).float() @ k.float().transpose(-1, -2)) * scale  # (..., H, R, S)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    s = (q.index_select(-2, idx).to(wide) @ k.to(wide).transpose(-1, -2)) * scale  # (..., H, R, S)
     allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
     if is_causal:
         allowed = torch.arange(S, device=s.device)[None, :] <= idx[:, None]
@@ -111,7 +112,7 @@ def _sampled(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sc
         if m.dtype == torch.bool:
             allowed = allowed & m
         else:
-            s = s + m.float()
+            s = s + m.to(wide)
             allowed = allowed & torch.isfinite(m) & ~masked_additive(m)
     return row_statistics(s, allowed, signal)
 
