@@ -29,7 +29,8 @@ precursor signals, :mod:`diagnostics.measure.signals`), each a number where pres
 
     fwd_zero, grad_zero            fraction of exact zeros among the entries (Moments.frac_zero)
     grad_fp16_under, grad_bf16_under   fraction nonzero and below 2^-14 / 2^-126
-    fwd_peak                       max|x| / median|x| of a block output or the head (NaN elsewhere)
+    fwd_peak                       max|x| / median|x| of a block output or the head (only there;
+                                   NaN when the median is 0)
     max_logit (attention)          largest |attention logit| over the unmasked entries
     entropy_ceiling                mean over the measured rows of ln(keys the row may attend to)
     rows                           query rows measured
@@ -42,8 +43,8 @@ per record and site, the moments in each direction (statistics "count", "mean", 
 "frac_fp16_underflow", "frac_bf16_underflow" (backward) and "peak_ratio" (forward), with the
 verdict of that direction at that record); per record, each attention layer's "entropy_mean",
 "saturated_frac" and where recorded "max_logit", "entropy_ceiling" and "rows" (direction
-forward); the head's "logz_mean", "logz_std", "logz_absmax" and "max_logit" (name: the site of
-kind "logits", else None; kind "logits", direction forward); each parameter's "update_ratio"
+forward); the head's "logz_mean", "logz_std", "logz_absmax" and "max_logit" (name None, kind
+"logits", direction forward); each parameter's "update_ratio"
 (kind "parameter"); per logged step, the model's "loss", "lr" and "grad_norm" (name None).
 
 The verdicts over time are :mod:`diagnostics.judge.over_time`'s; :class:`History` computes
@@ -128,8 +129,9 @@ def site_stats(stats: Any, site: str, peak: float | None = None) -> dict[str, fl
     forward was not, which the verdicts read as "not_measured"). fwd_zero, grad_zero: the
     fraction of exact zeros; grad_fp16_under, grad_bf16_under: the fraction nonzero below
     2^-14 / 2^-126 (:class:`~diagnostics.measure.moments.Moments`); fwd_peak = ``peak``
-    (max|x| / median|x|, :mod:`diagnostics.measure.signals`), NaN when None."""
-    out: dict[str, float] = {"fwd_peak": math.nan if peak is None else float(peak)}
+    (max|x| / median|x|, :mod:`diagnostics.measure.signals`), only when given (the residual
+    stream and the head)."""
+    out: dict[str, float] = {} if peak is None else {"fwd_peak": float(peak)}
     for direction, prefix in (("forward", "fwd"), ("backward", "grad")):
         m = stats.tensors.get((site, direction))
         if m is None:
@@ -147,7 +149,7 @@ def site_stats(stats: Any, site: str, peak: float | None = None) -> dict[str, fl
         out[f"{prefix}_fp16_under"] = float(m.frac_fp16_underflow) if measured else math.nan
         out[f"{prefix}_bf16_under"] = float(m.frac_bf16_underflow) if measured else math.nan
     out.setdefault("count", 0)
-    return {k: out[k] for k in (*STAT_KEYS, *SIGNAL_KEYS)}
+    return {k: out[k] for k in (*STAT_KEYS, *SIGNAL_KEYS) if k in out}
 
 
 def attention_stats(stats: Any, signals: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
@@ -360,8 +362,7 @@ def record_rows(history: dict[str, Any], rec: dict[str, Any], bad: dict[tuple[in
         rows.append(Row(**at, statistic="saturated_frac", value=_num(att.get("saturated"))))
         rows += [Row(**at, statistic=k, value=_num(att[k])) for k in ATTENTION_SIGNALS if k in att]
     if isinstance(rec.get("logits"), dict):
-        head = next((s for s, k in kinds.items() if k == "logits"), None)
-        at = dict(common, step=step, name=head, kind="logits", block=None, direction="forward")
+        at = dict(common, step=step, kind="logits", direction="forward")
         rows += [Row(**at, statistic=k, value=_num(rec["logits"][k])) for k in LOGITS_KEYS if k in rec["logits"]]
     for param, ratio in (rec.get("update_ratio") or {}).items():
         rows.append(Row(**common, step=step, name=param, kind="parameter", block=block_index(param),

@@ -398,10 +398,9 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
 
 
 def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
-    """Enter into ``owner`` an :class:`SDPAWatch` and, with ``signals``, an :class:`EagerAttentionWatch`,
-    whose calls are named by the innermost running block or block child (the hooks that keep that
-    stack are owned by ``owner`` too); each call adds ``{name}.scores`` moments (kind
-    "attn_scores") and the ``{name}.probs`` attention panel to ``run`` (and its signals)."""
+    """Enter into ``owner`` an :class:`SDPAWatch` and, with ``signals``, an :class:`EagerAttentionWatch`
+    (not for a tinylm attention: its own observer measures it) whose calls, named by the innermost running
+    block or block child (hooks owned by ``owner``), add ``{name}.scores`` moments and ``{name}.probs``."""
     running: list[str] = []
     for block in stack.names:
         for name in (block, *(f"{block}.{c}" for c, _ in named[block].named_children())):
@@ -424,8 +423,10 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
         run._add(run._attn, f"{name}.probs", panel, merge_attention_vectors)
         run.seconds += time.perf_counter() - t0
 
+    own = {n for n, m in named.items() if isinstance(m, tinylm.MultiHeadSelfAttention) and run.signals is not None}
+
     def where() -> str | None:
-        return running[-1] if running and run.active else None
+        return running[-1] if running and run.active and running[-1] not in own else None
 
     signal = run.signals.attention if run.signals is not None else None
     owner.enter_context(SDPAWatch(record, where, signal))
