@@ -21,12 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tinylm
 from diagnostics import Watch
 from diagnostics.jobs.history import check_history, to_rows
 from diagnostics.measure.distributed import exchange
 from diagnostics.measure.eager_attention import eager_rows
+from diagnostics.measure.sdpa import row_statistics
 
 from test_nanogpt import small_gpt
 
@@ -399,3 +401,39 @@ def test_diagnose_probe_does_not_take_signals_by_default():
     with probe(model) as run:
         model(torch.randint(0, 40, (2, 12))).sum().backward()
     assert run.signals is None
+
+
+class _Waits(TorchDispatchMode):
+    """Counts the ops that make the host wait for an accelerator: reading a value
+    (``_local_scalar_dense``) or sizing a result by the data (nonzero, masked_select, boolean indexing)."""
+
+    WAITS = ("_local_scalar_dense", "nonzero", "masked_select")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        boolean = name == "index" and any(getattr(t, "dtype", None) == torch.bool for t in args[1] if t is not None)
+        self.count += name in self.WAITS or boolean
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("which", ["eager", "sdpa", "nanogpt"])
+def test_a_recorded_step_never_waits_for_the_device_per_layer(which):
+    """The signals (SDPA and eager attention included) stay on the device until the record's one
+    exchange: the recorded step makes no op that waits, as a loop given a float loss makes none."""
+    model = small_gpt(flash=False) if which == "nanogpt" else _gpt2(which)
+    x = torch.randint(0, 50, (2, 11), generator=torch.Generator().manual_seed(10))
+    run = (lambda m: m(x[:, :-1], x[:, 1:])[1]) if which == "nanogpt" else (lambda m: m(x[:, :-1], labels=x[:, :-1]).loss)
+    watch = Watch(model, every=1)
+    with _Waits() as waits:
+        with watch.step(0):
+            run(model).backward()
+        watch.record(1.5)
+    assert waits.count == 0 and watch.history["records"][0]["attention"]
+    # the control: the same rows measured the way a probe without signals does (selecting the entries) wait
+    with _Waits() as waits:
+        row_statistics(torch.randn(1, 2, 4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert waits.count > 0

@@ -85,8 +85,8 @@ class EagerAttentionWatch(TorchFunctionMode):
             name = self.where() if is_attention_softmax(x, dim) else None
             if name is not None:
                 with torch._C.DisableTorchFunction():
-                    scores, panel, vec = eager_rows(x, self.rows, self.signal is not None)
-                self.record(name, scores, panel)
+                    moments, panel, vec = eager_rows(x, self.rows, self.signal is not None)
+                self.record(name, moments, panel)
                 if vec is not None:
                     self.signal(name, vec)
         return func(*args, **kwargs)

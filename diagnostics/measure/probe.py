@@ -413,13 +413,13 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
             owner.callback(named[name].register_forward_pre_hook(push).remove)
             owner.callback(named[name].register_forward_hook(pop).remove)
 
-    def record(name: str, scores: Tensor, panel: Tensor) -> None:
+    def record(name: str, moments: Tensor, panel: Tensor) -> None:
         t0 = time.perf_counter()
         key = f"{name}.scores"
         if key not in run.kinds:
             run.kinds[key] = "attn_scores"
             run.order.append(key)
-        run._add(run._vec, (key, "forward"), reduce(scores).moments, merge_vectors)
+        run._add(run._vec, (key, "forward"), moments, merge_vectors)
         run._add(run._attn, f"{name}.probs", panel, merge_attention_vectors)
         run.seconds += time.perf_counter() - t0
 

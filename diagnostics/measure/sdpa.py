@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from . import reference
+from .reducer import reduce
 from .reference import SATURATED_PROB
 
 __all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "masked_additive", "ROWS",
@@ -66,36 +68,38 @@ def masked_additive(m: Tensor) -> Tensor:
 
 @torch.no_grad()
 def row_statistics(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
-    """(the unmasked scores, flattened; the ATTN_FIELDS panel of the rows' softmax; the
-    :data:`SIGNAL` vector or None) of attention logits ``s`` (..., R, S) (float32 at least, the
-    scale and any additive mask applied) where ``allowed`` (broadcast to s) marks the keys each
-    row may attend to. p_t = softmax over the allowed keys (a row with none: all 0); the panel
-    is [rows, mean entropy, M2 of the entropy, min entropy over rows with more than one key,
-    count of those rows, how many of them put > 0.99 on one key]."""
+    """(the FIELDS moments of the unmasked finite scores; the ATTN_FIELDS panel of the rows'
+    softmax; the :data:`SIGNAL` vector or None) of attention logits ``s`` (..., R, S) (float32 at
+    least, the scale and any additive mask applied) where ``allowed`` (broadcast to s) marks the
+    keys each row may attend to. p_t = softmax over the allowed keys (a row with none: all 0);
+    the panel is [rows, mean entropy, M2 of the entropy, min entropy over rows with more than
+    one key, count of those rows, how many of them put > 0.99 on one key]. With ``signal`` no
+    step waits for the device (the moments from :func:`.reference.moments` of the masked
+    entries; without, from :func:`.reducer.reduce` of the entries selected)."""
     allowed = allowed.expand(s.shape)
     s = torch.where(allowed, s, -math.inf)
-    scores = s[allowed & torch.isfinite(s)]
+    measured = allowed & torch.isfinite(s)
+    moments = reference.moments(s, measured) if signal else reduce(s[measured]).moments
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key left: all zero
     h = torch.special.entr(p.double()).sum(-1)  # (..., R)
     keys = allowed.sum(-1)
     later = keys > 1
     top = p.amax(-1)
-    hl = h[later]
     mean = h.mean() if h.numel() else h.new_zeros(())
-    panel = torch.stack([h.new_tensor(float(h.numel())), mean, (h - mean).square().sum(),
-                         hl.amin() if hl.numel() else h.new_tensor(math.inf), h.new_tensor(float(hl.numel())),
-                         (top[later] > SATURATED_PROB).sum().double()])
+    lowest = torch.where(later, h, math.inf).amin() if h.numel() else h.new_tensor(math.inf)
+    panel = torch.stack([h.new_tensor(float(h.numel())), mean, (h - mean).square().sum(), lowest,
+                         later.sum().double(), ((top > SATURATED_PROB) & later).sum().double()])
     if not signal:
-        return scores, panel, None
+        return moments, panel, None
     # |s| of the allowed entries (NaN and +inf kept: they are logits), 0 for the masked
     largest = torch.where(allowed, s.abs(), 0.0).amax().double() if s.numel() else h.new_zeros(())
     vec = torch.stack([largest, keys.clamp(min=1).double().log().sum(), h.new_tensor(float(h.numel()))])
-    return scores, panel, vec
+    return moments, panel, vec
 
 
-def _sampled(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None, rows: int,
-             signal: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """:func:`row_statistics` of the sampled query rows of a call (see :func:`sampled_attention`)."""
+def _logits(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None, rows: int
+            ) -> tuple[Tensor, Tensor]:
+    """(s, allowed) of the sampled query rows of a call (see :func:`sampled_attention`)."""
     q, k = q.detach(), k.detach()
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
@@ -114,7 +118,7 @@ def _sampled(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sc
         else:
             s = s + m.to(wide)
             allowed = allowed & torch.isfinite(m) & ~masked_additive(m)
-    return row_statistics(s, allowed, signal)
+    return s, allowed
 
 
 @torch.no_grad()
@@ -124,14 +128,17 @@ def sampled_attention(q: Tensor, k: Tensor, attn_mask: Tensor | None = None, is_
 
     q (..., H, T, d), k (..., Hk, S, d) with H a multiple of Hk (grouped keys are shared by
     H / Hk consecutive query heads). The panel is that of :func:`row_statistics`."""
-    scores, panel, _ = _sampled(q, k, attn_mask, is_causal, scale, rows, False)
-    return scores, panel
+    s, allowed = _logits(q, k, attn_mask, is_causal, scale, rows)
+    allowed = allowed.expand(s.shape)
+    kept = torch.where(allowed, s, -math.inf)
+    return kept[allowed & torch.isfinite(kept)], row_statistics(s, allowed)[1]
 
 
 class SDPAWatch(TorchFunctionMode):
     """While entered, every call of ``F.scaled_dot_product_attention`` is measured on its
-    sampled rows (:func:`sampled_attention`) and reported as ``record(name, scores, panel)``
-    (and, given ``signal``, ``signal(name, vector)`` with the :data:`SIGNAL` vector); the call
+    sampled rows (:func:`row_statistics`) and reported as ``record(name, moments, panel)`` (the
+    scores' FIELDS vector, the panel) and, given ``signal``, ``signal(name, vector)`` (the
+    :data:`SIGNAL` vector; no step then waits for the device); the call
     then runs as it would have. ``where()`` names the caller (None: the call is not reported).
     The measurement runs with torch functions' overrides off, so no other mode sees its ops."""
 
@@ -148,10 +155,10 @@ class SDPAWatch(TorchFunctionMode):
                 names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
                 call = {**dict(zip(names, args)), **kwargs}
                 with torch._C.DisableTorchFunction():
-                    scores, panel, vec = _sampled(call["query"], call["key"], call.get("attn_mask"),
-                                                  bool(call.get("is_causal", False)), call.get("scale"), ROWS,
-                                                  self.signal is not None)
-                self.record(name, scores, panel)
+                    s, allowed = _logits(call["query"], call["key"], call.get("attn_mask"),
+                                         bool(call.get("is_causal", False)), call.get("scale"), ROWS)
+                    moments, panel, vec = row_statistics(s, allowed, self.signal is not None)
+                self.record(name, moments, panel)
                 if vec is not None:
                     self.signal(name, vec)
         return func(*args, **kwargs)
