@@ -315,7 +315,7 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
     statistic, value; verdict: the site's verdict at that record in the direction it concerns
     (an exploding or non-finite forward variance on the forward rows, a vanishing or non-finite
     gradient on the backward rows; "ok" on the other direction; "not_measured" on both directions
-    of a site that counted no entry at that record; None on rows never judged: attention,
+    of a site that counted no entry at that record; None on rows never judged: attention, logits,
     update ratios, the series). predicted,
     ratio and its interval, valid: None (the watch predicts nothing).
     """
