@@ -41,6 +41,10 @@ class ProbeOptions:
         (True keeps the model exactly as it was; a training loop that probes its own
         backward passes False so its optimizer still sees the gradients).
     eval_mode: run under ``model.eval()`` (dropout off); ``training`` is restored on exit.
+    signals: also the precursor signals of :mod:`diagnostics.measure.signals` (every attention
+        layer's largest logit and entropy ceiling, eager softmax attention and
+        ``scaled_dot_product_attention`` calls of any model included; the head's log Z; the
+        residual stream's peak ratio); the watch turns it on.
     """
 
     modules: tuple[str, ...] | None = None
@@ -51,13 +55,15 @@ class ProbeOptions:
     spectral: bool = False
     restore_grads: bool = True
     eval_mode: bool = True
+    signals: bool = False
 
     def __post_init__(self) -> None:
         if self.modules is not None:
             check("modules", self.modules, lambda v: not isinstance(v, str) and all(isinstance(m, str) for m in v),
                   "be a tuple of module names (or None for the default set)", fix="modules=('layers.0', ...)",
                   error=OptionsError)
-        for name in ("backward", "attention", "cosine", "params", "spectral", "restore_grads", "eval_mode"):
+        for name in ("backward", "attention", "cosine", "params", "spectral", "restore_grads", "eval_mode",
+                     "signals"):
             boolean(name, getattr(self, name), error=OptionsError)
 
 

@@ -13,24 +13,43 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
      "records": [{"step": t, "reason": "interval" | "spike" | "nonfinite",
                   "loss": ..., "lr": ..., "grad_norm": ...,
                   "stats": {site: {"count", "fwd_mean", "fwd_var", "fwd_absmax", "fwd_nonfinite",
-                                   "grad_mean", "grad_var", "grad_absmax", "grad_nonfinite"}},
-                  "attention": {probs site: {"entropy_mean", "saturated"}},
+                                   "grad_mean", "grad_var", "grad_absmax", "grad_nonfinite",
+                                   ["fwd_zero", "grad_zero", "grad_fp16_under", "grad_bf16_under",
+                                    "fwd_peak"]}},
+                  "attention": {probs site: {"entropy_mean", "saturated",
+                                             ["max_logit", "entropy_ceiling", "rows"]}},
+                  ["logits": {"logz_mean", "logz_std", "logz_absmax", "max_logit"},]
                   "update_ratio": {parameter: r},
-                  "optimizer": {"eps_share", "alignment", "alignment_min"}}, ...],  # optional
+                  ["optimizer": {"eps_share", "alignment", "alignment_min"}]}, ...],
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
 "kinds", "model" and "thresholds" are optional: a history without them reads the same,
-with kind, scheme, depth and width None in its rows and the default thresholds. A record's
-"optimizer" is there when the watch was given the optimizer (its figures of that step:
-:mod:`diagnostics.measure.optimizer`).
+with kind, scheme, depth and width None in its rows and the default thresholds. So are the
+keys in [brackets] (:data:`SIGNAL_KEYS`, :data:`ATTENTION_SIGNALS`, "logits"; the watch's
+precursor signals, :mod:`diagnostics.measure.signals`; a record's "optimizer" is there when
+the watch was given the optimizer: its figures of that step, :mod:`diagnostics.measure.optimizer`),
+each a number where present:
+
+    fwd_zero, grad_zero            fraction of exact zeros among the entries (Moments.frac_zero)
+    grad_fp16_under, grad_bf16_under   fraction nonzero and below 2^-14 / 2^-126
+    fwd_peak                       max|x| / median|x| of a block output or the head (only there;
+                                   NaN when the median is 0)
+    max_logit (attention)          largest |attention logit| over the unmasked entries
+    entropy_ceiling                mean over the measured rows of ln(keys the row may attend to)
+    rows                           query rows measured
+    logz_mean, logz_std, logz_absmax   of log Z_t = logsumexp of the head's row t of logits
+    max_logit (logits)             largest |output logit|
 
 The history as tidy rows of the one result schema (:func:`to_rows`, :func:`to_frame`):
 per record and site, the moments in each direction (statistics "count", "mean", "var",
-"max_abs", "frac_nonfinite", with the verdict of that direction at that record); per
-record, each attention layer's "entropy_mean" and "saturated_frac" (direction forward)
-and each parameter's "update_ratio" (kind "parameter"); the optimizer's "eps_share",
-"alignment" and "alignment_min" (kind "optimizer", name None); per logged step, the model's
-"loss", "lr" and "grad_norm" (name None).
+"max_abs", "frac_nonfinite", and where recorded "frac_zero" (both directions),
+"frac_fp16_underflow", "frac_bf16_underflow" (backward) and "peak_ratio" (forward), with the
+verdict of that direction at that record); per record, each attention layer's "entropy_mean",
+"saturated_frac" and where recorded "max_logit", "entropy_ceiling" and "rows" (direction
+forward); the head's "logz_mean", "logz_std", "logz_absmax" and "max_logit" (name None, kind
+"logits", direction forward); each parameter's "update_ratio"
+(kind "parameter"); the optimizer's "eps_share", "alignment" and "alignment_min" (kind
+"optimizer", name None); per logged step, the model's "loss", "lr" and "grad_norm" (name None).
 
 The verdicts over time are :mod:`diagnostics.judge.over_time`'s; :class:`History` computes
 them once and keeps them, so that whatever draws a history only reads them.
@@ -56,6 +75,10 @@ __all__ = [
     "new_history",
     "site_stats",
     "attention_stats",
+    "logits_stats",
+    "SIGNAL_KEYS",
+    "ATTENTION_SIGNALS",
+    "LOGITS_KEYS",
     "check_history",
     "thresholds_of",
     "loss_summary",
@@ -73,7 +96,15 @@ OPTIMIZER_KEYS = ("eps_share", "alignment", "alignment_min")  # a record's "opti
 _ROW_OF = {"fwd_mean": ("forward", "mean"), "fwd_var": ("forward", "var"), "fwd_absmax": ("forward", "max_abs"),
            "fwd_nonfinite": ("forward", "frac_nonfinite"), "grad_mean": ("backward", "mean"),
            "grad_var": ("backward", "var"), "grad_absmax": ("backward", "max_abs"),
-           "grad_nonfinite": ("backward", "frac_nonfinite")}
+           "grad_nonfinite": ("backward", "frac_nonfinite"),
+           "fwd_zero": ("forward", "frac_zero"), "fwd_peak": ("forward", "peak_ratio"),
+           "grad_zero": ("backward", "frac_zero"), "grad_fp16_under": ("backward", "frac_fp16_underflow"),
+           "grad_bf16_under": ("backward", "frac_bf16_underflow")}
+#: the optional per-site keys of a record's stats (the watch's precursor signals)
+SIGNAL_KEYS = ("fwd_zero", "grad_zero", "grad_fp16_under", "grad_bf16_under", "fwd_peak")
+#: the optional keys of a record's attention layer, and of its "logits"
+ATTENTION_SIGNALS = ("max_logit", "entropy_ceiling", "rows")
+LOGITS_KEYS = ("logz_mean", "logz_std", "logz_absmax", "max_logit")
 
 
 # --------------------------------------------------------------------------- building one
@@ -98,16 +129,20 @@ def new_history(model: Any, sites: list[str], every: int, spike_factor: float) -
             "records": [], "events": []}
 
 
-def site_stats(stats: Any, site: str) -> dict[str, float]:
-    """One site's entry of a record ({key: value} for :data:`STAT_KEYS`) from a probe's
-    ``ProbeStats`` (NaN where a direction was not measured; count 0 where the forward was not,
-    which the verdicts read as "not_measured")."""
-    out: dict[str, float] = {}
+def site_stats(stats: Any, site: str, peak: float | None = None) -> dict[str, float]:
+    """One site's entry of a record ({key: value} for :data:`STAT_KEYS` and :data:`SIGNAL_KEYS`)
+    from a probe's ``ProbeStats`` (NaN where a direction was not measured; count 0 where the
+    forward was not, which the verdicts read as "not_measured"). fwd_zero, grad_zero: the
+    fraction of exact zeros; grad_fp16_under, grad_bf16_under: the fraction nonzero below
+    2^-14 / 2^-126 (:class:`~diagnostics.measure.moments.Moments`); fwd_peak = ``peak``
+    (max|x| / median|x|, :mod:`diagnostics.measure.signals`), only when given (the residual
+    stream and the head)."""
+    out: dict[str, float] = {} if peak is None else {"fwd_peak": float(peak)}
     for direction, prefix in (("forward", "fwd"), ("backward", "grad")):
         m = stats.tensors.get((site, direction))
         if m is None:
-            out.update({f"{prefix}_mean": math.nan, f"{prefix}_var": math.nan, f"{prefix}_absmax": math.nan,
-                        f"{prefix}_nonfinite": math.nan})
+            out.update({f"{prefix}_{k}": math.nan for k in ("mean", "var", "absmax", "nonfinite", "zero",
+                                                              "fp16_under", "bf16_under")})
             continue
         if prefix == "fwd":
             out["count"] = int(m.n_total)
@@ -115,14 +150,35 @@ def site_stats(stats: Any, site: str) -> dict[str, float]:
         out[f"{prefix}_var"] = float(m.var)
         out[f"{prefix}_absmax"] = float(m.max_abs) if m.count else math.nan
         out[f"{prefix}_nonfinite"] = float(m.frac_nonfinite)
+        measured = m.n_total > 0
+        out[f"{prefix}_zero"] = float(m.frac_zero) if measured else math.nan
+        out[f"{prefix}_fp16_under"] = float(m.frac_fp16_underflow) if measured else math.nan
+        out[f"{prefix}_bf16_under"] = float(m.frac_bf16_underflow) if measured else math.nan
     out.setdefault("count", 0)
-    return {k: out[k] for k in STAT_KEYS}
+    return {k: out[k] for k in (*STAT_KEYS, *SIGNAL_KEYS) if k in out}
 
 
-def attention_stats(stats: Any) -> dict[str, dict[str, float]]:
-    """A record's "attention" entry from a probe's ``ProbeStats``: {probs site: {entropy_mean, saturated}}."""
-    return {name: {"entropy_mean": float(a.entropy_mean), "saturated": float(a.saturated_frac)}
-            for name, a in stats.attention.items()}
+def attention_stats(stats: Any, signals: dict[str, dict[str, float]] | None = None) -> dict[str, dict[str, float]]:
+    """A record's "attention" entry from a probe's ``ProbeStats``: {probs site: {entropy_mean,
+    saturated, rows}}, with ``signals`` ({probs site: {max_logit, entropy_ceiling}}, from
+    :meth:`diagnostics.measure.signals.Signals.read`) also max_logit and entropy_ceiling (NaN for
+    a layer they lack)."""
+    out = {}
+    for name, a in stats.attention.items():
+        out[name] = {"entropy_mean": float(a.entropy_mean), "saturated": float(a.saturated_frac), "rows": float(a.rows)}
+        if signals is not None:
+            extra = signals.get(name, {})
+            out[name].update({k: float(extra.get(k, math.nan)) for k in ("max_logit", "entropy_ceiling")})
+    return out
+
+
+def logits_stats(moments: Any, max_logit: float) -> dict[str, float]:
+    """A record's "logits" entry from the :class:`~diagnostics.measure.moments.Moments` of the head's
+    log Z_t = logsumexp_j z_tj over its rows t and the largest |z|: {logz_mean, logz_std,
+    logz_absmax, max_logit} (NaN where no row was finite)."""
+    some = moments.count > 0
+    return {"logz_mean": float(moments.mean) if some else math.nan, "logz_std": float(moments.std),
+            "logz_absmax": float(moments.max_abs) if some else math.nan, "max_logit": float(max_logit)}
 
 
 # --------------------------------------------------------------------------- the checks
@@ -179,19 +235,23 @@ def _record_problem(rec: Any, where: str) -> str | None:
     stats = rec.get("stats")
     if not isinstance(stats, dict) or not all(
             isinstance(site, str) and isinstance(st, dict) and all(_is_number(st.get(k)) for k in STAT_KEYS)
-            for site, st in stats.items()):
+            and all(_is_number(st[k]) for k in SIGNAL_KEYS if k in st) for site, st in stats.items()):
         return f"{where}.stats is not {{site: {{{', '.join(STAT_KEYS[:2])}, ...: number}}}}"
     for part, keys in (("attention", ("entropy_mean", "saturated")), ("update_ratio", None)):
         value = rec.get(part) or {}
         if not isinstance(value, dict):
             return f"{where}.{part} is not a dict"
         for name, v in value.items():
-            ok = (isinstance(v, dict) and all(_is_number(v.get(k)) for k in keys)) if keys else _is_number(v)
+            ok = (isinstance(v, dict) and all(_is_number(v.get(k)) for k in keys)
+                  and all(_is_number(v[k]) for k in ATTENTION_SIGNALS if k in v)) if keys else _is_number(v)
             if not isinstance(name, str) or not ok:
                 return f"{where}.{part}[{name!r}] is not of the documented shape"
     opt = rec.get("optimizer")
     if opt is not None and not (isinstance(opt, dict) and all(_is_number(opt.get(k)) for k in OPTIMIZER_KEYS)):
         return f"{where}.optimizer is not {{{', '.join(OPTIMIZER_KEYS)}: number}}"
+    logits = rec.get("logits")
+    if logits is not None and not (isinstance(logits, dict) and all(_is_number(logits.get(k)) for k in LOGITS_KEYS)):
+        return f"{where}.logits is not {{{', '.join(LOGITS_KEYS)}: number}}"
     return None
 
 
@@ -264,7 +324,7 @@ def to_rows(history: dict[str, Any], run: str | None = None, thresholds: Thresho
     statistic, value; verdict: the site's verdict at that record in the direction it concerns
     (an exploding or non-finite forward variance on the forward rows, a vanishing or non-finite
     gradient on the backward rows; "ok" on the other direction; "not_measured" on both directions
-    of a site that counted no entry at that record; None on rows never judged: attention,
+    of a site that counted no entry at that record; None on rows never judged: attention, logits,
     update ratios, the optimizer's figures, the series). predicted,
     ratio and its interval, valid: None (the watch predicts nothing).
     """
@@ -309,6 +369,10 @@ def record_rows(history: dict[str, Any], rec: dict[str, Any], bad: dict[tuple[in
                   direction="forward")
         rows.append(Row(**at, statistic="entropy_mean", value=_num(att.get("entropy_mean"))))
         rows.append(Row(**at, statistic="saturated_frac", value=_num(att.get("saturated"))))
+        rows += [Row(**at, statistic=k, value=_num(att[k])) for k in ATTENTION_SIGNALS if k in att]
+    if isinstance(rec.get("logits"), dict):
+        at = dict(common, step=step, kind="logits", direction="forward")
+        rows += [Row(**at, statistic=k, value=_num(rec["logits"][k])) for k in LOGITS_KEYS if k in rec["logits"]]
     for param, ratio in (rec.get("update_ratio") or {}).items():
         rows.append(Row(**common, step=step, name=param, kind="parameter", block=block_index(param),
                         statistic="update_ratio", value=_num(ratio)))

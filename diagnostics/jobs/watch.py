@@ -7,8 +7,11 @@ in float64, each watched tensor and the gradient of the loss with respect to it:
     count n (entries), mean m = sum x / n', variance v = sum (x - m)^2 / n', absmax = max |x|,
     nonfinite = fraction of NaN/inf entries        (n' = the finite entries)
 
-(attention scores and probabilities over the causal positions only). Around the optimizer step of a recorded step the watch also
-measures each parameter's update ratio ||W_after - W_before||_F / ||W_before||_F.
+(attention scores and probabilities over the causal positions only), and the precursor signals
+of :mod:`diagnostics.measure.signals` (every attention layer's largest logit and entropy against
+its ceiling, the head's log Z, the residual stream's peak ratio; the history's optional keys).
+Around a recorded step's optimizer step it measures each parameter's update ratio
+||W_after - W_before||_F / ||W_before||_F.
 
 What it records is a history of the format of :mod:`diagnostics.jobs.history`. Each new
 record is judged at once against the records before it (:mod:`diagnostics.judge.over_time`:
@@ -45,25 +48,16 @@ from ..judge.over_time import FAIL_VERDICTS, Extremes, describe_move, first_move
 from ..judge.precursors import Alert, precursor_alerts, signal_values, verdict_alert
 from ..judge.thresholds import Thresholds
 from ..measure.distributed import exchange, process_group
-from ..measure.moments import ProbeStats
+from ..measure.moments import AttnMoments, Moments, ProbeStats
 from ..measure.optimizer import optimizer_signals
 from ..measure import sharded
 from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
 from ..result import Row
-from .history import attention_stats, check_history, new_history, record_rows, site_stats, step_rows
+from .history import attention_stats, check_history, logits_stats, new_history, record_rows, site_stats, step_rows
 
-__all__ = [
-    "Watch",
-    "WatchReport",
-    "WatchEvent",
-    "WatchFailure",
-    "WatchStop",
-    "find_sites",
-    "default_sites",
-    "describe_sites",
-    "train_watched",
-]
+__all__ = ["Watch", "WatchReport", "WatchEvent", "WatchFailure", "WatchStop", "find_sites", "default_sites",
+           "describe_sites", "train_watched"]
 
 
 @dataclass
@@ -262,6 +256,8 @@ class Watch:
             raise TinyLMError(f"watch site(s) {', '.join(unknown[:3])} are not modules of the model; "
                               "name modules from model.named_modules()")
         self.on_event = on_event
+        self._probed = tuple(dict.fromkeys([*self.sites, *(n for n, k in model_sites(model).points.items()
+                                                           if k in ("attn_scores", "attn_probs", "logits"))]))
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self._opt = optimizer_signals(optimizer, self.params, self.group)  # its figures (off without one)
         history, self.history_problem = check_history(history)  # a damaged history: start a new one
@@ -269,10 +265,11 @@ class Watch:
         self.history["thresholds"] = thresholds.to_dict()  # a resumed run judges all its records by these
         self.events: list[WatchEvent] = []
         self._pending: dict[str, dict[str, float]] | None = None
-        self._raw: tuple[dict, dict] | None = None  # the probe's vectors of a recorded step, not yet moved
+        self._raw: tuple | None = None  # the probe's vectors and signals of a recorded step, not yet moved
         self._ratios: dict[str, float] | None = None
         self._merged: tuple | None = None  # (t, loss, lr, grad_norm) as step t was judged
         self._pending_attention: dict[str, dict[str, float]] = {}
+        self._pending_logits: dict[str, float] | None = None
         self._ema: float | None = None
         self._n = 0
         self._armed = True
@@ -444,28 +441,29 @@ class Watch:
     def _collect(self, before: dict[str, torch.Tensor] | None, entries: list) -> dict[str, Any]:
         """:func:`diagnostics.measure.distributed.exchange` of ``entries`` and, when the probe's
         vectors are waiting, each site's moments, the attention panels and the update ratios
-        since ``before``; keeps the record's parts (``_pending``, ``_pending_attention``, ``_ratios``)."""
+        since ``before`` and the probe's signals (:mod:`diagnostics.measure.signals`); keeps the
+        record's parts (``_pending``, ``_pending_attention``, ``_pending_logits``, ``_ratios``)."""
         raw, self._raw = self._raw, None
         names: list[str] = []
         if raw is not None:
-            tensors, attention = raw
+            tensors, attention, signals = raw
             entries = entries + [(f"t/{s}/{d}", "moments", tensors.get((s, d)))
                                  for s in self.sites for d in ("forward", "backward")]
-            entries += [(f"a/{n}", "attention", v) for n, v in attention.items()]
+            entries += [(f"a/{n}", "attention", v) for n, v in attention.items()] + signals.entries(tensors)
             names, ratios = self._ratio_vector(before or {})
             if names:
                 entries.append(("update_ratio", "first", ratios))
             entries += self._opt.entries()  # the optimizer's sums (none without one)
         got = exchange(entries, self.group)
         if raw is not None:
-            from ..measure.moments import AttnMoments, Moments
-
             merged = ProbeStats(
                 tensors={(s, d): Moments.from_vector(got[f"t/{s}/{d}"]) for s in self.sites
                          for d in ("forward", "backward") if got[f"t/{s}/{d}"] is not None},
                 attention={n: AttnMoments.from_vector(got[f"a/{n}"]) for n in raw[1] if got[f"a/{n}"] is not None})
-            self._pending = {site: site_stats(merged, site) for site in self.sites}
-            self._pending_attention = attention_stats(merged)
+            extra, logz, peaks = signals.read(got)
+            self._pending_logits = None if logz is None else logits_stats(*logz)
+            self._pending = {site: site_stats(merged, site, peaks.get(site)) for site in self.sites}
+            self._pending_attention = attention_stats(merged, extra)
             self._ratios = dict(zip(names, got["update_ratio"])) if names else {}
             self._opt.merge(got)
         return got
@@ -575,21 +573,20 @@ class Watch:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """The probe on for the forward and backward inside (hooks removed on exit, whatever happens).
-
-        The probe runs in training mode and leaves the gradients for the optimizer.
-        """
+        """The probe on for the forward and backward inside (hooks removed on exit, whatever happens):
+        the watched sites and the signals of every attention layer and of the head, in training
+        mode, the gradients left for the optimizer."""
         if not self.enabled:
             yield
             return
         from ..options import ProbeOptions
         from ..measure.probe import probe
 
-        options = ProbeOptions(modules=tuple(self.sites), backward=True, attention=True, cosine=False, params=False,
-                               spectral=False, restore_grads=False, eval_mode=False)
+        options = ProbeOptions(modules=self._probed, backward=True, attention=True, cosine=False, params=False,
+                               spectral=False, restore_grads=False, eval_mode=False, signals=True)
         with probe(self.model, options) as run:
             yield
-        self._raw = run.vectors()  # moved to the host (and merged over the ranks) once, at record
+        self._raw = (*run.vectors(), run.signals)  # moved to the host (and merged over the ranks) once, at record
         self._pending, self._ratios = None, None
 
     def _update_ema(self, loss: float) -> None:
@@ -638,6 +635,8 @@ class Watch:
         record = {"step": int(t), "reason": reason, "loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm),
                   "stats": self._pending, "attention": self._pending_attention, "update_ratio": self._ratios or {},
                   **self._opt.record()}
+        if self._pending_logits is not None:
+            record["logits"] = self._pending_logits
         self._pending, self._ratios = None, None
         self.history["records"].append(record)
         rows = self._judge(record)

@@ -10,6 +10,7 @@ group, moved to the host once, and each entry is merged over the ranks in rank o
                  the largest max|x|, sums for the counts; ranks that did not measure it skipped
     attention    the same over the rows' entropies, the smallest entropy
     sum          the entries added
+    max          the largest of each entry over the ranks (NaN ignored; NaN when every rank's is)
     mean         the entries' mean over the ranks
     first        rank 0's entries
 
@@ -35,7 +36,7 @@ from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 __all__ = ["merge_distributed", "exchange", "process_group", "KINDS", "PARAM_FIELDS"]
 
 #: How an entry of :func:`exchange` merges over the ranks (see the module docstring).
-KINDS = ("moments", "attention", "sum", "mean", "first")
+KINDS = ("moments", "attention", "sum", "mean", "first", "max")
 #: The numeric fields of a :class:`ParamStats` that travel (rank 0's are kept).
 PARAM_FIELDS = ("std", "grad_std", "frac_nonfinite", "grad_frac_nonfinite", "spectral_norm", "stable_rank")
 
@@ -74,6 +75,8 @@ def _merge_rows(kind: str, rows: list[list[float]]) -> list[float] | None:
         return [math.fsum(col) for col in zip(*rows)]
     if kind == "mean":
         return [math.fsum(col) / len(rows) for col in zip(*rows)]
+    if kind == "max":
+        return [max((x for x in col if not math.isnan(x)), default=math.nan) for col in zip(*rows)]
     cls = Moments if kind == "moments" else AttnMoments
     merged = None
     for row in rows:

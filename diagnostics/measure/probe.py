@@ -14,9 +14,10 @@ embedding output is block 0's input) and the attention and FFN branches before t
 (outputs of ``layers.i.attn`` and ``layers.i.ffn``), and the attention heads before
 ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model: each block of
 its block stack (its output, the residual stream) and block 0's input (``{stack}.input``);
-with ``attention`` and the default points (``modules`` None), each
+with ``attention`` and the default points (``modules`` None) or ``signals``, each
 ``F.scaled_dot_product_attention`` call inside a block is measured on sampled query rows
-(:mod:`diagnostics.measure.sdpa`) as ``{module}.scores`` and the ``{module}.probs`` panel.
+(:mod:`diagnostics.measure.sdpa`) as ``{module}.scores`` and the ``{module}.probs`` panel (with
+``signals``, eager softmax attention too: :mod:`diagnostics.measure.eager_attention`).
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
 the output needs a gradient, puts a hook on that tensor which reduces the
@@ -51,7 +52,9 @@ from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from . import compiled, sharded
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
+from .eager_attention import EagerAttentionWatch
 from .sdpa import SDPAWatch
+from .signals import Signals
 from .sites import model_sites
 from .wrappers import default_stance, eager, unwrap
 
@@ -269,6 +272,8 @@ class ProbeRun:
         #: parameter statistics on exit (what the probe adds to the steps it watches)
         self.seconds = 0.0
         self._stats: ProbeStats | None = None
+        #: the precursor signals (``options.signals``), else None
+        self.signals = Signals() if options.signals else None
 
     # -- accumulation (called from hooks; no host sync) --
     def _row_ms(self, t: Tensor) -> Tensor:
@@ -301,6 +306,8 @@ class ProbeRun:
         probs = kind == "attn_probs" and self.options.attention and out.dim() >= 2
         r = self.reducer(out, causal=causal, probs=probs, rows=rows, cosine=cosine)
         self._add(self._vec, (name, "forward"), r.moments, merge_vectors)
+        if self.signals is not None:
+            self.signals.forward(name, kind, out, r.moments)
         if probs:
             self._add(self._attn, name, r.panel, merge_attention_vectors)
         if name in self._gates:
@@ -390,10 +397,10 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
     return pre
 
 
-def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> SDPAWatch:
-    """An :class:`SDPAWatch` whose calls are named by the innermost running block or block child
-    (the hooks that keep that stack are owned by ``owner``); each call adds ``{name}.scores`` moments
-    (kind "attn_scores") and the ``{name}.probs`` attention panel to ``run``."""
+def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
+    """Enter into ``owner`` an :class:`SDPAWatch` and, with ``signals``, an :class:`EagerAttentionWatch`
+    (not for a tinylm attention: its own observer measures it) whose calls, named by the innermost running
+    block or block child (hooks owned by ``owner``), add ``{name}.scores`` moments and ``{name}.probs``."""
     running: list[str] = []
     for block in stack.names:
         for name in (block, *(f"{block}.{c}" for c, _ in named[block].named_children())):
@@ -406,17 +413,25 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
             owner.callback(named[name].register_forward_pre_hook(push).remove)
             owner.callback(named[name].register_forward_hook(pop).remove)
 
-    def record(name: str, scores: Tensor, panel: Tensor) -> None:
+    def record(name: str, moments: Tensor, panel: Tensor) -> None:
         t0 = time.perf_counter()
         key = f"{name}.scores"
         if key not in run.kinds:
             run.kinds[key] = "attn_scores"
             run.order.append(key)
-        run._add(run._vec, (key, "forward"), reduce(scores).moments, merge_vectors)
+        run._add(run._vec, (key, "forward"), moments, merge_vectors)
         run._add(run._attn, f"{name}.probs", panel, merge_attention_vectors)
         run.seconds += time.perf_counter() - t0
 
-    return SDPAWatch(record, lambda: running[-1] if running and run.active else None)
+    own = {n for n, m in named.items() if isinstance(m, tinylm.MultiHeadSelfAttention) and run.signals is not None}
+
+    def where() -> str | None:
+        return running[-1] if running and run.active and running[-1] not in own else None
+
+    signal = run.signals.attention if run.signals is not None else None
+    owner.enter_context(SDPAWatch(record, where, signal))
+    if run.signals is not None:
+        owner.enter_context(EagerAttentionWatch(record, where, signal))
 
 
 def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module]]:
@@ -574,8 +589,10 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         observers = _hook_points(run, points, stack, named, observed_attention(model, points), owner)
         if options.eval_mode:
             model.eval()
-        if options.attention and options.modules is None and stack is not None and not run._tinylm:
-            owner.enter_context(_watch_attention(run, stack, named, owner))
+        if options.attention and (options.modules is None or options.signals) and stack and not run._tinylm:
+            _watch_attention(run, stack, named, owner)
+        if run.signals is not None:
+            run.signals.attach(run, model, points, owner)
         owner.callback(_finish, run, observers)
         run.active = True
         yield run

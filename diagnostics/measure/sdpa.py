@@ -12,15 +12,22 @@ attention of a sample of query rows, and passes the call on unchanged:
 
 for the rows t of :func:`sample_rows` (every row up to :data:`ROWS`, else :data:`ROWS`
 evenly spaced rows, the first and the last included) and every key, so its memory is
-B x H x ROWS x S, never T x T. From those rows: the moments of the unmasked scores and the
-attention panel of :func:`diagnostics.measure.reference.panel` (entropy per row, its
-minimum and the saturated fraction over rows with more than one key). A call is named by the
-module running it (the innermost watched module on the stack, e.g. ``transformer.h.0.attn``).
+B x H x ROWS x S, never T x T, in float32 at least. An additive mask's entries that are -inf or <= finfo.min / 2
+(Hugging Face adds finfo.min) mask their keys. From those rows (:func:`row_statistics`): the
+moments of the unmasked scores, the attention panel of
+:func:`diagnostics.measure.reference.panel` (entropy per row, its minimum and the saturated
+fraction over rows with more than one key) and, when asked, the :data:`SIGNAL` vector
+[max |s_tj| over the unmasked entries, sum over the rows of ln(n_t), rows], n_t = the keys
+row t may attend to (at least 1), so sum ln(n_t) / rows is the mean entropy ceiling. A call
+is named by the module running it (the innermost watched module on the stack, e.g.
+``transformer.h.0.attn``).
 
-Not seen: attention computed by explicit matmul and softmax ("eager" implementations),
-other fused kernels (flash-attention packages, xformers), and anything about the heads'
-outputs beyond what the module hooks read. A sample of rows estimates the row averages
-(entropy, saturated fraction) without bias, the minimum entropy only over the rows sampled.
+Not seen here: attention computed by explicit matmul and softmax ("eager" implementations;
+:mod:`diagnostics.measure.eager_attention` sees those), other fused kernels
+(flash-attention packages, xformers), and anything about the heads' outputs beyond what the
+module hooks read. A sample of rows estimates the row averages (entropy, saturated
+fraction, entropy ceiling) without bias, the minimum entropy and the largest logit only over
+the rows sampled.
 """
 
 from __future__ import annotations
@@ -33,12 +40,17 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from . import reference
+from .reducer import reduce
 from .reference import SATURATED_PROB
 
-__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "ROWS"]
+__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "masked_additive", "ROWS",
+           "SIGNAL"]
 
 #: query rows measured per call: all of them up to this many, else this many evenly spaced
 ROWS = 64
+#: Layout of an attention layer's signal vector (merged: the largest, the sum, the sum)
+SIGNAL = ("max_logit", "ceiling_sum", "rows")
 
 
 def sample_rows(T: int, rows: int = ROWS) -> Tensor:
@@ -48,22 +60,54 @@ def sample_rows(T: int, rows: int = ROWS) -> Tensor:
     return torch.linspace(0, T - 1, rows).round().long().unique()
 
 
-@torch.no_grad()
-def sampled_attention(q: Tensor, k: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
-                      scale: float | None = None, rows: int = ROWS) -> tuple[Tensor, Tensor]:
-    """(the unmasked scores of the sampled rows, flattened; the ATTN_FIELDS panel of their softmax rows).
+def masked_additive(m: Tensor) -> Tensor:
+    """Where an additive mask (or a row of logits with the mask added) masks its key: -inf, or
+    <= finfo(dtype).min / 2 (Hugging Face adds finfo.min); NaN is not a mask."""
+    return (m == -math.inf) | (m <= torch.finfo(m.dtype).min / 2)
 
-    q (..., H, T, d), k (..., Hk, S, d) with H a multiple of Hk (grouped keys are shared by
-    H / Hk consecutive query heads). The panel is that of :func:`diagnostics.measure.reference.panel`:
-    [rows, mean entropy, M2 of the entropy, min entropy over rows with more than one key,
-    count of those rows, how many of them put > 0.99 on one key]."""
+
+@torch.no_grad()
+def row_statistics(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(the FIELDS moments of the unmasked finite scores; the ATTN_FIELDS panel of the rows'
+    softmax; the :data:`SIGNAL` vector or None) of attention logits ``s`` (..., R, S) (float32 at
+    least, the scale and any additive mask applied) where ``allowed`` (broadcast to s) marks the
+    keys each row may attend to. p_t = softmax over the allowed keys (a row with none: all 0);
+    the panel is [rows, mean entropy, M2 of the entropy, min entropy over rows with more than
+    one key, count of those rows, how many of them put > 0.99 on one key]. With ``signal`` no
+    step waits for the device (the moments from :func:`.reference.moments` of the masked
+    entries; without, from :func:`.reducer.reduce` of the entries selected)."""
+    allowed = allowed.expand(s.shape)
+    s = torch.where(allowed, s, -math.inf)
+    measured = allowed & torch.isfinite(s)
+    moments = reference.moments(s, measured) if signal else reduce(s[measured]).moments
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key left: all zero
+    h = torch.special.entr(p.double()).sum(-1)  # (..., R)
+    keys = allowed.sum(-1)
+    later = keys > 1
+    top = p.amax(-1)
+    mean = h.mean() if h.numel() else h.new_zeros(())
+    lowest = torch.where(later, h, math.inf).amin() if h.numel() else h.new_tensor(math.inf)
+    panel = torch.stack([h.new_tensor(float(h.numel())), mean, (h - mean).square().sum(), lowest,
+                         later.sum().double(), ((top > SATURATED_PROB) & later).sum().double()])
+    if not signal:
+        return moments, panel, None
+    # |s| of the allowed entries (NaN and +inf kept: they are logits), 0 for the masked
+    largest = torch.where(allowed, s.abs(), 0.0).amax().double() if s.numel() else h.new_zeros(())
+    vec = torch.stack([largest, keys.clamp(min=1).double().log().sum(), h.new_tensor(float(h.numel()))])
+    return moments, panel, vec
+
+
+def _logits(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None, rows: int
+            ) -> tuple[Tensor, Tensor]:
+    """(s, allowed) of the sampled query rows of a call (see :func:`sampled_attention`)."""
     q, k = q.detach(), k.detach()
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     T, S = q.shape[-2], k.shape[-2]
     idx = sample_rows(T, rows).to(q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    s = (q.index_select(-2, idx).float() @ k.float().transpose(-1, -2)) * scale  # (..., H, R, S)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    s = (q.index_select(-2, idx).to(wide) @ k.to(wide).transpose(-1, -2)) * scale  # (..., H, R, S)
     allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
     if is_causal:
         allowed = torch.arange(S, device=s.device)[None, :] <= idx[:, None]
@@ -72,31 +116,36 @@ def sampled_attention(q: Tensor, k: Tensor, attn_mask: Tensor | None = None, is_
         if m.dtype == torch.bool:
             allowed = allowed & m
         else:
-            s = s + m.float()
-            allowed = allowed & torch.isfinite(m)
+            s = s + m.to(wide)
+            allowed = allowed & torch.isfinite(m) & ~masked_additive(m)
+    return s, allowed
+
+
+@torch.no_grad()
+def sampled_attention(q: Tensor, k: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False,
+                      scale: float | None = None, rows: int = ROWS) -> tuple[Tensor, Tensor]:
+    """(the unmasked scores of the sampled rows, flattened; the ATTN_FIELDS panel of their softmax rows).
+
+    q (..., H, T, d), k (..., Hk, S, d) with H a multiple of Hk (grouped keys are shared by
+    H / Hk consecutive query heads). The panel is that of :func:`row_statistics`."""
+    s, allowed = _logits(q, k, attn_mask, is_causal, scale, rows)
     allowed = allowed.expand(s.shape)
-    s = torch.where(allowed, s, -math.inf)
-    scores = s[allowed & torch.isfinite(s)]
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key left: all zero
-    h = torch.special.entr(p.double()).sum(-1)  # (..., H, R)
-    later = allowed.sum(-1) > 1
-    top = p.amax(-1)
-    hl = h[later]
-    mean = h.mean() if h.numel() else h.new_zeros(())
-    panel = torch.stack([h.new_tensor(float(h.numel())), mean, (h - mean).square().sum(),
-                         hl.amin() if hl.numel() else h.new_tensor(math.inf), h.new_tensor(float(hl.numel())),
-                         (top[later] > SATURATED_PROB).sum().double()])
-    return scores, panel
+    kept = torch.where(allowed, s, -math.inf)
+    return kept[allowed & torch.isfinite(kept)], row_statistics(s, allowed)[1]
 
 
 class SDPAWatch(TorchFunctionMode):
-    """While entered, every call of ``F.scaled_dot_product_attention`` is measured by
-    :func:`sampled_attention` and reported as ``record(name, scores, panel)``; the call then
-    runs as it would have. ``where()`` names the caller (None: the call is not reported)."""
+    """While entered, every call of ``F.scaled_dot_product_attention`` is measured on its
+    sampled rows (:func:`row_statistics`) and reported as ``record(name, moments, panel)`` (the
+    scores' FIELDS vector, the panel) and, given ``signal``, ``signal(name, vector)`` (the
+    :data:`SIGNAL` vector; no step then waits for the device); the call
+    then runs as it would have. ``where()`` names the caller (None: the call is not reported).
+    The measurement runs with torch functions' overrides off, so no other mode sees its ops."""
 
-    def __init__(self, record: Callable[[str, Tensor, Tensor], None], where: Callable[[], str | None]):
+    def __init__(self, record: Callable[[str, Tensor, Tensor], None], where: Callable[[], str | None],
+                 signal: Callable[[str, Tensor], None] | None = None):
         super().__init__()
-        self.record, self.where = record, where
+        self.record, self.where, self.signal = record, where, signal
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -105,7 +154,11 @@ class SDPAWatch(TorchFunctionMode):
             if name is not None:
                 names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
                 call = {**dict(zip(names, args)), **kwargs}
-                scores, panel = sampled_attention(call["query"], call["key"], call.get("attn_mask"),
-                                                  bool(call.get("is_causal", False)), call.get("scale"))
-                self.record(name, scores, panel)
+                with torch._C.DisableTorchFunction():
+                    s, allowed = _logits(call["query"], call["key"], call.get("attn_mask"),
+                                         bool(call.get("is_causal", False)), call.get("scale"), ROWS)
+                    moments, panel, vec = row_statistics(s, allowed, self.signal is not None)
+                self.record(name, moments, panel)
+                if vec is not None:
+                    self.signal(name, vec)
         return func(*args, **kwargs)

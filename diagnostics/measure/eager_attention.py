@@ -1,0 +1,93 @@
+"""Attention that a model computes with an explicit softmax ("eager" attention), seen.
+
+Hugging Face's eager attention, nanoGPT's non-flash path and minGPT form the attention
+logits themselves and call a softmax over the keys:
+
+    s = scale * q k^T (+ an additive mask, or masked_fill(-inf)),   p = softmax(s, dim=-1).
+
+Under a probe with ``signals`` on, :class:`EagerAttentionWatch` (a ``TorchFunctionMode``)
+sees every call of ``torch.softmax``, ``torch.nn.functional.softmax``, ``torch.special.softmax``
+and ``Tensor.softmax`` and takes one as attention when it is
+
+    over the last dimension of a 4-D floating tensor (B, H, T, S), called while a block
+    (or a block's child) runs.
+
+Its input rows are the logits with the scale and mask applied. An entry that is -inf, or
+<= finfo(dtype).min / 2 (Hugging Face adds finfo.min to the masked entries), is masked: not a
+score. The rows of :func:`diagnostics.measure.sdpa.sample_rows` (every row up to 64, else 64
+evenly spaced, the first and the last included) are measured by
+:func:`diagnostics.measure.sdpa.row_statistics` in float32 at least, so the cost is B x H x
+64 x S whatever T is: the moments of the unmasked scores, the attention panel (entropy per
+row, the saturated fraction) and the signal vector [max |s| over the unmasked entries,
+sum over the rows of ln(unmasked keys), rows]. The call then runs as it would have.
+
+A softmax of another shape or over another dimension (a router's, a classifier's) is not
+attention and is passed on unmeasured; so is one outside every block.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from .sdpa import ROWS, masked_additive, row_statistics, sample_rows
+
+__all__ = ["EagerAttentionWatch", "eager_rows", "is_attention_softmax", "SOFTMAX"]
+
+#: the softmax functions seen (a TorchFunctionMode receives these as ``func``)
+SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax, Tensor.softmax)
+
+
+def _call(func, args: tuple, kwargs: dict) -> tuple[object, object]:
+    """(input, dim) of a softmax call, whichever way its arguments were given."""
+    x = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return x, dim
+
+
+def is_attention_softmax(x: object, dim: object) -> bool:
+    """Whether a softmax of ``x`` over ``dim`` is attention: a 4-D (B, H, T, S) floating tensor
+    with at least one key, over its last dimension (-1 or 3)."""
+    return (isinstance(x, Tensor) and x.dim() == 4 and x.is_floating_point() and x.shape[-1] > 0
+            and isinstance(dim, int) and not isinstance(dim, bool) and dim in (-1, 3))
+
+
+@torch.no_grad()
+def eager_rows(x: Tensor, rows: int = ROWS, signal: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`~diagnostics.measure.sdpa.row_statistics` of the sampled query rows of softmax logits
+    ``x`` (B, H, T, S), in float32 at least, with the masked entries (module docstring) not scores."""
+    idx = sample_rows(x.shape[-2], rows).to(x.device)
+    s = x.detach().index_select(-2, idx)  # (B, H, R, S)
+    allowed = ~masked_additive(s)
+    return row_statistics(s.to(torch.promote_types(s.dtype, torch.float32)), allowed, signal)
+
+
+class EagerAttentionWatch(TorchFunctionMode):
+    """While entered, every softmax that :func:`is_attention_softmax` takes for attention is
+    measured (:func:`eager_rows`) and reported as ``record(name, scores, panel)`` and, given
+    ``signal``, ``signal(name, vector)``; ``where()`` names the caller (None: not reported,
+    as outside every block). The call then runs unchanged. The measurement runs with torch
+    functions' overrides off, so no other mode sees its ops (its own softmax included)."""
+
+    def __init__(self, record: Callable[[str, Tensor, Tensor], None], where: Callable[[], str | None],
+                 signal: Callable[[str, Tensor], None] | None = None, rows: int = ROWS):
+        super().__init__()
+        self.record, self.where, self.signal, self.rows = record, where, signal, rows
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SOFTMAX:
+            x, dim = _call(func, args, kwargs)
+            name = self.where() if is_attention_softmax(x, dim) else None
+            if name is not None:
+                with torch._C.DisableTorchFunction():
+                    moments, panel, vec = eager_rows(x, self.rows, self.signal is not None)
+                self.record(name, moments, panel)
+                if vec is not None:
+                    self.signal(name, vec)
+        return func(*args, **kwargs)
+
