@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .jobs import History, Watch, WatchEvent, WatchFailure, WatchStop, compare, diagnose
+from .jobs import History, Watch, WatchEvent, WatchFailure, WatchReport, WatchStop, compare, diagnose
 from .jobs.diff import DiffResult, diff, diff_against
 from .jobs.fingerprint import Fingerprint, fingerprint
 from .judge import Thresholds
@@ -67,6 +67,7 @@ __all__ = [
     "Watch",
     "WatchEvent",
     "WatchFailure",
+    "WatchReport",
     "WatchStop",
     "History",
     "CONFIDENCE",

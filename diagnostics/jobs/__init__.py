@@ -14,7 +14,7 @@ from .diagnose import diagnose
 from .diff import DiffResult, diff, diff_against
 from .fingerprint import Fingerprint, fingerprint
 from .history import History, check_history
-from .watch import Watch, WatchEvent, WatchFailure, WatchStop, train_watched
+from .watch import Watch, WatchEvent, WatchFailure, WatchReport, WatchStop, train_watched
 
-__all__ = ["diagnose", "compare", "Watch", "WatchEvent", "WatchFailure", "WatchStop", "History", "check_history",
+__all__ = ["diagnose", "compare", "Watch", "WatchEvent", "WatchFailure", "WatchReport", "WatchStop", "History", "check_history",
            "train_watched", "diff", "diff_against", "DiffResult", "fingerprint", "Fingerprint"]

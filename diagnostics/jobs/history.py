@@ -20,14 +20,16 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
                                              ["max_logit", "entropy_ceiling", "rows"]}},
                   ["logits": {"logz_mean", "logz_std", "logz_absmax", "max_logit"},]
                   "update_ratio": {parameter: r},
-                  ["optimizer": {"eps_share", "alignment", "alignment_min"}]}, ...],
+                  ["optimizer": {"eps_share", "alignment", "alignment_min"}],
+                  ["dtypes": {site: "float16" | "bfloat16" | "float32" | ...}]}, ...],
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
 "kinds", "model" and "thresholds" are optional: a history without them reads the same,
 with kind, scheme, depth and width None in its rows and the default thresholds. So are the
 keys in [brackets] (:data:`SIGNAL_KEYS`, :data:`ATTENTION_SIGNALS`, "logits"; the watch's
 precursor signals, :mod:`diagnostics.measure.signals`; a record's "optimizer" is there when
-the watch was given the optimizer: its figures of that step, :mod:`diagnostics.measure.optimizer`),
+the watch was given the optimizer: its figures of that step, :mod:`diagnostics.measure.optimizer`;
+"dtypes" names the format each site's output had, which its gradient is computed in),
 each a number where present:
 
     fwd_zero, grad_zero            fraction of exact zeros among the entries (Moments.frac_zero)
@@ -252,6 +254,10 @@ def _record_problem(rec: Any, where: str) -> str | None:
     logits = rec.get("logits")
     if logits is not None and not (isinstance(logits, dict) and all(_is_number(logits.get(k)) for k in LOGITS_KEYS)):
         return f"{where}.logits is not {{{', '.join(LOGITS_KEYS)}: number}}"
+    dtypes = rec.get("dtypes")
+    if dtypes is not None and not (isinstance(dtypes, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in dtypes.items())):
+        return f"{where}.dtypes is not {{site: dtype name}}"
     return None
 
 

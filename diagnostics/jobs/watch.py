@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -45,7 +44,7 @@ from torch import nn
 
 from ..integrations.writers import WatchWriter
 from ..judge.over_time import FAIL_VERDICTS, Extremes, describe_move, first_mover, record_verdicts
-from ..judge.precursors import Alert, precursor_alerts, signal_values, verdict_alert
+from ..judge.precursors import Alert
 from ..judge.thresholds import Thresholds
 from ..measure.distributed import exchange, process_group
 from ..measure.moments import AttnMoments, Moments, ProbeStats
@@ -54,77 +53,11 @@ from ..measure import sharded
 from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
 from ..result import Row
+from .watch_alerts import AlertBook, WatchEvent, WatchFailure, WatchReport, WatchStop, failure_of
 from .history import attention_stats, check_history, logits_stats, new_history, record_rows, site_stats, step_rows
 
 __all__ = ["Watch", "WatchReport", "WatchEvent", "WatchFailure", "WatchStop", "find_sites", "default_sites",
            "describe_sites", "train_watched"]
-
-
-@dataclass
-class WatchEvent:
-    """A spike or a non-finite loss, with the site whose statistics moved first."""
-
-    step: int
-    kind: str  # "spike" or "nonfinite"
-    site: str | None
-    stat: str | None  # "fwd_var" or "grad_var"
-    moved_at: int | None  # the step at which that statistic had first moved
-    message: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "kind": self.kind, "site": self.site, "stat": self.stat,
-                "moved_at": self.moved_at, "message": self.message}
-
-
-@dataclass
-class WatchFailure:
-    """The first ``fail`` the watch saw: at ``step``, ``site`` (None for the loss) gave
-    ``verdict`` with ``stat`` = ``value`` against ``threshold``; ``message`` says it in a line."""
-
-    step: int
-    verdict: str  # one of FAIL_VERDICTS
-    site: str | None
-    stat: str | None
-    value: float
-    threshold: float
-    message: str
-
-
-@dataclass
-class WatchReport:
-    """What :meth:`Watch.record` tells the loop about its step: ``alerts``, every warning and fail
-    first reported at this step (:class:`diagnostics.judge.precursors.Alert`: the signal, the value
-    against its threshold, the cause and the fix), and ``failure``, the first fail as a
-    :class:`WatchFailure` (None if none).
-
-    ``bool(report)`` is True when there is a failure, so ``if watch.record(...): break`` stops at
-    a fail and goes on through warnings; iterate over it for the alerts themselves.
-    """
-
-    alerts: list[Alert] = field(default_factory=list)
-    failure: WatchFailure | None = None
-
-    def __bool__(self) -> bool:
-        return self.failure is not None
-
-    def __iter__(self) -> Iterator[Alert]:
-        return iter(self.alerts)
-
-    def __len__(self) -> int:
-        return len(self.alerts)
-
-    @property
-    def warnings(self) -> list[Alert]:
-        return [a for a in self.alerts if a.severity == "warn"]
-
-
-class WatchStop(RuntimeError):
-    """Raised by :meth:`Watch.record` at the first fail when the watch was built with
-    ``stop="raise"``; ``failure`` holds the :class:`WatchFailure`."""
-
-    def __init__(self, failure: WatchFailure):
-        self.failure = failure
-        super().__init__(failure.message)
 
 
 def default_sites(model: nn.Module) -> list[str]:
@@ -162,14 +95,6 @@ def describe_sites(sites: list[str]) -> str:
 
 def _finite(x: float | None) -> bool:
     return x is not None and math.isfinite(x)
-
-
-def _failure_of(row: dict[str, Any]) -> WatchFailure:
-    """The :class:`WatchFailure` of a fail verdict row ({step, site, verdict, stat, value, threshold})."""
-    what = {"non_finite": "is not finite", "exploding": "grew past its threshold"}[row["verdict"]]
-    return WatchFailure(row["step"], row["verdict"], row["site"], row["stat"], row["value"], row["threshold"],
-                        f"step {row['step']}: {row['site']} {row['verdict']}: {row['stat']} = "
-                        f"{row['value']:.3g} {what} (threshold {row['threshold']:.3g})")
 
 
 def _checked_thresholds(model: Any, every: Any, stop: Any, thresholds: Any, spike_factor: float | None
@@ -270,6 +195,7 @@ class Watch:
         self._merged: tuple | None = None  # (t, loss, lr, grad_norm) as step t was judged
         self._pending_attention: dict[str, dict[str, float]] = {}
         self._pending_logits: dict[str, float] | None = None
+        self._pending_dtypes: dict[str, str] = {}  # site -> its forward dtype at the record
         self._ema: float | None = None
         self._n = 0
         self._armed = True
@@ -280,15 +206,8 @@ class Watch:
         for rec in self.history["records"]:
             self._earlier.update(rec)
         self.history.setdefault("param_dims", {n: int(p.dim()) for n, p in self.params.items()})
-        #: every warning and fail reported so far (:class:`diagnostics.judge.precursors.Alert`)
-        self.alerts: list[Alert] = []
-        self._new_alerts: list[Alert] = []
-        self._signals = [signal_values(self.history, k) for k in range(len(self.history["records"]))]
-        self._open_verdicts: set[tuple[str, str]] = set()  # (site, verdict) not ok at the last record
-        #: the forensics reports written so far (:meth:`forensics_report`), the last ten
-        self.reports: deque[dict[str, Any]] = deque(maxlen=10)
-        self.forensics = int(forensics)
-        self._ring: deque[tuple[int, float, float, float]] = deque(maxlen=self.forensics * max(self.every, 1))
+        #: the run's alerts and forensics (:class:`diagnostics.jobs.watch_alerts.AlertBook`)
+        self.book = AlertBook(self.history, thresholds, int(forensics), self.every)
         self.stop = stop
         self.failure: WatchFailure | None = None
         self._new_failure: WatchFailure | None = None
@@ -416,8 +335,7 @@ class Watch:
         t = open_step["t"]
         self._end_step(t, loss, lr, grad_norm, open_step["recording"], open_step["before"])
         self.log(t, *self._merged[1:])
-        alerts, self._new_alerts = self._new_alerts, []
-        return WatchReport(alerts, self._check_stop())
+        return WatchReport(self.book.take_new(), self._check_stop())
 
     def _values(self, loss: Any, lr: Any, grad_norm: Any, before: dict[str, torch.Tensor] | None
                 ) -> tuple[float, float, float]:
@@ -462,6 +380,7 @@ class Watch:
                 attention={n: AttnMoments.from_vector(got[f"a/{n}"]) for n in raw[1] if got[f"a/{n}"] is not None})
             extra, logz, peaks = signals.read(got)
             self._pending_logits = None if logz is None else logits_stats(*logz)
+            self._pending_dtypes = {s: signals.dtypes[s] for s in self.sites if s in signals.dtypes}
             self._pending = {site: site_stats(merged, site, peaks.get(site)) for site in self.sites}
             self._pending_attention = attention_stats(merged, extra)
             self._ratios = dict(zip(names, got["update_ratio"])) if names else {}
@@ -517,52 +436,24 @@ class Watch:
         self._earlier.update(rec)
         fail = next((row for row in rows if row["verdict"] in FAIL_VERDICTS), None)
         if fail is not None:
-            self._fail(_failure_of(fail))
-        self._alert_record(rec, rows)
+            self._fail(failure_of(fail))
+        for failure in self.book.judge(rec, rows, self.writers):
+            self._fail(failure)
         return rows
 
-    def _alert_record(self, rec: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-        """The alerts of a new record: each verdict over time that was ok at the record before
-        (:func:`diagnostics.judge.precursors.verdict_alert`), and the precursors first due at it
-        (:func:`diagnostics.judge.precursors.precursor_alerts`)."""
-        judged = [r for r in rows if r["verdict"] in ("non_finite", "exploding", "vanishing")]
-        now = {(r["site"], r["verdict"]) for r in judged}
-        alerts = [verdict_alert(self.history, rec, r, self.thresholds) for r in judged
-                  if (r["site"], r["verdict"]) not in self._open_verdicts]
-        self._open_verdicts = now
-        self._signals.append(signal_values(self.history, len(self.history["records"]) - 1))
-        found = precursor_alerts(self.history, len(self._signals) - 1, self.thresholds, self._signals)
-        for a in found:
-            if a.severity == "fail":
-                self._fail(WatchFailure(a.step, a.signal, a.site, a.signal, a.value, a.threshold, a.message))
-        for a in alerts + found:
-            self._emit(a)
+    @property
+    def alerts(self) -> list[Alert]:
+        """Every warning and fail reported so far (:class:`diagnostics.judge.precursors.Alert`)."""
+        return self.book.alerts
 
-    def _emit(self, alert: Alert) -> None:
-        """Report an alert: to the run's list, the loop's next report and the writers; a fail
-        (and a spike, through :meth:`_raise_event`) also writes a forensics report."""
-        self.alerts.append(alert)
-        self._new_alerts.append(alert)
-        for w in self.writers:
-            if hasattr(w, "alert"):
-                w.alert(alert)
-        if alert.severity == "fail" and not any(r["step"] == alert.step for r in self.reports):
-            self._forensics(alert)
+    @property
+    def reports(self) -> Any:
+        """The last ten forensics reports (:meth:`forensics_report`), oldest first."""
+        return self.book.reports
 
     def forensics_report(self, trigger: Alert | WatchEvent) -> dict[str, Any]:
-        """What moved before ``trigger``: its step and message, the last ``forensics`` records
-        (each site's statistics, attention, logits, update ratios) and the logged steps of the
-        same span (loss, lr, grad_norm), oldest first."""
-        steps = [{"step": t, "loss": loss, "lr": lr, "grad_norm": g} for t, loss, lr, g in self._ring]
-        return {"step": int(trigger.step), "trigger": trigger.to_dict(),
-                "records": list(self.history["records"][-self.forensics:]), "steps": steps}
-
-    def _forensics(self, trigger: Alert | WatchEvent) -> None:
-        report = self.forensics_report(trigger)
-        self.reports.append(report)
-        for w in self.writers:
-            if hasattr(w, "forensics"):
-                w.forensics(report)
+        """What moved before ``trigger`` (:meth:`diagnostics.jobs.watch_alerts.AlertBook.report`)."""
+        return self.book.report(trigger)
 
     @property
     def enabled(self) -> bool:
@@ -637,6 +528,8 @@ class Watch:
                   **self._opt.record()}
         if self._pending_logits is not None:
             record["logits"] = self._pending_logits
+        if self._pending_dtypes:
+            record["dtypes"] = self._pending_dtypes
         self._pending, self._ratios = None, None
         self.history["records"].append(record)
         rows = self._judge(record)
@@ -662,23 +555,8 @@ class Watch:
             w.event(event)
         if self.on_event is not None:
             self.on_event(event)
-        self._forensics(event)
-        self._emit(self._event_alert(event, loss))
-
-    def _event_alert(self, event: WatchEvent, loss: float) -> Alert:
-        """A spike (warn) or a non-finite loss (fail) as an :class:`Alert`, with the alerts before it as its cause."""
-        earlier = [a for a in self.alerts if a.signal not in ("spike", "non_finite")]
-        if earlier:
-            first = earlier[0]
-            cause = f"preceded by {first.signal} at step {first.step} ({first.cause})"
-            fix = first.fix
-        else:
-            cause, fix = "no precursor was reported before it", "lower the learning rate, clip the gradient norm"
-        ema = self._ema if self._ema is not None else math.nan
-        signal, severity = ("spike", "warn") if event.kind == "spike" else ("non_finite", "fail")
-        return Alert(event.step, severity, signal, event.site, float(loss),
-                     self.spike_factor * ema if event.kind == "spike" else math.nan, 0, event.step, cause, fix, "",
-                     f"{event.message}; {cause}; fix: {fix}")
+        self.book.forensics(event, self.writers)
+        self.book.emit(self.book.event_alert(event, loss, self.spike_factor * (self._ema or math.nan)), self.writers)
 
     def log(self, t: int, loss: float, lr: float, grad_norm: float) -> None:
         """Step t's entry of the loss series (and the writers'); over a process group, right after
@@ -691,7 +569,7 @@ class Watch:
         s["loss"].append(float(loss))
         s["lr"].append(float(lr))
         s["grad_norm"].append(float(grad_norm))
-        self._ring.append((int(t), float(loss), float(lr), float(grad_norm)))
+        self.book.ring.append((int(t), float(loss), float(lr), float(grad_norm)))
         for w in self.writers:
             w.step(int(t), float(loss), float(lr), float(grad_norm))
 

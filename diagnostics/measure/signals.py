@@ -105,11 +105,15 @@ class Signals:
         self._peak: dict[str, Tensor] = {}  # site -> (1,) peak ratio
         self._logz: Tensor | None = None  # FIELDS of log Z
         self._logit_max: Tensor | None = None  # (1,) max |logit|
+        #: site -> the dtype its forward output had ("float16", "bfloat16", "float32", ...): the
+        #: format its gradient is computed in, which the underflow judgement reads (host strings)
+        self.dtypes: dict[str, str] = {}
 
     # -- filled while the model runs (no host transfer)
     def forward(self, name: str, kind: str, out: Tensor, moments: Tensor) -> None:
         """A measured forward output (``moments``: its FIELDS vector): the peak ratio of the
-        residual stream and the head, and the head's log Z and largest logit."""
+        residual stream and the head, and the head's log Z and largest logit; every site's dtype."""
+        self.dtypes[name] = str(out.dtype).removeprefix("torch.")
         if kind not in PEAK_KINDS or out.dim() < 1 or out.numel() == 0:
             return
         self._peak[name] = _fmax(self._peak.get(name), peak_ratio(out, moments[4]))
