@@ -39,7 +39,7 @@ def _all(history, **th):
 def test_attention_logits_reported_once_after_persisting_then_as_a_fail_at_ten_times():
     logits = [5, 60, 80, 120, 200, 700, 900]
     h = _history([_rec(10 * k, attention=_attn(v)) for k, v in enumerate(logits)])
-    alerts = _all(h)
+    alerts = _all(h, attn_logit=50.0)
     assert [(a.step, a.severity, a.signal) for a in alerts] == [(30, "warn", "attention_logits"),
                                                                 (50, "fail", "attention_logits")]
     a = alerts[0]
@@ -51,9 +51,12 @@ def test_attention_logits_reported_once_after_persisting_then_as_a_fail_at_ten_t
 
 def test_a_signal_that_does_not_persist_is_not_reported_negative_control():
     h = _history([_rec(10 * k, attention=_attn(v)) for k, v in enumerate([5, 60, 80, 10, 60, 70, 9])])
-    assert _all(h) == []
+    assert _all(h, attn_logit=50.0) == []
     # the same series judged with persistence 2 is reported twice (re-armed after coming back)
-    assert [a.step for a in _all(h, early_persist=2)] == [20, 50]
+    assert [a.step for a in _all(h, attn_logit=50.0, early_persist=2)] == [20, 50]
+    # a value past the fail level (10x the threshold) is reported at once, as a fail
+    spike = _history([_rec(10 * k, attention=_attn(v)) for k, v in enumerate([5, 600, 700])])
+    assert [(a.step, a.severity) for a in _all(spike, attn_logit=50.0)] == [(10, "fail")]
 
 
 def test_entropy_collapse_against_the_causal_maximum():
@@ -69,7 +72,8 @@ def test_log_z_drift_and_adam_epsilon():
                  optimizer={"eps_share": e, "alignment": 0.5, "alignment_min": 0.1})
             for k, (z, e) in enumerate([(5, 0.1), (35, 0.9), (40, 0.95), (50, 0.97)])]
     alerts = _all(_history(recs))
-    assert sorted((a.signal, a.step) for a in alerts) == [("adam_epsilon", 30), ("log_z", 30)]
+    # a share over every entry needs no persistence: at its first record past the threshold
+    assert sorted((a.signal, a.step) for a in alerts) == [("adam_epsilon", 10), ("log_z", 30)]
     assert "z-loss" in next(a for a in alerts if a.signal == "log_z").fix
     assert "eps" in next(a for a in alerts if a.signal == "adam_epsilon").fix
 
@@ -83,7 +87,7 @@ def _grads(zero, dtype):
 def test_underflow_is_judged_in_low_precision_only():
     fp16 = _history([_rec(10 * k, **_grads(0.6, "float16")) for k in range(3)])
     alerts = _all(fp16)
-    assert [(a.signal, a.severity) for a in alerts] == [("underflow", "fail")]  # 0.6 > (0.05 + 1) / 2
+    assert [(a.signal, a.severity, a.step) for a in alerts] == [("underflow", "fail", 0)]  # 0.6 > (0.01 + 1) / 2
     assert "GradScaler" in alerts[0].fix
     fp32 = _history([_rec(10 * k, **_grads(0.6, "float32")) for k in range(3)])
     assert _all(fp32) == []  # the same zeros in float32 are not underflow (negative control)
@@ -93,6 +97,7 @@ def test_a_vanishing_gradient_made_of_zeros_in_float16_is_named_underflow():
     row = {"step": 30, "site": "layers.0", "verdict": "vanishing", "stat": "grad_var", "value": 1e-9,
            "threshold": 1e-5}
     low = P.verdict_alert(_history([]), _rec(30, **_grads(0.4, "float16")), row, Thresholds())
+    assert P.verdict_alert(_history([]), _rec(30, **_grads(0.005, "float16")), row, Thresholds()).signal == "vanishing"
     assert low.signal == "underflow" and "40.0%" in low.cause and "GradScaler" in low.fix
     plain = P.verdict_alert(_history([]), _rec(30, **_grads(0.4, "float32")), row, Thresholds())
     assert plain.signal == "vanishing" and "underflow" not in plain.cause
@@ -102,7 +107,7 @@ def test_a_vanishing_gradient_made_of_zeros_in_float16_is_named_underflow():
 
 def test_update_ratios_of_matrices_only():
     dims = {"w": 2, "norm.weight": 1}
-    recs = [_rec(10 * k, update_ratio={"w": r, "norm.weight": 5.0}) for k, r in enumerate([0.01, 0.2, 0.3, 0.3])]
+    recs = [_rec(10 * k, update_ratio={"w": r, "norm.weight": 5.0}) for k, r in enumerate([0.01, 0.4, 0.5, 0.5])]
     alerts = _all(_history(recs, param_dims=dims))
     assert [(a.signal, a.site, a.step) for a in alerts] == [("update_large", "w", 30)]
     post = _all(_history(recs, norm="post", param_dims=dims))

@@ -23,10 +23,12 @@ threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
                        adam_epsilon or underflow is past its threshold (reported when it begins)
 
 A precursor is reported (an :class:`Alert`) at the record where its signal has been past its
-threshold at ``early_persist`` records in a row; then not again at that site until it has
-come back within its threshold (or it reaches its fail level: :data:`FAIL_FACTOR` times past the
-threshold, where it is reported once more, as a fail). Persistence is what keeps a single noisy
-record from raising an alarm; it costs ``(early_persist - 1) x every`` steps of lead.
+threshold at ``early_persist`` records in a row (a share or a format's headroom, which counts
+every entry and does not fluctuate as a maximum does: at the first record past it); then not
+again at that site until it has come back within its threshold. A value past the fail level
+(:data:`FAIL_FACTOR` times past the threshold) is reported at once, as a fail, once per run of
+records past the threshold. Persistence is what keeps a single noisy record from raising an
+alarm; it costs ``(early_persist - 1) x every`` steps of lead.
 
 Every alert says the value, the threshold, how many records in a row the value has been rising,
 the cause and the fix, and what was ruled out: the other signals that were measured at that
@@ -97,6 +99,10 @@ class Signal:
     cause: str
     fix: str
     share: bool = False
+    #: whether the signal must hold for ``early_persist`` records: False for counts over every
+    #: entry of a tensor or an optimizer state (a share of zeros, of Adam entries under eps, a
+    #: format's headroom), which do not fluctuate from batch to batch as a maximum does
+    persist: bool = True
 
 
 def _finite(x: Any) -> bool:
@@ -202,13 +208,13 @@ SIGNALS: dict[str, Signal] = {s.name: s for s in (
     Signal("adam_epsilon", _eps, "eps_share", "high", "share of Adam entries with sqrt(v_hat) < eps",
            "Adam's eps dominates its denominator (Wortsman et al. 2023): the updates shrink with the "
            "gradient and the run stalls", "lower Adam's eps (1e-8, or 1e-15 for very small gradients)",
-           share=True),
+           share=True, persist=False),
     Signal("underflow", _underflow, "underflow_share", "high", "share of zero gradient entries",
            "gradients underflow to zero in low precision (Micikevicius et al. 2018)",
-           "scale the loss (torch.amp.GradScaler) or train in bfloat16", share=True),
+           "scale the loss (torch.amp.GradScaler) or train in bfloat16", share=True, persist=False),
     Signal("overflow_ahead", _headroom, "overflow_headroom", "high", "max |activation| / float16's largest",
            "activations approach float16's largest finite value: an overflow to inf is near",
-           "train in bfloat16, or keep this site in float32"),
+           "train in bfloat16, or keep this site in float32", persist=False),
     Signal("massive", _peak, "massive_ratio", "high", "max |x| / median |x|",
            "massive activations (Sun et al. 2024): a few features dwarf the rest; low-precision formats "
            "lose them or overflow", "keep the residual stream in float32 or bfloat16; check the norms"),
@@ -321,22 +327,22 @@ def _ruled_out(values: dict[str, dict[str, float]], th: Thresholds, skip: str) -
 def _judge_site(sig: Signal, series: list[float | None], steps: list[int], th: Thresholds) -> tuple[str, int] | None:
     """(severity, index where its run of past records began) when the last value of ``series``
     should be reported, else None. ``series``: the site's values at records 0..k."""
-    p, limit = int(th.early_persist), _limit(sig, th)
+    p, limit = (int(th.early_persist) if sig.persist else 1), _limit(sig, th)
     run = 0
     for v in reversed(series):
         if not _past(sig, v, limit):
             break
         run += 1
-    if run < p:
+    if run == 0:
         return None
     begun = len(series) - run
     fail = _fail_limit(sig, limit)
     now_fail = _past(sig, series[-1], fail)
     was_fail = any(_past(sig, v, fail) for v in series[begun:-1])
-    if run == p:
-        return ("fail" if now_fail else "warn"), begun
-    if now_fail and not was_fail:
+    if now_fail and not was_fail:  # past the fail level: at once, whatever the persistence
         return "fail", begun
+    if run == p and not was_fail:
+        return "warn", begun
     return None
 
 
