@@ -103,6 +103,8 @@ def test_a_vanishing_gradient_made_of_zeros_in_float16_is_named_underflow():
     assert plain.signal == "vanishing" and "underflow" not in plain.cause
     post = P.verdict_alert(_history([], norm="post"), _rec(30, **_grads(0.0, "float32")), row, Thresholds())
     assert "post-norm" in post.cause and "warm" in post.fix
+    scores = dict(row, site="layers.0.attn.scores")  # sharpening attention: judged by the attention signals
+    assert P.verdict_alert(_history([]), _rec(30, **_grads(0.0, "float32")), scores, Thresholds()) is None
 
 
 def test_update_ratios_of_matrices_only():

@@ -128,8 +128,8 @@ class AlertBook:
         """Report the alerts of ``rec``, the history's newest record, whose non-ok verdict rows are
         ``rows``; returns the failures of the precursors past their fail level."""
         judged = [r for r in rows if r["verdict"] in ("non_finite", "exploding", "vanishing")]
-        alerts = [verdict_alert(self.history, rec, r, self.thresholds) for r in judged
-                  if (r["site"], r["verdict"]) not in self._open]
+        alerts = [a for r in judged if (r["site"], r["verdict"]) not in self._open
+                  for a in [verdict_alert(self.history, rec, r, self.thresholds)] if a is not None]
         self._open = {(r["site"], r["verdict"]) for r in judged}
         self._values.append(signal_values(self.history, len(self.history["records"]) - 1))
         found = precursor_alerts(self.history, len(self._values) - 1, self.thresholds, self._values)

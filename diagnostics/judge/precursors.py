@@ -429,11 +429,14 @@ _VERDICT_WORDS = {
 }
 
 
-def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, Any], th: Thresholds) -> Alert:
+def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, Any], th: Thresholds
+                  ) -> Alert | None:
     """A verdict over time (a row of :func:`diagnostics.judge.over_time.record_verdicts`:
     non_finite, exploding or vanishing) as an :class:`Alert`, with its cause told apart where the
     record shows it: a vanishing gradient made of zeros in float16 or bfloat16 is underflow, and
-    one in a post-norm model is the norms' shrinkage."""
+    one in a post-norm model is the norms' shrinkage. None for a vanishing gradient of the
+    attention scores that is not underflow: sharpening attention shrinks it in healthy runs (the
+    attention signals judge that layer), so it stays a verdict row and is not alerted."""
     site, verdict = row["site"], row["verdict"]
     cause, fix = _VERDICT_WORDS[verdict]
     signal = verdict
@@ -446,6 +449,8 @@ def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, A
             cause = (f"{zero:.1%} of its gradient entries are exactly zero in {dtype}: the gradient "
                      "underflows (Micikevicius et al. 2018), it does not vanish")
             fix = SIGNALS["underflow"].fix
+        elif site.rsplit(".", 1)[-1] in ("scores", "probs"):
+            return None
         elif history.get("norm") == "post":
             cause = ("post-norm: each block's norm rescales the gradient on its way down, so the lower "
                      "layers' gradients shrink at the start of training (Xiong et al. 2020)")
