@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from diagnostics.integrations.writers import WatchWriter
 
 from .cli import EXIT_NONFINITE, EXIT_OK, PRESET_NAMES, SCHEME_NAMES, UsageError, choose
 from .intake import check_input_file, check_outputs, check_suffixes
@@ -221,11 +220,27 @@ class _Display:
 
 
 
-class _Alerts(WatchWriter):
-    """A watch writer that prints each alert of the run (a spike's included, with its cause) as it comes."""
+class _Alerts:
+    """A watch writer (the five methods of diagnostics' ``WatchWriter``, and ``alert``) that prints
+    each alert of the run (a spike's included, with its cause) as it comes."""
 
     def __init__(self, console):
         self.console = console
+
+    def open(self, watch) -> None:
+        pass
+
+    def step(self, t, loss, lr, grad_norm) -> None:
+        pass
+
+    def record(self, record, verdicts) -> None:
+        pass
+
+    def event(self, event) -> None:
+        pass  # its alert follows, with the cause
+
+    def close(self) -> None:
+        pass
 
     def alert(self, alert) -> None:
         color = "bold red" if alert.severity == "fail" else "yellow"
