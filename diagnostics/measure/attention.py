@@ -18,11 +18,13 @@ figures are those of the explicit path's tensors to rounding.
 
 Work and memory. The (batch x head) matrices are taken a chunk at a time: the largest
 divisor of their number whose chunk holds at most :data:`CHUNK` entries (:data:`CHUNK_DEVICE` off
-the CPU; one matrix at least), so every chunk has one shape. In a chunk, the rows are formed
-in blocks of ``block`` query rows against the keys up to the block's last row, into
-(chunk, T, T) buffers (S, P, and with a gradient dP and dS) whose entries above the diagonal
-blocks are never written and never read: about (1 + 1/b) / 2 of the explicit path's products
-and exponentials for b blocks. Nothing outlives the call.
+the CPU; one matrix at least), so every chunk has one shape. In a chunk, S and dP are formed
+whole, one matrix product each (as the explicit path forms them: the same products, the same
+bits; a few large products cost less than many small ones), into (chunk, T, T) buffers; the
+softmax and its backward then run in blocks of ``block`` query rows against the keys up to
+the block's last row, into the buffers of P and dS, whose entries above the diagonal blocks
+are never written: about (1 + 1/b) / 2 of the explicit path's exponentials for b blocks. The
+reductions read only the causal entries. Nothing outlives the call.
 """
 
 from __future__ import annotations
