@@ -193,3 +193,25 @@ def test_watch_judges_growth_of_a_head_by_kind_not_name():
     assert judged("lm_head", norm="pre")
     assert not judged("output", norm="pre", kind="linear")
     assert not judged("layers.0.attn", norm="pre", kind="attn")
+
+
+def test_sites_are_found_again_when_the_structure_changes():
+    """model_sites keeps a model's sites while its modules, parameters and config stay the same
+    objects, and finds them again (as a first look would) after any of them changed."""
+    from diagnostics.measure import sites as S
+    model = tiny()
+    first = model_sites(model)
+    assert model_sites(model) is first and first == S._find(model)
+    steps = [
+        lambda: setattr(model.lm_head, "weight", model.token_embeddings.weight),  # re-tied: a parameter replaced
+        lambda: model.layers.append(tinylm.TransformerBlock(D, 2, 32, 8, 10000.0)),  # a module added
+        lambda: setattr(model.layers[0], "ffn", nn.Identity()),  # a module replaced
+        lambda: setattr(model, "config", model.config.replace(num_layers=3)),  # another config object
+    ]
+    before = first
+    for change in steps:
+        change()
+        now = model_sites(model)
+        assert now is not before and now == S._find(model) and model_sites(model) is now
+        before = now
+    assert "layers.2" in before.points and not any(n.startswith("layers.0.ffn.") for n in before.points)

@@ -18,11 +18,13 @@ figures are those of the explicit path's tensors to rounding.
 
 Work and memory. The (batch x head) matrices are taken a chunk at a time: the largest
 divisor of their number whose chunk holds at most :data:`CHUNK` entries (:data:`CHUNK_DEVICE` off
-the CPU; one matrix at least), so every chunk has one shape. In a chunk, the rows are formed
-in blocks of ``block`` query rows against the keys up to the block's last row, into
-(chunk, T, T) buffers (S, P, and with a gradient dP and dS) whose entries above the diagonal
-blocks are never written and never read: about (1 + 1/b) / 2 of the explicit path's products
-and exponentials for b blocks. Nothing outlives the call.
+the CPU; one matrix at least), so every chunk has one shape. In a chunk, S and dP are formed
+whole, one matrix product each (as the explicit path forms them: the same products, the same
+bits; a few large products cost less than many small ones), into (chunk, T, T) buffers; the
+softmax and its backward then run in blocks of ``block`` query rows against the keys up to
+the block's last row, into the buffers of P and dS, whose entries above the diagonal blocks
+are never written: about (1 + 1/b) / 2 of the explicit path's exponentials for b blocks. The
+reductions read only the causal entries. Nothing outlives the call.
 """
 
 from __future__ import annotations
@@ -70,10 +72,10 @@ def _blocks(T: int, device: torch.device, block: int | None) -> list[tuple[int, 
     return [(r0, min(r0 + size, T)) for r0 in range(0, T, size)]
 
 
-def _scores(qs: Tensor, k: Tensor, r0: int, r1: int, out: Tensor, above: Tensor) -> Tensor:
-    """S of rows r0..r1-1 against keys 0..r1-1, written into ``out`` (n, T, T) and returned as that view."""
-    s = out[:, r0:r1, :r1]
-    torch.matmul(qs[:, r0:r1], k[:, :r1].transpose(-2, -1), out=s)
+def _scores(S: Tensor, r0: int, r1: int, above: Tensor) -> Tensor:
+    """S of rows r0..r1-1 against keys 0..r1-1, a view of the chunk's products ``S`` (n, T, T), with
+    the keys after each row (in the diagonal block) set to -inf."""
+    s = S[:, r0:r1, :r1]
     s[:, :, r0:].masked_fill_(above[:r1 - r0, :r1 - r0], -math.inf)  # the diagonal block: keys after the row
     return s
 
@@ -157,22 +159,26 @@ def statistics(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | Non
     D = torch.empty_like(G) if want["scores_grad"] else None
     for c in range(0, N, n):
         qs = qf[c:c + n] / math.sqrt(q.shape[-1])  # scale the smaller tensor, as attention_scores does
+        torch.matmul(qs, kf[c:c + n].transpose(-2, -1), out=S)  # the whole products: one GEMM per matrix
+        if backward:
+            torch.matmul(gf[c:c + n], vf[c:c + n].transpose(-2, -1), out=G)  # dP = dO v^T
         for r0, r1 in _blocks(T, dev, block):
-            s = _scores(qs, kf[c:c + n], r0, r1, S, above)
+            s = _scores(S, r0, r1, above)
             p = _softmax(s, P[:, r0:r1, :r1]) if need_p else None
             if want["probs"] and Pm is not P:
                 Pm[:, r0:r1, :r1] = p
-            if backward:
-                g = G[:, r0:r1, :r1]
-                torch.matmul(gf[c:c + n, r0:r1], vf[c:c + n, :r1].transpose(-2, -1), out=g)  # dP = dO v^T
-                if D is not None:
-                    _score_grad(g, p, D[:, r0:r1, :r1])
+            if D is not None:
+                _score_grad(G[:, r0:r1, :r1], p, D[:, r0:r1, :r1])
         _add(out, want, S, Pm, G, D)
     return out
 
 
 def _score_grad(g: Tensor, p: Tensor, out: Tensor) -> None:
     """out = p (g - rowsum(g p)) in p's precision, rounded to out's dtype (softmax's backward)."""
+    if g.dtype == p.dtype == out.dtype:  # out holds the products g p first: no temporary
+        rowsum = torch.mul(g, p, out=out).sum(-1, keepdim=True)
+        torch.sub(g, rowsum, out=out).mul_(p)
+        return
     gw = g if g.dtype == p.dtype else g.to(p.dtype)
     rowsum = (gw * p).sum(-1, keepdim=True)
     if out.dtype == p.dtype:

@@ -22,10 +22,17 @@ A decoder-only LM is token embeddings, a stack of blocks and a head that outputs
 
 Module order is the order ``named_modules()`` gives; a model that registers its modules in
 the order they run (every tinylm and Hugging Face model) has it equal to forward order.
+
+The sites of a model are found once and kept (weakly: they never keep the model alive) while
+its structure stays the same: the same module objects under the same names, each holding the
+same parameter objects of the same shapes, and (tinylm) the same config object. Any change
+to these (a module added, removed or replaced, a parameter replaced or re-tied) finds them
+again at the next call.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
@@ -189,13 +196,52 @@ def _watch(plan: tinylm.plan.ModelPlan | None, names: set[str], embeddings: tupl
     return tuple(dict.fromkeys(s for s in sites if s is not None and s in names))
 
 
+_FOUND: "weakref.WeakKeyDictionary[nn.Module, tuple[list, Sites]]" = weakref.WeakKeyDictionary()
+
+
+def _structure(model: nn.Module) -> list:
+    """What the sites depend on, held by weak reference: per module (name, module, its parameters
+    with their shapes), then the config of a tinylm model."""
+    out: list = [(n, weakref.ref(m), type(m), [(weakref.ref(p), tuple(p.shape)) for p in m._parameters.values()
+                                               if p is not None]) for n, m in model.named_modules()]
+    out.append(getattr(model, "config", None) if _is_tinylm(model) else None)
+    return out
+
+
+def _unchanged(model: nn.Module, known: list) -> bool:
+    """Whether ``model``'s structure is still the one :func:`_structure` recorded in ``known``."""
+    i = -1
+    for i, (name, mod) in enumerate(model.named_modules()):
+        if i >= len(known) - 1:
+            return False
+        n, ref, kind, params = known[i]
+        if n != name or ref() is not mod or type(mod) is not kind:
+            return False
+        now = [p for p in mod._parameters.values() if p is not None]
+        if len(now) != len(params) or any(r() is not p or shape != p.shape for p, (r, shape) in zip(now, params)):
+            return False
+    config = getattr(model, "config", None) if _is_tinylm(model) else None
+    return i == len(known) - 2 and known[-1] is config
+
+
 def model_sites(model: nn.Module) -> Sites:
-    """The sites of ``model`` (a tinylm model or any ``nn.Module``): see :class:`Sites`.
+    """The sites of ``model`` (a tinylm model or any ``nn.Module``): see :class:`Sites`; found
+    again only when the model's structure changed (module docstring).
 
     Returns:
         A :class:`Sites`; a model without embeddings, blocks or a head has those fields empty
         or None (nothing is measured there), never an error.
     """
+    known = _FOUND.get(model)
+    if known is not None and _unchanged(model, known[0]):
+        return known[1]
+    sites = _find(model)
+    _FOUND[model] = (_structure(model), sites)
+    return sites
+
+
+def _find(model: nn.Module) -> Sites:
+    """The sites of ``model``, found from its modules (:func:`model_sites` without the memory)."""
     named = [(n, m) for n, m in model.named_modules() if m is not model]
     modules = dict(named)
     stack = find_blocks(model)
