@@ -65,6 +65,7 @@ from ..result import AttentionRow, DepthRow, DiagnoseResult, Finding, Header, Pa
 from ..theory import Prediction, predict
 from ..theory.tokenkernel import token_coincidence
 from .diagnose_init import FRESH_RULE, Declaration, declaration, fresh
+from .diagnose_peaks import block_peaks
 from .diagnose_rows import attention_rows, depth_rows, param_rows, tensor_rows
 from .diagnose_sample import batch_loss, model_context, seed_batches, seed_models
 
@@ -139,12 +140,16 @@ class _Replicate:
 @dataclass
 class _Measured:
     """Every replicate, in (seed, batch) order, with its loss, the V of its next-token logits (None:
-    no loss against ln V) and its softmax moments (E[sum p^2], E[p_y])."""
+    no loss against ln V) and its softmax moments (E[sum p^2], E[p_y]); the output logits' scale
+    of the model as given ({} without next-token logits; :func:`_logit_scale`) and its block
+    outputs' peak / median ({block output name: max |x| / median |x|}, the largest over its batches)."""
 
     replicates: list[_Replicate] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     vocabs: set[int | None] = field(default_factory=set)
     softmaxes: list[tuple[float, float]] = field(default_factory=list)
+    logits: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -231,17 +236,44 @@ def _measure(sample: _Sample, options: DiagnoseOptions, steps: _Steps) -> _Measu
     first batch, their spectra once (the first seed's)."""
     out = _Measured()
     n = len(sample.batches[0])
+    blocks = sample.stack.names if sample.stack is not None else ()
     for mi, m in enumerate(sample.models):
         for bi, batch in enumerate(sample.batches[mi]):
-            with probe(m, ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))) as run:
-                loss, moments, logit_vocab = batch_loss(m, batch, options)
+            scale: dict = {} if mi == 0 else None  # the model as given: the first seed's
+            with probe(m, ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))) as run, \
+                    block_peaks(m, blocks if mi == 0 else (), out.peaks):
+                loss, moments, logit_vocab = batch_loss(m, batch, options, scale)
                 loss.backward()
+            _add_logit_scale(out.logits, scale)
             out.vocabs.add(logit_vocab)
             out.losses.append(float(loss.detach()))
             out.softmaxes.append(moments)
             out.replicates.append(_Replicate(run.stats, m, batch.shape[0] * sample.seq_len))
             steps.advance(f"measured seed {options.seed + mi}, batch {bi + 1}/{n}")
     return out
+
+
+def _add_logit_scale(total: dict[str, float], batch: dict | None) -> None:
+    """Adds one batch's output-logit sums (:func:`~.diagnose_sample.batch_loss`'s ``logits_out``)
+    to ``total``: sums add, maxima take the larger."""
+    if not batch:
+        return
+    for key in ("logz_sum", "logz_squares", "rows"):
+        total[key] = total.get(key, 0.0) + batch[key]
+    for key in ("logz_absmax", "max_logit"):
+        total[key] = max(total.get(key, -math.inf), batch[key]) if math.isfinite(batch[key]) else math.inf
+
+
+def _logit_scale(total: dict[str, float]) -> dict[str, float] | None:
+    """{"logz_mean", "logz_std", "logz_absmax", "max_logit", "rows"} of the output logits over the
+    measured rows (log Z_t = logsumexp of row t's logits), or None where none were read."""
+    n = total.get("rows", 0)
+    if not n:
+        return None
+    mean = total["logz_sum"] / n
+    var = max(total["logz_squares"] / n - mean * mean, 0.0)
+    return {"logz_mean": mean, "logz_std": math.sqrt(var), "logz_absmax": total["logz_absmax"],
+            "max_logit": total["max_logit"], "rows": n}
 
 
 def _pool(measured: _Measured) -> ProbeStats:
@@ -318,9 +350,11 @@ def _judge(model: nn.Module, sample: _Sample, measured: _Measured, pooled: Probe
         "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
     findings, tv, pv, av = judge(rows.tensors, rows.params, rows.attention, rows.depth, list(pooled.order),
                                  thresholds, deliberate, scale_invariant=_scale_invariant(model, arch),
-                                 architecture=arch, flat=pooled.flat_frac, loss=loss_check, fresh=state.fresh)
+                                 architecture=arch, flat=pooled.flat_frac, loss=loss_check, fresh=state.fresh,
+                                 logits=_logit_scale(measured.logits), peaks=measured.peaks)
     judged, not_judged = coverage(rows.tensors, rows.params, rows.attention, rows.depth, arch, pooled.flat_frac,
-                                  deliberate, loss_reason, stream_reason, fresh=state.fresh)
+                                  deliberate, loss_reason, stream_reason, fresh=state.fresh,
+                                  logits=_logit_scale(measured.logits), peaks=measured.peaks)
     judged_rows = _Rows(tensors=[replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows.tensors],
                         params=[replace(p, verdict=pv.get(p.name, "ok")) for p in rows.params],
                         attention=[replace(a, verdict=av.get(a.name, "ok")) for a in rows.attention],

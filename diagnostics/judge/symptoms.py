@@ -38,7 +38,8 @@ from ..result import AttentionRow, DepthRow, ParamRow, TensorRow
 from .thresholds import Thresholds
 
 __all__ = ["Symptom", "Reading", "Sites", "growth", "fmt", "non_finite", "stream_values", "stream", "branches",
-           "starved_weights", "dead", "saturated", "loss"]
+           "starved_weights", "dead", "saturated", "loss", "attention_logits", "attention_entropy", "output_logits",
+           "massive"]
 
 _LAST = 1 << 30  # a rank past every tensor's
 
@@ -60,7 +61,8 @@ class Symptom:
     direction: str | None
     block: int | None
     text: str
-    family: str  # "non_finite", "stream", "branch", "grads", "dead", "saturated", "loss"
+    family: str  # "non_finite", "stream", "branch", "grads", "dead", "saturated", "loss", and the precursors
+    # "attn_logit", "attn_entropy", "logits", "massive"
     severity: str = "fail"
 
 
@@ -357,3 +359,77 @@ def loss(reading: Reading, judged: tuple[float, float, str] | None, th: Threshol
             f"the loss {fmt(value)} is {fmt(value / ln_v)} times a uniform guess's ln V = {fmt(ln_v)} "
             f"(> {fmt(1 + th.loss_excess)}; a fresh model's logits barely depend on the target, so its loss "
             "is about ln V + Var(logits)/2)", "loss", severity))
+
+
+# ------------------------------------------------------------------ precursors of a training failure
+# Read on trained weights only (``fresh`` not True): at a declared init the scores' and the logits'
+# scale are the init's, judged by the score-scaling and weight-scale evidence.
+
+def attention_logits(reading: Reading, tensors: list[TensorRow], th: Thresholds) -> None:
+    """Attention layers whose largest |score| (the scaled logit q.k / sqrt(d_k) over the unmasked
+    entries, the scores' max_abs) exceeds attn_logit (downstream of an explosion folded)."""
+    for r in tensors:
+        if r.kind != "attn_scores" or r.direction != "forward" or not r.max_abs > th.attn_logit:
+            continue
+        base = r.name[: -len(".scores")] if r.name.endswith(".scores") else r.name
+        if r.block is not None and reading.downstream("forward", r.block):
+            reading.folded.append(f"{base}'s largest attention logit {fmt(r.max_abs)}")
+            continue
+        reading.symptoms.append(Symptom(
+            "misscaled", r.name, r.max_abs, th.attn_logit, "largest |attention logit| (q.k / sqrt(d_k))", "forward",
+            r.block, f"{base}'s largest attention logit |q.k| / sqrt(d_k) is {fmt(r.max_abs)} (> "
+            f"{fmt(th.attn_logit)}; score std {fmt(math.sqrt(r.var)) if r.var >= 0 else 'nan'})", "attn_logit", "warn"))
+
+
+def attention_entropy(reading: Reading, attention: list[AttentionRow], th: Thresholds) -> None:
+    """Attention layers whose mean row entropy is below attn_entropy of its causal maximum (the mean
+    over rows of ln(keys the row may attend to)); downstream of an explosion folded."""
+    for a in attention:
+        if not (a.entropy_uniform > 0 and math.isfinite(a.entropy_mean)):
+            continue
+        ratio = a.entropy_mean / a.entropy_uniform
+        if not ratio < th.attn_entropy:
+            continue
+        if reading.downstream("forward", a.block):
+            reading.folded.append(f"{a.name}'s attention entropy at {fmt(ratio)} of its maximum")
+            continue
+        reading.symptoms.append(Symptom(
+            "saturated", a.name, ratio, th.attn_entropy, "mean attention entropy / its causal maximum", "forward",
+            a.block, f"{a.name}'s mean attention entropy is {fmt(a.entropy_mean)} nats, {fmt(ratio)} of the "
+            f"{fmt(a.entropy_uniform)} of uniform causal attention (< {fmt(th.attn_entropy)})", "attn_entropy",
+            "warn"))
+
+
+def output_logits(reading: Reading, logits: dict | None, th: Thresholds) -> None:
+    """The output logits' scale: |mean log Z| > logz_limit (log Z_t = logsumexp of row t's logits)
+    and the largest |logit| > logit_limit. ``logits``: {"logz_mean", "logz_std", "logz_absmax",
+    "max_logit", "rows"}, or None where no next-token logits were read."""
+    if not logits:
+        return
+    mean, top = logits["logz_mean"], logits["max_logit"]
+    if abs(mean) > th.logz_limit:
+        reading.symptoms.append(Symptom(
+            "misscaled", "logits", abs(mean), th.logz_limit, "|mean log Z| of the output rows", None, None,
+            f"the output rows' log-partition log Z = logsumexp(logits) averages {fmt(mean)} (|mean| > "
+            f"{fmt(th.logz_limit)}; std {fmt(logits['logz_std'])} over {int(logits['rows'])} rows): the logits "
+            "drift together, which the softmax does not see and nothing holds back", "logits", "warn"))
+    if top > th.logit_limit:
+        reading.symptoms.append(Symptom(
+            "misscaled", "logits", top, th.logit_limit, "largest |output logit|", None, None,
+            f"the largest |output logit| is {fmt(top)} (> {fmt(th.logit_limit)})", "logits", "warn"))
+
+
+def massive(reading: Reading, peaks: dict[str, float] | None, sites: Sites, th: Thresholds) -> None:
+    """Block outputs whose max |x| / median |x| exceeds massive_ratio (downstream of an explosion folded)."""
+    block_of_name = {n: k for k, n in sites.output_of.items()}
+    for name, ratio in (peaks or {}).items():
+        if not (math.isfinite(ratio) and ratio > th.massive_ratio):
+            continue
+        k = block_of_name.get(name, block_of(name))
+        if k is not None and reading.downstream("forward", k):
+            reading.folded.append(f"{name}'s peak at {fmt(ratio)} x its median")
+            continue
+        reading.symptoms.append(Symptom(
+            "misscaled", name, ratio, th.massive_ratio, "max |x| / median |x| of the block output", "forward", k,
+            f"{name}'s largest |activation| is {fmt(ratio)} times its median (> {fmt(th.massive_ratio)})",
+            "massive", "warn"))
