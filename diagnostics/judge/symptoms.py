@@ -8,12 +8,16 @@ uniform guess.
 The stream is judged by the shape of its growth, not one ratio: geometric growth multiplies
 the stream block after block, so "exploding" is a run of exploding_run blocks in a row each
 multiplying it (forward) or its gradient (backward, on the way down) by more than
-exploding_gain; a stack shallower than exploding_run is called exploding only by its total's
-geometric growth. A pre-norm stream adds one normalised branch per block: while the stream is
-small next to the branches (small-init's or gpt2's tiny embedding, or a trained model's
-grown branches) one block's gain 1 + Var(branch)/Var(stream) can be 40 or 400, but the next
-ones fall back towards 1 (linear growth), so no run forms. Where the stream overflows
-part-way, the blocks before the overflow are judged.
+exploding_gain, or a total over the stack past exploding_total whose shape is geometric; both
+need at least exploding_run gains. A pre-norm stream adds one normalised branch per block:
+while the stream is small next to the branches (small-init's or gpt2's tiny embedding, or a
+trained model's grown branches) one block's gain 1 + Var(branch)/Var(stream) can be 40 or 400,
+but the next ones fall back towards 1 (linear growth), so no run forms. A stack of fewer than
+exploding_run blocks is not called exploding by its gains at all: its two or three points
+cannot tell geometric growth from that linear growth (a trained 2-block stack's total is the
+embedding's smallness times one grown block), and a line through them in log space fits as
+well as one through the variances. Where the stream overflows part-way, the blocks before the
+overflow are judged.
 
 One root cause: once the stream explodes or turns non-finite, readings measured against the
 blown-up scale are its consequences, not separate causes. A branch 1e-9 of an exploded
@@ -206,16 +210,16 @@ def _gains(direction: str, vals: list) -> tuple[list[tuple[int, float]], list[fl
 def _runs(gains: list[tuple[int, float]], beyond, length: int) -> list[int]:
     """Indices j into ``gains`` that start a run of ``length`` consecutive gains each ``beyond`` the
     threshold. A stack with fewer blocks than ``length`` has no run: one or two large gains are what a
-    pre-norm stream's linear growth gives (its first blocks add branches to a small embedding), and
-    only the total's geometric growth (exploding_total) can call so shallow a stack exploding."""
+    pre-norm stream's linear growth gives (its first blocks add branches to a small embedding)."""
     n = len(gains)
     return [j for j in range(n - length + 1) if all(beyond(g) for _, g in gains[j:j + length])]
 
 
 def stream(reading: Reading, direction: str, vals: list, sites: Sites, th: Thresholds,
            scale_invariant: bool) -> None:
-    """Exploding (a run of large gains, or a large geometric total) and vanishing (a run of small
-    gains) in one direction; an explosion marks the root, vanishing downstream of it is folded."""
+    """Exploding (a run of large gains, or a large geometric total over at least exploding_run gains)
+    and vanishing (a run of small gains) in one direction; an explosion marks the root, vanishing
+    downstream of it is folded."""
     gains, vals = _gains(direction, vals)
     if not gains:
         return
@@ -237,7 +241,7 @@ def stream(reading: Reading, direction: str, vals: list, sites: Sites, th: Thres
             f"in a row each multiply the residual "
             f"stream's {what} by more than {fmt(th.exploding_gain)} (block {k}: {fmt(g)}; {n_up} of "
             f"{len(gains)} blocks; {fmt(total)}x in all, {shape or 'geometric'} growth)", "stream"))
-    elif total > th.exploding_total and shape == "geometric":
+    elif total > th.exploding_total and shape == "geometric" and len(gains) >= run:
         geo = total ** (1 / max(len(gains), 1))
         k = next((k for k, g in gains if g >= geo), gains[0][0])
         reading.mark_root(direction, k)
