@@ -468,13 +468,14 @@ def stream_advice(norm: str | None, up: bool) -> str:
 # ------------------------------------------------------------------ the findings
 
 def _findings(causes: _Causes, folded: list[str]) -> list[Finding]:
-    """One finding per cause, its consequences listed (the loss first), the readings folded into the
-    first exploding or non-finite finding; fail first, then in the order of :data:`CAUSES`."""
+    """One finding per cause, its consequences listed (the loss first, the precursors last), the
+    readings folded into the first exploding or non-finite finding; fail first, then in the order
+    of :data:`CAUSES`."""
     out: list[Finding] = []
     for key, c in causes.items():
         name = key.split("/")[0]
-        own = sorted((s for s in c.symptoms if not c.text.startswith(s.text)),
-                     key=lambda s: s.family != "loss")  # the loss first: the number a reader knows
+        own = sorted((s for s in c.symptoms if not c.text.startswith(s.text)),  # the loss first: the number a
+                     key=lambda s: (s.family != "loss", s.family in _PRECURSORS))  # reader knows; precursors last
         severity = c.severity
         if name != "post_norm_depth" and any(s.severity == "fail" for s in c.symptoms):
             severity = "fail"

@@ -59,7 +59,7 @@ class Thresholds:
     that a single measurement can show). A precursor is judged when its signal is past the
     threshold at early_persist records in a row (a fail: at the fail threshold):
 
-    attn_logit = 50.0: attention logit growth, the largest |attention logit| of a layer > 50.
+    attn_logit = 100.0: attention logit growth, the largest |attention logit| of a layer > 100.
     attn_entropy = 0.05: attention entropy collapse, a layer's mean row entropy / its causal
         maximum (mean over rows of ln(keys)) < 0.05.
     logz_limit = 30.0: log-partition drift, |mean log Z| of the output rows > 30 (log Z = logsumexp of a row's logits).
@@ -107,7 +107,7 @@ class Thresholds:
     spike_factor: float = 1.5
     spike_ema: float = 0.9
     spike_warmup: int = 10
-    attn_logit: float = 50.0
+    attn_logit: float = 100.0
     attn_entropy: float = 0.05
     logz_limit: float = 30.0
     logit_limit: float = 100.0
