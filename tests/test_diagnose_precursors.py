@@ -139,9 +139,12 @@ def _judge(depth=(), tensors=(), attention=(), fresh=False, logits=None, peaks=N
 
 def test_two_block_stack_growing_from_a_small_embedding_is_not_exploding():
     # 0.05 -> 20 -> 1e4: 2e5x in all, a line in log space through three points; linear growth from a
-    # small embedding through one grown block cannot be told from it with two gains
+    # small embedding through one grown block cannot be told from it with two gains (both of these
+    # were failed as exploding when the total was judged on two gains)
     assert not [f for f in _judge(_depth([0.05, 20.0, 1e4])) if f.kind == "exploding"]
-    assert not [f for f in _judge(_depth([1.0, 1.0, 1.0], [1e-12, 3e-12, 2e-6]), scale_invariant=False)
+    # the raw gradient variances of a 2-block nanoGPT-style module trained at lr 2e-2: 1.4e6x from the
+    # last block down to the embedding, nearly all of it in block 0
+    assert not [f for f in _judge(_depth([1.0, 1.0, 1.0], [2.12e-6, 2.97e-12, 1.56e-12]), scale_invariant=False)
                 if f.kind == "exploding"]
 
 
