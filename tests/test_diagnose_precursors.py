@@ -122,6 +122,23 @@ def test_two_block_gpt_trained_hard_is_not_failed(corpus):
     assert not any(f.kind == "exploding" for f in r.findings)
 
 
+def test_a_norm_class_not_named_norm_is_still_a_norm(corpus):
+    """A GPT whose LayerNorm class is called ``LN`` (its forward calls F.layer_norm): its blocks are
+    normalised, so the backward stream is judged on Var(g) Var(x) and the build is not "no norm"."""
+    from diagnostics.jobs.diagnose import _architecture, _scale_invariant
+    from diagnostics.measure.sites import model_sites
+    from test_nanogpt import LayerNorm
+
+    class LN(LayerNorm):
+        pass
+
+    m = gpt(seed=3)
+    for b in m.transformer.h:
+        b.ln_1.__class__ = b.ln_2.__class__ = LN
+    arch = _architecture(m, model_sites(m).blocks)
+    assert arch == {"norms": True} and _scale_invariant(m, arch)
+
+
 # ---------------------------------------------------------------- the stream rule on shallow stacks
 
 
