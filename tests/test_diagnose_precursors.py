@@ -76,6 +76,18 @@ def look(model, data):
     return diagnose(model.eval(), data[:50_000], DiagnoseOptions(batch_size=4, batches=1, seq_len=64, theory="none"))
 
 
+def _rendered(result):
+    import io
+
+    from rich.console import Console
+
+    from reports.render import report
+
+    console = Console(width=100, file=io.StringIO(), color_system=None)
+    console.print(report(result))
+    return " ".join(console.file.getvalue().split())
+
+
 def causes(result):
     return {f.cause for f in result.findings}
 
@@ -97,6 +109,8 @@ def test_high_lr_attention_logits_are_named_and_the_control_is_not(corpus):
     assert f.where.endswith(".attn.scores") and f.statistic.startswith("largest |attention logit|")
     assert "qk-norm" in f.suggestion and "learning rate" in f.suggestion
     assert "attention logits" in r.judged
+    text = _rendered(r)
+    assert "attention logits growing" in text and "qk-norm" in text
     control = look(low, corpus)
     assert not causes(control) & PRECURSORS, [f.message for f in control.findings]
     assert max(t.max_abs for t in control.tensors if t.kind == "attn_scores") < 25
@@ -281,3 +295,10 @@ def test_high_lr_entropy_collapses_and_logits_keep_growing(corpus):
     assert f.value > 500 and "entropy" in f.message
     control = look(low, corpus)
     assert not causes(control) & PRECURSORS, [f.message for f in control.findings]
+
+
+def test_the_report_words_every_cause():
+    from diagnostics.judge.causes import CAUSES
+    from reports import render
+
+    assert render._CAUSE_WORDS == CAUSES
