@@ -266,18 +266,22 @@ def _qk_weights(causes: _Causes, ev: Evidence, th: Thresholds) -> None:
 # ------------------------------------------------------------------ attributing the symptoms
 
 def _saturated(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds) -> None:
-    """Saturated rows: the score scaling if that layer's scores are misscaled, else weights too large,
-    else saturated attention itself (with the q/k weights' gain in the message)."""
+    """Saturated rows: the score scaling if that layer's scores are misscaled, else its attention logits
+    where they are a finding of their own (not explained by the q/k weights' evidence, nor by all
+    weights far too large), else weights too large, else saturated attention itself (with the q/k
+    weights' gain in the message)."""
     if "score_scale" in causes and s.block in ev.score_ratio and ev.score_ratio[s.block] > th.score_ratio:
         causes.explains("score_scale", s)
         return
-    if "init_scale" in causes and causes["init_scale"].large:
-        causes.explains("init_scale", s)
-        return
     qk = ev.qk_gain.get(s.block)
     big = qk is not None and qk > th.init_gain_high
-    if not big and "attn_logits" in causes and any(x.block == s.block for x in causes["attn_logits"].symptoms):
+    init = causes.get("init_scale")
+    if not (init is not None and init.far) and "attn_logits" in causes \
+            and any(x.block == s.block for x in causes["attn_logits"].symptoms):
         causes.explains("attn_logits", s)  # logits grown in training make the rows one-hot
+        return
+    if init is not None and init.large:
+        causes.explains("init_scale", s)
         return
     note = (f"; its q/k weights multiply variance by {fmt(qk)} (std^2 fan_in, > "
             f"{fmt(th.init_gain_high)}): too large" if big else
@@ -373,11 +377,13 @@ def _loss(causes: _Causes, s: Symptom) -> None:
 
 
 def _attn_logit(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds) -> None:
-    """A layer's attention logits past attn_logit: the score scaling, weights too large or q/k weights
-    too large where their evidence shows it, else logits grown in training (one finding for every layer)."""
+    """A layer's attention logits past attn_logit: the score scaling, weights far off their rule (past
+    the threshold squared) or q/k weights too large where their evidence shows it, else logits grown
+    in training (one finding for every layer). Weights grown less in training do not explain them:
+    the logits are the instability's own signal, and qk-norm its own fix."""
     if "score_scale" in causes and ev.score_ratio.get(s.block, 0.0) > th.score_ratio:
         causes.explains("score_scale", s)
-    elif "init_scale" in causes and (causes["init_scale"].large or causes["init_scale"].far):
+    elif "init_scale" in causes and causes["init_scale"].far:
         causes.explains("init_scale", s)
     elif ev.qk_gain.get(s.block, 0.0) > th.init_gain_high and "saturated_attention" in causes:
         causes.explains("saturated_attention", s)
@@ -395,12 +401,12 @@ def _attn_logit(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds) -> No
 
 def _attn_entropy(causes: _Causes, s: Symptom) -> None:
     """A layer's attention entropy collapsed: its grown logits, or the cause of its saturated rows,
-    where one is open for it; else entropy collapse itself."""
+    where one is open for it, or weights far off their rule; else entropy collapse itself."""
     for key in ("attn_logits", "score_scale", "saturated_attention"):
         if key in causes and (key != "attn_logits" or any(x.block == s.block for x in causes[key].symptoms)):
             causes.explains(key, s)
             return
-    if "init_scale" in causes and causes["init_scale"].large:
+    if "init_scale" in causes and causes["init_scale"].far:
         causes.explains("init_scale", s)
         return
     causes.open_for("attn_entropy", s, direction="forward", kind="saturated", text=s.text, severity="warn",
