@@ -81,7 +81,8 @@ STREAM_FORWARD, STREAM_BACKWARD, LOSS = ("residual stream gains (forward)", "res
 CHECKS = (STREAM_FORWARD, STREAM_BACKWARD, LOSS, "non-finite values", "exactly-zero (dead) tensors",
           "block weight gradients", "attention (saturated rows)", "attention score scaling",
           "weights' scale (std^2 fan_in)", "weights against the declared init", "SiLU gates in the flat region",
-          "residual branches", "post-norm gradient imbalance")
+          "residual branches", "post-norm gradient imbalance", "attention logits", "attention entropy",
+          "output logits (log Z, largest logit)", "massive activations (peak / median)")
 
 #: A diagnosis's status: no failing finding (with or without warnings), a failing finding, or
 #: nothing that says whether the model trains was judged.

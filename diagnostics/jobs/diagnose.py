@@ -65,6 +65,7 @@ from ..result import AttentionRow, DepthRow, DiagnoseResult, Finding, Header, Pa
 from ..theory import Prediction, predict
 from ..theory.tokenkernel import token_coincidence
 from .diagnose_init import FRESH_RULE, Declaration, declaration, fresh
+from .diagnose_peaks import block_peaks
 from .diagnose_rows import attention_rows, depth_rows, param_rows, tensor_rows
 from .diagnose_sample import batch_loss, model_context, seed_batches, seed_models
 
@@ -139,12 +140,16 @@ class _Replicate:
 @dataclass
 class _Measured:
     """Every replicate, in (seed, batch) order, with its loss, the V of its next-token logits (None:
-    no loss against ln V) and its softmax moments (E[sum p^2], E[p_y])."""
+    no loss against ln V) and its softmax moments (E[sum p^2], E[p_y]); the output logits' scale
+    of the model as given ({} without next-token logits; :func:`_logit_scale`) and its block
+    outputs' peak / median ({block output name: max |x| / median |x|}, the largest over its batches)."""
 
     replicates: list[_Replicate] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     vocabs: set[int | None] = field(default_factory=set)
     softmaxes: list[tuple[float, float]] = field(default_factory=list)
+    logits: dict[str, float] = field(default_factory=dict)
+    peaks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -231,17 +236,44 @@ def _measure(sample: _Sample, options: DiagnoseOptions, steps: _Steps) -> _Measu
     first batch, their spectra once (the first seed's)."""
     out = _Measured()
     n = len(sample.batches[0])
+    blocks = sample.stack.names if sample.stack is not None else ()
     for mi, m in enumerate(sample.models):
         for bi, batch in enumerate(sample.batches[mi]):
-            with probe(m, ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))) as run:
-                loss, moments, logit_vocab = batch_loss(m, batch, options)
+            scale: dict = {} if mi == 0 else None  # the model as given: the first seed's
+            with probe(m, ProbeOptions(spectral=(mi == 0 and bi == 0), params=(bi == 0))) as run, \
+                    block_peaks(m, blocks if mi == 0 else (), out.peaks):
+                loss, moments, logit_vocab = batch_loss(m, batch, options, scale)
                 loss.backward()
+            _add_logit_scale(out.logits, scale)
             out.vocabs.add(logit_vocab)
             out.losses.append(float(loss.detach()))
             out.softmaxes.append(moments)
             out.replicates.append(_Replicate(run.stats, m, batch.shape[0] * sample.seq_len))
             steps.advance(f"measured seed {options.seed + mi}, batch {bi + 1}/{n}")
     return out
+
+
+def _add_logit_scale(total: dict[str, float], batch: dict | None) -> None:
+    """Adds one batch's output-logit sums (:func:`~.diagnose_sample.batch_loss`'s ``logits_out``)
+    to ``total``: sums add, maxima take the larger."""
+    if not batch:
+        return
+    for key in ("logz_sum", "logz_squares", "rows"):
+        total[key] = total.get(key, 0.0) + batch[key]
+    for key in ("logz_absmax", "max_logit"):
+        total[key] = max(total.get(key, -math.inf), batch[key]) if math.isfinite(batch[key]) else math.inf
+
+
+def _logit_scale(total: dict[str, float]) -> dict[str, float] | None:
+    """{"logz_mean", "logz_std", "logz_absmax", "max_logit", "rows"} of the output logits over the
+    measured rows (log Z_t = logsumexp of row t's logits), or None where none were read."""
+    n = total.get("rows", 0)
+    if not n:
+        return None
+    mean = total["logz_sum"] / n
+    var = max(total["logz_squares"] / n - mean * mean, 0.0)
+    return {"logz_mean": mean, "logz_std": math.sqrt(var), "logz_absmax": total["logz_absmax"],
+            "max_logit": total["max_logit"], "rows": n}
 
 
 def _pool(measured: _Measured) -> ProbeStats:
@@ -318,9 +350,11 @@ def _judge(model: nn.Module, sample: _Sample, measured: _Measured, pooled: Probe
         "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
     findings, tv, pv, av = judge(rows.tensors, rows.params, rows.attention, rows.depth, list(pooled.order),
                                  thresholds, deliberate, scale_invariant=_scale_invariant(model, arch),
-                                 architecture=arch, flat=pooled.flat_frac, loss=loss_check, fresh=state.fresh)
+                                 architecture=arch, flat=pooled.flat_frac, loss=loss_check, fresh=state.fresh,
+                                 logits=_logit_scale(measured.logits), peaks=measured.peaks)
     judged, not_judged = coverage(rows.tensors, rows.params, rows.attention, rows.depth, arch, pooled.flat_frac,
-                                  deliberate, loss_reason, stream_reason, fresh=state.fresh)
+                                  deliberate, loss_reason, stream_reason, fresh=state.fresh,
+                                  logits=_logit_scale(measured.logits), peaks=measured.peaks)
     judged_rows = _Rows(tensors=[replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows.tensors],
                         params=[replace(p, verdict=pv.get(p.name, "ok")) for p in rows.params],
                         attention=[replace(a, verdict=av.get(a.name, "ok")) for a in rows.attention],
@@ -454,17 +488,32 @@ def _scale_invariant(model: nn.Module, arch: dict | None) -> bool:
     return bool(arch and arch.get("norms"))
 
 
+def _is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer: its class name holds "Norm" (LayerNorm, RMSNorm,
+    LlamaRMSNorm, ...), or it is a leaf whose parameters are a 1-D ``weight`` and at most a 1-D
+    ``bias`` of the same size (a norm's elementwise affine, whatever the class is called: nanoGPT-style
+    ``LN`` classes calling F.layer_norm)."""
+    if "Norm" in type(module).__name__:
+        return True
+    if next(module.children(), None) is not None:
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    w, b = params.get("weight"), params.get("bias")
+    return w is not None and set(params) <= {"weight", "bias"} and w.dim() == 1 and w.numel() > 1 \
+        and (b is None or b.shape == w.shape)
+
+
 def _architecture(model: nn.Module, stack=None, declared: Declaration | None = None) -> dict | None:
     """What the verdicts' causes and advice need to know of a model's build: a tinylm model's
     norm placement, FFN kind, RoPE, depth, head width and declared init (its tinylm scheme, else the
     declaration's words, "" for none); of any other module, {"norm": "none"} when its blocks hold no
-    normalisation module (no class whose name holds "Norm": LayerNorm, RMSNorm, LlamaRMSNorm, ...),
-    {"norms": True} when they hold one (placement unknown), None without a block stack."""
+    normalisation module (:func:`_is_norm`), {"norms": True} when they hold one (placement unknown),
+    None without a block stack."""
     if not isinstance(model, tinylm.TransformerLM):
         if stack is None:
             return None
         named = dict(model.named_modules())
-        normed = any("Norm" in type(m).__name__ for b in stack.names for m in named[b].modules())
+        normed = any(_is_norm(m) for b in stack.names for m in named[b].modules())
         return {"norms": True} if normed else {"norm": "none"}
     c = model.config
     init = c.init if declared is None else declared.scheme or (declared.words if declared.known else "")

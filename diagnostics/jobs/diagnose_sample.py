@@ -143,8 +143,8 @@ def _call(model: nn.Module, ids: Tensor, targets: Tensor, options: DiagnoseOptio
     return model(x)
 
 
-def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None = None
-               ) -> tuple[Tensor, tuple[float, float], int | None]:
+def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None = None,
+               logits_out: dict | None = None) -> tuple[Tensor, tuple[float, float], int | None]:
     """The loss of ``batch`` (B, T+1) whose gradient is measured, the two softmax moments the
     theory's cross-entropy-gradient rule rests on, over its B*T positions: (E[sum_c p_c^2], E[p_y])
     (NaN without next-token logits), and V when the loss is the mean next-token cross-entropy of
@@ -153,6 +153,11 @@ def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None 
     The model's output is read by :func:`diagnostics.measure.outputs.read_output`. The moments are
     computed under no_grad from the logits upcast to float32, in chunks of rows (memory stays
     ~16 MB whatever the vocabulary), and summed in float64.
+
+    ``logits_out``: a dict that, where the output holds next-token logits, receives the output
+    logits' scale over the same rows, with log Z_t = logsumexp_c z_{t,c} of row t in float32:
+    {"logz_sum": sum_t log Z_t, "logz_squares": sum_t (log Z_t)^2, "logz_absmax": max_t |log Z_t|,
+    "max_logit": max_{t,c} |z_{t,c}|, "rows": the row count}, from the chunks the softmax reads.
     """
     options = options or DiagnoseOptions()
     batch = batch.to(next((p.device for p in model.parameters()), batch.device))  # tokens go where the weights are
@@ -180,20 +185,34 @@ def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None 
     loss = loss.reshape(())
     if not next_token:
         return loss, (math.nan, math.nan), None
-    return loss, _softmax_moments(logits, targets), None if options.loss_fn is not None else int(logits.shape[-1])
+    moments = _softmax_moments(logits, targets, logits_out)
+    return loss, moments, None if options.loss_fn is not None else int(logits.shape[-1])
 
 
-def _softmax_moments(logits: Tensor, targets: Tensor) -> tuple[float, float]:
-    """(E[sum_c p_c^2], E[p_y]) over the positions of (B, T, V) logits and (B, T) targets."""
+def _softmax_moments(logits: Tensor, targets: Tensor, logits_out: dict | None = None) -> tuple[float, float]:
+    """(E[sum_c p_c^2], E[p_y]) over the positions of (B, T, V) logits and (B, T) targets; with
+    ``logits_out``, the log-partition and largest-logit sums of :func:`batch_loss` written into it."""
     with torch.no_grad():
         flat = logits.detach().reshape(-1, logits.shape[-1])  # (B*T, V)
         y = targets.reshape(-1, 1).to(flat.device)
         rows = max(1, (1 << 22) // flat.shape[1])
         s2 = torch.zeros((), dtype=torch.float64, device=flat.device)
         py = torch.zeros((), dtype=torch.float64, device=flat.device)
+        lz = torch.zeros(4, dtype=torch.float64, device=flat.device)  # sum, sum of squares, max |log Z|, max |z|
         for i in range(0, flat.shape[0], rows):
-            p = torch.softmax(flat[i:i + rows].float(), dim=-1)
+            z = flat[i:i + rows].float()
+            p = torch.softmax(z, dim=-1)
             s2 += p.square().sum(dtype=torch.float64)
             py += p.gather(1, y[i:i + rows]).sum(dtype=torch.float64)
+            if logits_out is not None:
+                log_z = torch.logsumexp(z, dim=-1)  # (rows,)
+                lz[0] += log_z.sum(dtype=torch.float64)
+                lz[1] += log_z.double().square().sum()
+                lz[2] = torch.maximum(lz[2], log_z.abs().max().double())
+                lz[3] = torch.maximum(lz[3], z.abs().max().double())
         n = max(flat.shape[0], 1)
+    if logits_out is not None:
+        total, squares, logz_absmax, max_logit = lz.tolist()  # one read of the device
+        logits_out.update(logz_sum=total, logz_squares=squares, logz_absmax=logz_absmax, max_logit=max_logit,
+                          rows=flat.shape[0])
     return float(s2) / n, float(py) / n

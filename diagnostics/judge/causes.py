@@ -31,8 +31,16 @@ CAUSES = {
     "no_norm": "no normalisation",
     "post_norm_depth": "deep post-norm",
     "logit_scale": "logits too large",
+    "attn_logits": "attention logits growing",
+    "attn_entropy": "attention entropy collapse",
+    "output_logits": "output logits drifting",
+    "massive_activations": "massive activations",
     "unclear": "cause unclear",
 }
+
+#: the precursors' symptom families (:mod:`.symptoms`), each judged by its own cause unless an
+#: earlier one explains it
+_PRECURSORS = ("attn_logit", "attn_entropy", "logits", "massive")
 
 #: A finding's severity: "fail" (broken: will not train, or already diverged) or "warn"
 #: (trains, with care).
@@ -107,20 +115,30 @@ def attribute(symptoms: list[Symptom], ev: Evidence, th: Thresholds, norm: str |
     _dead_gates(causes, ev, th)
     _post_norm_depth(causes, ev, th, norm, arch)
     _qk_weights(causes, ev, th)
-    # saturated and dead first: the stream symptoms they cause are attributed to them
-    for s in sorted(symptoms, key=lambda s: s.family not in ("saturated", "dead")):
-        if s.family == "saturated":
+    # attention logits first (the saturated rows and the collapsed entropy they cause go to them),
+    # then saturated and dead (the stream symptoms they cause are attributed to them)
+    for s in sorted(symptoms, key=lambda s: (s.family != "attn_logit", s.family not in ("saturated", "dead"))):
+        if s.family == "attn_logit":
+            _attn_logit(causes, s, ev, th)
+        elif s.family == "saturated":
             _saturated(causes, s, ev, th)
         elif s.family == "dead":
             _dead(causes, s)
-        elif s.family not in ("non_finite", "loss"):  # those attributed last, to the explosion they end
-            _stream(causes, s, ev, th, norm)
+        elif s.family not in ("non_finite", "loss") + _PRECURSORS:  # non-finite and the loss: last, to the
+            _stream(causes, s, ev, th, norm)                         # explosion they end
     for s in symptoms:
         if s.family == "non_finite":
             _non_finite(causes, s)
     for s in symptoms:
         if s.family == "loss":
             _loss(causes, s)
+    for s in symptoms:
+        if s.family == "attn_entropy":
+            _attn_entropy(causes, s)
+        elif s.family == "logits":
+            _output_logits(causes, s)
+        elif s.family == "massive":
+            _massive(causes, s)
     return _findings(causes, folded)
 
 
@@ -248,16 +266,23 @@ def _qk_weights(causes: _Causes, ev: Evidence, th: Thresholds) -> None:
 # ------------------------------------------------------------------ attributing the symptoms
 
 def _saturated(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds) -> None:
-    """Saturated rows: the score scaling if that layer's scores are misscaled, else weights too large,
-    else saturated attention itself (with the q/k weights' gain in the message)."""
+    """Saturated rows: the score scaling if that layer's scores are misscaled, else its attention logits
+    where they are a finding of their own (not explained by the q/k weights' evidence, nor by all
+    weights far too large), else weights too large, else saturated attention itself (with the q/k
+    weights' gain in the message)."""
     if "score_scale" in causes and s.block in ev.score_ratio and ev.score_ratio[s.block] > th.score_ratio:
         causes.explains("score_scale", s)
         return
-    if "init_scale" in causes and causes["init_scale"].large:
-        causes.explains("init_scale", s)
-        return
     qk = ev.qk_gain.get(s.block)
     big = qk is not None and qk > th.init_gain_high
+    init = causes.get("init_scale")
+    if not (init is not None and init.far) and "attn_logits" in causes \
+            and any(x.block == s.block for x in causes["attn_logits"].symptoms):
+        causes.explains("attn_logits", s)  # logits grown in training make the rows one-hot
+        return
+    if init is not None and init.large:
+        causes.explains("init_scale", s)
+        return
     note = (f"; its q/k weights multiply variance by {fmt(qk)} (std^2 fan_in, > "
             f"{fmt(th.init_gain_high)}): too large" if big else
             "; the scores are scaled right and the q/k weights are not outsized, so the evidence "
@@ -351,6 +376,84 @@ def _loss(causes: _Causes, s: Symptom) -> None:
                            "real tokens)")
 
 
+def _attn_logit(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds) -> None:
+    """A layer's attention logits past attn_logit: the score scaling, weights far off their rule (past
+    the threshold squared) or q/k weights too large where their evidence shows it, else logits grown
+    in training (one finding for every layer). Weights grown less in training do not explain them:
+    the logits are the instability's own signal, and qk-norm its own fix."""
+    if "score_scale" in causes and ev.score_ratio.get(s.block, 0.0) > th.score_ratio:
+        causes.explains("score_scale", s)
+    elif "init_scale" in causes and causes["init_scale"].far:
+        causes.explains("init_scale", s)
+    elif ev.qk_gain.get(s.block, 0.0) > th.init_gain_high and "saturated_attention" in causes:
+        causes.explains("saturated_attention", s)
+    elif "attn_logits" in causes:
+        c = causes["attn_logits"]
+        c.symptoms.append(s)
+        if s.value > c.value:  # the finding names the largest
+            c.value, c.where, c.block, c.text = s.value, s.where, s.block, s.text
+    else:
+        causes.open_for("attn_logits", s, direction="forward", kind="misscaled", text=s.text, severity="warn",
+                        advice="attention logits growing in training precede attention entropy collapse and loss "
+                               "spikes (Dehghani et al. 2023, Wortsman et al. 2023): normalise q and k (qk-norm, "
+                               "ModelConfig(qk_norm=\"rms\")) or lower the learning rate")
+
+
+def _attn_entropy(causes: _Causes, s: Symptom) -> None:
+    """A layer's attention entropy collapsed: its grown logits, or the cause of its saturated rows,
+    where one is open for it, or weights far off their rule; else entropy collapse itself."""
+    for key in ("attn_logits", "score_scale", "saturated_attention"):
+        if key in causes and (key != "attn_logits" or any(x.block == s.block for x in causes[key].symptoms)):
+            causes.explains(key, s)
+            return
+    if "init_scale" in causes and causes["init_scale"].far:
+        causes.explains("init_scale", s)
+        return
+    causes.open_for("attn_entropy", s, direction="forward", kind="saturated", text=s.text, severity="warn",
+                    advice="attention entropy collapse makes training unstable (Zhai et al. 2023): lower the "
+                           "learning rate, warm it up longer, or normalise q and k (qk-norm, "
+                           "ModelConfig(qk_norm=\"rms\"))")
+
+
+def _output_logits(causes: _Causes, s: Symptom) -> None:
+    """The output logits' scale: a consequence of an explosion, of weights too large or of logits
+    too large (the loss far above ln V) where those are open; else output-logit drift itself."""
+    root = next((n for n, c in causes.items() if any(x.kind in ("exploding", "non_finite") for x in c.symptoms)),
+                None)
+    init = causes.get("init_scale")
+    if root is None and init is not None and (init.large or init.far):
+        root = "init_scale"
+    if root is None and "logit_scale" in causes:
+        root = "logit_scale"
+    if root is not None:
+        causes.explains(root, s)
+        return
+    causes.open_for("output_logits", s, where="logits", block=None, direction=None, kind="misscaled", text=s.text,
+                    severity="warn",
+                    advice="the output logits grow or drift with nothing to hold them (a softmax ignores a shift, "
+                           "so log Z wanders; large logits round away the small probabilities and overflow in "
+                           "low precision): add a z-loss (tinylm train --z-loss 1e-4, tinylm.functional.z_loss, "
+                           "PaLM) or weight decay on the output layer")
+
+
+def _massive(causes: _Causes, s: Symptom) -> None:
+    """A block output's peak far above its median: weights too large or an explosion where open;
+    else massive activations (a warning: they overflow float16 first, and dominate a norm's scale)."""
+    root = next((n for n, c in causes.items() if any(x.kind in ("exploding", "non_finite") for x in c.symptoms)),
+                None)
+    init = causes.get("init_scale")
+    if root is None and init is not None and (init.large or init.far):
+        root = "init_scale"
+    if root is not None:
+        causes.explains(root, s)
+        return
+    causes.open_for("massive_activations", s, direction="forward", kind="misscaled", text=s.text, severity="warn",
+                    advice="a few entries thousands of times the typical one (Sun et al. 2024) risk overflow in "
+                           "float16 (largest finite 65504) and set the scale of every norm that reads them: keep "
+                           "float32 or bfloat16 for the residual stream, lower the learning rate, or add weight "
+                           "decay")
+
+
 def stream_advice(norm: str | None, up: bool) -> str:
     """What to do about a stream that grows (``up``) or shrinks geometrically, for this build."""
     if norm == "none":
@@ -371,13 +474,14 @@ def stream_advice(norm: str | None, up: bool) -> str:
 # ------------------------------------------------------------------ the findings
 
 def _findings(causes: _Causes, folded: list[str]) -> list[Finding]:
-    """One finding per cause, its consequences listed (the loss first), the readings folded into the
-    first exploding or non-finite finding; fail first, then in the order of :data:`CAUSES`."""
+    """One finding per cause, its consequences listed (the loss first, the precursors last), the
+    readings folded into the first exploding or non-finite finding; fail first, then in the order
+    of :data:`CAUSES`."""
     out: list[Finding] = []
     for key, c in causes.items():
         name = key.split("/")[0]
-        own = sorted((s for s in c.symptoms if not c.text.startswith(s.text)),
-                     key=lambda s: s.family != "loss")  # the loss first: the number a reader knows
+        own = sorted((s for s in c.symptoms if not c.text.startswith(s.text)),  # the loss first: the number a
+                     key=lambda s: (s.family != "loss", s.family in _PRECURSORS))  # reader knows; precursors last
         severity = c.severity
         if name != "post_norm_depth" and any(s.severity == "fail" for s in c.symptoms):
             severity = "fail"

@@ -11,7 +11,8 @@ __all__ = ["coverage"]
 def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
              architecture: dict | None = None, flat: dict[str, float] | None = None,
              deliberate_zero: set[str] = frozenset(), loss_reason: str = "", stream_reason: str = "",
-             fresh: bool | None = None) -> tuple[list[str], list[tuple[str, str]]]:
+             fresh: bool | None = None, logits: dict | None = None,
+             peaks: dict[str, float] | None = None) -> tuple[list[str], list[tuple[str, str]]]:
     """What :func:`~.verdicts.judge` could judge from these records (the check names of
     :data:`diagnostics.result.CHECKS`, in that order), and each check it could not, with why.
 
@@ -19,6 +20,8 @@ def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[A
     why there is no residual stream (no block stack found; "" if there is one). A check that
     does not apply to a known build (post-norm imbalance of a pre-norm tinylm model) is neither.
     ``fresh``: the diagnosis's one decision whether the weights are at their declared init.
+    ``logits`` / ``peaks``: the output logits' scale and the block outputs' peak ratios
+    (:func:`~.verdicts.judge`'s); the precursors they feed are judged on weights not known fresh.
     """
     arch = architecture or {}
     tiny = "init" in arch  # a tinylm model's build is known from its config; another's only its norms
@@ -48,6 +51,7 @@ def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[A
         "exactly-zero (dead) tensors": "" if any(r.direction == "forward" for r in tensors) else "no tensor measured",
         "non-finite values": "",
         LOSS: loss_reason,
+        **_precursors(tensors, attention, fresh, logits, peaks),
     }
     if arch.get("norm") == "post":
         reasons["post-norm gradient imbalance"] = "" if ev.imbalance is not None else few
@@ -55,3 +59,20 @@ def coverage(tensors: list[TensorRow], params: list[ParamRow], attention: list[A
         reasons["post-norm gradient imbalance"] = "norm placement unknown (not a tinylm model)"
     order = [c for c in CHECKS if c in reasons]
     return [c for c in order if not reasons[c]], [(c, reasons[c]) for c in order if reasons[c]]
+
+
+def _precursors(tensors: list[TensorRow], attention: list[AttentionRow], fresh: bool | None, logits: dict | None,
+                peaks: dict[str, float] | None) -> dict[str, str]:
+    """Why each precursor check could not be made ("" where it could)."""
+    at_init = "judged on trained weights only, and these are at their declared init" if fresh else ""
+    scores = any(r.kind == "attn_scores" and r.direction == "forward" for r in tensors)
+    return {
+        "attention logits": at_init or ("" if scores else
+                                        "no attention scores measured (a tinylm attention or a "
+                                        "scaled_dot_product_attention call)"),
+        "attention entropy": at_init or ("" if attention else "no attention seen"),
+        "output logits (log Z, largest logit)": at_init or ("" if logits else
+                                                           "the model's output holds no next-token logits (B, T, V)"),
+        "massive activations (peak / median)": at_init or (
+            "" if any(v == v for v in (peaks or {}).values()) else "no block output measured (no block stack found)"),
+    }

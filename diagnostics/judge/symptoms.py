@@ -8,12 +8,16 @@ uniform guess.
 The stream is judged by the shape of its growth, not one ratio: geometric growth multiplies
 the stream block after block, so "exploding" is a run of exploding_run blocks in a row each
 multiplying it (forward) or its gradient (backward, on the way down) by more than
-exploding_gain; a stack shallower than exploding_run is called exploding only by its total's
-geometric growth. A pre-norm stream adds one normalised branch per block: while the stream is
-small next to the branches (small-init's or gpt2's tiny embedding, or a trained model's
-grown branches) one block's gain 1 + Var(branch)/Var(stream) can be 40 or 400, but the next
-ones fall back towards 1 (linear growth), so no run forms. Where the stream overflows
-part-way, the blocks before the overflow are judged.
+exploding_gain, or a total over the stack past exploding_total whose shape is geometric; both
+need at least exploding_run gains. A pre-norm stream adds one normalised branch per block:
+while the stream is small next to the branches (small-init's or gpt2's tiny embedding, or a
+trained model's grown branches) one block's gain 1 + Var(branch)/Var(stream) can be 40 or 400,
+but the next ones fall back towards 1 (linear growth), so no run forms. A stack of fewer than
+exploding_run blocks is not called exploding by its gains at all: its two or three points
+cannot tell geometric growth from that linear growth (a trained 2-block stack's total is the
+embedding's smallness times one grown block), and a line through them in log space fits as
+well as one through the variances. Where the stream overflows part-way, the blocks before the
+overflow are judged.
 
 One root cause: once the stream explodes or turns non-finite, readings measured against the
 blown-up scale are its consequences, not separate causes. A branch 1e-9 of an exploded
@@ -38,7 +42,8 @@ from ..result import AttentionRow, DepthRow, ParamRow, TensorRow
 from .thresholds import Thresholds
 
 __all__ = ["Symptom", "Reading", "Sites", "growth", "fmt", "non_finite", "stream_values", "stream", "branches",
-           "starved_weights", "dead", "saturated", "loss"]
+           "starved_weights", "dead", "saturated", "loss", "attention_logits", "attention_entropy", "output_logits",
+           "massive"]
 
 _LAST = 1 << 30  # a rank past every tensor's
 
@@ -60,7 +65,8 @@ class Symptom:
     direction: str | None
     block: int | None
     text: str
-    family: str  # "non_finite", "stream", "branch", "grads", "dead", "saturated", "loss"
+    family: str  # "non_finite", "stream", "branch", "grads", "dead", "saturated", "loss", and the precursors
+    # "attn_logit", "attn_entropy", "logits", "massive"
     severity: str = "fail"
 
 
@@ -204,16 +210,16 @@ def _gains(direction: str, vals: list) -> tuple[list[tuple[int, float]], list[fl
 def _runs(gains: list[tuple[int, float]], beyond, length: int) -> list[int]:
     """Indices j into ``gains`` that start a run of ``length`` consecutive gains each ``beyond`` the
     threshold. A stack with fewer blocks than ``length`` has no run: one or two large gains are what a
-    pre-norm stream's linear growth gives (its first blocks add branches to a small embedding), and
-    only the total's geometric growth (exploding_total) can call so shallow a stack exploding."""
+    pre-norm stream's linear growth gives (its first blocks add branches to a small embedding)."""
     n = len(gains)
     return [j for j in range(n - length + 1) if all(beyond(g) for _, g in gains[j:j + length])]
 
 
 def stream(reading: Reading, direction: str, vals: list, sites: Sites, th: Thresholds,
            scale_invariant: bool) -> None:
-    """Exploding (a run of large gains, or a large geometric total) and vanishing (a run of small
-    gains) in one direction; an explosion marks the root, vanishing downstream of it is folded."""
+    """Exploding (a run of large gains, or a large geometric total over at least exploding_run gains)
+    and vanishing (a run of small gains) in one direction; an explosion marks the root, vanishing
+    downstream of it is folded."""
     gains, vals = _gains(direction, vals)
     if not gains:
         return
@@ -235,7 +241,7 @@ def stream(reading: Reading, direction: str, vals: list, sites: Sites, th: Thres
             f"in a row each multiply the residual "
             f"stream's {what} by more than {fmt(th.exploding_gain)} (block {k}: {fmt(g)}; {n_up} of "
             f"{len(gains)} blocks; {fmt(total)}x in all, {shape or 'geometric'} growth)", "stream"))
-    elif total > th.exploding_total and shape == "geometric":
+    elif total > th.exploding_total and shape == "geometric" and len(gains) >= run:
         geo = total ** (1 / max(len(gains), 1))
         k = next((k for k, g in gains if g >= geo), gains[0][0])
         reading.mark_root(direction, k)
@@ -357,3 +363,77 @@ def loss(reading: Reading, judged: tuple[float, float, str] | None, th: Threshol
             f"the loss {fmt(value)} is {fmt(value / ln_v)} times a uniform guess's ln V = {fmt(ln_v)} "
             f"(> {fmt(1 + th.loss_excess)}; a fresh model's logits barely depend on the target, so its loss "
             "is about ln V + Var(logits)/2)", "loss", severity))
+
+
+# ------------------------------------------------------------------ precursors of a training failure
+# Read on trained weights only (``fresh`` not True): at a declared init the scores' and the logits'
+# scale are the init's, judged by the score-scaling and weight-scale evidence.
+
+def attention_logits(reading: Reading, tensors: list[TensorRow], th: Thresholds) -> None:
+    """Attention layers whose largest |score| (the scaled logit q.k / sqrt(d_k) over the unmasked
+    entries, the scores' max_abs) exceeds attn_logit (downstream of an explosion folded)."""
+    for r in tensors:
+        if r.kind != "attn_scores" or r.direction != "forward" or not r.max_abs > th.attn_logit:
+            continue
+        base = r.name[: -len(".scores")] if r.name.endswith(".scores") else r.name
+        if r.block is not None and reading.downstream("forward", r.block):
+            reading.folded.append(f"{base}'s largest attention logit {fmt(r.max_abs)}")
+            continue
+        reading.symptoms.append(Symptom(
+            "misscaled", r.name, r.max_abs, th.attn_logit, "largest |attention logit| (q.k / sqrt(d_k))", "forward",
+            r.block, f"{base}'s largest attention logit |q.k| / sqrt(d_k) is {fmt(r.max_abs)} (> "
+            f"{fmt(th.attn_logit)}; score std {fmt(math.sqrt(r.var)) if r.var >= 0 else 'nan'})", "attn_logit", "warn"))
+
+
+def attention_entropy(reading: Reading, attention: list[AttentionRow], th: Thresholds) -> None:
+    """Attention layers whose mean row entropy is below attn_entropy of its causal maximum (the mean
+    over rows of ln(keys the row may attend to)); downstream of an explosion folded."""
+    for a in attention:
+        if not (a.entropy_uniform > 0 and math.isfinite(a.entropy_mean)):
+            continue
+        ratio = a.entropy_mean / a.entropy_uniform
+        if not ratio < th.attn_entropy:
+            continue
+        if reading.downstream("forward", a.block):
+            reading.folded.append(f"{a.name}'s attention entropy at {fmt(ratio)} of its maximum")
+            continue
+        reading.symptoms.append(Symptom(
+            "saturated", a.name, ratio, th.attn_entropy, "mean attention entropy / its causal maximum", "forward",
+            a.block, f"{a.name}'s mean attention entropy is {fmt(a.entropy_mean)} nats, {fmt(ratio)} of the "
+            f"{fmt(a.entropy_uniform)} of uniform causal attention (< {fmt(th.attn_entropy)})", "attn_entropy",
+            "warn"))
+
+
+def output_logits(reading: Reading, logits: dict | None, th: Thresholds) -> None:
+    """The output logits' scale: |mean log Z| > logz_limit (log Z_t = logsumexp of row t's logits)
+    and the largest |logit| > logit_limit. ``logits``: {"logz_mean", "logz_std", "logz_absmax",
+    "max_logit", "rows"}, or None where no next-token logits were read."""
+    if not logits:
+        return
+    mean, top = logits["logz_mean"], logits["max_logit"]
+    if abs(mean) > th.logz_limit:
+        reading.symptoms.append(Symptom(
+            "misscaled", "logits", abs(mean), th.logz_limit, "|mean log Z| of the output rows", None, None,
+            f"the output rows' log-partition log Z = logsumexp(logits) averages {fmt(mean)} (|mean| > "
+            f"{fmt(th.logz_limit)}; std {fmt(logits['logz_std'])} over {int(logits['rows'])} rows): the logits "
+            "drift together, which the softmax does not see and nothing holds back", "logits", "warn"))
+    if top > th.logit_limit:
+        reading.symptoms.append(Symptom(
+            "misscaled", "logits", top, th.logit_limit, "largest |output logit|", None, None,
+            f"the largest |output logit| is {fmt(top)} (> {fmt(th.logit_limit)})", "logits", "warn"))
+
+
+def massive(reading: Reading, peaks: dict[str, float] | None, sites: Sites, th: Thresholds) -> None:
+    """Block outputs whose max |x| / median |x| exceeds massive_ratio (downstream of an explosion folded)."""
+    block_of_name = {n: k for k, n in sites.output_of.items()}
+    for name, ratio in (peaks or {}).items():
+        if not (math.isfinite(ratio) and ratio > th.massive_ratio):
+            continue
+        k = block_of_name.get(name, block_of(name))
+        if k is not None and reading.downstream("forward", k):
+            reading.folded.append(f"{name}'s peak at {fmt(ratio)} x its median")
+            continue
+        reading.symptoms.append(Symptom(
+            "misscaled", name, ratio, th.massive_ratio, "max |x| / median |x| of the block output", "forward", k,
+            f"{name}'s largest |activation| is {fmt(ratio)} times its median (> {fmt(th.massive_ratio)})",
+            "massive", "warn"))

@@ -27,8 +27,9 @@ class Thresholds:
     One-shot (:func:`diagnostics.judge.judge`):
 
     exploding_gain = 4.0: exploding stream, exploding_run blocks in a row each with gain > 4.
-    exploding_run = 3: that run's length in blocks (a shallower stack has none: judged by exploding_total only).
-    exploding_total = 1e4: exploding stream, total gain over the stack > 1e4 and geometric (:func:`.symptoms.growth`).
+    exploding_run = 3: that run's length in blocks (a shallower stack is not judged exploding by its gains).
+    exploding_total = 1e4: exploding stream, total gain over a stack of at least exploding_run blocks > 1e4
+        and geometric (:func:`.symptoms.growth`).
     vanishing_gain = 0.25: vanishing stream, exploding_run blocks in a row each with gain < 0.25.
     vanishing_branch = 1e-8: vanishing branch, Var(branch) / Var(the stream it is added to) < 1e-8.
     vanishing_grad = 1e-4: starved block, median weight-gradient std in it / the model's largest < 1e-4.

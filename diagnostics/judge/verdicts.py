@@ -24,7 +24,8 @@ __all__ = ["judge"]
 def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[AttentionRow], depth: list[DepthRow],
           order: list[str], thresholds: Thresholds, deliberate_zero: set[str] = frozenset(),
           scale_invariant: bool = False, architecture: dict | None = None, flat: dict[str, float] | None = None,
-          loss: tuple[float, float, str] | None = None, fresh: bool | None = None
+          loss: tuple[float, float, str] | None = None, fresh: bool | None = None,
+          logits: dict[str, float] | None = None, peaks: dict[str, float] | None = None
           ) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
     """All findings (one per cause, fail first), and the verdict of each tensor (name, direction),
     parameter and attention layer.
@@ -42,7 +43,11 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     the loss is judged (None: not judged). Block k's output is ``depth`` row k + 1 (row 0: the
     stream before the blocks); blocks are the tensors' ``block`` fields. ``fresh``: whether the
     weights are at their declared init (one decision per diagnosis; None: unknown): the score
-    scaling is judged on fresh weights only.
+    scaling is judged on fresh weights only. ``logits``: the output logits' scale
+    ({"logz_mean", "logz_std", "logz_absmax", "max_logit", "rows"}, log Z = logsumexp of a row's
+    logits; None: not read); ``peaks``: {block output name: max |x| / median |x|}. The precursors
+    of a training failure (attention logits and entropy, the output logits, massive activations)
+    are judged on weights not known fresh (``fresh`` False or None).
     """
     th = thresholds
     arch = architecture or {}
@@ -60,6 +65,11 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     symptoms.dead(reading, tensors, sites, th, deliberate_zero)
     symptoms.saturated(reading, attention, th)
     symptoms.loss(reading, loss, th)
+    if fresh is not True:  # at a declared init these scales are the init's (the evidence below judges it)
+        symptoms.attention_logits(reading, tensors, th)
+        symptoms.attention_entropy(reading, attention, th)
+        symptoms.output_logits(reading, logits, th)
+        symptoms.massive(reading, peaks, sites, th)
     # the evidence beside them: scores read from a blown-up stream say nothing of their scaling
     # (float32 rounds q k at that size)
     ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth, fresh)
