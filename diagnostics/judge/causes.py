@@ -432,7 +432,7 @@ def _output_logits(causes: _Causes, s: Symptom) -> None:
                     severity="warn",
                     advice="the output logits grow or drift with nothing to hold them (a softmax ignores a shift, "
                            "so log Z wanders; large logits round away the small probabilities and overflow in "
-                           "low precision): add a z-loss (tinylm train --z-loss 1e-4, tinylm.functional.z_loss, "
+                           "low precision): add a z-loss (TrainOptions(z_loss=1e-4), tinylm.functional.z_loss, "
                            "PaLM) or weight decay on the output layer")
 
 

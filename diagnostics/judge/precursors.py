@@ -193,11 +193,11 @@ SIGNALS: dict[str, Signal] = {s.name: s for s in (
     Signal("log_z", _logits("logz_mean"), "logz_limit", "high", "|mean log Z| of the output rows",
            "the output logits' log-partition is drifting (Wortsman et al. 2023): the softmax of the "
            "head loses precision and the loss can diverge",
-           "add a z-loss (1e-4 x mean (log Z)^2: tinylm train --z-loss 1e-4, tinylm.functional.z_loss) "
+           "add a z-loss (1e-4 x mean (log Z)^2: TrainOptions(z_loss=1e-4), tinylm.functional.z_loss) "
            "or weight decay on the head"),
     Signal("output_logits", _logits("max_logit"), "logit_limit", "high", "max |output logit|",
            "the output logits are growing (Wortsman et al. 2023)",
-           "add a z-loss (tinylm train --z-loss 1e-4) or weight decay, or lower the learning rate"),
+           "add a z-loss (TrainOptions(z_loss=1e-4)) or weight decay, or lower the learning rate"),
     Signal("update_large", _matrices, "update_high", "high", "update ratio ||dW|| / ||W|| per step",
            "each step moves this matrix by a large fraction of its size: the learning rate is too "
            "high for it (at the start of a post-norm run: no warm-up, Xiong et al. 2020)",
