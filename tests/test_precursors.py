@@ -61,10 +61,10 @@ def test_a_signal_that_does_not_persist_is_not_reported_negative_control():
 
 def test_entropy_collapse_against_the_causal_maximum():
     h = _history([_rec(10 * k, attention=_attn(10.0, entropy=e, ceiling=3.0)) for k, e in
-                  enumerate([2.0, 0.12, 0.1, 0.09])])
+                  enumerate([2.0, 0.08, 0.07, 0.06])])
     alerts = _all(h)
     assert [(a.step, a.signal) for a in alerts] == [(30, "attention_entropy")]
-    assert alerts[0].value == pytest.approx(0.03) and alerts[0].threshold == 0.05
+    assert alerts[0].value == pytest.approx(0.02) and alerts[0].threshold == 0.03
 
 
 def test_log_z_drift_and_adam_epsilon():
@@ -105,6 +105,17 @@ def test_a_vanishing_gradient_made_of_zeros_in_float16_is_named_underflow():
     assert "post-norm" in post.cause and "warm" in post.fix
     scores = dict(row, site="layers.0.attn.scores")  # sharpening attention: judged by the attention signals
     assert P.verdict_alert(_history([]), _rec(30, **_grads(0.0, "float32")), scores, Thresholds()) is None
+
+
+def test_the_alerts_of_one_record_are_grouped_by_signal():
+    from diagnostics.jobs.watch_alerts import grouped
+
+    two = {**_attn(300.0), "layers.1.attn.probs": dict(_attn(400.0)["layers.0.attn.probs"])}
+    alerts = _all(_history([_rec(10 * k, attention=two) for k in range(3)]))
+    assert len(alerts) == 2 and {a.site for a in alerts} == {"layers.0.attn.probs", "layers.1.attn.probs"}
+    [one] = grouped(alerts)
+    assert one.site == "layers.0.attn.probs" and "[at 2 sites: layers.0.attn.probs, layers.1.attn.probs]" in one.message
+    assert grouped([]) == [] and grouped(alerts[:1]) == alerts[:1]
 
 
 def test_update_ratios_of_matrices_only():

@@ -4,7 +4,8 @@ returns, and the book that keeps a run's alerts and forensics.
 :class:`AlertBook` turns each new record into alerts (:mod:`diagnostics.judge.precursors`):
 every verdict over time that was ok at the record before (a fail or a vanishing gradient,
 with its cause told apart), and every precursor first due at it; a spike or a non-finite loss
-is an alert too, whose cause is the first precursor reported before it. Each alert goes to
+is an alert too, whose cause is the first precursor reported before it. The alerts of one
+record are :func:`grouped` by signal and severity (one alert naming every site). Each alert goes to
 the run's list, to the loop's next :class:`WatchReport` and to the writers that take alerts;
 a spike or a fail also makes a forensics report: the last ``forensics`` records and the steps
 logged over the same span, kept in a ring buffer (``forensics`` x ``every`` steps).
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
 from ..judge.precursors import Alert, precursor_alerts, signal_values, verdict_alert
 from ..judge.thresholds import Thresholds
 
-__all__ = ["WatchEvent", "WatchFailure", "WatchReport", "WatchStop", "AlertBook", "failure_of"]
+__all__ = ["WatchEvent", "WatchFailure", "WatchReport", "WatchStop", "AlertBook", "failure_of", "grouped"]
 
 
 @dataclass
@@ -98,6 +99,24 @@ def failure_of(row: dict[str, Any]) -> WatchFailure:
                         f"{row['value']:.3g} {what} (threshold {row['threshold']:.3g})")
 
 
+def grouped(alerts: list[Alert]) -> list[Alert]:
+    """One alert per (signal, severity) of a record: the first of each group (its most upstream
+    site, in the order the alerts came) stands for it, its message naming how many sites and which
+    (the first five); the others are folded in. Order: each group where its first alert was."""
+    groups: dict[tuple[str, str], list[Alert]] = {}
+    for a in alerts:
+        groups.setdefault((a.signal, a.severity), []).append(a)
+    out = []
+    for members in groups.values():
+        head = members[0]
+        if len(members) > 1:
+            names = [m.site or "model" for m in members]
+            more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
+            head = replace(head, message=f"{head.message} [at {len(names)} sites: {', '.join(names[:5])}{more}]")
+        out.append(head)
+    return out
+
+
 class AlertBook:
     """A run's alerts and forensics (module docstring).
 
@@ -133,7 +152,7 @@ class AlertBook:
         self._open = {(r["site"], r["verdict"]) for r in judged}
         self._values.append(signal_values(self.history, len(self.history["records"]) - 1))
         found = precursor_alerts(self.history, len(self._values) - 1, self.thresholds, self._values)
-        for a in alerts + found:
+        for a in grouped(alerts + found):
             self.emit(a, writers)
         return [WatchFailure(a.step, a.signal, a.site, a.signal, a.value, a.threshold, a.message)
                 for a in found if a.severity == "fail"]

@@ -60,8 +60,8 @@ class Thresholds:
     How each default was calibrated, and the healthy runs' extremes beside it: docs/instability.md.
 
     attn_logit = 200.0: attention logit growth, the largest |attention logit| of a layer > 200.
-    attn_entropy = 0.05: attention entropy collapse, a layer's mean row entropy / its causal
-        maximum (mean over rows of ln(keys)) < 0.05.
+    attn_entropy = 0.03: attention entropy collapse, a layer's mean row entropy / its causal
+        maximum (mean over rows of ln(keys)) < 0.03.
     logz_limit = 30.0: log-partition drift, |mean log Z| of the output rows > 30 (log Z = logsumexp of a row's logits).
     logit_limit = 50.0: output logit growth, the largest |output logit| > 50.
     update_high = 0.3: updates too large, a matrix's ||W_after - W_before|| / ||W_before|| > 0.3 per step.
@@ -108,7 +108,7 @@ class Thresholds:
     spike_ema: float = 0.9
     spike_warmup: int = 10
     attn_logit: float = 200.0
-    attn_entropy: float = 0.05
+    attn_entropy: float = 0.03
     logz_limit: float = 30.0
     logit_limit: float = 50.0
     update_high: float = 0.3
