@@ -42,8 +42,8 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "out" / "instability_watch.json
 LEAD = IR.LEAD
 
 #: the --quick set: one failing run and one healthy run for a few kinds
-QUICK = ("attn_logit_growth/fail", "fp16_overflow/fail", "adam_eps_stall/fail", "adam_eps_stall/control",
-         "healthy/tinylm-pre-lr3e-3", "healthy/gpt-sdpa-lr3e-3")
+QUICK = ("attn_logit_growth/tinylm-sdpa/fail", "fp16_overflow/fail", "adam_eps_stall/fail",
+         "healthy/tinylm-pre-lr0.003", "healthy/gpt-eager-lr3e-3")
 
 PRECURSOR_WORDS = ("attention logit", "entropy", "log z", "log-partition", "logsumexp", "output logit", "update",
                    "epsilon", "eps", "underflow", "overflow", "headroom", "massive", "precursor", "stall")
@@ -53,9 +53,12 @@ def _make_watch(model, opt):
     from diagnostics import Watch
 
     try:
-        return Watch(model, every=IR.EVERY, optimizer=opt)
-    except TypeError:
-        return Watch(model, every=IR.EVERY)
+        watch = Watch(model, every=IR.EVERY, optimizer=opt)
+        _make_watch.with_optimizer = True
+    except TypeError:  # a watch without the optimizer= keyword
+        watch = Watch(model, every=IR.EVERY)
+        _make_watch.with_optimizer = False
+    return watch
 
 
 def _alert_dict(a: Any) -> dict[str, Any]:
@@ -85,8 +88,7 @@ def _worker(name: str) -> dict[str, Any]:
     res["failure"] = None if failure is None else {"step": failure.step, "verdict": failure.verdict,
                                                    "site": failure.site, "message": failure.message}
     res["events"] = [e.to_dict() for e in watch.events]
-    res["watch_options"] = "optimizer" if "optimizer" in getattr(watch, "__dict__", {}) or hasattr(watch, "optimizer") \
-        else "no optimizer"
+    res["watch_optimizer"] = _make_watch.with_optimizer
     watch.close()
     if run.role != "fail":
         res["final_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -185,7 +187,11 @@ def report(results: dict[str, dict[str, Any]], scores: dict[str, Any], table: li
             out.append(f"      {row['name']:40s} departure {_fmt(row['departure']):>4s}  first alert "
                        f"{_fmt(row['first_alert']):>4s}  {', '.join(row['signals'])}")
     healthy = [n for n, r in results.items() if r["run"]["role"] != "fail"]
-    out.append(f"false alarms: {len(scores['false_alarms'])} of {len(healthy)} healthy runs and controls")
+    n_h = sum(1 for n in healthy if results[n]["run"]["role"] == "healthy")
+    fa_h = [n for n in scores["false_alarms"] if results[n]["run"]["role"] == "healthy"]
+    out.append(f"false alarms: {len(fa_h)} of {n_h} healthy runs; alerts on {len(scores['false_alarms']) - len(fa_h)} "
+               f"of {len(healthy) - n_h} controls (a control is stable, not always good: lr_no_warmup's controls "
+               "train at the same high LR)")
     for name, fa in scores["false_alarms"].items():
         out.append(f"  {name:40s} first alert step {_fmt(fa['first'])}: {', '.join(fa['signals'])}"
                    + (f"; failure {fa['failure']['verdict']} at {fa['failure']['step']}" if fa["failure"] else ""))

@@ -671,14 +671,15 @@ def _threshold(field: str, th: dict[str, float], precision: str) -> float:
 
 
 def signal_table(results: dict[str, dict[str, Any]], th: dict[str, float]) -> list[dict[str, Any]]:
-    """Per signal: the most extreme value of the healthy runs and controls (all records; the
-    record at step 0, the first update, apart) and of each failing run up to LEAD steps before
-    its departure, beside the threshold. grad_zero counts only runs stored in fp16; act_max
-    against the threshold of each run's storage format."""
+    """Per signal, beside the threshold: the most extreme value of the healthy runs and, apart, of
+    the controls (records after step 0; the record at step 0, the first update, apart), and of
+    each failing run up to LEAD steps before its departure. grad_zero counts only runs stored in
+    fp16; act_max is read as a fraction of each run's storage format's largest finite / headroom."""
     rows = []
     for key, reduce, direction, field in SIGNALS:
         pick = max if direction == "high" else min
-        healthy, healthy0, early = [], [], {}
+        seen: dict[str, list] = {"healthy": [], "control": [], "step0": []}
+        early: dict[str, tuple[float, int]] = {}
         for name, res in results.items():
             run, dep = res["run"], res["departure"]
             if key == "grad_zero" and run["precision"] != "fp16":
@@ -686,34 +687,37 @@ def signal_table(results: dict[str, dict[str, Any]], th: dict[str, float]) -> li
             for rec in res["records"]:
                 v = _value(rec, key, reduce)
                 if key == "act_max":
-                    v = v / _threshold(field, th, run["precision"])  # a fraction of the limit
+                    v = v / _threshold(field, th, run["precision"])
                 if math.isnan(v):
                     continue
                 if run["role"] != "fail":
-                    (healthy if rec["step"] > 0 else healthy0).append((v, name, rec["step"]))
+                    seen["step0" if rec["step"] == 0 else run["role"]].append((v, name, rec["step"]))
                 elif dep is not None and rec["step"] <= dep - LEAD:
                     prev = early.get(name)
                     if prev is None or pick(prev[0], v) == v:
                         early[name] = (v, rec["step"])
         thr = 1.0 if key == "act_max" else _threshold(field, th, "fp32")
-        best = pick(healthy, key=lambda x: x[0]) if healthy else None
-        best0 = pick(healthy0, key=lambda x: x[0]) if healthy0 else None
+        ext = {k: (pick(v, key=lambda x: x[0]) if v else None) for k, v in seen.items()}
         rows.append(dict(signal=key, threshold_field=field, threshold=thr, direction=direction,
-                         healthy_extreme=best, healthy_step0_extreme=best0, failing_early=early))
+                         healthy_extreme=ext["healthy"], control_extreme=ext["control"],
+                         healthy_step0_extreme=ext["step0"], failing_early=early))
     return rows
 
 
 def signal_lines(table: list[dict[str, Any]]) -> list[str]:
     """The signal table (:func:`signal_table`) as text lines."""
-    out = ["", "per signal: the healthy runs' and controls' extreme (step > 0; step 0 apart) beside the threshold, "
-               f"and each failing run's extreme up to {LEAD} steps before its departure"]
+    out = ["", "per signal: the extreme of the healthy runs and of the controls (steps > 0; step 0 of both apart) "
+               f"beside the threshold, and each failing run's extreme up to {LEAD} steps before its departure"]
+
+    def at(e):
+        return f"{e[0]:.3g} ({e[1]} @{e[2]})" if e else "-"
+
     for row in table:
-        h, h0 = row["healthy_extreme"], row["healthy_step0_extreme"]
-        hs = f"{h[0]:.3g} ({h[1]} @{h[2]})" if h else "-"
-        h0s = f"{h0[0]:.3g}" if h0 else "-"
+        h0 = row["healthy_step0_extreme"]
         unit = " (x the format's largest finite / headroom)" if row["signal"] == "act_max" else ""
         out.append(f"  {row['signal']:20s} {row['direction']:4s} threshold {row['threshold']:.3g}{unit}: "
-                   f"healthy {hs}; step 0 {h0s}")
+                   f"healthy {at(row['healthy_extreme'])}; controls {at(row['control_extreme'])}; "
+                   f"step 0 {h0[0]:.3g}" if h0 else "")
         for name, (v, step) in row["failing_early"].items():
             out.append(f"      {name:44s} {v:.3g} (@{step})")
     return out
@@ -780,22 +784,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=str(DEFAULT_JSON), help="where the traces go")
     ap.add_argument("--workers", type=int, default=1, help="processes (one thread each)")
     ap.add_argument("--only", default="", help="comma-separated substrings of run names")
+    ap.add_argument("--summary", action="store_true", help="print the tables of the traces in --json; train nothing")
     args = ap.parse_args(argv)
-    names = [r.name for r in CATALOG if not args.only or any(s in r.name for s in args.only.split(","))]
-    print(f"{len(names)} runs, {args.workers} worker process(es), 1 thread each", flush=True)
+    if args.summary:
+        results = json.loads(Path(args.json).read_text())["runs"]
+    else:
+        names = [r.name for r in CATALOG if not args.only or any(s in r.name for s in args.only.split(","))]
+        print(f"{len(names)} runs, {args.workers} worker process(es), 1 thread each", flush=True)
 
-    def progress(n: str, res: dict[str, Any]) -> None:
-        print(f"  {n:40s} {len(res['losses']):4d} steps {res['seconds']:6.1f}s  blow-up {res['departure']}  "
-              f"last loss {res['losses'][-1]:.3f}", flush=True)
+        def progress(n: str, res: dict[str, Any]) -> None:
+            print(f"  {n:40s} {len(res['losses']):4d} steps {res['seconds']:6.1f}s  blow-up {res['departure']}  "
+                  f"last loss {res['losses'][-1]:.3f}", flush=True)
 
-    results = run_all(names, args.workers, progress=progress)
-    deps = departures(results)
-    for n, res in results.items():
-        res["departure"] = deps[n]
+        results = run_all(names, args.workers, progress=progress)
+        deps = departures(results)
+        for n, res in results.items():
+            res["departure"] = deps[n]
     print("\n".join(kind_lines(results) + signal_lines(signal_table(results, thresholds()))))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(_clean(dict(every=EVERY, smooth=SMOOTH, runs=results))))
-    print(f"wrote {args.json}")
+    if not args.summary:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(_clean(dict(every=EVERY, smooth=SMOOTH, runs=results))))
+        print(f"wrote {args.json}")
     return 0
 
 
