@@ -46,7 +46,8 @@ QUICK = ("attn_logit_growth/tinylm-sdpa/fail", "fp16_overflow/fail", "adam_eps_s
          "healthy/tinylm-pre-lr0.003", "healthy/gpt-eager-lr3e-3")
 
 PRECURSOR_WORDS = ("attention logit", "entropy", "log z", "log-partition", "logsumexp", "output logit", "update",
-                   "epsilon", "eps", "underflow", "overflow", "headroom", "massive", "precursor", "stall")
+                   "epsilon", "eps", "underflow", "overflow", "headroom", "massive", "precursor", "stall",
+                   "saturat")
 
 
 def _make_watch(model, opt):

@@ -169,7 +169,8 @@ class Run:
     """One training run of the catalog.
 
     model: "tinylm" or "gpt" (the nanoGPT-style :class:`GPT`); attention: "sdpa" or "eager"
-    (tinylm's explicit path is forced for "eager"). norm: tinylm's ``ModelConfig.norm``.
+    (tinylm's explicit path is forced for "eager"). norm, qk_norm: tinylm's ``ModelConfig`` fields
+    (qk_norm "none" builds a tinylm that lacks the field as well).
     precision: "fp32", or "fp16" / "bf16": activations stored in that format at the module
     boundaries, compute in float32 (:func:`storage_hooks`).
     loss_scale: the static loss scale (the loss is multiplied before backward, the gradients
@@ -192,7 +193,7 @@ class Run:
     norm: str = "pre"
     norm_kind: str = "rms"
     ffn: str = "swiglu"
-    qk_norm: str | None = None
+    qk_norm: str = "none"
     lr: float = 3e-3
     warmup: int = 20
     steps: int = 250
@@ -220,6 +221,15 @@ def _pair(kind: str, base: dict, changed: dict, note: str, name: str | None = No
     return [fail, ctrl]
 
 
+def _has_qk_norm() -> bool:
+    """Whether this tinylm's ModelConfig has the qk_norm field."""
+    from dataclasses import fields
+
+    import tinylm
+
+    return "qk_norm" in {f.name for f in fields(tinylm.ModelConfig)}
+
+
 def _catalog() -> list[Run]:
     runs: list[Run] = []
     hot = dict(warmup=20, weight_decay=0.0)
@@ -228,6 +238,9 @@ def _catalog() -> list[Run]:
     for model, attention in (("tinylm", "sdpa"), ("gpt", "eager"), ("gpt", "sdpa")):
         runs += _pair("attn_logit_growth", dict(model=model, attention=attention, lr=1e-1, **hot), dict(lr=3e-3),
                       "LR 0.1, no qk-norm", name=f"attn_logit_growth/{model}-{attention}")
+    if _has_qk_norm():  # the control the literature names: the same LR with qk-norm
+        runs += _pair("attn_logit_growth", dict(lr=1e-1, **hot), dict(qk_norm="rms"), "LR 0.1, no qk-norm",
+                      name="attn_logit_growth/tinylm-qknorm")
     # fp16 activation overflow: the same growth of the residual stream, stored in float16, passes
     # 65504 and turns inf. Control: stored in bfloat16.
     runs += _pair("fp16_overflow", dict(lr=5e-2, precision="fp16", **hot), dict(precision="bf16"),
@@ -310,7 +323,7 @@ def build(run: Run) -> nn.Module:
         import tinylm
         from tinylm.config import default_d_ff
 
-        kw = dict(qk_norm=run.qk_norm) if run.qk_norm else {}
+        kw = dict(qk_norm=run.qk_norm) if run.qk_norm != "none" else {}  # a tinylm without qk_norm: "none"
         cfg = tinylm.ModelConfig(vocab_size=256, context_length=run.ctx, d_model=run.d_model, num_layers=run.layers,
                                  num_heads=run.heads, d_ff=default_d_ff(run.d_model), norm=run.norm,
                                  norm_kind=run.norm_kind, ffn=run.ffn, **kw)
@@ -723,6 +736,37 @@ def signal_lines(table: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def separation_lines(results: dict[str, dict[str, Any]], table: list[dict[str, Any]]) -> list[str]:
+    """Per failing run, the signals that pass the healthy runs' extreme before its departure: the
+    first record past it and the lead (departure - that step) a threshold just past the healthy
+    extreme would give (a signal that never passes it is left out)."""
+    out = ["", "per failing run: signals past every healthy run's extreme before departure "
+               "(signal: first record step past it, lead = departure - step)"]
+    for name, res in results.items():
+        run, dep = res["run"], res["departure"]
+        if run["role"] != "fail" or dep is None:
+            continue
+        found = []
+        for row, (key, reduce, direction, field) in zip(table, SIGNALS):
+            h = row["healthy_extreme"]
+            if h is None:
+                continue
+            for rec in res["records"]:
+                if rec["step"] >= dep:
+                    break
+                v = _value(rec, key, reduce)
+                if key == "act_max":
+                    v = v / _threshold(field, thresholds(), run["precision"])
+                if math.isnan(v) and key != "act_max":
+                    continue
+                past = v > h[0] if direction == "high" else v < h[0]
+                if past:
+                    found.append(f"{key} @{rec['step']} (lead {dep - rec['step']})")
+                    break
+        out.append(f"  {name:44s} departure {dep:4d}: {'; '.join(found) or 'none'}")
+    return out
+
+
 def kind_lines(results: dict[str, dict[str, Any]]) -> list[str]:
     """Per failing run: its setting, its departure and its control's."""
     out = ["", "failing runs: departure (control's departure)"]
@@ -800,7 +844,8 @@ def main(argv: list[str] | None = None) -> int:
         deps = departures(results)
         for n, res in results.items():
             res["departure"] = deps[n]
-    print("\n".join(kind_lines(results) + signal_lines(signal_table(results, thresholds()))))
+    table = signal_table(results, thresholds())
+    print("\n".join(kind_lines(results) + signal_lines(table) + separation_lines(results, table)))
     if not args.summary:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(_clean(dict(every=EVERY, smooth=SMOOTH, runs=results))))
