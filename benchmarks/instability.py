@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     # a failing run of a kind judged against its control needs the control
     for n in list(names):
         run = IR.by_name(n)
-        if run.role == "fail" and run.kind in IR.STALL_KINDS:
+        if run.role == "fail" and run.kind in IR.RELATIVE_KINDS:
             ctrl = next((r.name for r in IR.CATALOG if r.control_of == n), None)
             if ctrl and ctrl not in names:
                 names.insert(names.index(n) + 1, ctrl)

@@ -17,9 +17,11 @@ step count. ``kind`` names the failure a run reproduces ("healthy" for none); ``
 The departure step (the failure's onset) of a run:
 
 - blow-ups: the first step whose loss is not finite or > 2 x the run's running minimum;
-- stalls (kinds in :data:`STALL_KINDS`; no blow-up): the first step at which the run's loss,
-  smoothed by a trailing mean over :data:`SMOOTH` steps, is more than 10% above its matched
-  control's smoothed loss at the same step.
+- kinds that stall or degrade without a blow-up at this scale (:data:`RELATIVE_KINDS`: Adam
+  epsilon, fp16 underflow, and attention logit growth, post-norm without warm-up and a too-large
+  init, whose loss plateaus well above the control's but never doubles): the first step at which
+  the run's loss, smoothed by a trailing mean over :data:`SMOOTH` steps, is more than 10% above
+  its matched control's smoothed loss at the same step (never before step SMOOTH).
 
 Truth signals, recorded at every ``EVERY``-th step (the step's forward and backward, and its
 optimizer step):
@@ -53,7 +55,7 @@ import os
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,7 +65,7 @@ from torch import nn
 
 EVERY = 10
 SMOOTH = 20
-STALL_KINDS = ("adam_eps_stall", "fp16_underflow", "attn_logit_growth", "post_norm_no_warmup", "init_too_large")
+RELATIVE_KINDS = ("adam_eps_stall", "fp16_underflow", "attn_logit_growth", "post_norm_no_warmup", "init_too_large")
 FP16_TINY = 2.0 ** -14
 DEFAULT_JSON = Path(__file__).resolve().parent / "out" / "instability_truth.json"
 
@@ -177,7 +179,7 @@ class Run:
     divided after). init_scale: every 2-D weight multiplied by this after init. warmup: steps
     of linear warm-up (0: none), then constant. z_loss: coefficient of mean(log Z^2) added to
     the loss (the recorded loss is the cross-entropy alone). control_of: the failing run a
-    control is matched to (its departure is measured against it for stall kinds).
+    control is matched to (its departure is measured against it for the kinds in RELATIVE_KINDS).
     """
 
     name: str
@@ -522,7 +524,7 @@ def train(run: Run, *, truth: bool = True, watch_factory: Callable | None = None
     truth: attach :class:`Truth`. watch_factory(model, opt) -> a watch (``step(t)`` context,
     ``record(loss, lr=)``), attached as a user's loop would. on_record(t, model, report): called
     after each step's record (report: the watch's return or None). stop_after: stop this many
-    steps after a blow-up departure (None: run all steps; stall kinds always run all steps).
+    steps after a blow-up departure (None: run all steps; the kinds in RELATIVE_KINDS always run all steps).
     snapshots: keep the state dict at every EVERY-th step (before its update) in "snapshots".
     """
     torch.set_num_threads(1)
@@ -574,7 +576,7 @@ def train(run: Run, *, truth: bool = True, watch_factory: Callable | None = None
             on_record(t, model, report)
         if report is not None:
             reports.append(report)
-        if stop_at is None and stop_after is not None and run.kind not in STALL_KINDS:
+        if stop_at is None and stop_after is not None and run.kind not in RELATIVE_KINDS:
             if blowup(losses) is not None:
                 stop_at = t + stop_after
         if stop_at is not None and (t >= stop_at or not math.isfinite(lv)):
@@ -612,7 +614,7 @@ def smooth(losses: list[float], n: int = SMOOTH) -> list[float]:
     return out
 
 
-def stall_onset(losses: list[float], control: list[float], factor: float = 1.1) -> int | None:
+def onset_vs_control(losses: list[float], control: list[float], factor: float = 1.1) -> int | None:
     """The first step whose smoothed loss is > factor x the control's smoothed loss at that step."""
     a, b = smooth(losses), smooth(control)
     for t in range(SMOOTH, min(len(a), len(b))):
@@ -622,14 +624,14 @@ def stall_onset(losses: list[float], control: list[float], factor: float = 1.1) 
 
 
 def departures(results: dict[str, dict[str, Any]]) -> dict[str, int | None]:
-    """Each run's departure: its blow-up, or for a run of a stall kind its onset against its control
-    (the failing run against its control; a control or healthy run of a stall kind: its blow-up)."""
+    """Each run's departure: its blow-up, or for a failing run of a kind in RELATIVE_KINDS its onset
+    against its control (that kind's control: its own blow-up, like every other run)."""
     out = {}
     for name, res in results.items():
         run = res["run"]
-        if run["kind"] in STALL_KINDS and run["role"] == "fail":
+        if run["kind"] in RELATIVE_KINDS and run["role"] == "fail":
             ctrl = next((r for r in results.values() if r["run"].get("control_of") == name), None)
-            out[name] = stall_onset(res["losses"], ctrl["losses"]) if ctrl is not None else None
+            out[name] = onset_vs_control(res["losses"], ctrl["losses"]) if ctrl is not None else None
         else:
             out[name] = blowup(res["losses"])
     return out
@@ -776,7 +778,7 @@ def kind_lines(results: dict[str, dict[str, Any]]) -> list[str]:
             continue
         ctrl = next((r for r in results.values() if r["run"].get("control_of") == name), None)
         cdep = ctrl["departure"] if ctrl is not None else "-"
-        rule = "vs control" if run["kind"] in STALL_KINDS else "blow-up"
+        rule = "vs control" if run["kind"] in RELATIVE_KINDS else "blow-up"
         out.append(f"  {name:44s} {run['note']:48s} departure {res['departure']} ({rule}); control {cdep}")
     bad = [n for n, r in results.items() if r["run"]["role"] != "fail" and r["departure"] is not None]
     out.append(f"healthy runs and controls that departed: {', '.join(bad) or 'none'}")

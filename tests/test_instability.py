@@ -48,8 +48,8 @@ def test_departure_rules():
     assert IR.blowup([5.0, 3.0, float("nan")]) == 2
     assert IR.blowup([5.0, 4.0, 3.0]) is None
     ctrl = [3.0] * 60
-    assert IR.stall_onset([3.0] * 30 + [3.5] * 30, ctrl) is not None
-    assert IR.stall_onset([3.2] * 60, ctrl) is None
+    assert IR.onset_vs_control([3.0] * 30 + [3.5] * 30, ctrl) is not None
+    assert IR.onset_vs_control([3.2] * 60, ctrl) is None
 
 
 def _max_logit(rec):
