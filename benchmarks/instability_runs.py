@@ -730,9 +730,9 @@ def signal_lines(table: list[dict[str, Any]]) -> list[str]:
     for row in table:
         h0 = row["healthy_step0_extreme"]
         unit = " (x the format's largest finite / headroom)" if row["signal"] == "act_max" else ""
+        h0s = f"{h0[0]:.3g}" if h0 else "-"
         out.append(f"  {row['signal']:20s} {row['direction']:4s} threshold {row['threshold']:.3g}{unit}: "
-                   f"healthy {at(row['healthy_extreme'])}; controls {at(row['control_extreme'])}; "
-                   f"step 0 {h0[0]:.3g}" if h0 else "")
+                   f"healthy {at(row['healthy_extreme'])}; controls {at(row['control_extreme'])}; step 0 {h0s}")
         for name, (v, step) in row["failing_early"].items():
             out.append(f"      {name:44s} {v:.3g} (@{step})")
     return out
