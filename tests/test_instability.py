@@ -94,3 +94,38 @@ def test_full_benchmark_runs_fail_and_stay_healthy_as_claimed(tmp_path):
             assert res["departure"] is not None, name
         else:
             assert res["departure"] is None, name
+
+
+def _watched(name: str, steps: int) -> list:
+    """The watch's alerts over the first ``steps`` steps of a catalog run (watch at its defaults,
+    every 10 steps, given the optimizer), as the benchmark attaches it."""
+    from diagnostics import Watch
+
+    seen = []
+
+    def factory(model, opt):
+        return Watch(model, every=IR.EVERY, optimizer=opt)
+
+    def on_record(t, model, report):
+        seen.extend(report.alerts)
+
+    IR.train(IR.replace(IR.by_name(name), steps=steps), truth=False, watch_factory=factory, on_record=on_record)
+    return seen
+
+
+def test_the_watch_warns_of_attention_logit_growth_early_and_not_on_its_control():
+    """The failing run departs at step 90 (its loss 10% above the control's): the watch names the
+    attention 20+ steps before; its control (LR 3e-3) hears nothing (the negative control)."""
+    alerts = _watched("attn_logit_growth/tinylm-sdpa/fail", 61)
+    first = min(a.step for a in alerts)
+    assert first <= 90 - 20
+    assert {"attention_logits", "exploding"} <= {a.signal for a in alerts}
+    assert all("qk-norm" in a.fix for a in alerts if a.signal == "attention_logits")
+    assert all(a.site.endswith("attn.scores") for a in alerts if a.signal == "exploding")
+    assert _watched("attn_logit_growth/tinylm-sdpa/control", 61) == []
+
+
+def test_the_watch_names_an_epsilon_dominated_adam_at_its_first_record():
+    alerts = _watched("adam_eps_stall/fail", 11)
+    assert [(a.step, a.signal) for a in alerts][:1] == [(0, "adam_epsilon")] and "eps" in alerts[0].fix
+    assert _watched("adam_eps_stall/control", 11) == []
