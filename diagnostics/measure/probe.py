@@ -15,9 +15,9 @@ embedding output is block 0's input) and the attention and FFN branches before t
 ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model: each block of
 its block stack (its output, the residual stream) and block 0's input (``{stack}.input``);
 with ``attention`` and the default points (``modules`` None) or ``signals``, each
-``F.scaled_dot_product_attention`` call inside a block is measured on sampled query rows
-(:mod:`diagnostics.measure.sdpa`) as ``{module}.scores`` and the ``{module}.probs`` panel (with
-``signals``, eager softmax attention too: :mod:`diagnostics.measure.eager_attention`).
+``F.scaled_dot_product_attention`` call and each eager softmax over 4-D logits inside a block is
+measured on sampled query rows (:mod:`diagnostics.measure.sdpa`, :mod:`.eager_attention`) as
+``{module}.scores`` and the ``{module}.probs`` panel.
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
 the output needs a gradient, puts a hook on that tensor which reduces the
@@ -398,7 +398,7 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
 
 
 def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
-    """Enter into ``owner`` an :class:`SDPAWatch` and, with ``signals``, an :class:`EagerAttentionWatch`
+    """Enter into ``owner`` an :class:`SDPAWatch` and an :class:`EagerAttentionWatch`
     (not for a tinylm attention: its own observer measures it) whose calls, named by the innermost running
     block or block child (hooks owned by ``owner``), add ``{name}.scores`` moments and ``{name}.probs``."""
     running: list[str] = []
@@ -430,8 +430,7 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
 
     signal = run.signals.attention if run.signals is not None else None
     owner.enter_context(SDPAWatch(record, where, signal))
-    if run.signals is not None:
-        owner.enter_context(EagerAttentionWatch(record, where, signal))
+    owner.enter_context(EagerAttentionWatch(record, where, signal))
 
 
 def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module]]:
