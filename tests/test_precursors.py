@@ -201,3 +201,24 @@ def test_a_stall_is_a_flat_loss_beside_its_cause():
     assert not [a for a in _all(_series(_history(recs), falling)) if a.signal == "stall"]
     slope, se = P.loss_trend(_series(_history(recs), falling), 199, 100)
     assert abs(slope + 0.002) < 6 * se  # the fitted slope holds the true one
+
+
+def test_a_framework_callback_logs_each_alert(caplog):
+    """The Trainer and Lightning callbacks drive the watch through Steps: their loops have no
+    record() to hear alerts, so each goes to the "diagnostics.watch" logger at its severity."""
+    import logging
+
+    from diagnostics.integrations._steps import Steps
+
+    model = _model()
+    x = torch.randint(0, 32, (2, 8))
+    steps = Steps(Watch(model, every=1, thresholds=Thresholds(attn_logit=1.0)))
+    with caplog.at_level(logging.WARNING, logger="diagnostics.watch"):
+        for t in range(3):
+            steps.begin(t)
+            model(x).logsumexp(-1).mean().backward()
+            steps.before_optimizer()
+            steps.end(t, 1.0, 1e-3)
+    steps.close()
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert caplog.records[0].getMessage().startswith("step 2: attention_logits")

@@ -192,3 +192,35 @@ def test_a_missing_wandb_names_its_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "diagnostics.integrations.wandb", raising=False)
     with pytest.raises(ImportError, match=r'pip install "tinylm\[wandb\]"'):
         importlib.import_module("diagnostics.integrations.wandb")
+
+
+def test_an_alert_is_logged_and_sent_as_a_wandb_alert():
+    from diagnostics.integrations.wandb import WandbWriter
+    from diagnostics.judge.precursors import Alert
+
+    class Run:
+        def __init__(self):
+            self.rows, self.alerts, self.summary = [], [], {}
+
+        def define_metric(self, *a, **k):
+            pass
+
+        def log(self, row):
+            self.rows.append(row)
+
+        def alert(self, **kw):
+            self.alerts.append(kw)
+
+    run = Run()
+    w = WandbWriter(run=run)
+    w.open(None)
+    a = Alert(30, "warn", "attention_logits", "layers.0.attn.probs", 300.0, 200.0, 3, 10, "cause", "qk-norm",
+              "", "step 30: attention_logits ...")
+    w.alert(a)
+    w.alert(Alert(40, "fail", "attention_logits", "x", 3e3, 2e3, 4, 10, "c", "f", "", "step 40: attention_logits fail"))
+    w.close()
+    assert [r["watch/alert"] for r in run.rows] == ["warn: step 30: attention_logits ...",
+                                                   "fail: step 40: attention_logits fail"]
+    assert [k["title"] for k in run.alerts] == ["tinylm watch: attention_logits at step 30"] * 1 + \
+        ["tinylm watch: attention_logits at step 40"]
+    assert run.summary["watch/first_fail"] == "step 40: attention_logits fail"  # a warning is not a fail

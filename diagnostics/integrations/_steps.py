@@ -13,12 +13,16 @@ A step, as the callbacks drive it::
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any
 
 from ..jobs.watch import Watch, WatchFailure, WatchStop
 
 __all__ = ["Steps", "record_scalars", "step_scalars"]
+
+#: where a framework callback's alerts go (each warning or fail of the watch, with its cause and fix)
+_LOG = logging.getLogger("diagnostics.watch")
 
 
 def step_scalars(loss: float, lr: float, grad_norm: float) -> dict[str, float]:
@@ -108,6 +112,8 @@ class Steps:
         w = self.watch
         w._end_step(t, loss, lr, grad_norm, recording, before)
         w.log(t, math.nan if loss is None else loss, lr, grad_norm)
+        for alert in w.book.take_new():  # a framework's loop has no record() to return them: its log has them
+            _LOG.log(logging.ERROR if alert.severity == "fail" else logging.WARNING, "%s", alert.message)
         try:
             return w._check_stop()
         except WatchStop:

@@ -14,7 +14,9 @@ beside whatever else the run logs without taking its step counter:
   ``watch/attention_entropy/<site>``, ``watch/not_ok`` (how many sites are not ok: the same
   scalars as the TensorBoard writer's), and ``watch/verdicts``, a text of each verdict other
   than ok ("site: verdict (stat = value, threshold t)"), when there is one;
-* every alarm (a spike or a non-finite loss): ``watch/alarm``, the event's message.
+* every alarm (a spike or a non-finite loss): ``watch/alarm``, the event's message;
+* every alert (a warning or fail with its cause and fix): ``watch/alert``, and a W&B alert
+  (``run.alert``, level WARN or ERROR), which W&B sends by e-mail or Slack as the user set it up.
 
 The run's summary keeps ``watch/first_fail``: the message of the first verdict of the
 watch's fail kinds (:data:`diagnostics.judge.over_time.FAIL_VERDICTS`) or non-finite loss.
@@ -108,6 +110,18 @@ class WandbWriter(WatchWriter):
         self._add(event.step, {"watch/alarm": event.message})
         if event.kind == "nonfinite":
             self._first_fail(event.message)
+
+    def alert(self, alert: Any) -> None:
+        """A warning or fail of the watch: its message in the step's row (``watch/alert``), and a
+        W&B alert (``run.alert``: e-mail or Slack, as the user's W&B settings say) at its severity."""
+        self._add(alert.step, {"watch/alert": f"{alert.severity}: {alert.message}"})
+        if alert.severity == "fail" and alert.signal not in (*FAIL_VERDICTS, "non_finite"):
+            self._first_fail(alert.message)  # a precursor past its fail level (the verdicts' own come with their record)
+        notify = getattr(self.run, "alert", None)
+        if callable(notify):
+            level = getattr(getattr(wandb, "AlertLevel", None), "ERROR" if alert.severity == "fail" else "WARN", None)
+            title = f"tinylm watch: {alert.signal} at step {alert.step}"
+            notify(title=title, text=alert.message[:1000], **({"level": level} if level is not None else {}))
 
     def close(self) -> None:
         """Log what is pending; finish the run when this writer opened it."""
