@@ -258,9 +258,10 @@ def _stalled(history: dict[str, Any], values: dict[str, dict[str, float]], step:
     slope, se = trend
     sig = SIGNALS[causes[0]]
     fall = -slope * th.plateau_steps
-    message = (f"step {step}: stall: the loss fell {fall:.3g} over the last {int(th.plateau_steps)} steps "
-               f"(slope {slope:.3g} +- {se:.2g} per step, not below zero) while {causes[0]} is past its threshold; "
-               f"cause: {sig.cause}; fix: {sig.fix}")
+    t = slope / se if se > 0 else math.inf
+    message = (f"step {step}: stall: the loss fell only {fall:.3g} over the last {int(th.plateau_steps)} steps "
+               f"(slope {slope:.3g} +- {se:.2g} per step: t = {t:.2f}, not below zero at a false-alarm rate of "
+               f"1e-6, t > -{_Z_STALL:.2f}) while {causes[0]} is past its threshold; cause: {sig.cause}; fix: {sig.fix}")
     return Alert(step, "warn", "stall", None, slope, -_Z_STALL * se, 0, step, sig.cause, sig.fix,
                  f"the loss is not falling; {', '.join(causes)} past threshold", message)
 
@@ -393,7 +394,8 @@ def _alert(history: dict[str, Any], sig: Signal, site: str, series: list[float |
         fix = "warm the learning rate up (post-norm needs it, Xiong et al. 2020) or move to pre-norm"
     ruled = _ruled_out(here, th, sig.name)
     cmp = ">" if sig.worse == "high" else "<"
-    where = "" if site in ("model", "logits", "optimizer") else f" at {site}"
+    shown = site[:-len(".probs")] if sig.name.startswith("attention") and site.endswith(".probs") else site
+    where = "" if site in ("model", "logits", "optimizer") else f" at {shown}"
     trend = f"rising for {rising} record{'s' if rising != 1 else ''}" if rising else "not rising"
     message = (f"step {steps[-1]}: {sig.name}{where}: {sig.what} = {value:.3g} {cmp} {limit:.3g} since step "
                f"{steps[begun]} ({trend}); cause: {cause}; fix: {fix}; {ruled}")
