@@ -196,7 +196,8 @@ class Finding:
     severity: "fail" (broken: will not train, or already diverged) or "warn" (trains, with
     care). cause: what the evidence supports (a key of diagnostics.judge.causes.CAUSES:
     "non_finite", "score_scale", "saturated_attention", "dead_units", "init_scale", "no_norm",
-    "post_norm_depth", or "unclear" where the evidence does not single one out; "" in
+    "post_norm_depth", "logit_scale", "attn_logits", "attn_entropy", "output_logits",
+    "massive_activations", or "unclear" where the evidence does not single one out; "" in
     documents written before causes existed).
     """
 
