@@ -357,14 +357,21 @@ def _non_finite(causes: _Causes, s: Symptom) -> None:
                      "the norms and the weights' scale) or a division by zero / log of zero"))
 
 
-def _loss(causes: _Causes, s: Symptom) -> None:
-    """A loss far above ln V: logits blown up by an exploding or non-finite stream, or by weights too
-    large, are their consequence; else the logits' scale is its own cause."""
-    root = next((n for n, c in causes.items() if any(x.kind in ("exploding", "non_finite")
-                                                       for x in c.symptoms)), None)
+
+def _scale_root(causes: "_Causes") -> str | None:
+    """The open cause a symptom of scale is the consequence of: an exploding or non-finite stream,
+    else weights too large or far from their init (None: neither is open)."""
+    root = next((n for n, c in causes.items() if any(x.kind in ("exploding", "non_finite") for x in c.symptoms)),
+                None)
     init = causes.get("init_scale")
     if root is None and init is not None and (init.large or init.far):
         root = "init_scale"
+    return root
+
+def _loss(causes: _Causes, s: Symptom) -> None:
+    """A loss far above ln V: logits blown up by an exploding or non-finite stream, or by weights too
+    large, are their consequence; else the logits' scale is its own cause."""
+    root = _scale_root(causes)
     if root is not None:
         causes.explains(root, s)
         return
@@ -439,11 +446,7 @@ def _output_logits(causes: _Causes, s: Symptom) -> None:
 def _massive(causes: _Causes, s: Symptom) -> None:
     """A block output's peak far above its median: weights too large or an explosion where open;
     else massive activations (a warning: they overflow float16 first, and dominate a norm's scale)."""
-    root = next((n for n, c in causes.items() if any(x.kind in ("exploding", "non_finite") for x in c.symptoms)),
-                None)
-    init = causes.get("init_scale")
-    if root is None and init is not None and (init.large or init.far):
-        root = "init_scale"
+    root = _scale_root(causes)
     if root is not None:
         causes.explains(root, s)
         return
