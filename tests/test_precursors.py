@@ -222,3 +222,26 @@ def test_a_framework_callback_logs_each_alert(caplog):
     steps.close()
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert caplog.records[0].getMessage().startswith("step 2: attention_logits")
+
+
+def test_weights_far_from_their_declared_init_are_named_at_step_0():
+    """A tinylm model whose matrices were scaled x5 after init: the first record (step 0) names
+    it; the same model as built (the negative control) does not, nor does a run resumed later."""
+    def first_alerts(scale):
+        model = _model()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.dim() == 2 and n.startswith("layers."):
+                    p.mul_(scale)
+        watch = Watch(model, every=1)
+        x = torch.randint(0, 32, (2, 8))
+        with watch.step(0):
+            model(x).logsumexp(-1).mean().backward()
+        return watch.record(1.0).alerts, watch.history["records"][0].get("init")
+
+    alerts, init = first_alerts(5.0)
+    assert init["drift"] == pytest.approx(5.0, rel=0.05)
+    assert [(a.step, a.signal, a.severity) for a in alerts] == [(0, "init_scale", "warn")]  # 4 < 5 < 4^2
+    assert "tinylm.init.apply" in alerts[0].fix
+    alerts, init = first_alerts(1.0)
+    assert alerts == [] and init["drift"] == pytest.approx(1.0, rel=0.1)

@@ -21,7 +21,8 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
                   ["logits": {"logz_mean", "logz_std", "logz_absmax", "max_logit"},]
                   "update_ratio": {parameter: r},
                   ["optimizer": {"eps_share", "alignment", "alignment_min"}],
-                  ["dtypes": {site: "float16" | "bfloat16" | "float32" | ...}]}, ...],
+                  ["dtypes": {site: "float16" | "bfloat16" | "float32" | ...}],
+                  ["init": {"drift"}]}, ...],
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
 "kinds", "model" and "thresholds" are optional: a history without them reads the same,
@@ -29,7 +30,8 @@ with kind, scheme, depth and width None in its rows and the default thresholds. 
 keys in [brackets] (:data:`SIGNAL_KEYS`, :data:`ATTENTION_SIGNALS`, "logits"; the watch's
 precursor signals, :mod:`diagnostics.measure.signals`; a record's "optimizer" is there when
 the watch was given the optimizer: its figures of that step, :mod:`diagnostics.measure.optimizer`;
-"dtypes" names the format each site's output had, which its gradient is computed in),
+"dtypes" names the format each site's output had, which its gradient is computed in; "init",
+in a run's record of step 0 only, the median block matrix's std over its declared init's),
 each a number where present:
 
     fwd_zero, grad_zero            fraction of exact zeros among the entries (Moments.frac_zero)
@@ -254,6 +256,9 @@ def _record_problem(rec: Any, where: str) -> str | None:
     logits = rec.get("logits")
     if logits is not None and not (isinstance(logits, dict) and all(_is_number(logits.get(k)) for k in LOGITS_KEYS)):
         return f"{where}.logits is not {{{', '.join(LOGITS_KEYS)}: number}}"
+    init = rec.get("init")
+    if init is not None and not (isinstance(init, dict) and all(_is_number(v) for v in init.values())):
+        return f"{where}.init is not {{drift: number}}"
     dtypes = rec.get("dtypes")
     if dtypes is not None and not (isinstance(dtypes, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in dtypes.items())):

@@ -49,6 +49,7 @@ from ..judge.thresholds import Thresholds
 from ..measure.distributed import exchange, process_group
 from ..measure.moments import AttnMoments, Moments, ProbeStats
 from ..measure.optimizer import optimizer_signals
+from ..measure.signals import init_drift
 from ..measure import sharded
 from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
@@ -530,6 +531,10 @@ class Watch:
             record["logits"] = self._pending_logits
         if self._pending_dtypes:
             record["dtypes"] = self._pending_dtypes
+        if t == 0 and not self.history["records"]:  # a run from its init: its weights against the declared scheme
+            drift = init_drift(self.model, before)
+            if drift is not None:
+                record["init"] = {"drift": drift}
         self._pending, self._ratios = None, None
         self.history["records"].append(record)
         rows = self._judge(record)

@@ -17,6 +17,8 @@ threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
                        float16 or bfloat16 run                    > underflow_share
     overflow_ahead     max |activation| x overflow_headroom       > the largest finite of the site's
                        float16 format
+    init_scale         at step 0, the block matrices' median std / their declared init's std,
+                       either way                                 > init_drift
     massive            a block output's max |x| / median |x|      > massive_ratio
     stall              the loss has not fallen over the last plateau_steps steps (its least-squares
                        slope is not below zero at a false-alarm rate of 1e-6) while update_small,
@@ -178,6 +180,12 @@ def _headroom(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _init(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
+    """The factor between the block matrices' std and their declared init's (either way), at step 0."""
+    d = (rec.get("init") or {}).get("drift")
+    return {"model": max(d, 1.0 / d)} if _finite(d) and d > 0 else {}
+
+
 def _peak(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
     return {site: float(st["fwd_peak"]) for site, st in (rec.get("stats") or {}).items() if _finite(st.get("fwd_peak"))}
 
@@ -215,6 +223,11 @@ SIGNALS: dict[str, Signal] = {s.name: s for s in (
     Signal("overflow_ahead", _headroom, "overflow_headroom", "high", "max |activation| / float16's largest",
            "activations approach float16's largest finite value: an overflow to inf is near",
            "train in bfloat16, or keep this site in float32", persist=False),
+    Signal("init_scale", _init, "init_drift", "high", "block matrices' std / their declared init's (either way)",
+           "the weights start far from the scale their init scheme declares: the activations and attention "
+           "logits start too large (or too small) and the run trains far worse",
+           "re-initialise with the declared scheme (tinylm.init.apply), or declare the scheme you used",
+           persist=False),
     Signal("massive", _peak, "massive_ratio", "high", "max |x| / median |x|",
            "massive activations (Sun et al. 2024): a few features dwarf the rest; low-precision formats "
            "lose them or overflow", "keep the residual stream in float32 or bfloat16; check the norms"),
@@ -277,6 +290,8 @@ def _fail_limit(sig: Signal, limit: float) -> float:
         return (limit + 1.0) / 2.0
     if sig.name == "overflow_ahead":
         return 1.0 / 2.0  # within a factor 2 of the format's largest finite
+    if sig.name == "init_scale":
+        return limit * limit  # as diagnose's init check: past the threshold squared
     return limit * FAIL_FACTOR if sig.worse == "high" else limit / FAIL_FACTOR
 
 

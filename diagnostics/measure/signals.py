@@ -43,7 +43,7 @@ from .moments import Moments
 from .reducer import merge_vectors, reduce
 from .sdpa import ROWS, sample_rows
 
-__all__ = ["Signals", "peak_ratio", "log_partition", "causal_ceiling", "PEAK_KINDS"]
+__all__ = ["Signals", "peak_ratio", "log_partition", "causal_ceiling", "init_drift", "PEAK_KINDS"]
 
 #: the kinds of site whose peak ratio is measured: the residual stream and the head's logits
 PEAK_KINDS = ("residual", "logits")
@@ -184,3 +184,31 @@ class Signals:
         if self._logz is not None and got.get("s/logz") is not None:
             logz = (Moments.from_vector(got["s/logz"]), float(got["s/logit_max"][0]))
         return attention, logz, peaks
+
+
+@torch.no_grad()
+def init_drift(model: nn.Module, params: dict[str, Tensor] | None = None) -> float | None:
+    """The median over the block matrices (2-D parameters of a block) of std(W) / the std its
+    declared init scheme intends (``tinylm.init.declare`` of ``model.config.init``), read from
+    ``params`` (the values to judge, e.g. the copies taken before a step; None: the model's own).
+    None for a model without a declared scheme or without such a matrix. One host transfer."""
+    scheme = getattr(getattr(model, "config", None), "init", None)
+    if not scheme:
+        return None
+    from tinylm.init import declare
+
+    try:
+        declared = declare(model, scheme)
+    except Exception:  # a scheme that cannot describe this model: nothing declared to compare with
+        return None
+    own = dict(model.named_parameters())
+    ratios = []
+    for name, dist in declared.items():
+        w = (params or {}).get(name, own.get(name))
+        std = getattr(dist, "actual_std", None)
+        if w is None or w.dim() != 2 or tinylm.plan.block_index(name) is None or not std:
+            continue
+        ratios.append(w.detach().float().std() / std)
+    if not ratios:
+        return None
+    return float(torch.stack(ratios).median())
