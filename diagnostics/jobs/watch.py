@@ -39,8 +39,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from tinylm import validate
 from tinylm.errors import TinyLMError
 from torch import nn
+
+from ..errors import OptionsError
 
 from ..integrations.writers import WatchWriter
 from ..judge.over_time import FAIL_VERDICTS, Extremes, describe_move, first_mover, record_verdicts
@@ -101,10 +104,6 @@ def _finite(x: float | None) -> bool:
 def _checked_thresholds(model: Any, every: Any, stop: Any, thresholds: Any, spike_factor: float | None
                         ) -> Thresholds:
     """The watch's thresholds, after checking the arguments of :class:`Watch` that need no model walk."""
-    from tinylm import validate
-
-    from ..options import OptionsError
-
     if not isinstance(model, nn.Module):
         raise OptionsError(f"model={type(model).__name__}: the watch needs a torch.nn.Module")
     validate.integer("every", every, low=0, fix="every=N (0 turns recording off)", error=OptionsError)
@@ -162,10 +161,6 @@ class Watch:
                  *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None,
                  optimizer: torch.optim.Optimizer | None = None, forensics: int = 8):
         thresholds = _checked_thresholds(model, every, stop, thresholds, spike_factor)
-        from tinylm import validate
-
-        from ..options import OptionsError
-
         validate.integer("forensics", forensics, low=1, fix="forensics=N (records kept for a report)", error=OptionsError)
         self.thresholds = thresholds
         #: the process group the records and the loss are merged over (None: one process)
@@ -197,6 +192,7 @@ class Watch:
         self._pending_attention: dict[str, dict[str, float]] = {}
         self._pending_logits: dict[str, float] | None = None
         self._pending_dtypes: dict[str, str] = {}  # site -> its forward dtype at the record
+        self._init: Any = None  # the first record's init drift: a tensor until it moves, then a float
         self._ema: float | None = None
         self._n = 0
         self._armed = True
@@ -221,8 +217,6 @@ class Watch:
 
     def _writers(self, log_dir: str | None, writers: list[WatchWriter] | tuple) -> list[WatchWriter]:
         """The default writers of ``log_dir`` followed by ``writers``, each checked (none opened yet)."""
-        from ..options import OptionsError
-
         out: list[WatchWriter] = []
         if self.rank != 0:  # one set of files for a distributed run: rank 0's
             return out
@@ -292,10 +286,6 @@ class Watch:
         copied first so that :meth:`record` gives each one's update ratio (put the optimizer
         step inside the ``with`` or between it and :meth:`record`). Hooks are removed on exit,
         whatever happens."""
-        from tinylm import validate
-
-        from ..options import OptionsError
-
         validate.integer("t", t, low=0, fix="watch.step(t) with the step number t", error=OptionsError)
         self._finish_open()
         recording = self._starts(int(t))
@@ -319,8 +309,6 @@ class Watch:
         ``bool(report)`` is whether there is a failure. With ``stop="raise"`` a failure raises
         :class:`WatchStop` instead. ``failure`` keeps the first of the run, ``alerts`` all of them.
         """
-        from ..options import OptionsError
-
         if self._open_step is None:
             raise OptionsError("watch.record(...) without a step: call it after `with watch.step(t):`")
         if loss is None:
@@ -373,6 +361,8 @@ class Watch:
             if names:
                 entries.append(("update_ratio", "first", ratios))
             entries += self._opt.entries()  # the optimizer's sums (none without one)
+            if isinstance(self._init, torch.Tensor):
+                entries.append(("init", "first", self._init))
         got = exchange(entries, self.group)
         if raw is not None:
             merged = ProbeStats(
@@ -386,6 +376,8 @@ class Watch:
             self._pending_attention = attention_stats(merged, extra)
             self._ratios = dict(zip(names, got["update_ratio"])) if names else {}
             self._opt.merge(got)
+            if isinstance(self._init, torch.Tensor):
+                self._init = float(got["init"][0])
         return got
 
     def _starts(self, t: int) -> bool:
@@ -507,7 +499,10 @@ class Watch:
         """Copies of the parameters, for the update ratio (and optimizer figures) of the step about to be taken."""
         if not self.enabled:
             return {}
-        return self._opt.arm({n: p.detach().clone() for n, p in self.params.items()})
+        copies = {n: p.detach().clone() for n, p in self.params.items()}
+        if not self.history["records"]:  # the first record: the weights against their declared init
+            self._init = init_drift(self.model, copies)
+        return self._opt.arm(copies)
 
     @torch.no_grad()
     def _ratio_vector(self, before: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor | None]:
@@ -531,10 +526,9 @@ class Watch:
             record["logits"] = self._pending_logits
         if self._pending_dtypes:
             record["dtypes"] = self._pending_dtypes
-        if t == 0 and not self.history["records"]:  # a run from its init: its weights against the declared scheme
-            drift = init_drift(self.model, before)
-            if drift is not None:
-                record["init"] = {"drift": drift}
+        drift, self._init = self._init, None
+        if t == 0 and not self.history["records"] and drift is not None:  # a run from its init
+            record["init"] = {"drift": drift}
         self._pending, self._ratios = None, None
         self.history["records"].append(record)
         rows = self._judge(record)

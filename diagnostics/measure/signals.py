@@ -187,11 +187,13 @@ class Signals:
 
 
 @torch.no_grad()
-def init_drift(model: nn.Module, params: dict[str, Tensor] | None = None) -> float | None:
+def init_drift(model: nn.Module, params: dict[str, Tensor] | None = None) -> Tensor | None:
     """The median over the block matrices (2-D parameters of a block) of std(W) / the std its
     declared init scheme intends (``tinylm.init.declare`` of ``model.config.init``), read from
-    ``params`` (the values to judge, e.g. the copies taken before a step; None: the model's own).
-    None for a model without a declared scheme or without such a matrix. One host transfer."""
+    ``params`` (the values to judge, e.g. the copies taken before a step; None: the model's own),
+    as a (1,) float64 tensor on the weights' device (no host transfer). None for a model without
+    a declared scheme or without such a matrix, and for sharded weights (FSDP2's DTensors: a
+    shard's std is not its matrix's), which every rank skips alike."""
     scheme = getattr(getattr(model, "config", None), "init", None)
     if not scheme:
         return None
@@ -208,7 +210,10 @@ def init_drift(model: nn.Module, params: dict[str, Tensor] | None = None) -> flo
         std = getattr(dist, "actual_std", None)
         if w is None or w.dim() != 2 or tinylm.plan.block_index(name) is None or not std:
             continue
-        ratios.append(w.detach().float().std() / std)
+        w = w.detach()
+        if type(w) is not Tensor:  # a shard (DTensor): its std is not its matrix's
+            return None
+        ratios.append(w.float().std() / std)
     if not ratios:
         return None
-    return float(torch.stack(ratios).median())
+    return torch.stack(ratios).median().double().reshape(1)
