@@ -245,3 +245,12 @@ def test_weights_far_from_their_declared_init_are_named_at_step_0():
     assert "tinylm.init.apply" in alerts[0].fix
     alerts, init = first_alerts(1.0)
     assert alerts == [] and init["drift"] == pytest.approx(1.0, rel=0.1)
+
+
+def test_a_long_run_past_its_threshold_is_reported_once_and_judging_looks_back_a_bounded_window():
+    recs = [_rec(10 * k, attention=_attn(300.0)) for k in range(3 * P.LOOKBACK)]
+    alerts = _all(_history(recs))
+    assert [(a.step, a.severity) for a in alerts] == [(20, "warn")]  # not again when the run outgrows the window
+    # after 500 calm records, three past the threshold: reported at the third, since the first
+    long = _history([_rec(10 * k, attention=_attn(5.0 if k < 500 else 300.0)) for k in range(503)])
+    assert [(a.step, a.since) for a in P.precursor_alerts(long, 502)] == [(5020, 5000)]

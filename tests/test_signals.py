@@ -134,6 +134,7 @@ def test_tinylm_explicit_path_gives_the_same_figures():
         if isinstance(m, tinylm.MultiHeadSelfAttention):
             m.explicit = True
     explicit, _ = watched(model, lambda m: m(x).square().mean())
+    assert set(explicit["attention"]) == set(fused["attention"]) == {f"layers.{i}.attn.probs" for i in range(2)}
     for name, a in fused["attention"].items():
         close(explicit["attention"][name], a, rel=1e-5)
 
@@ -224,6 +225,7 @@ def test_gpt2_every_layer_against_q_and_k(impl):
 def test_gpt2_eager_and_sdpa_agree():
     x = torch.randint(0, 50, (2, 10), generator=torch.Generator().manual_seed(4))
     recs = [watched(_gpt2(impl), lambda m: m(x, labels=x).loss)[0] for impl in ("eager", "sdpa")]
+    assert set(recs[0]["attention"]) == set(recs[1]["attention"]) == {f"transformer.h.{i}.attn.probs" for i in range(2)}
     for name, a in recs[0]["attention"].items():
         close(recs[1]["attention"][name], a, rel=1e-5)
 

@@ -29,7 +29,7 @@ threshold at ``early_persist`` records in a row (a share or a format's headroom,
 every entry and does not fluctuate as a maximum does: at the first record past it); then not
 again at that site until it has come back within its threshold. A value past the fail level
 (:data:`FAIL_FACTOR` times past the threshold) is reported at once, as a fail, once per run of
-records past the threshold. Persistence is what keeps a single noisy record from raising an
+records past the threshold (within the last :data:`LOOKBACK` records). Persistence is what keeps a single noisy record from raising an
 alarm; it costs ``(early_persist - 1) x every`` steps of lead.
 
 Every alert says the value, the threshold, how many records in a row the value has been rising,
@@ -44,12 +44,16 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from .thresholds import Thresholds
 
-__all__ = ["Alert", "SIGNALS", "FAIL_FACTOR", "signal_values", "precursor_alerts", "all_precursor_alerts",
+__all__ = ["Alert", "SIGNALS", "FAIL_FACTOR", "LOOKBACK", "signal_values", "precursor_alerts", "all_precursor_alerts",
            "LOW_PRECISION"]
+
+#: records a judgement looks back on (a run past a threshold longer than this counts from its start;
+#: judging a record costs the same at record 10 and at record 10,000)
+LOOKBACK = 64
 
 #: how far past its threshold a signal must go to be a fail (larger-is-worse signals: x this
 #: factor; smaller-is-worse: / this factor; shares: halfway from the threshold to 1)
@@ -244,8 +248,14 @@ def loss_trend(history: dict[str, Any], step: int, window: int) -> tuple[float, 
     """(slope, its standard error) of the ordinary least-squares line through the finite losses
     logged at the last ``window`` steps up to ``step``; None with fewer than ``window`` // 2 of them."""
     series = history.get("series") or {}
-    pts = [(t, v) for t, v in zip(series.get("step") or [], series.get("loss") or [])
-           if step - window < t <= step and _finite(v)]
+    steps, losses = series.get("step") or [], series.get("loss") or []
+    pts = []
+    for j in range(len(steps) - 1, -1, -1):  # from the newest: the steps are logged in order
+        t = steps[j]
+        if t <= step - window:
+            break
+        if t <= step and _finite(losses[j]):
+            pts.append((t, losses[j]))
     if len(pts) < max(3, window // 2):
         return None
     n = len(pts)
@@ -340,9 +350,10 @@ def _ruled_out(values: dict[str, dict[str, float]], th: Thresholds, skip: str) -
     return text + ("; not measured: " + ", ".join(unmeasured) if unmeasured else "")
 
 
-def _judge_site(sig: Signal, series: list[float | None], steps: list[int], th: Thresholds) -> tuple[str, int] | None:
+def _judge_site(sig: Signal, series: list[float | None], th: Thresholds) -> tuple[str, int] | None:
     """(severity, index where its run of past records began) when the last value of ``series``
-    should be reported, else None. ``series``: the site's values at records 0..k."""
+    should be reported, else None. ``series``: the site's values at the records up to k that
+    :func:`precursor_alerts` looks back on."""
     p, limit = (int(th.early_persist) if sig.persist else 1), _limit(sig, th)
     run = 0
     for v in reversed(series):
@@ -370,7 +381,8 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
         history: a watch history dict.
         k: the index of the record judged (its earlier records are the reference).
         thresholds: the thresholds (None: the history's own, else the defaults).
-        values: :func:`signal_values` of records 0..k when already computed (None: computed here).
+        values: :func:`signal_values` of records 0..k (or more) when already computed (None:
+            computed here); only the last :data:`LOOKBACK` up to k are read.
 
     Returns:
         The alerts of record k, most severe first, then in :data:`SIGNALS` order.
@@ -379,15 +391,16 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
 
     th = thresholds_of(history, thresholds)
     values = values if values is not None else [signal_values(history, j) for j in range(k + 1)]
-    steps = [int(r["step"]) for r in history["records"][:k + 1]]
+    lo = max(0, k + 1 - LOOKBACK)
+    steps = [int(r["step"]) for r in history["records"][lo:k + 1]]
     out: list[Alert] = []
     stall = _stalled(history, values[k], steps[-1], th)
     if stall is not None and not _stalled_before(history, values, k, th):
         out.append(stall)
     for name, sig in SIGNALS.items():
         for site in values[k].get(name, {}):
-            series = [v.get(name, {}).get(site) for v in values[:k + 1]]
-            due = _judge_site(sig, series, steps, th)
+            series = [v.get(name, {}).get(site) for v in values[lo:k + 1]]
+            due = _judge_site(sig, series, th)
             if due is not None:
                 out.append(_alert(history, sig, site, series, steps, due, th, values[k]))
     return sorted(out, key=lambda a: a.severity != "fail")
@@ -424,13 +437,8 @@ def all_precursor_alerts(history: dict[str, Any], thresholds: Thresholds | None 
     values = [signal_values(history, j) for j in range(len(records))]
     out: list[Alert] = []
     for k in range(len(records)):
-        out += precursor_alerts(history, k, thresholds, values[:k + 1])
+        out += precursor_alerts(history, k, thresholds, values)
     return out
-
-
-def sites_of(alerts: Iterable[Alert]) -> list[str]:
-    """The distinct sites named by ``alerts``, in order (the model-level ones as "model")."""
-    return list(dict.fromkeys(a.site or "model" for a in alerts))
 
 
 #: the cause and fix of each verdict over time (:mod:`diagnostics.judge.over_time`) as an alert

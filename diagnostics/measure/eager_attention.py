@@ -32,9 +32,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
-from .sdpa import ROWS, masked_additive, row_statistics, sample_rows
+from .sdpa import ROWS, SDPAWatch, masked_additive, row_statistics, sample_rows
 
 __all__ = ["EagerAttentionWatch", "eager_rows", "is_attention_softmax", "SOFTMAX"]
 
@@ -66,17 +65,20 @@ def eager_rows(x: Tensor, rows: int = ROWS, signal: bool = True) -> tuple[Tensor
     return row_statistics(s.to(torch.promote_types(s.dtype, torch.float32)), allowed, signal)
 
 
-class EagerAttentionWatch(TorchFunctionMode):
-    """While entered, every softmax that :func:`is_attention_softmax` takes for attention is
-    measured (:func:`eager_rows`) and reported as ``record(name, scores, panel)`` and, given
-    ``signal``, ``signal(name, vector)``; ``where()`` names the caller (None: not reported,
-    as outside every block). The call then runs unchanged. The measurement runs with torch
-    functions' overrides off, so no other mode sees its ops (its own softmax included)."""
+class EagerAttentionWatch(SDPAWatch):
+    """An :class:`~diagnostics.measure.sdpa.SDPAWatch` (its ``scaled_dot_product_attention``
+    calls measured as there) that, while entered, also measures every softmax that
+    :func:`is_attention_softmax` takes for attention (:func:`eager_rows`), reported as
+    ``record(name, scores, panel)`` and, given ``signal``, ``signal(name, vector)``; ``where()``
+    names the caller (None: not reported, as outside every block). One mode sees both kinds of
+    attention, so a call pays one interception. The call then runs unchanged. The measurement
+    runs with torch functions' overrides off, so no other mode sees its ops (its own softmax
+    included)."""
 
     def __init__(self, record: Callable[[str, Tensor, Tensor], None], where: Callable[[], str | None],
                  signal: Callable[[str, Tensor], None] | None = None, rows: int = ROWS):
-        super().__init__()
-        self.record, self.where, self.signal, self.rows = record, where, signal, rows
+        super().__init__(record, where, signal)
+        self.rows = rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -89,5 +91,6 @@ class EagerAttentionWatch(TorchFunctionMode):
                 self.record(name, moments, panel)
                 if vec is not None:
                     self.signal(name, vec)
-        return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 

@@ -53,7 +53,6 @@ from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from . import compiled, sharded
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .eager_attention import EagerAttentionWatch
-from .sdpa import SDPAWatch
 from .signals import Signals
 from .sites import model_sites
 from .wrappers import default_stance, eager, unwrap
@@ -398,7 +397,7 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
 
 
 def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
-    """Enter into ``owner`` an :class:`SDPAWatch` and an :class:`EagerAttentionWatch`
+    """Enter into ``owner`` an :class:`EagerAttentionWatch` (SDPA calls and eager softmax)
     (not for a tinylm attention: its own observer measures it) whose calls, named by the innermost running
     block or block child (hooks owned by ``owner``), add ``{name}.scores`` moments and ``{name}.probs``."""
     running: list[str] = []
@@ -429,8 +428,7 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
         return running[-1] if running and run.active and running[-1] not in own else None
 
     signal = run.signals.attention if run.signals is not None else None
-    owner.enter_context(SDPAWatch(record, where, signal))
-    owner.enter_context(EagerAttentionWatch(record, where, signal))
+    owner.enter_context(EagerAttentionWatch(record, where, signal))  # SDPA calls and eager softmax, one mode
 
 
 def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module]]:
