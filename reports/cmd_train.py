@@ -30,7 +30,8 @@ _TRAIN_FLAGS = {
     "z_loss": (float, "coefficient C of the z-loss C mean (log Z)^2 added to the cross-entropy; the loss shown "
                       "stays the cross-entropy (default 0: off; PaLM uses 1e-4)"),
 }
-_MODEL_FLAGS = ("norm", "ffn", "d_model", "d_ff", "num_layers", "num_heads", "context_length", "vocab_size", "qk_norm")
+_MODEL_FLAGS = ("norm", "ffn", "d_model", "d_ff", "num_layers", "num_heads", "context_length", "vocab_size", "qk_norm",
+                "parametrization", "mup_base_width")
 DEFAULT_STEPS = 60
 
 
@@ -48,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn", choices=["swiglu", "silu"], help="feed-forward kind (default swiglu)")
     p.add_argument("--qk-norm", choices=["none", "rms", "layer"],
                    help="normalise each head's queries and keys before RoPE (default none)")
+    p.add_argument("--parametrization", choices=["sp", "mup"],
+                   help="sp (standard, default) or mup (muP: per-width multipliers and learning rates)")
+    p.add_argument("--mup-base-width", type=int,
+                   help="the base d_model of --parametrization mup (default: the preset's d_model)")
     p.add_argument("--d-model", type=int, help="override the preset's width (d_ff follows as 8/3 d unless --d-ff)")
     p.add_argument("--d-ff", type=int, help="override the feed-forward width")
     p.add_argument("--num-layers", type=int, help="override the preset's number of blocks")
@@ -74,6 +79,8 @@ def _build_model(args: argparse.Namespace):
             changes[name] = getattr(args, name)
     if "d_model" in changes and "d_ff" not in changes:
         changes["d_ff"] = default_d_ff(changes["d_model"])
+    if changes.get("parametrization") == "mup":
+        changes.setdefault("mup_base_width", preset(args.preset or "tiny").d_model)
     config = preset(args.preset or "tiny", **changes)
     return TransformerLM(config, generator=torch.Generator().manual_seed(args.seed or 0))
 

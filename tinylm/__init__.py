@@ -7,7 +7,7 @@ positions, biases) chosen by :class:`ModelConfig`; named init schemes in
 model's dataflow as data, with module and tensor names) in :mod:`tinylm.plan`.
 """
 
-from . import functional, init, plan
+from . import functional, init, mup, plan
 from .config import PRESETS, ModelConfig, default_d_ff, preset
 from .errors import CheckpointError, ConfigError, MissingOptionError, TinyLMError, UnsafeCheckpointError
 from .layers import (
@@ -46,6 +46,7 @@ __all__ = [
     "TransformerLM",
     "functional",
     "init",
+    "mup",
     "plan",
     "BlockPlan",
     "ModelPlan",

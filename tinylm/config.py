@@ -22,6 +22,7 @@ NORM_KINDS = ("rms", "layer")
 FFNS = ("swiglu", "silu", "gelu", "gelu_tanh", "relu")
 POSITIONS = ("rope", "learned", "none")
 QK_NORMS = ("none", "rms", "layer")
+PARAMETRIZATIONS = ("sp", "mup")
 
 
 def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
@@ -77,6 +78,19 @@ class ModelConfig:
             ``k_norm.weight`` of size d_k shared by the heads) or "layer" (LayerNorm, a gain
             and a bias), with epsilon ``eps``. With RMSNorm and unit gains every score
             |q_hat . k_hat| / sqrt(d_k) is at most sqrt(d_k), whatever the weights.
+        parametrization: "sp" (standard) or "mup" (the Maximal Update Parametrization, see
+            :mod:`tinylm.mup`): with width_mult m = d_model / mup_base_width, hidden weights'
+            init variance is the scheme's at the base width times 1/m (so proportional to
+            1/fan_in), the logits are lm_head's output times 1/m, and attention logits are
+            q.k sqrt(d_base_head) / d_head (1/d_head scaling; exactly 1/sqrt(d_head) at the base
+            width). At m = 1 the model equals the standard one exactly.
+        mup_base_width: the base d_model of a "mup" model (required there; None under "sp").
+        mup_base_head_dim: the base head dimension (default d_head / m: heads fixed, d_head
+            growing with width; set it to d_head when width grows by adding heads).
+        mup_readout_zero_init: a "mup" model's lm_head starts at zero (untied heads only).
+        mup_query_zero_init: a "mup" model's q_proj weights start at zero.
+        mup_base_depth: None, or the base depth L_base of depth-muP (CompleteP, alpha = 1):
+            every residual branch is multiplied by L_base / num_layers.
     """
 
     vocab_size: int
@@ -98,6 +112,12 @@ class ModelConfig:
     num_kv_heads: int | None = None
     sliding_window: int | None = None
     qk_norm: str = "none"
+    parametrization: str = "sp"
+    mup_base_width: int | None = None
+    mup_base_head_dim: int | None = None
+    mup_readout_zero_init: bool = False
+    mup_query_zero_init: bool = False
+    mup_base_depth: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -128,8 +148,58 @@ class ModelConfig:
         boolean("tie_embeddings", self.tie_embeddings, error=ConfigError)
         check("dropout", self.dropout, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
               and 0.0 <= v < 1.0, "be a number in [0, 1)", error=ConfigError)
+        self._check_parametrization()
         if not isinstance(self.init, str) or not self.init:
             fail("init", self.init, "name an init scheme", "one of tinylm.init.SCHEMES", error=ConfigError)
+
+    def _check_parametrization(self) -> None:
+        choice("parametrization", self.parametrization, PARAMETRIZATIONS, error=ConfigError)
+        boolean("mup_readout_zero_init", self.mup_readout_zero_init, error=ConfigError)
+        boolean("mup_query_zero_init", self.mup_query_zero_init, error=ConfigError)
+        mup_fields = ("mup_base_width", "mup_base_head_dim", "mup_base_depth")
+        if self.parametrization == "sp":
+            for name in (*mup_fields, "mup_readout_zero_init", "mup_query_zero_init"):
+                if getattr(self, name) not in (None, False):
+                    refuse(f"{name}={getattr(self, name)!r} with parametrization='sp': the muP fields apply to "
+                           "parametrization='mup' only", "pass parametrization='mup', or drop the field",
+                           error=ConfigError, argument=name)
+            return
+        if self.mup_base_width is None:
+            fail("mup_base_width", None, "be the base width (a positive integer) of a muP model",
+                 "mup_base_width=N (the d_model the hyperparameters were tuned at)", error=ConfigError)
+        for name in mup_fields:
+            if getattr(self, name) is not None:
+                integer(name, getattr(self, name), low=1, error=ConfigError)
+        if self.mup_readout_zero_init and self.tie_embeddings:
+            refuse("mup_readout_zero_init=True with tie_embeddings=True: a tied lm_head is the embedding table, "
+                   "which must not start at zero", "untie the embeddings, or drop mup_readout_zero_init",
+                   error=ConfigError, argument="mup_readout_zero_init")
+
+    @property
+    def width_mult(self) -> float:
+        """m = d_model / mup_base_width under "mup"; 1.0 under "sp"."""
+        return self.d_model / self.mup_base_width if self.parametrization == "mup" else 1.0
+
+    @property
+    def output_multiplier(self) -> float:
+        """What the logits are: lm_head's output times this (1/m under "mup", 1 under "sp")."""
+        return 1.0 / self.width_mult
+
+    @property
+    def attention_multiplier(self) -> float:
+        """The factor on each query so that the logits are q.k sqrt(d_base_head) / d_head under "mup"
+        (sqrt(d_base_head / d_head); exactly 1.0 at the base width and under "sp")."""
+        if self.parametrization != "mup":
+            return 1.0
+        base = self.mup_base_head_dim if self.mup_base_head_dim is not None else self.head_dim / self.width_mult
+        return 1.0 if base == self.head_dim else math.sqrt(base / self.head_dim)
+
+    @property
+    def branch_multiplier(self) -> float:
+        """Depth-muP (CompleteP, alpha = 1): each residual branch times L_base / L (1.0 without it)."""
+        if self.parametrization != "mup" or self.mup_base_depth is None:
+            return 1.0
+        return self.mup_base_depth / self.num_layers
 
     @property
     def rope(self) -> bool:

@@ -212,6 +212,11 @@ def _require(c: ModelConfig, arch: str, **wanted: Any) -> None:
         value = getattr(c, name)
         if value not in allowed:
             _refuse(name, value, f"{why[name]}; this model has no Hugging Face equivalent")
+    multipliers = (c.output_multiplier, c.attention_multiplier, c.branch_multiplier)
+    if any(v != 1.0 for v in multipliers):  # muP away from its base width (at the base it is the standard model)
+        _refuse("parametrization", c.parametrization, f"its logit, attention and branch multipliers "
+                f"({', '.join(f'{v:g}' for v in multipliers)}) have no Hugging Face {arch} config field; "
+                "this model has no Hugging Face equivalent (export it at its base width, or keep the tinylm checkpoint)")
 
 
 def _llama_hf_config(c: ModelConfig) -> dict[str, Any]:

@@ -360,9 +360,21 @@ def sites(model: nn.Module) -> dict[str, tuple[ParamSite, nn.Parameter]]:
     return out
 
 
-def declare(model: nn.Module, scheme: str | Scheme) -> dict[str, Dist]:
-    """The distribution ``scheme`` intends for every parameter of ``model`` (nothing is changed)."""
+def _for(model: nn.Module, scheme: str | Scheme) -> Scheme:
+    """The scheme's function; for a tinylm model in muP, its muP version (``tinylm.mup.scheme``)."""
     fn = get(scheme) if isinstance(scheme, str) else scheme
+    config = getattr(model, "config", None)
+    if getattr(config, "parametrization", "sp") == "mup":
+        from . import mup  # imports this module's names lazily
+
+        return mup.scheme(config, fn)
+    return fn
+
+
+def declare(model: nn.Module, scheme: str | Scheme) -> dict[str, Dist]:
+    """The distribution ``scheme`` intends for every parameter of ``model`` (nothing is changed);
+    for a tinylm model in muP, the scheme's muP version (see :mod:`tinylm.mup`)."""
+    fn = _for(model, scheme)
     return {name: fn(site) for name, (site, _) in sites(model).items()}
 
 
@@ -371,9 +383,10 @@ def apply(model: nn.Module, scheme: str | Scheme = "cs336", generator: torch.Gen
     """Re-initialise ``model`` in place from ``scheme``; returns the declarations used.
 
     Parameters are drawn in ``named_parameters`` order, so a seeded ``generator``
-    gives the same model every time.
+    gives the same model every time. A tinylm model in muP is drawn from the scheme's muP
+    version (see :mod:`tinylm.mup`).
     """
-    fn = get(scheme) if isinstance(scheme, str) else scheme
+    fn = _for(model, scheme)
     decl = {}
     for name, (site, p) in sites(model).items():
         dist = fn(site)

@@ -330,6 +330,8 @@ class MultiHeadSelfAttention(nn.Module):
     (the diagnostics probe) uses it to measure the attention without the T x T matrices.
     """
 
+    query_multiplier: float = 1.0  # each query times this after RoPE (muP sets sqrt(d_base / d_k); 1: the formula above)
+
     def __init__(
         self,
         d_model: int,
@@ -415,6 +417,8 @@ class MultiHeadSelfAttention(nn.Module):
                 self.rope.check(token_positions)  # once for q and k
             pos = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (..., 1, T)
             q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+        if self.query_multiplier != 1.0:  # muP: logits q.k sqrt(d_base) / d_k (ModelConfig.attention_multiplier)
+            q = q * self.query_multiplier
         k, v = self.repeat_kv(k), self.repeat_kv(v)  # (..., H, T, d_k): K/V head g for query heads g G .. g G + G - 1
         if self.weights_needed():
             scores = self.scores(F.attention_scores(q, k, self.mask(T, x.device)))  # (..., H, T, T)

@@ -84,8 +84,11 @@ class TransformerBlock(nn.Module):
         self.ffn = ffn_module
         self.resid_mid = Tap()
 
+    branch_multiplier: float = 1.0  # each branch times this before it is added (depth-muP sets L_base / L)
+
     def _branch(self, f: nn.Module, x: Tensor, *args) -> Tensor:
-        return F.dropout(f(x, *args), self.dropout, self.training)
+        out = F.dropout(f(x, *args), self.dropout, self.training)
+        return out if self.branch_multiplier == 1.0 else out * self.branch_multiplier
 
     def forward(self, x: Tensor, token_positions: Tensor | None = None) -> Tensor:
         if self.norm == "pre":
@@ -112,6 +115,10 @@ class TransformerLM(nn.Module):
     logits = h E^T. The lm_head never has a bias.
 
     Shape: token_ids (..., T) integers, T <= context_length -> logits (..., T, vocab_size).
+    Under ``parametrization="mup"`` (see :mod:`tinylm.mup`) the logits are lm_head's output times
+    ``output_multiplier`` (1 / width_mult), each query is multiplied by the config's
+    ``attention_multiplier`` and, with ``mup_base_depth``, each residual branch by its
+    ``branch_multiplier``; all three are 1 under "sp" and at the base width and depth.
     A fresh model is initialised by the scheme ``config.init`` (see ``tinylm.init``),
     drawing from ``generator`` when one is given. ``device="meta"`` builds the
     structure only (no memory, no init), as loading a checkpoint does.
@@ -142,6 +149,9 @@ class TransformerLM(nn.Module):
         self.lm_head = Linear(c.d_model, c.vocab_size, **kw)  # never a bias (GPT-2 has none either)
         if c.tie_embeddings:
             self.lm_head.weight = self.token_embeddings.weight
+        self.output_multiplier = c.output_multiplier  # muP: logits = lm_head(x) / width_mult (1.0 under SP)
+        for block in self.layers:
+            block.attn.query_multiplier, block.branch_multiplier = c.attention_multiplier, c.branch_multiplier
         device = torch.device("cpu" if device is None else device)
         if device.type != "meta":
             self.materialize(device)
@@ -177,7 +187,8 @@ class TransformerLM(nn.Module):
             x = block(x, token_positions)
         if self.ln_final is not None:
             x = self.ln_final(x)
-        return self.lm_head(x)  # (..., T, V)
+        logits = self.lm_head(x)  # (..., T, V)
+        return logits if self.output_multiplier == 1.0 else logits * self.output_multiplier
 
     def _positions(self, T: int, token_positions: Tensor | None, device) -> Tensor:
         """The rows of the learned position table to add: ``token_positions`` or 0 .. T-1, checked."""

@@ -240,9 +240,13 @@ def _sampler_generator(options: TrainOptions, state: torch.Tensor | None) -> tor
 
 
 def make_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.AdamW:
-    """AdamW over every parameter (a tied matrix once), decay applied to all, as in CS336."""
+    """AdamW over every parameter (a tied matrix once), decay applied to all, as in CS336; a model
+    in muP gets its per-parameter learning rates (``tinylm.mup.param_groups``: each group's
+    ``lr_scale`` multiplies the schedule's lr)."""
+    from .mup import param_groups
+
     return torch.optim.AdamW(
-        model.parameters(),
+        param_groups(model, options.lr, "adam"),
         lr=options.lr,
         betas=(options.beta1, options.beta2),
         eps=options.adam_eps,
@@ -377,7 +381,7 @@ def train(
         t0 = time.perf_counter()
         lr = lr_schedule(t, options.lr, options.floor, options.warmup_steps, options.steps)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         x, y = get_batch(tokens, B, T, generator)
         recorded = watch.due(t)
         optimizer.zero_grad(set_to_none=True)
