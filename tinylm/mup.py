@@ -69,14 +69,12 @@ def scheme(config, base):
     from .init import Dist  # init imports this module lazily; no cycle at import time
 
     m = config.width_mult
-    fixed = {config.vocab_size, config.context_length}
-
-    def at_base(n):
-        return n if n in fixed else n / m
 
     def rule(site):
-        base_site = dataclasses.replace(site, fan_in=at_base(site.fan_in), fan_out=at_base(site.fan_out),
-                                        d_model=site.d_model / m)
+        # width dimensions: every fan but an embedding's fan_in (1) and the readout's fan_out (V)
+        fan_in = site.fan_in if site.kind == "embedding" else site.fan_in / m
+        fan_out = site.fan_out if site.name == READOUT else site.fan_out / m
+        base_site = dataclasses.replace(site, fan_in=fan_in, fan_out=fan_out, d_model=site.d_model / m)
         dist = base(base_site)
         if site.kind != "linear_weight":
             return dist  # embeddings, norms, biases: constant in width
