@@ -20,6 +20,7 @@ import warnings
 from typing import Any
 
 from .jobs import History, Watch, WatchEvent, WatchFailure, WatchReport, WatchStop, compare, diagnose
+from .jobs.coord_check import CoordCheckOptions, CoordCheckResult, coord_check
 from .jobs.diff import DiffResult, diff, diff_against
 from .jobs.fingerprint import Fingerprint, fingerprint
 from .judge import Thresholds
@@ -80,6 +81,9 @@ __all__ = [
     "DiffResult",
     "fingerprint",
     "Fingerprint",
+    "coord_check",
+    "CoordCheckOptions",
+    "CoordCheckResult",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

@@ -51,6 +51,7 @@ VERBS = {
     "train": "train a small model while watching per-layer statistics",
     "export": "write a model as a Hugging Face directory that transformers loads",
     "diff": "find where two executions of one model part ways (per-site departures against roundoff)",
+    "coord-check": "check width scaling (muP): each site's slope over width against theory's exponent",
 }
 
 #: The presets and init schemes the command line offers, named here so that flags are
@@ -172,9 +173,9 @@ def _modules() -> dict[str, object]:
     mods = {}
     for verb in VERBS:
         try:
-            mods[verb] = importlib.import_module(f"reports.cmd_{verb}")
+            mods[verb] = importlib.import_module(f"reports.cmd_{verb.replace('-', '_')}")
         except ModuleNotFoundError as e:
-            if e.name != f"reports.cmd_{verb}":
+            if e.name != f"reports.cmd_{verb.replace('-', '_')}":
                 raise
     return mods
 

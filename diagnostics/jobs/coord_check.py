@@ -87,7 +87,11 @@ class CoordCheckResult:
     @property
     def ok(self) -> bool:
         """True when some site was judged and none departs from muP's exponent."""
-        return not self.findings and any(f.expected is not None and f.points >= 2 for f in self.judged)
+        return not self.findings and bool(self._measured())
+
+    def _measured(self) -> list[Fit]:
+        """The judged fits with an interval (at least three points: two widths x two seeds, or three widths)."""
+        return [f for f in self.judged if f.expected is not None and f.points >= 3 and math.isfinite(f.high)]
 
     @property
     def judged(self) -> list[Fit]:
@@ -123,11 +127,12 @@ class CoordCheckResult:
 
     @property
     def headline(self) -> str:
-        judged = [f for f in self.judged if f.expected is not None and f.points >= 2]
+        judged = self._measured()
         sites = len({f.site for f in judged})
         w = f"widths {', '.join(map(str, self.widths))}"
         if not judged:
-            return f"coord check: not judged (no site measured at two widths; {w})"
+            return (f"coord check: not judged (no slope has an interval: give three widths, or two seeds; {w}, "
+                    f"{self.options.seeds} seed(s))")
         if self.ok:
             return (f"coord check: ok, muP - every site's width exponent as muP expects ({sites} sites, {w}, "
                     f"{self.options.seeds} seed(s), {self.options.steps} steps)")

@@ -13,13 +13,15 @@ kind          init  delta  why
 ============  ===========  =========================================================
 embedding       0     0    input weights: constant init and constant learning rate
 attn_logits   -1/2  -1/2   1/d_head scaling: q.k / d_head of O(1) vectors; at finite steps
-                           the change of q and k is not yet correlated with them, so the
-                           change of the logits shrinks like d_head^-1/2 too
+              (-1/2..0)    the change of q and k is not yet correlated with them, so the
+                           change of the logits shrinks like d_head^-1/2 at first; the
+                           correlated Theta(1) part grows with the steps
 attn_branch     0     0    hidden weights: var 1/fan_in, Adam lr 1/width
 ffn_branch      0     0
 residual        0     0
 logits        -1/2    0    readout times 1/width: at init a sum of d uncorrelated terms
-                           (d^1/2 / d); after a step its change is Theta(1)
+              (-1/2..0)    (d^1/2 / d); the change W_0 dx / width shrinks like width^-1/2,
+                           dW x / width is Theta(1)
 ============  ===========  =========================================================
 
 The standard parametrization (SP: 1/sqrt(d_head) attention, one Adam lr, no readout
@@ -27,8 +29,8 @@ multiplier), at leading order: init 0 everywhere; delta 0 at the embedding, +1 a
 branches, the residual stream and the logits (each update moves a d-term sum coherently),
 about +3/2 at the attention logits.
 
-A site departs when its slope differs from muP's by more than :data:`TOLERANCE` and its 99%
-interval excludes muP's exponent. The cause is read from where and how the slopes depart:
+A site departs when its slope lies more than :data:`TOLERANCE` outside muP's exponent (or range)
+and its 99% interval misses it. The cause is read from where and how the slopes depart:
 
 * hidden sites (branches, residual) at init above muP: the hidden init std is fixed instead of
   proportional to 1/sqrt(fan_in);
@@ -51,7 +53,7 @@ import numpy as np
 from scipy import stats
 
 __all__ = ["Fit", "CoordFinding", "fit_slopes", "judge_coord", "EXPECTED_MUP", "EXPECTED_SP", "TOLERANCE",
-           "CONFIDENCE", "QUANTITIES"]
+           "CONFIDENCE", "QUANTITIES", "RANGES"]
 
 CONFIDENCE = 0.99
 #: how far a slope may sit from muP's exponent before it can depart (finite widths, few steps:
@@ -68,6 +70,10 @@ EXPECTED_MUP = {
     "delta": {"embedding": 0.0, "attn_logits": -0.5, "attn_branch": 0.0, "ffn_branch": 0.0, "residual": 0.0,
               "logits": 0.0},
 }
+#: where theory allows a range at finite width and steps: the change of the logits and of the
+#: attention logits mixes a part that shrinks like width^-1/2 (the change of their inputs seen
+#: through weights uncorrelated with it) and a Theta(1) part that grows with the steps
+RANGES = {("delta", "logits"): (-0.5, 0.0), ("delta", "attn_logits"): (-0.5, 0.0)}
 EXPECTED_SP = {
     "init": {k: 0.0 for k in EXPECTED_MUP["init"]},
     "delta": {"embedding": 0.0, "attn_logits": 1.5, "attn_branch": 1.0, "ffn_branch": 1.0, "residual": 1.0,
@@ -105,11 +111,21 @@ class Fit:
     expected_sp: float | None
 
     @property
+    def expected_range(self) -> tuple[float, float] | None:
+        """The exponents muP allows here at finite width and steps (:data:`RANGES`), or None."""
+        if self.expected is None:
+            return None
+        return RANGES.get((self.quantity, self.kind), (self.expected, self.expected))
+
+    @property
     def departs(self) -> bool:
-        if self.expected is None or not math.isfinite(self.slope):
+        """The slope lies more than TOLERANCE outside muP's range and its interval misses the range."""
+        rng = self.expected_range
+        if rng is None or not math.isfinite(self.slope):
             return False
-        outside = not (self.low <= self.expected <= self.high)
-        return abs(self.slope - self.expected) > TOLERANCE and outside
+        lo, hi = rng
+        distance = max(lo - self.slope, self.slope - hi, 0.0)
+        return distance > TOLERANCE and (self.high < lo or self.low > hi)
 
 
 @dataclass(frozen=True)
@@ -122,6 +138,7 @@ class CoordFinding:
     slope: float
     interval: tuple[float, float]
     expected: float
+    allowed: tuple[float, float]
     expected_sp: float | None
     severity: str
     cause: str
@@ -131,11 +148,17 @@ class CoordFinding:
     def message(self) -> str:
         what = "RMS at init" if self.quantity == "init" else "change from init"
         return (f"{self.site} ({self.kind}): {what} scales as width^{self.slope:+.2f} "
-                f"[{self.interval[0]:+.2f}, {self.interval[1]:+.2f}] where muP expects {self.expected:+.2f}: "
+                f"[{self.interval[0]:+.2f}, {self.interval[1]:+.2f}] where muP expects {self._expects}: "
                 f"{self.cause}; fix: {self.fix}")
 
+    @property
+    def _expects(self) -> str:
+        lo, hi = self.allowed
+        return f"{self.expected:+.2f}" if lo == hi else f"{lo:+.2f} to {hi:+.2f}"
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "interval": list(self.interval), "message": self.message}
+        return {**asdict(self), "interval": list(self.interval), "allowed": list(self.allowed),
+                "message": self.message}
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
@@ -169,7 +192,7 @@ def fit_slopes(points: dict[tuple[str, str, str, int], list[tuple[int, float]]])
 
 def _cause(fit: Fit, hidden_init: bool, hidden_delta: bool) -> str:
     """The key of :data:`_CAUSES` the departure of ``fit`` points to (module docstring)."""
-    up = fit.slope > fit.expected
+    up = fit.slope > fit.expected_range[1]
     if fit.kind in HIDDEN:
         if hidden_init and up:
             return "init_std"
@@ -197,6 +220,6 @@ def judge_coord(fits: list[Fit]) -> list[CoordFinding]:
     out = []
     for f in departing:
         cause, fix = _CAUSES[_cause(f, hidden_init, hidden_delta)]
-        out.append(CoordFinding(f.site, f.kind, f.quantity, f.slope, (f.low, f.high), f.expected, f.expected_sp,
-                                "fail", cause, fix))
+        out.append(CoordFinding(f.site, f.kind, f.quantity, f.slope, (f.low, f.high), f.expected, f.expected_range,
+                                f.expected_sp, "fail", cause, fix))
     return out
