@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .errors import ConfigError
+from .layers import Embedding, Linear
 from .validate import choice, fail, number
 
 __all__ = ["scheme", "param_groups", "classify", "OPTIMIZERS"]
@@ -62,12 +63,14 @@ def _scaled(dist, c: float, why: str):
     return dataclasses.replace(dist, std=dist.std * c, low=dist.low * c, high=dist.high * c, why=dist.why + why)
 
 
+def _zero(dist, why: str):
+    return dataclasses.replace(dist, family="constant", value=0.0, std=0.0, why=why)
+
+
 def scheme(config, base):
     """The muP version of the init scheme ``base`` (a function ParamSite -> Dist) for ``config``:
     the table in the module docstring. Identical to ``base`` when ``config.width_mult`` is 1 and
     no zero-init option is set."""
-    from .init import Dist  # init imports this module lazily; no cycle at import time
-
     m = config.width_mult
 
     def rule(site):
@@ -80,10 +83,10 @@ def scheme(config, base):
             return dist  # embeddings, norms, biases: constant in width
         if site.name == READOUT:
             if config.mup_readout_zero_init:
-                return Dist("constant", value=0.0, why="muP: readout zero-initialised")
+                return _zero(dist, "muP: readout zero-initialised")
             return dist  # variance constant in width; the forward's 1/m does the rest
         if config.mup_query_zero_init and site.name.endswith("attn.q_proj.weight"):
-            return Dist("constant", value=0.0, why="muP: queries zero-initialised")
+            return _zero(dist, "muP: queries zero-initialised")
         if m == 1.0:
             return dist
         return _scaled(dist, 1.0 / math.sqrt(m), f"; muP: times 1/sqrt(width_mult={m:g}) (variance ~ 1/fan_in)")
@@ -94,13 +97,16 @@ def scheme(config, base):
 def classify(model: nn.Module) -> dict[str, str]:
     """{parameter name: role} of a tinylm model, each distinct parameter once: "embedding",
     "hidden", "readout", "vector" (norm gains, biases, anything with one width dimension)."""
-    from .init import sites
-
+    owner: dict[int, nn.Module] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owner.setdefault(id(p), mod)
     roles = {}
-    for name, (site, p) in sites(model).items():
-        if site.kind == "embedding":
+    for name, p in model.named_parameters():
+        mod = owner[id(p)]
+        if isinstance(mod, Embedding):
             roles[name] = "embedding"
-        elif site.kind == "linear_weight":
+        elif isinstance(mod, Linear) and name.endswith("weight"):
             roles[name] = "readout" if name == READOUT else "hidden"
         else:
             roles[name] = "vector"
