@@ -142,3 +142,23 @@ def test_too_few_points_is_not_judged_never_ok():
                          options=CoordCheckOptions(steps=1, seeds=1))
     assert not result.ok and not result.findings
     assert str(result).startswith("coord check: not judged")
+
+
+def test_gpt2_family_in_mup_passes_and_its_fixed_std_sp_is_named():
+    """GPT-2's architecture (tied embeddings, learned positions, LayerNorm, GELU): muP passes; SP
+    with GPT-2's fixed 0.02 init is named for its fixed init std."""
+    import tinylm
+
+    def case(parametrization):
+        def make_model(width):
+            return tinylm.TransformerLM(tinylm.preset(
+                "gpt2-tiny", vocab_size=128, context_length=32, d_model=width, d_ff=4 * width, num_layers=1,
+                parametrization=parametrization, mup_base_width=32 if parametrization == "mup" else None))
+
+        def make_optimizer(model, width):
+            return torch.optim.Adam(tinylm.mup.param_groups(model, 1e-2))
+        return make_model, make_optimizer
+
+    assert _check(case("mup")).ok
+    sp = _check(case("sp"))
+    assert any(f.kind == "ffn_branch" and f.quantity == "init" and "init std fixed" in f.cause for f in sp.findings)

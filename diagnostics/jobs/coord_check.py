@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from tinylm.validate import check, fail, integer, number
 
 from ..errors import OptionsError
-from ..judge.coord import CONFIDENCE, TOLERANCE, CoordFinding, Fit, fit_slopes, judge_coord
+from ..judge.coord import CONFIDENCE, TOLERANCE, TOLERANCE_BELOW, CoordFinding, Fit, fit_slopes, judge_coord
 from ..measure.coord import KINDS, OUTPUT, CoordRecorder, delta_rms, rms
 from ..measure.outputs import read_output
 from ..measure.sites import model_sites
@@ -114,7 +114,7 @@ class CoordCheckResult:
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.schema_version, "summary": self.headline, "ok": self.ok,
                 "widths": list(self.widths), "options": asdict(self.options), "confidence": CONFIDENCE,
-                "tolerance": TOLERANCE, "findings": [f.to_dict() for f in self.findings],
+                "tolerance": TOLERANCE, "tolerance_below": TOLERANCE_BELOW, "findings": [f.to_dict() for f in self.findings],
                 "slopes": [asdict(f) for f in self.judged], "rows": self.rows}
 
     def to_json(self) -> str:
