@@ -141,3 +141,23 @@ def test_train_loop_keeps_each_groups_scale():
     opt = make_optimizer(model, TrainOptions(steps=1, lr=1e-3))
     scales = {g["name"]: g["lr_scale"] for g in opt.param_groups}
     assert scales["hidden"] == 0.5 and scales["embedding"] == 1.0
+
+
+def test_depth_mup_scales_each_branch():
+    """CompleteP (alpha = 1): each branch times L_base / L; at the base depth the model is unchanged."""
+    c = _mup(width=BASE)
+    deep = TransformerLM(c.replace(mup_base_depth=1), generator=torch.Generator().manual_seed(0))
+    plain = TransformerLM(c, generator=torch.Generator().manual_seed(0))
+    same = TransformerLM(c.replace(mup_base_depth=c.num_layers), generator=torch.Generator().manual_seed(0))
+    assert all(b.branch_multiplier == 1 / c.num_layers for b in deep.layers)
+    ids = torch.randint(0, 100, (1, 8))
+    assert torch.equal(same(ids), plain(ids))
+    assert not torch.allclose(deep(ids), plain(ids))  # negative control: the multiplier acts
+    block, x = deep.layers[0], torch.randn(1, 8, BASE)
+    with torch.no_grad():
+        want = x + block.attn(block.ln1(x)) / c.num_layers
+        h = block.resid_mid.register_forward_hook(lambda m, i, o: seen.append(o))
+        seen = []
+        block(x)
+        h.remove()
+    torch.testing.assert_close(seen[0], want)
