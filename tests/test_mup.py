@@ -45,7 +45,7 @@ def test_multipliers_exact_values():
 
 
 def test_attention_logits_scale_one_over_d_head():
-    """scores = q.k sqrt(d_base) / d_head: the explicit path's scores equal it (and at m = 1 the 1/sqrt(d_head) ones)."""
+    """scores = q.k sqrt(d_base) / d_head: the explicit path's scores equal it (negative control: not 1/sqrt(d_head))."""
     model = TransformerLM(_mup(width=256, positions="none"))
     attn = model.layers[0].attn
     x = torch.randn(1, 8, 256, generator=torch.Generator().manual_seed(0))

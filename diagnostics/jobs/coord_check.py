@@ -114,7 +114,8 @@ class CoordCheckResult:
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.schema_version, "summary": self.headline, "ok": self.ok,
                 "widths": list(self.widths), "options": asdict(self.options), "confidence": CONFIDENCE,
-                "tolerance": TOLERANCE, "tolerance_below": TOLERANCE_BELOW, "findings": [f.to_dict() for f in self.findings],
+                "tolerance": TOLERANCE, "tolerance_below": TOLERANCE_BELOW,
+                "findings": [f.to_dict() for f in self.findings],
                 "slopes": [asdict(f) for f in self.judged], "rows": self.rows}
 
     def to_json(self) -> str:

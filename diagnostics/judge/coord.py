@@ -52,8 +52,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy import stats
 
-__all__ = ["Fit", "CoordFinding", "fit_slopes", "judge_coord", "EXPECTED_MUP", "EXPECTED_SP", "TOLERANCE", "TOLERANCE_BELOW",
-           "CONFIDENCE", "QUANTITIES", "RANGES"]
+__all__ = ["Fit", "CoordFinding", "fit_slopes", "judge_coord", "EXPECTED_MUP", "EXPECTED_SP", "TOLERANCE",
+           "TOLERANCE_BELOW", "CONFIDENCE", "QUANTITIES", "RANGES"]
 
 CONFIDENCE = 0.99
 #: how far above muP's exponent a slope may sit before it can depart (finite widths, few steps:
