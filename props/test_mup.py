@@ -97,8 +97,9 @@ def test_attention_scores_one_over_d_head(m, heads, base_head, seed):
                              mup_base_width=d // m if parametrization == "mup" else None)
         attn = TransformerLM(config, generator=generator(seed), dtype=torch.float64).layers[0].attn
         x = torch.randn(1, 6, d, generator=generator(seed + 1), dtype=torch.float64)
-        q = attn.q_proj(x).view(1, 6, heads, -1).transpose(1, 2)
-        k = attn.k_proj(x).view(1, 6, heads, -1).transpose(1, 2)
+        with torch.no_grad():
+            q = attn.q_proj(x).view(1, 6, heads, -1).transpose(1, 2)  # (B, H, T, d_head)
+            k = attn.k_proj(x).view(1, 6, heads, -1).transpose(1, 2)
         want = (q @ k.transpose(-1, -2)) * scale
         s = _scores(attn, x)
         mask = torch.isfinite(s)

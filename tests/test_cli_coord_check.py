@@ -38,7 +38,8 @@ def test_mup_passes_sp_fails_with_check_and_outputs(capsys, tmp_path):
     assert json.loads(js.read_text())["ok"] is True and png.stat().st_size > 1000
     assert main(["coord-check", *SMALL, "--parametrization", "sp", "--check"]) == 1
     assert "depart from muP" in capsys.readouterr().out.splitlines()[0]
-    assert main(["coord-check", *SMALL, "--parametrization", "sp"]) == 0  # without --check: done
+    assert main(["coord-check", "--widths", "32,64", "--steps", "1", "--num-layers", "1",
+                 "--parametrization", "sp"]) == 0  # without --check: done
 
 
 def test_impl_factory(tmp_path, capsys):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diagnostics import CoordCheckOptions, CoordCheckResult, OptionsError, coord_check
-from tests.coordhelp import MISTAKES, mup_package_case, plain_case, tinylm_case
+from coordhelp import MISTAKES, mup_package_case, plain_case, tinylm_case
 
 WIDTHS = (32, 64, 128)
 OPTIONS = CoordCheckOptions(steps=4, seeds=2)
