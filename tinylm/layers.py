@@ -330,7 +330,7 @@ class MultiHeadSelfAttention(nn.Module):
     (the diagnostics probe) uses it to measure the attention without the T x T matrices.
     """
 
-    query_multiplier: float = 1.0  # each query times this after RoPE (muP sets sqrt(d_base / d_k); 1: the formula above)
+    query_multiplier: float = 1.0  # each query times this after RoPE (muP: sqrt(d_base / d_k); 1: the formula above)
 
     def __init__(
         self,

@@ -48,6 +48,8 @@ class TransformerBlock(nn.Module):
     ``resid_mid`` marks h, the residual stream between the two sublayers.
     """
 
+    branch_multiplier: float = 1.0  # each branch times this before it is added (depth-muP sets L_base / L)
+
     def __init__(
         self,
         d_model: int,
@@ -83,8 +85,6 @@ class TransformerBlock(nn.Module):
             self.ln2 = make_norm(norm_kind, d_model, eps, bias, **kw)
         self.ffn = ffn_module
         self.resid_mid = Tap()
-
-    branch_multiplier: float = 1.0  # each branch times this before it is added (depth-muP sets L_base / L)
 
     def _branch(self, f: nn.Module, x: Tensor, *args) -> Tensor:
         out = F.dropout(f(x, *args), self.dropout, self.training)
