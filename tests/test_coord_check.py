@@ -162,3 +162,16 @@ def test_gpt2_family_in_mup_passes_and_its_fixed_std_sp_is_named():
     assert _check(case("mup")).ok
     sp = _check(case("sp"))
     assert any(f.kind == "ffn_branch" and f.quantity == "init" and "init std fixed" in f.cause for f in sp.findings)
+
+
+def test_token_stream_batches_and_bad_ids():
+    """A 1-D stream trains on several batches (the first measured by a forward of its own); ids outside
+    the embedding are refused with one message."""
+    import numpy as np
+
+    make_model, make_optimizer = tinylm_case("mup", layers=1)
+    stream = np.random.default_rng(0).integers(0, 128, 4 * 33 * 3).astype(np.uint16)
+    result = coord_check(make_model, WIDTHS, make_optimizer=make_optimizer, tokens=stream, options=OPTIONS)
+    assert result.ok, str(result)
+    with pytest.raises(OptionsError, match=r"tokens='ids in \[0, 300\]': must lie in \[0, 128\)"):
+        coord_check(make_model, WIDTHS, tokens=torch.tensor([[0, 300, 1]]), options=CoordCheckOptions(seq_len=2))

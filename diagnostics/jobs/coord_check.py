@@ -150,23 +150,34 @@ class CoordCheckResult:
 def _batches(tokens: Tensor | None, model: nn.Module, options: CoordCheckOptions) -> list[Tensor]:
     """The batches (each (batch_size, seq_len + 1)) every width trains on; the first is measured."""
     L = options.seq_len + 1
+    sites = model_sites(model)
+    table = dict(model.named_modules()).get(sites.embedding) if sites.embedding else None
+    rows = getattr(table, "num_embeddings", None)
     if tokens is None:
-        vocab = options.vocab_size
+        vocab = options.vocab_size if options.vocab_size is not None else rows
         if vocab is None:
-            sites = model_sites(model)
-            table = dict(model.named_modules()).get(sites.embedding) if sites.embedding else None
-            vocab = getattr(table, "num_embeddings", None)
-            if vocab is None:
-                fail("tokens", None, "be given for a model without a token embedding", "tokens=LongTensor (N, T+1)",
-                     error=OptionsError)
+            fail("tokens", None, "be given for a model without a token embedding", "tokens=LongTensor (N, T+1)",
+                 error=OptionsError)
         gen = torch.Generator().manual_seed(options.seed)
         return [torch.randint(0, vocab, (options.batch_size, L), generator=gen)]
-    t = torch.as_tensor(tokens).long()
+    need = options.batch_size * options.steps  # rows: one batch per step at most
+    if isinstance(tokens, Tensor):
+        t = tokens.detach()
+    else:  # a numpy array or memmap: copy only what the steps read
+        import numpy as np
+
+        flat = np.asarray(tokens)
+        t = torch.from_numpy(np.array(flat[: need * L] if flat.ndim == 1 else flat[:need], dtype=np.int64))
+    t = t.long()
     if t.dim() == 1:
-        t = t[: (t.numel() // L) * L].view(-1, L)
+        t = t[: min(t.numel() // L, need) * L].view(-1, L)
     if t.dim() != 2 or t.shape[1] < 2 or t.shape[0] < 1:
-        fail("tokens", tuple(t.shape), "be a 1-D token stream or a 2-D (N, seq_len + 1) tensor with N >= 1",
+        fail("tokens", tuple(t.shape), "be a 1-D token stream of at least seq_len + 1 tokens or a 2-D "
+             "(N, seq_len + 1) tensor with N >= 1", error=OptionsError)
+    if isinstance(rows, int) and (int(t.max()) >= rows or int(t.min()) < 0):
+        fail("tokens", f"ids in [{int(t.min())}, {int(t.max())}]", f"lie in [0, {rows}) (the token embedding's rows)",
              error=OptionsError)
+    t = t[:need]
     return [t[i: i + options.batch_size] for i in range(0, t.shape[0], options.batch_size)]
 
 
