@@ -161,3 +161,24 @@ def test_depth_mup_scales_each_branch():
         block(x)
         h.remove()
     torch.testing.assert_close(seen[0], want)
+
+
+def test_train_flags_build_a_mup_model():
+    """``tinylm train --parametrization mup`` builds muP with the preset's d_model as its base width
+    (or --mup-base-width); without the flag the model is SP (negative control)."""
+    import argparse
+
+    from reports.cmd_train import _MODEL_FLAGS, _build_model
+
+    def args(**kw):
+        base = {name: None for name in _MODEL_FLAGS}
+        base.update(preset=None, init=None, seed=0)
+        base.update(kw)
+        return argparse.Namespace(**base)
+
+    model = _build_model(args(parametrization="mup", d_model=128))
+    assert model.config.parametrization == "mup" and model.config.mup_base_width == 64
+    assert model.config.width_mult == 2.0
+    model = _build_model(args(parametrization="mup", mup_base_width=32))
+    assert model.config.width_mult == 2.0
+    assert _build_model(args(d_model=128)).config.parametrization == "sp"
