@@ -24,6 +24,7 @@ Exit codes (also in docs/cli.md):
 5  ``diagnose --check``: the model could not be judged (no block stack and no
    next-token logits found; the report says what is missing)
 130 interrupted (Ctrl-C)
+141 the reader of the output went away (``| head``): the rest is dropped quietly
 == =====================================================================
 """
 
@@ -40,6 +41,7 @@ import traceback
 import warnings
 
 EXIT_OK, EXIT_FINDINGS, EXIT_USAGE, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_PIPE = 141  # 128 + SIGPIPE, as a shell reports a pipeline's reader closing early
 EXIT_NONFINITE = 4  # tinylm train stopped on a non-finite loss
 
 # verb -> one-line help; the module reports.cmd_<verb> implements it.
@@ -264,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _say("tinylm: interrupted")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_PIPE
     except SystemExit as e:  # --help and --version exit 0 through argparse
         return int(e.code or 0)
     except Exception as e:
@@ -275,6 +280,16 @@ def main(argv: list[str] | None = None) -> int:
         # a bug of ours: one line unless --debug
         _say(f"tinylm: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and report it)")
         return EXIT_INTERNAL
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device: the reader is gone, and the interpreter's final flush of
+    what is still buffered must not raise a second BrokenPipeError on the way out."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (captured)
+        pass
 
 
 def diagnose_main(argv: list[str] | None = None) -> int:

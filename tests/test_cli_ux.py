@@ -190,3 +190,38 @@ def test_diagnose_uses_the_training_data_a_checkpoint_recorded(tmp_path, capsys)
     assert main(["diagnose", str(run), *FAST, "--width", "200"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "uniform random tokens" in out and "is gone" in out
+
+
+class _ClosedPipe:
+    """A stdout whose reader has gone away, as under ``tinylm ... | head``."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def _printing_verb(monkeypatch) -> None:
+    """Stand a verb in that prints a report and succeeds (argparse's own --help swallows OSError)."""
+    import argparse
+
+    def run(args) -> int:
+        print("a report line")
+        return 0
+
+    ns = argparse.Namespace(verb="report", _parser=argparse.ArgumentParser(), _check=None, threads=None, threads_first=None, _run=run)
+    monkeypatch.setattr(cli, "_parse", lambda parser, argv: ns)
+
+
+def test_closed_pipe_exits_quietly_with_141(monkeypatch, capsys):
+    _printing_verb(monkeypatch)
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    assert main(["report"]) == cli.EXIT_PIPE == 141
+    assert "internal error" not in capsys.readouterr().err
+
+
+def test_open_pipe_control_exits_0(monkeypatch, capsys):
+    _printing_verb(monkeypatch)
+    assert main(["report"]) == 0
+    assert "a report line" in capsys.readouterr().out
