@@ -199,14 +199,22 @@ class Fingerprint:
         return next((r for r in self.records if r.key == key and r.direction == direction), None)
 
     def save(self, path: str | Path) -> Path:
-        """Write a .npz (plain arrays and one JSON string; read back without pickle)."""
+        """Write an .npz archive (plain arrays and one JSON string; read back without pickle) at
+        ``path`` whatever its name (no suffix is added; the file is told by its content), whole or
+        not at all, with the mode the user's umask gives a new file."""
+        from tinylm.checkpoint import atomic_write
+
         path = Path(path)
         k = int(self.meta["k"])
         sketches = np.stack([r.sketch for r in self.records]) if self.records else np.zeros((0, k, k))
         text = json.dumps({"meta": self.meta, "records": [r.fields() for r in self.records]}, sort_keys=True)
-        with open(path, "wb") as f:
-            np.savez(f, header=np.frombuffer(text.encode(), dtype=np.uint8), tokens=self.tokens.astype(np.int64),
-                     sketches=sketches.astype(np.float64))
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                np.savez(f, header=np.frombuffer(text.encode(), dtype=np.uint8), tokens=self.tokens.astype(np.int64),
+                         sketches=sketches.astype(np.float64))
+
+        atomic_write(path, write)
         return path
 
     @classmethod
