@@ -18,7 +18,7 @@ import tinylm
 from ..measure.outputs import call_model, read_output, takes_targets
 from ..options import DiagnoseOptions, OptionsError
 
-__all__ = ["CONTEXT_KEYS", "model_context", "takes_targets", "seed_batches", "seed_models", "batch_loss"]
+__all__ = ["CONTEXT_KEYS", "model_context", "kv_heads", "parameter_placement", "takes_targets", "seed_batches", "seed_models", "batch_loss"]
 
 _HOW = ("diagnose reads next-token logits (B, T, V), a tuple whose first tensor they are, an object with .logits "
         "or .loss, or a 0-d loss (a forward(idx, targets=None) is given targets); pass DiagnoseOptions(inputs=ids -> model arguments, loss_fn=(logits, targets) -> "
@@ -45,6 +45,28 @@ def model_context(model: nn.Module) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 1:
             return value
     return None
+
+
+def kv_heads(model: nn.Module) -> int | None:
+    """The key/value head count the model's config states (tinylm's ``num_kv_heads``, else its head
+    count; Hugging Face's ``num_key_value_heads``), None where it states none."""
+    config = getattr(model, "config", None)
+    if isinstance(model, tinylm.TransformerLM):
+        return config.num_kv_heads or config.num_heads
+    get = config.get if isinstance(config, Mapping) else (lambda key: getattr(config, key, None))
+    for key in ("num_key_value_heads", "num_kv_heads", "n_kv_heads"):
+        value = get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def parameter_placement(model: nn.Module) -> tuple[str, str]:
+    """(the floating dtype(s) of the parameters, "/"-joined in order of first use; their device(s))."""
+    params = list(model.parameters())
+    dtypes = dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in params if p.is_floating_point())
+    devices = dict.fromkeys(str(p.device) for p in params)
+    return "/".join(dtypes), "/".join(devices)
 
 
 def _vocab(model: nn.Module) -> int | None:
