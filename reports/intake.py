@@ -32,6 +32,7 @@ __all__ = [
     "memory_check",
     "report_width",
     "MAX_WIDTH",
+    "MIN_WIDTH",
     "load_token_stream",
     "check_outputs",
     "check_suffixes",
@@ -81,12 +82,21 @@ class ModelSource:
 #: size like any other (a billion columns would take gigabytes); no screen or page is wider
 MAX_WIDTH = 10_000
 
+#: the narrowest report drawn whole, in columns: diagnose's narrowest layouts (the per-layer and attention
+#: tables without their optional columns) keep an 8-block model's exponents whole down to 38 columns and
+#: their flag words ("non-finite", "saturated") down to 44; below, rich cuts numbers and words, and at a
+#: few columns folds every line into one to three characters
+MIN_WIDTH = 44
+
 
 def report_width(text: str) -> int:
-    """argparse type of ``--width``: an integer in [1, MAX_WIDTH] columns."""
+    """argparse type of ``--width``: an integer in [MIN_WIDTH, MAX_WIDTH] columns."""
     import argparse
 
     value = positive_int(text)
+    if value < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(f"{value} columns is narrower than the narrowest report ({MIN_WIDTH} "
+                                         f"columns, where every number is drawn whole); give at least {MIN_WIDTH}")
     if value > MAX_WIDTH:
         raise argparse.ArgumentTypeError(f"{value} columns is wider than any screen or page; give at most {MAX_WIDTH:,}")
     return value
