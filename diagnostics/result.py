@@ -354,20 +354,17 @@ class DepthRow:
 
 @dataclass(frozen=True)
 class Header:
-    """Facts about what was measured.
+    """Facts about what was measured (a field added later reads "" or None in older documents).
 
-    config: the tinylm ModelConfig as a dict (None for other modules).
-    model_class: the model's class name. parameter_count: distinct parameters.
-    init: the init scheme used for declared std and global theory ("" if none).
-    tokens_measured: tokens passed through the model in all (over seeds and batches).
-    batch_size, seq_len, batches, seeds: as run; seed: the first seed.
-    theory: the theory mode used ("local", "global", or "off" for measurement only).
-    loss: mean loss measured; loss_uniform: ln V of the logits where the loss is their mean next-token
-    cross-entropy (a tinylm model: ln vocab_size), else None (a custom loss_fn, a model returning its loss).
-    interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
-        documents written before it read "").
-    declared: the declared init judged against, in words ("" in older documents); fresh: the weights at it
-    (True), moved off it (False: trained), unknown (None: nothing declared), by ``fresh_rule``, for every check.
+    model_class; config: the tinylm ModelConfig as a dict (None for other modules); parameter_count: distinct
+    parameters; init: the scheme of declared stds and global theory ("" if none); tokens_measured (over seeds
+    and batches); batch_size, seq_len, batches, seeds as run; seed: the first; theory: "local", "global" or
+    "off"; loss: the mean measured; loss_uniform: ln V where the loss is the logits' mean next-token CE, else
+    None; interval: what the ratios' 99% intervals cover, in words; declared: the declared init, in words;
+    fresh: at it (True), moved off it (False), unknown (None), by ``fresh_rule``; dtype, device: the
+    parameters' ("/"-joined when several); dtype_note: why that dtype, where the caller says ("stored");
+    kv_heads: the K/V head count the model states (below the heads: grouped-query attention), else None;
+    source, data: where the model and the tokens came from, as the caller says (the command line's lines).
     """
 
     model_class: str
@@ -388,6 +385,12 @@ class Header:
     declared: str = ""
     fresh: bool | None = None
     fresh_rule: str = ""
+    dtype: str = ""
+    dtype_note: str = ""
+    device: str = ""
+    kv_heads: int | None = None
+    source: str = ""
+    data: str = ""
 
 
 @dataclass

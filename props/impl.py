@@ -195,19 +195,41 @@ class TinyLMImpl:
         return self._tl.TransformerLM(config, generator=generator)
 
 
+def _contiguous(value: Any) -> Any:
+    """``value`` with every tensor in it (in tuples, lists and dicts too) contiguous; a contiguous
+    tensor is itself. A user's code may ``.view`` what it is given, which a strided tensor (an
+    ``expand``, a transpose, a slice) cannot always take: the properties test the math, not that."""
+    if isinstance(value, Tensor):
+        return value.contiguous()
+    if isinstance(value, (tuple, list)):
+        items = [_contiguous(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return {k: _contiguous(v) for k, v in value.items()}
+    return value
+
+
+def _contiguous_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook (module-level, so a model that holds it still pickles): contiguous inputs."""
+    return _contiguous(args), _contiguous(kwargs)
+
+
 def _signature_checked(fn: Any, name: str, impl_name: str) -> Any:
     """``fn`` wrapped so that a call its signature cannot take (an argument it does not have,
     one too many, one it requires that the protocol does not pass) skips the property,
-    naming the argument, instead of failing it; errors raised inside ``fn`` pass through."""
+    naming the argument, instead of failing it; errors raised inside ``fn`` pass through.
+    Every tensor it is handed is contiguous, and so is every tensor a module it builds
+    (``transformer_block``, ``transformer_lm``) is called with."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: call it as it is
-        return fn
+        sig = None
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            sig.bind(*args, **kwargs)
+            if sig is not None:
+                sig.bind(*args, **kwargs)
         except TypeError as e:
             import pytest
 
@@ -215,7 +237,10 @@ def _signature_checked(fn: Any, name: str, impl_name: str) -> Any:
             has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
             what = f"takes no {extra[0]} argument" if extra and not has_var_kw else f"cannot take this call ({e})"
             pytest.skip(f"implementation {impl_name!r}: {name}{_short(sig)} {what}")
-        return fn(*args, **kwargs)
+        out = fn(*_contiguous(args), **_contiguous(kwargs))
+        if isinstance(out, nn.Module):
+            out.register_forward_pre_hook(_contiguous_inputs, with_kwargs=True)
+        return out
 
     return call
 
@@ -228,7 +253,8 @@ class Implementation:
     """An implementation under test: ``has(name)`` and attribute access to its functions.
 
     A user's functions (not tinylm's) are called through a signature check: a property that
-    passes an argument the function does not take is skipped, naming the argument.
+    passes an argument the function does not take is skipped, naming the argument. They, and
+    the modules they build, are handed contiguous tensors only.
     """
 
     def __init__(self, obj: Any, name: str, spec: str | None = None) -> None:

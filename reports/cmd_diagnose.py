@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     check(args)  # also when run() is called without the command line's main()
     level = _check_level(args)
     inputs = _gather(args)
-    result = _diagnose(inputs, args)
+    result = _described(_diagnose(inputs, args), inputs)
     doc = _document(result, inputs, args)
     _write(result, doc, inputs, args)
     unhealthy = bool(result.failures) or bool(inputs.source.nonfinite) or (level == "warn" and bool(result.findings))
@@ -242,14 +242,23 @@ def _diagnose(inputs: _Inputs, args: argparse.Namespace) -> Any:
         return diagnose(inputs.source.model, inputs.tokens, options)
 
 
+def _described(result: Any, inputs: _Inputs) -> Any:
+    """The result with what the command line knows in its header (where the model and the tokens came
+    from, why this dtype), so that every fact of the text header is in the JSON document too."""
+    import dataclasses
+
+    note = inputs.dtype_text.partition(" (")[2].removesuffix(")")
+    result.header = dataclasses.replace(result.header, source=inputs.source.description, data=inputs.data_text,
+                                        dtype_note=note)
+    return result
+
+
 def _document(result: Any, inputs: _Inputs, args: argparse.Namespace) -> Any:
     """The report: the result drawn, with the training history's panel when the checkpoint holds one."""
     from .render import ReportContext, report
 
     source = inputs.source
-    ctx = ReportContext(source=source.description, data=inputs.data_text, dtype=inputs.dtype_text,
-                        device=str(inputs.device), nonfinite_params=source.nonfinite, all_tensors=args.all,
-                        random_trained=inputs.tokens is None and not source.fresh)
+    ctx = ReportContext(nonfinite_params=source.nonfinite, all_tensors=args.all)  # the rest is in the header
     watch_view = _watch_view(inputs.history)
     return report(result, ctx, extra=[watch_view.render_history(inputs.history)] if watch_view else [])
 

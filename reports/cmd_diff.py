@@ -1,7 +1,8 @@
 """Find where two executions of one model part ways: per-site departures against roundoff.
 
 ``tinylm diff A B`` compares two models (tinylm or CS336 checkpoints, .safetensors files, Hugging
-Face save_pretrained directories) or fingerprint files (.npz, written by ``--save``) on the same
+Face save_pretrained directories) or fingerprint files (written by ``--save``; told by their
+content, whatever their name) on the same
 tokens, forward and backward; ``tinylm diff A --against VARIANT`` compares one model with a
 variant of itself (compiled, bf16, fp16, cpu-threads, explicit-attention, float64). Exit codes: 0
 (or, with ``--check``, every site within roundoff), 1 with ``--check`` a departure beyond its
@@ -15,16 +16,15 @@ import sys
 from pathlib import Path
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError, choose
-from .intake import (check_device_name, check_input_file, check_model_path, check_outputs, check_suffixes, load_model,
-                     load_token_stream, positive_int, resolve_device, report_width)
+from .intake import (check_device_name, check_input_file, check_model_path, check_outputs, check_suffixes,
+                     is_fingerprint_file, load_model, load_token_stream, positive_int, resolve_device, report_width)
 
 #: what --against offers (diagnostics.jobs.diff.VARIANTS, named here to check the flag before torch loads)
 VARIANT_NAMES = ("compiled", "bf16", "fp16", "cpu-threads", "explicit-attention", "float64")
-FINGERPRINT_SUFFIX = ".npz"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("a", metavar="A", help="the reference: a checkpoint, a save_pretrained directory or a fingerprint .npz")
+    p.add_argument("a", metavar="A", help="the reference: a checkpoint, a save_pretrained directory or a fingerprint file")
     p.add_argument("b", metavar="B", nargs="?", help="the candidate (same kinds as A); or use --against")
     p.add_argument("--against", metavar="VARIANT",
                    help=f"compare A with a variant of itself: {', '.join(VARIANT_NAMES)}")
@@ -42,12 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--check", action="store_true", help="exit 1 when a departure exceeds its tolerance (for CI)")
     g.add_argument("--json", metavar="PATH", help="write the result as JSON")
     g.add_argument("--csv", metavar="PATH", help="write the tidy rows (site, direction, block, departure, ...) as CSV")
-    g.add_argument("--save", metavar="PATH", help="write A's fingerprint (.npz) to compare on another machine")
+    g.add_argument("--save", metavar="PATH", help="write A's fingerprint (any name; .npz by custom) to compare on another machine")
     g.add_argument("--width", type=report_width, help="report width in columns (default: the terminal's)")
 
 
 def _is_fingerprint(path: str | None) -> bool:
-    return path is not None and Path(path).suffix.lower() == FINGERPRINT_SUFFIX
+    """A fingerprint file, by its content (whatever its name)."""
+    return is_fingerprint_file(path)
 
 
 def check(args: argparse.Namespace) -> None:
@@ -65,8 +66,9 @@ def check(args: argparse.Namespace) -> None:
     for flag, value in (("A", args.a), ("B", args.b)):
         (check_input_file if _is_fingerprint(value) else check_model_path)(flag, value)
     check_input_file("--data", args.data)
-    if args.save is not None and Path(args.save).suffix.lower() != FINGERPRINT_SUFFIX:
-        raise UsageError(f"--save {args.save}: a fingerprint is written as .npz; give a path ending in .npz")
+    if args.save is not None and Path(args.save).is_file() and not _is_fingerprint(args.save):
+        raise UsageError(f"--save {args.save}: exists and is not a fingerprint (--save replaces only a fingerprint); "
+                         "choose another path")
     if args.save is not None and _is_fingerprint(args.a):
         raise UsageError(f"--save {args.save}: A ({args.a}) is already a fingerprint; drop --save")
     outputs = {"--json": args.json, "--csv": args.csv, "--save": args.save}
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         export.write_text(args.json, result.to_json() + "\n")
     if args.csv:
-        result.to_frame().to_csv(args.csv, index=False)
+        export.write_csv(args.csv, result.to_frame())
     written = [f"{flag[2:]} {path}" for flag, path in (("--json", args.json), ("--csv", args.csv)) if path]
     if written:
         print(f"wrote {', '.join(written)}", file=sys.stderr)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ __all__ = [
     "memory_check",
     "report_width",
     "MAX_WIDTH",
+    "MIN_WIDTH",
     "load_token_stream",
     "check_outputs",
     "check_suffixes",
@@ -38,6 +40,7 @@ __all__ = [
     "check_input_file",
     "check_model_path",
     "measured_tokens",
+    "is_fingerprint_file",
 ]
 
 DEFAULT_PRESET, DEFAULT_INIT = "tinystories", "cs336"
@@ -79,12 +82,21 @@ class ModelSource:
 #: size like any other (a billion columns would take gigabytes); no screen or page is wider
 MAX_WIDTH = 10_000
 
+#: the narrowest report drawn whole, in columns: diagnose's narrowest layouts (the per-layer and attention
+#: tables without their optional columns) keep an 8-block model's exponents whole down to 38 columns and
+#: their flag words ("non-finite", "saturated") down to 44; below, rich cuts numbers and words, and at a
+#: few columns folds every line into one to three characters
+MIN_WIDTH = 44
+
 
 def report_width(text: str) -> int:
-    """argparse type of ``--width``: an integer in [1, MAX_WIDTH] columns."""
+    """argparse type of ``--width``: an integer in [MIN_WIDTH, MAX_WIDTH] columns."""
     import argparse
 
     value = positive_int(text)
+    if value < MIN_WIDTH:
+        raise argparse.ArgumentTypeError(f"{value} columns is narrower than the narrowest report ({MIN_WIDTH} "
+                                         f"columns, where every number is drawn whole); give at least {MIN_WIDTH}")
     if value > MAX_WIDTH:
         raise argparse.ArgumentTypeError(f"{value} columns is wider than any screen or page; give at most {MAX_WIDTH:,}")
     return value
@@ -170,6 +182,9 @@ def load_model(checkpoint: str | None, *, num_heads: int | None = None, rope_the
     ``check(config)`` (e.g. :func:`memory_check`) is called with a tinylm config before its model is
     allocated; the model's own tensors are always checked against the host's memory first.
     """
+    if is_fingerprint_file(checkpoint):
+        raise UsageError(f"{checkpoint}: is a fingerprint (written by tinylm diff --save), which holds sketches of "
+                         "one run, not weights; compare it with tinylm diff, or pass a checkpoint")
     import torch
 
     import tinylm
@@ -445,6 +460,25 @@ def check_model_path(flag: str, value: str | None) -> None:
                              "permissions (chmod u+r)")
         return
     check_input_file(flag, value)
+
+
+#: the arrays of a fingerprint file (``diagnostics.Fingerprint.save``: an .npz archive of plain arrays)
+FINGERPRINT_MEMBERS = frozenset({"header.npy", "tokens.npy", "sketches.npy"})
+
+
+def is_fingerprint_file(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is a fingerprint file, told by its content whatever its name: a zip archive
+    holding exactly the arrays :data:`FINGERPRINT_MEMBERS` (a PyTorch checkpoint is a zip too, of
+    ``archive/data.pkl`` and tensor records). Read without torch, before any work."""
+    if path is None or not os.path.isfile(path):
+        return False
+    try:
+        if not zipfile.is_zipfile(path):
+            return False
+        with zipfile.ZipFile(path) as zf:
+            return set(zf.namelist()) == FINGERPRINT_MEMBERS
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def check_input_file(flag: str, value: str | None) -> None:

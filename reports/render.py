@@ -57,13 +57,15 @@ _WEIGHT_OF = {
 class ReportContext:
     """What the command line knows besides the result: where the model and the tokens came from."""
 
+    # source, data, dtype, device: for a result whose header does not hold them (a document written
+    # before it recorded them); the header's own facts are drawn where it has them
     source: str = "a model"  # e.g. "tinylm checkpoint model.pt, iteration 5,000"
     data: str = ""  # e.g. "uniform random tokens over [0, 10000)"
     dtype: str = "float32"
     device: str = "cpu"
     nonfinite_params: list[str] = field(default_factory=list)  # from the checkpoint loader
     all_tensors: bool = False
-    random_trained: bool = False  # a checkpoint measured on uniform random tokens (its loss is read differently)
+    random_trained: bool = False  # a trained model measured on uniform random tokens (also read from the header)
 
 
 def _kv(table: Table, key: str, value: str | Text) -> None:
@@ -80,11 +82,14 @@ def _positions(cfg: dict[str, Any]) -> str:
     return "rope" if cfg.get("rope", True) else "none"
 
 
-def _config_line(cfg: dict[str, Any] | None) -> str:
+def _config_line(cfg: dict[str, Any] | None, kv_heads: int | None = None) -> str:
     if not cfg:
-        return "(not a tinylm model: no config)"
+        return "(not a tinylm model: no config)" + (f" · K/V heads {kv_heads}" if kv_heads else "")
     parts = [f"V={cfg.get('vocab_size')}", f"ctx={cfg.get('context_length')}", f"d={cfg.get('d_model')}",
              f"L={cfg.get('num_layers')}", f"H={cfg.get('num_heads')}", f"d_ff={cfg.get('d_ff')}"]
+    kv = cfg.get("num_kv_heads") or kv_heads
+    if kv and kv != cfg.get("num_heads"):  # grouped-query attention: H query heads share kv K/V heads
+        parts.insert(5, f"KV={kv}")
     norm = {"pre": "pre-norm", "post": "post-norm", "none": "no norm"}.get(cfg.get("norm", "pre"), str(cfg.get("norm")))
     if cfg.get("norm_kind") == "layer" and cfg.get("norm", "pre") != "none":
         norm += " LayerNorm"
@@ -104,11 +109,14 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     t = Table.grid(padding=(0, 2))
     t.add_column(no_wrap=True)
     t.add_column(overflow="fold")
-    _kv(t, "model", f"{h.model_class} {_config_line(h.config)}")
-    _kv(t, "parameters", f"{h.parameter_count:,} on {ctx.device}, dtype {ctx.dtype}")
-    _kv(t, "source", ctx.source)
+    _kv(t, "model", f"{h.model_class} {_config_line(h.config, getattr(h, 'kv_heads', None))}")
+    dtype = getattr(h, "dtype", "") or ctx.dtype
+    if getattr(h, "dtype", "") and getattr(h, "dtype_note", ""):
+        dtype += f" ({h.dtype_note})"
+    _kv(t, "parameters", f"{h.parameter_count:,} on {getattr(h, 'device', '') or ctx.device}, dtype {dtype}")
+    _kv(t, "source", getattr(h, "source", "") or ctx.source)
     _kv(t, "tokens", f"{h.tokens_measured:,} measured = {h.seeds} seed(s) x {h.batches} batch(es) x "
-                     f"{h.batch_size} x {h.seq_len}; {ctx.data or h.token_source}")
+                     f"{h.batch_size} x {h.seq_len}; {getattr(h, 'data', '') or ctx.data or h.token_source}")
     seeds = f"seed {h.seed}" if h.seeds == 1 else f"seeds {h.seed}..{h.seed + h.seeds - 1}"
     init = f", init {h.init}" if h.init else ""
     rules = _theories(result)
@@ -125,7 +133,9 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
-        if ctx.random_trained and h.loss is not None and h.loss > h.loss_uniform:
+        # a model not at its declared init (trained, or nothing declared) on uniform random tokens
+        trained = ctx.random_trained or (h.token_source == "random" and getattr(h, "fresh", None) is not True)
+        if trained and h.loss is not None and h.loss > h.loss_uniform:
             # on uniform targets the loss is ln V + KL(uniform || p): above ln V for any model whose predictions
             # are not uniform, so it measures how confident the model is, not how well it predicts text
             loss.append("; above ln V because the tokens are random, not because the model is broken: "

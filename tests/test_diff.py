@@ -367,12 +367,13 @@ def test_command_checks_reports_and_exports(tmp_path):
     (["{a}"], "no candidate"),
     (["{a}", "--against", "bf17"], "did you mean 'bf16'"),
     (["{a}", "{a}", "--against", "bf16"], "give one of them"),
-    (["{a}", "--save", "{tmp}/f.json"], "ending in .npz"),
-    (["{tmp}/bad.npz", "{a}"], "must be a fingerprint file"),
+    (["{a}", "--save", "{tmp}/f.json"], "exists and is not a fingerprint"),
+    (["{tmp}/bad.npz", "{a}"], "a text file, not a checkpoint"),  # neither kind, by content
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, argv, phrase):
     a = tmp_path / "a.pt"
     checkpoint.save(a, model())
     (tmp_path / "bad.npz").write_bytes(b"nope")
+    (tmp_path / "f.json").write_text("{}")
     code, _, err = _cli(*[x.format(a=a, tmp=tmp_path) for x in argv])
     assert code == 2 and phrase in err and len(err.strip().splitlines()) == 1, err

@@ -2,11 +2,12 @@
 and ``diagnose`` takes its GPT module as it is (context from ``config.block_size``, the
 forward called with targets so that it returns every position's logits).
 
-``GPT`` below is a plain module faithful to nanoGPT's model.py (nn.Linear layers, c_attn
-stacking q|k|v along its rows, exact GELU, LayerNorm eps 1e-5 with an optional bias, learned
-positions, lm_head tied to wte, ``forward(idx, targets=None) -> (logits, loss)`` with the last
-position's logits only when targets is None); ``save_like_train_py`` writes a checkpoint exactly
-as nanoGPT's train.py does.
+``GPT`` below is a plain module that behaves as nanoGPT's model.py does (nn.Linear layers,
+c_attn stacking q|k|v along its rows, exact GELU, LayerNorm eps 1e-5 with an optional bias,
+learned positions, dropout modules, lm_head tied to wte, ``forward(idx, targets=None) ->
+(logits, loss)`` with the last position's logits only when targets is None, and ``.view`` where
+nanoGPT uses it: on the targets, which therefore must be contiguous); ``save_like_train_py``
+writes a checkpoint exactly as nanoGPT's train.py does.
 """
 
 import math
@@ -55,7 +56,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.n_head, self.n_embd, self.flash = config.n_head, config.n_embd, flash
+        self.attn_dropout, self.resid_dropout = nn.Dropout(config.dropout), nn.Dropout(config.dropout)
+        self.n_head, self.n_embd, self.dropout, self.flash = config.n_head, config.n_embd, config.dropout, flash
         if not flash:  # older torch: a causal-mask buffer, saved in the state dict as attn.bias
             self.register_buffer("bias", torch.tril(torch.ones(config.block_size, config.block_size))
                                  .view(1, 1, config.block_size, config.block_size))
@@ -67,13 +69,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         if self.flash:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
             att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
-            y = F.softmax(att, dim=-1) @ v
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -82,9 +85,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -131,7 +135,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if targets is not None:
             logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            # .view, as nanoGPT: a non-contiguous targets tensor raises "view size is not compatible"
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
         else:
             logits = self.lm_head(x[:, [-1], :])  # inference: only the last position
             loss = None
@@ -164,7 +169,7 @@ def save_like_train_py(path, model: GPT, *, compiled=False, iter_num=250):
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": nodecay, "weight_decay": 0.0}],
                                   lr=6e-4, betas=(0.9, 0.95))
     idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1), generator=torch.Generator().manual_seed(5))
-    _, loss = model(idx[:, :-1], idx[:, 1:])
+    _, loss = model(idx[:, :-1], idx[:, 1:].contiguous())  # train.py's get_batch stacks x and y apart
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -357,3 +362,66 @@ def test_last_position_logits_without_a_targets_parameter_is_explained():
 
     with pytest.raises(diagnostics.OptionsError, match="last position's logits only"):
         diagnostics.diagnose(LastOnly(), options=diagnostics.DiagnoseOptions(batch_size=2, batches=1, seq_len=8))
+
+
+def test_the_module_views_its_targets_as_nanogpt_does():  # negative control for the two tests above and below
+    model = small_gpt(dtype=torch.float32)
+    w = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        model(w[:, :-1], w[:, 1:])  # a slice of token windows: what a job must never hand it
+    logits, loss = model(w[:, :-1], w[:, 1:].contiguous())
+    assert logits.shape == (2, 16, 97) and loss.dim() == 0
+
+
+def test_diff_and_fingerprint_take_a_nanogpt_module_without_options():
+    a, b = small_gpt(dtype=torch.float32), small_gpt(dtype=torch.float32)
+    fp = diagnostics.fingerprint(a)
+    assert fp.tokens.shape[1] == 17  # the context, read from config.block_size, and the next token
+    result = diagnostics.diff(a, b)
+    assert result.same and result.rows  # every position's logits (the forward is given targets)
+
+
+_TORCHRUN = """
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import diagnostics
+from test_nanogpt import small_gpt
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(small_gpt(dtype=torch.float32))  # as nanoGPT's train.py
+result = diagnostics.diagnose(model)  # no options
+dist.barrier()  # both ranks got here: neither crashed
+with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
+    json.dump({"status": result.status, "seq_len": result.header.seq_len}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two interpreters importing torch under torchrun: ~40 s on a busy 2-core machine
+def test_diagnose_a_nanogpt_module_under_torchrun(tmp_path):
+    """Two ranks on gloo, launched by torchrun, each diagnosing nanoGPT's module with no options."""
+    import json
+    import os
+
+    (tmp_path / "run.py").write_text(_TORCHRUN)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(tmp_path / "run.py"), here, str(tmp_path)]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun and both ranks: none outlives the test
+        proc.communicate()
+        pytest.fail("torchrun did not finish in 180 s")
+    assert proc.returncode == 0, err[-3000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["seq_len"] == 16 and got["status"] != "not judged"

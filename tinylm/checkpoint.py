@@ -13,6 +13,7 @@ import json
 import os
 import pickletools
 import re
+import stat
 import tempfile
 import warnings
 import zipfile
@@ -73,16 +74,40 @@ class CheckpointInfo:
 # --------------------------------------------------------------------------- writing
 
 
+def _umask() -> int:
+    """The process's file-mode creation mask, read without changing it where the OS tells it
+    (Linux: /proc/self/status), else by setting and restoring it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write) -> None:
-    """Call ``write(tmp_path)`` and rename the result onto ``path``: never a half-written file."""
+    """Call ``write(tmp_path)`` and rename the result onto ``path``: never a half-written file.
+
+    The file gets the mode a plain ``open(path, "w")`` gives it: an existing file's own mode,
+    else 0o666 less the user's umask (the private temporary file's 0o600 is not kept).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -220,6 +245,10 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
                            "torch.save(torch.load(p, weights_only=False).state_dict(), 'state.pt')",
                            error=UnsafeCheckpointError)
         msg = str(e).lower()
+        if _is_npz(path):
+            file_error(path, "is a NumPy .npz archive, not a checkpoint (a fingerprint written by tinylm diff --save "
+                       "is one)", "compare a fingerprint with tinylm diff; pass a file written by torch.save or "
+                       "safetensors", error=CheckpointError)
         if isinstance(e, EOFError) or _is_broken_zip(path) or "central directory" in msg or "truncat" in msg:
             why = "truncated or damaged (the save was probably interrupted or the copy is incomplete)"
         elif _looks_like_text(path):
@@ -255,6 +284,16 @@ def _missing_class(path: Path, e: Exception) -> str:
         fix = f"run from the folder that has {top}.py" if top == module else f"run from the folder that has {top}/"
     return (f"{path}: the checkpoint pickles {what}: {need}; {fix}, or use the Python API: build the model "
             "yourself and call diagnostics.diagnose(model) (diagnostics/API.md)")
+
+
+def _is_npz(path: Path) -> bool:
+    """A zip archive of .npy arrays only (``np.savez``), which torch.save never writes."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+        return bool(names) and all(n.endswith(".npy") for n in names)
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 def _is_broken_zip(path: Path) -> bool:
@@ -470,7 +509,8 @@ def read_state(path: str | os.PathLike, unsafe: bool = False) -> tuple[dict[str,
     """Read a file into (state_dict, stored config dict or None, info); no model is built."""
     path = Path(path)
     head = _check_file(path)
-    if _is_safetensors(head, path.stat().st_size) or path.suffix == ".safetensors":
+    torch_file = head[:4] == b"PK\x03\x04" or head[:1] == b"\x80"  # torch.save's zip, or its legacy pickle
+    if _is_safetensors(head, path.stat().st_size) or (path.suffix == ".safetensors" and not torch_file):
         state, meta = _read_safetensors(path)
         config = None
         info = CheckpointInfo(str(path), "safetensors", "inferred")

@@ -110,7 +110,8 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, generato
               device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of ``context_length + 1`` tokens, as CS336's ``get_batch``.
 
-    Returns (x, y), each (batch_size, context_length) int64, with y the next tokens of x.
+    Returns (x, y), each (batch_size, context_length) int64 and contiguous (a model may ``.view``
+    them), with y the next tokens of x.
     """
     n = len(tokens)
     if n < context_length + 1:
@@ -119,7 +120,7 @@ def get_batch(tokens: np.ndarray, batch_size: int, context_length: int, generato
     starts = torch.randint(0, n - context_length, (batch_size,), generator=generator).tolist()
     window = np.stack([np.asarray(tokens[s:s + context_length + 1], dtype=np.int64) for s in starts])
     w = torch.from_numpy(window).to(device)
-    return w[:, :-1], w[:, 1:]
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
 def random_tokens(vocab_size: int, batch_size: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:

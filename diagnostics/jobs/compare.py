@@ -276,7 +276,7 @@ def _measure_seed(cell: _Cell, s: int, grid: _Grid, options: CompareOptions) -> 
         cell.model.zero_grad(set_to_none=True)
     if grid.tokens is None:
         batch = torch.randint(0, grid.vocab_size, (options.batch_size, options.seq_len + 1), generator=gen)
-        x, y = batch[:, :-1], batch[:, 1:]
+        x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     else:
         x, y = get_batch(grid.tokens, options.batch_size, options.seq_len, gen)
     stream = cell.stream

@@ -67,7 +67,7 @@ from ..theory.tokenkernel import token_coincidence
 from .diagnose_init import FRESH_RULE, Declaration, declaration, fresh
 from .diagnose_peaks import block_peaks
 from .diagnose_rows import attention_rows, depth_rows, param_rows, tensor_rows
-from .diagnose_sample import batch_loss, model_context, seed_batches, seed_models
+from .diagnose_sample import batch_loss, kv_heads, model_context, parameter_placement, seed_batches, seed_models
 
 __all__ = ["diagnose"]
 
@@ -370,6 +370,7 @@ def _header(model: nn.Module, sample: _Sample, measured: _Measured, theory: _The
     tiny = isinstance(model, tinylm.TransformerLM)
     vocab = next(iter(measured.vocabs)) if len(measured.vocabs) == 1 else None
     loss = float(np.mean(measured.losses))
+    dtype, device = parameter_placement(model)
     header = Header(
         model_class=type(model).__name__, config=model.config.to_dict() if tiny else None,
         parameter_count=sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
@@ -378,7 +379,8 @@ def _header(model: nn.Module, sample: _Sample, measured: _Measured, theory: _The
         batch_size=options.batch_size, seq_len=sample.seq_len, batches=len(sample.batches[0]),
         seeds=len(sample.models), seed=options.seed, theory=theory.mode, loss=loss,
         loss_uniform=math.log(vocab) if vocab else None, token_source=sample.source,
-        declared=state.declared.words, fresh=state.fresh, fresh_rule=FRESH_RULE)
+        declared=state.declared.words, fresh=state.fresh, fresh_rule=FRESH_RULE, dtype=dtype, device=device,
+        kv_heads=kv_heads(model))
     return replace(header, interval=interval_scope(header))
 
 

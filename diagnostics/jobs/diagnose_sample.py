@@ -6,7 +6,6 @@ Internal to :mod:`diagnostics.jobs.diagnose` (its ``_sample`` and ``_measure`` s
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 from collections.abc import Mapping
 
@@ -16,10 +15,10 @@ from torch import Tensor, nn
 
 import tinylm
 
-from ..measure.outputs import read_output
+from ..measure.outputs import call_model, read_output, takes_targets
 from ..options import DiagnoseOptions, OptionsError
 
-__all__ = ["CONTEXT_KEYS", "model_context", "takes_targets", "seed_batches", "seed_models", "batch_loss"]
+__all__ = ["CONTEXT_KEYS", "model_context", "kv_heads", "parameter_placement", "takes_targets", "seed_batches", "seed_models", "batch_loss"]
 
 _HOW = ("diagnose reads next-token logits (B, T, V), a tuple whose first tensor they are, an object with .logits "
         "or .loss, or a 0-d loss (a forward(idx, targets=None) is given targets); pass DiagnoseOptions(inputs=ids -> model arguments, loss_fn=(logits, targets) -> "
@@ -46,6 +45,28 @@ def model_context(model: nn.Module) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 1:
             return value
     return None
+
+
+def kv_heads(model: nn.Module) -> int | None:
+    """The key/value head count the model's config states (tinylm's ``num_kv_heads``, else its head
+    count; Hugging Face's ``num_key_value_heads``), None where it states none."""
+    config = getattr(model, "config", None)
+    if isinstance(model, tinylm.TransformerLM):
+        return config.num_kv_heads or config.num_heads
+    get = config.get if isinstance(config, Mapping) else (lambda key: getattr(config, key, None))
+    for key in ("num_key_value_heads", "num_kv_heads", "n_kv_heads"):
+        value = get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def parameter_placement(model: nn.Module) -> tuple[str, str]:
+    """(the floating dtype(s) of the parameters, "/"-joined in order of first use; their device(s))."""
+    params = list(model.parameters())
+    dtypes = dict.fromkeys(str(p.dtype).removeprefix("torch.") for p in params if p.is_floating_point())
+    devices = dict.fromkeys(str(p.device) for p in params)
+    return "/".join(dtypes), "/".join(devices)
 
 
 def _vocab(model: nn.Module) -> int | None:
@@ -119,30 +140,6 @@ def seed_models(model: nn.Module, options: DiagnoseOptions) -> list[nn.Module]:
     return out
 
 
-def takes_targets(model: nn.Module) -> bool:
-    """Whether ``model.forward`` has a parameter named ``targets`` (nanoGPT's and minGPT's
-    ``forward(idx, targets=None)``, which return ``(logits, loss)``; nanoGPT's logits are those of
-    the last position only, ``(B, 1, V)``, unless targets are given)."""
-    try:
-        return "targets" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # a builtin or an object without a readable signature
-        return False
-
-
-def _call(model: nn.Module, ids: Tensor, targets: Tensor, options: DiagnoseOptions):
-    """The model's output on token ids (B, T), called as ``options.inputs`` says; without
-    ``inputs``, a model whose forward takes ``targets`` is called ``model(ids, targets=targets)``
-    so that it returns the logits of every position."""
-    if options.inputs is None:
-        return model(ids, targets=targets) if takes_targets(model) else model(ids)
-    x = options.inputs(ids)
-    if isinstance(x, Mapping):
-        return model(**x)
-    if isinstance(x, tuple):
-        return model(*x)
-    return model(x)
-
-
 def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None = None,
                logits_out: dict | None = None) -> tuple[Tensor, tuple[float, float], int | None]:
     """The loss of ``batch`` (B, T+1) whose gradient is measured, the two softmax moments the
@@ -161,8 +158,8 @@ def batch_loss(model: nn.Module, batch: Tensor, options: DiagnoseOptions | None 
     """
     options = options or DiagnoseOptions()
     batch = batch.to(next((p.device for p in model.parameters()), batch.device))  # tokens go where the weights are
-    ids, targets = batch[:, :-1], batch[:, 1:]
-    output = _call(model, ids, targets, options)
+    ids, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()  # a user's forward may .view them
+    output = call_model(model, ids, targets, options.inputs)
     logits, own = read_output(output)
     next_token = logits is not None and logits.dim() == 3 and tuple(logits.shape[:2]) == tuple(ids.shape) \
         and logits.is_floating_point() and int(targets.max()) < logits.shape[-1]

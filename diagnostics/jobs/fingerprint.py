@@ -45,8 +45,10 @@ from torch import Tensor, nn
 import tinylm
 
 from ..measure.blocks import find_blocks
+from ..measure.outputs import call_model
 from ..measure.probe import instrument_points
 from ..options import DiffOptions, OptionsError
+from .diagnose_sample import model_context
 
 __all__ = ["Site", "SiteRecord", "Fingerprint", "FingerprintError", "diff_sites", "fingerprint", "sketch",
            "FORMAT", "VERSION", "PROJECTION_SEED"]
@@ -197,14 +199,22 @@ class Fingerprint:
         return next((r for r in self.records if r.key == key and r.direction == direction), None)
 
     def save(self, path: str | Path) -> Path:
-        """Write a .npz (plain arrays and one JSON string; read back without pickle)."""
+        """Write an .npz archive (plain arrays and one JSON string; read back without pickle) at
+        ``path`` whatever its name (no suffix is added; the file is told by its content), whole or
+        not at all, with the mode the user's umask gives a new file."""
+        from tinylm.checkpoint import atomic_write
+
         path = Path(path)
         k = int(self.meta["k"])
         sketches = np.stack([r.sketch for r in self.records]) if self.records else np.zeros((0, k, k))
         text = json.dumps({"meta": self.meta, "records": [r.fields() for r in self.records]}, sort_keys=True)
-        with open(path, "wb") as f:
-            np.savez(f, header=np.frombuffer(text.encode(), dtype=np.uint8), tokens=self.tokens.astype(np.int64),
-                     sketches=sketches.astype(np.float64))
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
+                np.savez(f, header=np.frombuffer(text.encode(), dtype=np.uint8), tokens=self.tokens.astype(np.int64),
+                         sketches=sketches.astype(np.float64))
+
+        atomic_write(path, write)
         return path
 
     @classmethod
@@ -237,16 +247,6 @@ class Fingerprint:
 # ----------------------------------------------------------------------------- the pass
 
 
-def context_of(model: nn.Module) -> int | None:
-    """The longest sequence the model takes (tinylm config, else max_position_embeddings/n_positions)."""
-    config = getattr(model, "config", None)
-    for key in ("context_length", "max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
-    return None
-
-
 def _vocab(model: nn.Module) -> int | None:
     value = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(value, int):
@@ -257,7 +257,7 @@ def _vocab(model: nn.Module) -> int | None:
 def batch_of(model: nn.Module, tokens, options: DiffOptions) -> Tensor:
     """The measured batch (B, T+1) int64: ``tokens`` (N, T+1) windows (the first batch_size), a 1-D
     stream (batch_size windows drawn with the seed) or None (uniform random ids, seeded)."""
-    ctx = context_of(model)
+    ctx = model_context(model)
     seq_len = options.seq_len or (min(ctx, 256) if ctx else 128)
     if tokens is None:
         vocab = _vocab(model)
@@ -404,13 +404,12 @@ def fingerprint(model: nn.Module, tokens=None, options: DiffOptions | None = Non
     device = next((p.device for p in run.parameters()), torch.device("cpu"))
     sites = diff_sites(run)
     recorder = _Recorder(options.k, options.backward)
-    ids = batch[:, :-1].to(device)
+    ids, targets = batch[:, :-1].to(device).contiguous(), batch[:, 1:].to(device).contiguous()
     with _recording(run, sites, recorder):
-        x = options.inputs(ids) if options.inputs is not None else ids
-        out = run(**x) if isinstance(x, Mapping) else run(*x) if isinstance(x, tuple) else run(x)
+        out = call_model(run, ids, targets, options.inputs)  # a forward(idx, targets) gets every position's logits
         logits = _logits(out)
         recorder.take(sites[-1] if sites[-1].key == "logits" else next(s for s in sites if s.key == "logits"), logits)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), batch[:, 1:].to(device).flatten())
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten())
         if options.backward and loss.requires_grad:
             loss.backward()
     return _assemble(run, sites, recorder, batch, options, float(loss.detach()), device)

@@ -6,18 +6,69 @@
   tensor a loss; a tuple or list is read as its first tensor; an object or mapping is read for
   its ``logits`` and ``loss`` (a Hugging Face ``ModelOutput``).
 
-How a model is called before its output is read (``model(ids, targets=targets)`` for a forward
-with a ``targets`` parameter, as nanoGPT's, whose logits are otherwise the last position's
-only) is :func:`diagnostics.jobs.diagnose_sample.takes_targets`'s rule (diagnostics/API.md).
+How a model is called before its output is read is :func:`call_model`'s rule, the one every job
+uses: ``model(ids, targets=targets)`` for a forward with a ``targets`` parameter (nanoGPT's, whose
+logits are otherwise the last position's only; :func:`takes_targets`), what ``inputs(ids)``
+builds, else ``model(ids)``; every tensor it hands the model is contiguous (a user's forward may
+``.view`` it, as nanoGPT's does its targets) (diagnostics/API.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["first_tensor", "read_output"]
+__all__ = ["first_tensor", "read_output", "takes_targets", "contiguous", "call_model"]
+
+
+def takes_targets(model: nn.Module) -> bool:
+    """Whether ``model.forward`` has a parameter named ``targets`` (nanoGPT's and minGPT's
+    ``forward(idx, targets=None)``, which return ``(logits, loss)``; nanoGPT's logits are those of
+    the last position only, ``(B, 1, V)``, unless targets are given)."""
+    try:
+        return "targets" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # a builtin or an object without a readable signature
+        return False
+
+
+def contiguous(value):
+    """``value`` with every tensor in it contiguous: a tensor, or a mapping (read back as a dict),
+    tuple, named tuple or list of them (nested); anything else as it is. A contiguous tensor is
+    returned itself (no copy)."""
+    if isinstance(value, Tensor):
+        return value.contiguous()
+    if isinstance(value, Mapping):
+        return {k: contiguous(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        items = [contiguous(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [contiguous(v) for v in value]
+    return value
+
+
+def call_model(model: nn.Module, ids: Tensor, targets: Tensor | None = None,
+               inputs: Callable | None = None):
+    """The model's output on token ids (B, T), every tensor handed to it contiguous.
+
+    Without ``inputs``: ``model(ids, targets=targets)`` when ``targets`` is given and the model's
+    forward takes ``targets`` (so that nanoGPT returns every position's logits), else
+    ``model(ids)``. With ``inputs``: what ``inputs(ids)`` builds, a dict (``model(**d)``), a tuple
+    (``model(*t)``) or one value (``model(x)``).
+    """
+    ids = ids.contiguous()
+    if inputs is None:
+        if targets is not None and takes_targets(model):
+            return model(ids, targets=targets.contiguous())
+        return model(ids)
+    x = contiguous(inputs(ids))
+    if isinstance(x, Mapping):
+        return model(**x)
+    if isinstance(x, tuple):
+        return model(*x)
+    return model(x)
 
 
 def first_tensor(output) -> Tensor | None:
