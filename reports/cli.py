@@ -51,6 +51,7 @@ VERBS = {
     "train": "train a small model while watching per-layer statistics",
     "export": "write a model as a Hugging Face directory that transformers loads",
     "diff": "find where two executions of one model part ways (per-site departures against roundoff)",
+    "runs": "read back what a watch wrote: outcome, first departure, alerts, forensics; runs side by side",
 }
 
 #: The presets and init schemes the command line offers, named here so that flags are

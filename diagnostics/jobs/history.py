@@ -430,6 +430,36 @@ class History:
         self.thresholds = thresholds_of(history, thresholds)
         self._judged_at: int | None = None  # how many records the kept verdicts cover
         self._kept: dict[str, Any] = {}
+        #: what :meth:`read` found beside the records: the watch's alerts, its forensics reports,
+        #: what reading noticed (lines skipped), the verdicts the record lines carried, the source
+        self.alerts: list[Any] = []
+        self.forensics: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.stored_verdicts: list[dict[str, Any]] | None = None
+        self.source: str | None = None
+
+    @classmethod
+    def read(cls, source: Any) -> "History":
+        """The run a watch wrote at ``source`` (a log dir, its watch.jsonl, a history JSON or a
+        checkpoint), with its alerts, events and forensics (:mod:`diagnostics.jobs.history_read`)."""
+        from .history_read import read
+
+        return read(source)
+
+    @staticmethod
+    def compare(a: Any, b: Any, labels: tuple[str, str] | None = None, alpha: float = 1e-6) -> Any:
+        """Where two runs part ways beyond their own noise, with the alerts each raised
+        (:func:`diagnostics.jobs.runs_compare.compare_runs`)."""
+        from .runs_compare import compare_runs
+
+        return compare_runs(a, b, labels, alpha)
+
+    def outcome(self) -> dict[str, Any]:
+        """What the run came to: {"status": "failed" | "warned" | "ok" | "not judged", "step", "why"}
+        (:func:`diagnostics.judge.runs.outcome`, from the kept verdicts and the alerts)."""
+        from ..judge.runs import outcome
+
+        return outcome(self.data, self._judgement()["verdicts"], self.alerts)
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
