@@ -184,9 +184,15 @@ def comparison_report(c: Any):
     from rich.text import Text
 
     return Text(f"side by side: {c.labels[0]} vs {c.labels[1]}\n" + str(c)
-                + (f"\n(threshold z = {c.parting['threshold']:.2f} over {c.parting['compared']} signals, "
-                   f"noise from each run's first {c.parting['early']} aligned records; false-alarm "
-                   f"probability {c.alpha:g})" if not c.parting["why"] else ""))
+                + (f"\n({noise_words(c)})" if not c.parting["why"] else ""))
+
+
+def noise_words(c: Any) -> str:
+    """How a comparison judged, in a line: its tests, threshold, noise and false-alarm probability."""
+    p = c.parting
+    return (f"{p['compared']} signals over {p['steps']} aligned records, {p.get('tests', 0)} tests; offset from "
+            f"the first {p['early']} records, noise from each run's own record-to-record scatter; threshold "
+            f"z >= {p['threshold']:.3g}; false-alarm probability {c.alpha:g}")
 
 
 def follow_view(h: Any, label: str, lines_read: int):
@@ -241,7 +247,8 @@ def runs_figure(h: Any, label: str):
 
     d = h.data
     s, records = d["series"], d["records"]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True, constrained_layout=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    fig.subplots_adjust(left=0.09, right=0.9, top=0.95, bottom=0.06, hspace=0.08)
     ax = axes[0]
     ax.plot(*_envelope(s["step"], _positive(s["loss"])), color="#1f3b73", lw=1, label="loss")
     ax.set_yscale("log")
@@ -260,7 +267,7 @@ def runs_figure(h: Any, label: str):
                     label=site if len(sites) <= 16 else None)
         ax.set_yscale("log")
         ax.set_ylabel(what)
-    axes[1].legend(fontsize=6, ncol=4, loc="best")
+    axes[1].legend(fontsize=6, ncol=4, loc="upper left")
     axes[-1].set_xlabel("step")
     for a in {(a.step, a.severity) for a in h.alerts}:
         for ax in axes:
@@ -345,8 +352,7 @@ def comparison_html(c: Any) -> str:
         rows = [[d["step"], d["signal"], d["site"] or "model", d["a"], d["b"], d["ratio"], d["z"]]
                 for d in p["departures"][:20]]
         parts.append(_table(["step", "signal", "site", c.labels[0], c.labels[1], "ratio beyond offset", "z"], rows))
-        parts.append(f"<p>threshold z = {p['threshold']:.2f}; noise from each run's first {p['early']} aligned "
-                     f"records; false-alarm probability {c.alpha:g}</p>")
+        parts.append(f"<p>{_e(noise_words(c))}</p>")
     return "".join(parts)
 
 

@@ -8,19 +8,22 @@ logged but nothing recorded: the loss alone says nothing about the layers).
 
 :func:`parting`: where two runs part ways. Their records are aligned by step; each signal (every
 site's forward and gradient variance and largest |x|, each attention layer's largest logit and
-mean entropy, the loss) is compared on a log scale. The noise is each run's own: over the first
-``early`` aligned records (a quarter of them, 3 to 10), a run's record-to-record increments of
-log x give its scatter s = sd(increments) / sqrt(2) (a level that moves smoothly plus independent
-scatter around it); the two runs' early offset d0 (mean of log a - log b over those records) is
-their baseline. At a later record t, with d_t = log a_t - log b_t,
+mean entropy, the loss) is compared on a log scale, against the runs' own noise:
 
-    z_t = |d_t - d0| / sqrt((s_a^2 + s_b^2) (1 + 1 / early))
+* the offset: d0 = mean of d = log a - log b over the first :data:`EARLY` (3) aligned records
+  (two runs of one seed start at d0 = 0; runs of other seeds or inits at their own offset);
+* each run's scatter s: its record-to-record wander, from the increments of log x over all its
+  records, robustly (1.4826 x their median absolute deviation, / sqrt(2): a smoothly moving level
+  plus independent scatter; the few large jumps of a departure leave it unchanged, so it can be
+  learnt from the whole run even when the runs part at their fourth record).
 
-and a signal departs at the first t where z_t exceeds the Gaussian two-sided quantile of
-``alpha`` / (the number of tests made): the false-alarm probability of the whole comparison is
-``alpha`` (1e-6 by default) under that noise model. A signal finite in one run and not the other
-departs at once (z = inf). The first departure is the earliest step, then the most upstream site
-(forward order), forward statistics before gradients, the loss last.
+At each later record, z_t = |d_t - d0| / sqrt((s_a^2 + s_b^2) (1 + 1 / EARLY)); a signal departs
+at the first record where z_t passes Student's t quantile (degrees of freedom: the increments
+less one, the smaller run's) of ``alpha`` / (2 x the number of tests made): under that noise model
+the false-alarm probability of the whole comparison is at most ``alpha`` (1e-6 by default). A
+signal finite in one run and not the other departs at once (z = inf). The first departure is the
+earliest step, then the most upstream site (forward order) among forward statistics, then the
+most downstream among gradients (the first the backward reaches), the loss last.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .over_time import FAIL_VERDICTS
 __all__ = ["outcome", "parting", "what_moved", "signal_series", "ALPHA", "STATS", "ATTENTION"]
 
 ALPHA = 1e-6
+EARLY = 3  # aligned records that set the runs' offset
 STATS = ("fwd_var", "grad_var", "fwd_absmax")  # per site, in this order of precedence
 ATTENTION = ("max_logit", "entropy_mean")
 _SCATTER_FLOOR = 1e-6  # relative: a constant signal still has its float64 rounding
@@ -108,25 +112,33 @@ def _log(x: Any) -> float:
     return math.log(abs(x)) if x != 0 else -math.inf
 
 
-def _scatter(values: list[float]) -> float:
-    """sd of the increments / sqrt(2) (module docstring); NaN with fewer than 3 values."""
-    inc = [b - a for a, b in zip(values, values[1:])]
-    if len(inc) < 2:
-        return math.nan
-    m = sum(inc) / len(inc)
-    return math.sqrt(sum((x - m) ** 2 for x in inc) / (len(inc) - 1) / 2)
+def _scatter(values: list[float]) -> tuple[float, int]:
+    """(s, df): a run's record-to-record scatter of one signal from the increments of its finite
+    log values, robustly (1.4826 x the median absolute deviation of the increments, / sqrt(2): a
+    level that moves smoothly plus independent scatter; a departure's few large jumps leave it
+    as it is), and the increments it rests on less one; (NaN, 0) with fewer than 4."""
+    finite = [v for v in values if math.isfinite(v)]
+    inc = sorted(b - a for a, b in zip(finite, finite[1:]))
+    if len(inc) < 4:
+        return math.nan, 0
+    med = inc[len(inc) // 2] if len(inc) % 2 else (inc[len(inc) // 2 - 1] + inc[len(inc) // 2]) / 2
+    dev = sorted(abs(x - med) for x in inc)
+    mad = dev[len(dev) // 2] if len(dev) % 2 else (dev[len(dev) // 2 - 1] + dev[len(dev) // 2]) / 2
+    return 1.4826 * mad / math.sqrt(2), len(inc) - 1
 
 
 def _one(a: dict[int, float], b: dict[int, float], steps: list[int], early: int
-         ) -> tuple[float, float, list[tuple[int, float, float, float]]] | None:
-    """(d0, scale, [(step, z, a, b) after the early records]) of one signal, or None when its
-    early records are not all finite in both runs."""
+         ) -> tuple[float, float, int, list[tuple[int, float, float, float]]] | None:
+    """(d0, scale, df, [(step, z, a, b) after the early records]) of one signal, or None when its
+    early records are not all finite in both runs or its scatter cannot be estimated."""
     la, lb = [_log(a[t]) for t in steps], [_log(b[t]) for t in steps]
     ea, eb = la[:early], lb[:early]
     if not all(math.isfinite(x) for x in ea + eb):
         return None
     d0 = sum(x - y for x, y in zip(ea, eb)) / early
-    sa, sb = _scatter(ea), _scatter(eb)
+    (sa, dfa), (sb, dfb) = _scatter(la), _scatter(lb)
+    if not (dfa and dfb):
+        return None
     floor = _SCATTER_FLOOR * max(1.0, max(abs(x) for x in ea + eb))
     scale = math.sqrt((max(sa, floor) ** 2 + max(sb, floor) ** 2) * (1 + 1 / early))
     out = []
@@ -136,7 +148,7 @@ def _one(a: dict[int, float], b: dict[int, float], steps: list[int], early: int
         else:
             z = 0.0 if x == y else math.inf  # finite in one run only (or inf against -inf)
         out.append((t, z, a[t], b[t]))
-    return d0, scale, out
+    return d0, scale, min(dfa, dfb), out
 
 
 def parting(a: dict[str, Any], b: dict[str, Any], alpha: float = ALPHA) -> dict[str, Any]:
@@ -148,7 +160,7 @@ def parting(a: dict[str, Any], b: dict[str, Any], alpha: float = ALPHA) -> dict[
     Each departure: {"step", "signal", "site", "a", "b", "ratio" (exp(d - d0): b/a beyond the early
     offset, inverted), "z", "baseline_ratio" (exp d0)}.
     """
-    from scipy.stats import norm
+    from scipy.stats import t as student_t
 
     sa, sb = signal_series(a), signal_series(b)
     order = {s: k for k, s in enumerate(a.get("sites") or [])}
@@ -159,27 +171,28 @@ def parting(a: dict[str, Any], b: dict[str, Any], alpha: float = ALPHA) -> dict[
     tested: list[tuple[tuple[str, str | None], int, float, float, list]] = []
     for key in keys:
         steps = sorted(set(sa[key]) & set(sb[key]))
-        early = max(3, min(10, len(steps) // 4))
-        if len(steps) <= early:
+        early = EARLY
+        if len(steps) < early + 3:
             continue
         got = _one(sa[key], sb[key], steps, early)
         if got is not None:
-            tested.append((key, early, got[0], got[1], got[2]))
+            tested.append((key, early, got[0], got[2], got[3]))
     if not tested:
-        done["why"] = (f"too few records in common ({len(record_steps)} aligned by step; at least 4 needed) "
+        done["why"] = (f"too few records in common ({len(record_steps)} aligned by step; at least {EARLY + 3} needed) "
                        "to learn the runs' own noise")
         return done
     n_tests = sum(len(x[4]) for x in tested)
-    z_limit = float(norm.isf(alpha / (2 * max(n_tests, 1))))
+    per_test = alpha / (2 * max(n_tests, 1))
+    limits = {df: float(student_t.isf(per_test, df)) for df in {x[3] for x in tested}}
     rank = {s: k for k, s in enumerate(("fwd_var", "fwd_absmax", "max_logit", "entropy_mean", "grad_var", "loss"))}
     found = []
-    for (signal, site), early, d0, _, points in tested:
-        hit = next(((t, z, x, y) for t, z, x, y in points if z > z_limit), None)
+    for (signal, site), early, d0, df, points in tested:
+        hit = next(((t, z, x, y) for t, z, x, y in points if z > limits[df]), None)
         if hit is not None:
             t, z, x, y = hit
             ratio = math.exp(_log(x) - _log(y) - d0) if math.isfinite(z) else math.nan
             found.append({"step": t, "signal": signal, "site": site, "a": x, "b": y, "ratio": ratio, "z": z,
-                          "baseline_ratio": math.exp(d0)})
+                          "threshold": limits[df], "baseline_ratio": math.exp(d0)})
     def precedence(d: dict[str, Any]) -> tuple:
         group = 2 if d["signal"] == "loss" else 1 if d["signal"] == "grad_var" else 0
         where = order.get(d["site"], len(order))
@@ -187,7 +200,7 @@ def parting(a: dict[str, Any], b: dict[str, Any], alpha: float = ALPHA) -> dict[
 
     found.sort(key=precedence)
     done.update(first=found[0] if found else None, departures=found, compared=len(tested),
-                early=max(x[1] for x in tested), threshold=z_limit)
+                early=EARLY, threshold=min(limits.values()), tests=n_tests)
     return done
 
 
