@@ -105,12 +105,20 @@ def big(out: Path) -> None:
           f"page {t3 - t2:.2f} s; page {len(page.encode()) / 1e6:.2f} MB")
 
 
+def _alerts(alerts: list) -> str:
+    """Alerts as JSON text (NaN as null), so that equal alerts with a NaN threshold compare equal."""
+    from diagnostics.integrations.writers import json_safe
+
+    return json.dumps(json_safe([a.to_dict() for a in alerts]))
+
+
 def pairs(names: list[str], out: Path) -> None:
     import instability_runs as IR
 
     from diagnostics import History, Watch
 
     fails = [r for r in IR.CATALOG if r.role == "fail" and (not names or any(r.name.startswith(n) for n in names))]
+    fails = [r for r in fails if not (out / r.name.replace("/", "_") / "control" / "watch.jsonl").is_file()]
     for run in fails:
         ctrl = next(r for r in IR.CATALOG if r.control_of == run.name)
         live, dirs = {}, {}
@@ -127,12 +135,13 @@ def pairs(names: list[str], out: Path) -> None:
             made[0].close()
             live[role], dirs[role] = made[0], d
         f, c = History.read(dirs["fail"]), History.read(dirs["control"])
+        same = _alerts(f.alerts) == _alerts(live["fail"].alerts)
         comp = History.compare(f, c, labels=("fail", "control"))
         first = live["fail"].alerts[0] if live["fail"].alerts else None
         dep = comp.first
         said = "none" if first is None else f"{first.step} {first.signal} {first.site}"
         found = "none" if dep is None else f"{dep['step']} {dep['signal']} {dep['site']}"
-        print(f"{run.name:42s} live first alert: {said:50s} read back equal: {f.alerts == live['fail'].alerts}; "
+        print(f"{run.name:42s} live first alert: {said:50s} read back equal: {same}; "
               f"first departure vs control: {found}; control outcome {c.outcome()['status']} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
 

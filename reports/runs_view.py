@@ -190,8 +190,9 @@ def comparison_report(c: Any):
 def noise_words(c: Any) -> str:
     """How a comparison judged, in a line: its tests, threshold, noise and false-alarm probability."""
     p = c.parting
-    return (f"{p['compared']} signals over {p['steps']} aligned records, {p.get('tests', 0)} tests; offset from "
-            f"the first {p['early']} records, noise from each run's own record-to-record scatter; threshold "
+    first = "the first aligned record" if p["early"] == 1 else f"the first {p['early']} aligned records"
+    return (f"{p['compared']} signals over {p['steps']} aligned records, {p.get('tests', 0)} tests; offset at "
+            f"{first}, noise from each run's own record-to-record scatter; threshold "
             f"z >= {p['threshold']:.3g}; false-alarm probability {c.alpha:g}")
 
 
@@ -353,6 +354,12 @@ def comparison_html(c: Any) -> str:
                 for d in p["departures"][:20]]
         parts.append(_table(["step", "signal", "site", c.labels[0], c.labels[1], "ratio beyond offset", "z"], rows))
         parts.append(f"<p>{_e(noise_words(c))}</p>")
+    rows = [[r["run"], r["step"], r["severity"], r["signal"], r["site"] or "model",
+             "–" if r["departed_at"] is None else r["departed_at"], r["departure_signal"] or "not parted"]
+            for r in c.alert_departures()]
+    if rows:
+        parts.append("<h3>each alert, and when its site parted from the other run</h3>")
+        parts.append(_table(["run", "step", "severity", "signal", "site", "parted at", "by"], rows))
     return "".join(parts)
 
 

@@ -66,6 +66,8 @@ def test_a_log_dir_reads_back_with_the_live_watchs_verdicts_alerts_and_forensics
     assert h.outcome() == {**h.outcome(), "status": "failed", "step": 6}
     assert History.read(base / "control").outcome()["status"] == "ok"  # the negative control
     assert History.read(base / "fail" / "watch.jsonl").verdicts() == h.verdicts()  # the file itself
+    page = h._repr_html_()  # in a notebook: the runs report
+    assert "outcome: FAILED at step 6" in page and "alerts by signal" in page and "data:image/png;base64," in page
 
 
 def _lines(folder: Path) -> list[bytes]:
@@ -208,6 +210,14 @@ def test_the_command_reports_and_exits_by_the_outcome(runs, written, tmp_path):
     assert code == 2 and err.count("\n") == 1 and "no such file" in err
     code, _, err = _run_cli(base / "fail", "--html", tmp_path / "x.txt")
     assert code == 2 and "--html" in err
+    code, _, err = _run_cli(tmp_path)
+    assert code == 2 and "no watch.jsonl" in err
+    err = io.StringIO()
+    from contextlib import redirect_stderr
+
+    with redirect_stderr(err):
+        assert main(["diagnose", str(base / "fail")]) == 2  # a log dir given to diagnose: pointed here
+    assert f"tinylm runs {base / 'fail'}" in err.getvalue()
     import pandas as pd
 
     frame = pd.read_csv(d / "r.csv")
@@ -323,3 +333,27 @@ def test_the_page_renders_in_headless_chromium(written, tmp_path):
     assert sum(x > 0.02 for x in inked) >= 3  # the figure's panels: lines, axes, labels
     os.makedirs(ROOT / "benchmarks" / "out", exist_ok=True)
     shutil.copy(shot, ROOT / "benchmarks" / "out" / "runs_page.png")
+
+
+@pytest.mark.slow  # two catalog runs of 250 steps: about two minutes on one thread
+def test_an_instability_run_departs_from_its_control_where_the_live_watch_warned(tmp_path):
+    """attention logit growth (LR 0.1) beside its control (LR 3e-3): the first departure is at the
+    site the live watch first alerted on, no later than its step; the control is ok."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import instability_runs as IR
+
+    watches = {}
+    for role in ("fail", "control"):
+        def factory(model, opt, role=role):
+            watches[role] = Watch(model, every=IR.EVERY, optimizer=opt, log_dir=tmp_path / role)
+            return watches[role]
+
+        IR.train(IR.by_name(f"attn_logit_growth/tinylm-sdpa/{role}"), truth=False, watch_factory=factory)
+        watches[role].close()
+    fail, control = History.read(tmp_path / "fail"), History.read(tmp_path / "control")
+    assert fail.alerts == watches["fail"].alerts and control.outcome()["status"] == "ok"
+    first_alert = fail.alerts[0]
+    c = History.compare(fail, control)
+    assert c.first["site"] == first_alert.site and c.first["step"] <= first_alert.step
+    row = c.alert_departures()[0]
+    assert row["departed_at"] is not None and row["departed_at"] <= row["step"]

@@ -73,10 +73,32 @@ class RunsComparison:
                          f"({p['compared']} signals; false-alarm probability {self.alpha:g})")
         else:
             lines.append("first departure: " + describe_departure(p["first"], self.labels))
+        for row in self.alert_departures():
+            other = self.labels[1] if row["run"] == self.labels[0] else self.labels[0]
+            tail = (f"parted from {other} at step {row['departed_at']} ({_WHAT.get(row['departure_signal'])})"
+                    if row["departed_at"] is not None else f"not parted from {other} beyond the noise")
+            lines.append(f"  {row['run']} step {row['step']}: {row['severity']} {row['signal']} at "
+                         f"{row['site'] or 'the model'}: {tail}")
+        return "\n".join(lines)
+
+    def alert_departures(self) -> list[dict[str, Any]]:
+        """Each run's alerts (the first of each signal and site), each with the step at which its site
+        parted from the other run (``departed_at``, None if it did not; the loss for an alert on the
+        model) and by which signal: which alerts mark what the runs do differently, and which both share."""
+        first: dict[str, dict[str, Any]] = {}
+        for d in self.parting["departures"]:
+            first.setdefault(d["site"] or "", d)  # departures are in precedence order: the earliest first
+        out, seen = [], set()
         for label, h in zip(self.labels, self.histories):
             for a in h.alerts:
-                lines.append(f"  {label} step {a.step}: {a.severity} {a.signal} at {a.site or 'the model'}")
-        return "\n".join(lines)
+                if (label, a.signal, a.site) in seen:
+                    continue
+                seen.add((label, a.signal, a.site))
+                d = first.get(a.site or "")
+                out.append({"run": label, "step": a.step, "severity": a.severity, "signal": a.signal, "site": a.site,
+                            "departed_at": None if d is None else d["step"],
+                            "departure_signal": None if d is None else d["signal"]})
+        return out
 
     def __repr__(self) -> str:
         f = self.first
@@ -103,7 +125,8 @@ class RunsComparison:
         alerts = {label: [a.to_dict() for a in h.alerts] for label, h in zip(self.labels, self.histories)}
         return json.dumps(json_safe({"schema": "tinylm-runs-compare", "version": SCHEMA_VERSION,
                                      "labels": list(self.labels), "outcomes": list(self.outcomes),
-                                     "parting": self.parting, "alerts": alerts}), indent=1, allow_nan=False)
+                                     "parting": self.parting, "alerts": alerts,
+                                     "alert_departures": self.alert_departures()}), indent=1, allow_nan=False)
 
     def _repr_html_(self) -> str | None:
         from ..display import html

@@ -10,7 +10,7 @@ logged but nothing recorded: the loss alone says nothing about the layers).
 site's forward and gradient variance and largest |x|, each attention layer's largest logit and
 mean entropy, the loss) is compared on a log scale, against the runs' own noise:
 
-* the offset: d0 = mean of d = log a - log b over the first :data:`EARLY` (3) aligned records
+* the offset: d0 = mean of d = log a - log b over the first :data:`EARLY` aligned records (one: the runs are told apart from their second record on)
   (two runs of one seed start at d0 = 0; runs of other seeds or inits at their own offset);
 * each run's scatter s: its record-to-record wander, from the increments of log x over all its
   records, robustly (1.4826 x their median absolute deviation, / sqrt(2): a smoothly moving level
@@ -36,7 +36,7 @@ from .over_time import FAIL_VERDICTS
 __all__ = ["outcome", "parting", "what_moved", "signal_series", "ALPHA", "STATS", "ATTENTION"]
 
 ALPHA = 1e-6
-EARLY = 3  # aligned records that set the runs' offset
+EARLY = 1  # aligned records that set the runs' offset
 STATS = ("fwd_var", "grad_var", "fwd_absmax")  # per site, in this order of precedence
 ATTENTION = ("max_logit", "entropy_mean")
 _SCATTER_FLOOR = 1e-6  # relative: a constant signal still has its float64 rounding
