@@ -357,3 +357,57 @@ def test_an_instability_run_departs_from_its_control_where_the_live_watch_warned
     assert c.first["site"] == first_alert.site and c.first["step"] <= first_alert.step
     row = c.alert_departures()[0]
     assert row["departed_at"] is not None and row["departed_at"] <= row["step"]
+
+
+def _same_reading(h: History, live: dict, alerts: list) -> None:
+    """``h`` (read back) holds what the live watch had: series, verdicts, first departure and
+    mover, alerts (compared as JSON text: a NaN threshold equals itself there)."""
+    from diagnostics.integrations.writers import json_safe
+
+    def text(x):
+        return json.dumps(json_safe(x), sort_keys=True)
+
+    assert h.notes == []
+    assert text(h.data["series"]) == text(live["series"])
+    assert text(h.verdicts()) == text(V.verdicts(live)) == text(h.stored_verdicts)
+    assert text(h.first_departure()) == text(V.first_departure(live))
+    assert text(h.first_mover()) == text(V.first_mover(live))
+    assert text([a.to_dict() for a in h.alerts]) == text([a.to_dict() for a in alerts])
+
+
+def test_the_hugging_face_callbacks_log_dir_reads_back(tmp_path):
+    pytest.importorskip("transformers", reason='the hf extra: pip install -e ".[hf]"')
+    pytest.importorskip("accelerate", reason='the hf extra: pip install -e ".[hf]"')
+    from diagnostics.integrations.hf import WatchCallback
+    from test_watch_hf import nan_gpt2, tiny_gpt2, train
+
+    ok = WatchCallback(every=2, log_dir=tmp_path / "ok")
+    train(tiny_gpt2(), ok, tmp_path)
+    ok.watch.close()
+    h = History.read(tmp_path / "ok")
+    _same_reading(h, ok.watch.history, ok.watch.alerts)
+    assert h.outcome()["status"] != "failed"  # the negative control of the NaN run below
+    bad = WatchCallback(every=2, stop="signal", log_dir=tmp_path / "nan")
+    train(nan_gpt2(), bad, tmp_path)
+    bad.watch.close()
+    h = History.read(tmp_path / "nan")
+    _same_reading(h, bad.watch.history, bad.watch.alerts)
+    assert h.outcome()["status"] == "failed" and h.outcome()["step"] == bad.failure.step == 1
+
+
+def test_the_lightning_callbacks_log_dir_reads_back(tmp_path):
+    pytest.importorskip("lightning.pytorch", reason='the lightning extra: pip install -e ".[lightning]"')
+    import torch
+
+    from diagnostics.integrations.lightning import WatchCallback
+    from test_watch_lightning import LM, batches, fit
+
+    module = LM()
+    with torch.no_grad():
+        module.model.layers[0].ffn.w1.weight[0, 0] = float("nan")
+    cb = WatchCallback(every=2, stop="signal", log_dir=tmp_path / "nan")
+    fit(module, cb, batches(16))
+    cb.watch.close()
+    h = History.read(tmp_path / "nan")
+    _same_reading(h, cb.watch.history, cb.watch.alerts)
+    assert h.outcome()["status"] == "failed" and h.outcome()["step"] == cb.failure.step == 0
