@@ -98,7 +98,7 @@ def _write(args: argparse.Namespace, runs: list, comparisons: list, console) -> 
     from diagnostics.integrations.writers import json_safe
 
     from . import export
-    from .runs_view import runs_figure, runs_page
+    from .runs_view import figure_png, runs_figure, runs_page
 
     frame = None
     if args.csv or args.json:
@@ -114,14 +114,22 @@ def _write(args: argparse.Namespace, runs: list, comparisons: list, console) -> 
                "rows": json.loads(frame.to_json(orient="records"))}
         export.write_text(args.json, json.dumps(json_safe(doc), indent=1, allow_nan=False))
         console.print(f"wrote {args.json}")
-    if args.plot:
-        base = Path(args.plot)
-        for label, h in runs:
-            path = base if len(runs) == 1 else base.with_name(f"{base.stem}-{label}{base.suffix}")
-            export.write_figure(path, runs_figure(h, label))
-            console.print(f"wrote the figure to {path}")
+    pngs = {}
+    if args.plot or args.html:
+        import matplotlib.pyplot as plt
+
+        for label, h in runs:  # each figure drawn once, for the plot and the page
+            fig = runs_figure(h, label)
+            if args.plot:
+                base = Path(args.plot)
+                path = base if len(runs) == 1 else base.with_name(f"{base.stem}-{label}{base.suffix}")
+                export.write_figure(path, fig)
+                console.print(f"wrote the figure to {path}")
+            if args.html:
+                pngs[label] = figure_png(fig, close=False)
+            plt.close(fig)
     if args.html:
-        export.write_text(args.html, runs_page(runs, comparisons))
+        export.write_text(args.html, runs_page(runs, comparisons, pngs))
         console.print(f"wrote the page to {args.html}")
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .watch_view import BARS, _log_range, _spark, _thin, chart_sites
 
-__all__ = ["run_report", "comparison_report", "runs_figure", "runs_page", "alert_groups", "follow_view",
+__all__ = ["run_report", "comparison_report", "runs_figure", "runs_page", "figure_png", "run_html", "alert_groups", "follow_view",
            "loss_points", "MAX_POINTS"]
 
 MAX_POINTS = 1500  # per line of a figure
@@ -281,14 +281,16 @@ def runs_figure(h: Any, label: str):
     return fig
 
 
-def _png(fig: Any) -> str:
+def figure_png(fig: Any, close: bool = True) -> str:
+    """A figure as base64 PNG (80 dpi), for a data URI; closed unless ``close`` is False."""
     import matplotlib.pyplot as plt
 
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=80)
     finally:
-        plt.close(fig)
+        if close:
+            plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -312,8 +314,9 @@ _CSS = ("body{font-family:sans-serif;font-size:14px;color:#111;background:#fff;m
         ".ok{color:#0a5c0a}.note{color:#7a4a00}img{max-width:100%;border:1px solid #ddd}h2{margin-top:28px}")
 
 
-def run_html(h: Any, label: str, figure: bool = True) -> str:
-    """One run's section of the page (also the notebook's ``_repr_html_`` of a History read back)."""
+def run_html(h: Any, label: str, figure: bool = True, png: str | None = None) -> str:
+    """One run's section of the page (also the notebook's ``_repr_html_`` of a History read back);
+    ``png``: its figure already drawn (:func:`figure_png`), else drawn here."""
     o = h.outcome()
     parts = [f"<h2>{_e(label)}</h2>", f"<p>{_e(describe_run(h, label))}</p>",
              f'<p class="outcome {o["status"].replace(" ", "-")}"><b>outcome: {_e(outcome_line(h))}</b></p>']
@@ -332,7 +335,7 @@ def run_html(h: Any, label: str, figure: bool = True) -> str:
                      f"{_e('; '.join(row['moved']) or 'nothing measured')}</p>")
     if figure and (h.data["series"]["step"] or h.data["records"]):
         parts.append(f'<img class="figure" alt="{_e(label)}: loss, lr and per-site variances over steps" '
-                     f'src="data:image/png;base64,{_png(runs_figure(h, label))}"/>')
+                     f'src="data:image/png;base64,{png or figure_png(runs_figure(h, label))}"/>')
     parts.append("<h3>loss and lr over steps</h3>")
     parts.append(_table(["step", "loss", "lr", "grad_norm"], [list(p) for p in loss_points(h, 12)]))
     return "".join(parts)
@@ -355,7 +358,8 @@ def comparison_html(c: Any) -> str:
         parts.append(_table(["step", "signal", "site", c.labels[0], c.labels[1], "ratio beyond offset", "z"], rows))
         parts.append(f"<p>{_e(noise_words(c))}</p>")
     rows = [[r["run"], r["step"], r["severity"], r["signal"], r["site"] or "model",
-             "–" if r["departed_at"] is None else r["departed_at"], r["departure_signal"] or "not parted"]
+             "–" if r["departed_at"] is None else r["departed_at"],
+             r["departure_signal"] or ("not parted" if r["compared"] else "not compared")]
             for r in c.alert_departures()]
     if rows:
         parts.append("<h3>each alert, and when its site parted from the other run</h3>")
@@ -363,10 +367,11 @@ def comparison_html(c: Any) -> str:
     return "".join(parts)
 
 
-def runs_page(runs: list[tuple[str, Any]], comparisons: list[Any]) -> str:
+def runs_page(runs: list[tuple[str, Any]], comparisons: list[Any], pngs: dict[str, str] | None = None) -> str:
     """The single-file page: every run's section and every comparison; the figures inline as PNG data
-    URIs; no script, no link to anything outside the file."""
+    URIs (``pngs``: {label: base64 PNG} already drawn); no script, no link to anything outside the file."""
     title = "tinylm runs: " + ", ".join(label for label, _ in runs)
-    body = "".join(comparison_html(c) for c in comparisons) + "".join(run_html(h, label) for label, h in runs)
+    body = "".join(comparison_html(c) for c in comparisons) + "".join(
+        run_html(h, label, png=(pngs or {}).get(label)) for label, h in runs)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{_CSS}</style></head><body><h1>{_e(title)}</h1>{body}</body></html>\n")

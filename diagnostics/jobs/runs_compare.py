@@ -71,12 +71,17 @@ class RunsComparison:
         elif p["first"] is None:
             lines.append(f"{la} and {lb} do not part ways beyond their own noise over {p['steps']} aligned records "
                          f"({p['compared']} signals; false-alarm probability {self.alpha:g})")
+        if p["too_few"]:
+            lines.append(f"not judged: {p['too_few']} signals with too few aligned records (at least 5) to learn "
+                         "their noise")
         else:
             lines.append("first departure: " + describe_departure(p["first"], self.labels))
         for row in self.alert_departures():
             other = self.labels[1] if row["run"] == self.labels[0] else self.labels[0]
-            tail = (f"parted from {other} at step {row['departed_at']} ({_WHAT.get(row['departure_signal'])})"
-                    if row["departed_at"] is not None else f"not parted from {other} beyond the noise")
+            whose = "the loss" if row["site"] is None else "its site"
+            tail = (f"{whose} parted from {other} at step {row['departed_at']} ({_WHAT.get(row['departure_signal'])})"
+                    if row["departed_at"] is not None else f"{whose} did not part from {other} beyond the noise"
+                    if row["compared"] else "its site is not among those compared")
             lines.append(f"  {row['run']} step {row['step']}: {row['severity']} {row['signal']} at "
                          f"{row['site'] or 'the model'}: {tail}")
         return "\n".join(lines)
@@ -84,7 +89,7 @@ class RunsComparison:
     def alert_departures(self) -> list[dict[str, Any]]:
         """Each run's alerts (the first of each signal and site), each with the step at which its site
         parted from the other run (``departed_at``, None if it did not; the loss for an alert on the
-        model) and by which signal: which alerts mark what the runs do differently, and which both share."""
+        model) and by which signal (``compared`` False: the site, a parameter, is not compared): which alerts mark what the runs do differently, and which both share."""
         first: dict[str, dict[str, Any]] = {}
         for d in self.parting["departures"]:
             first.setdefault(d["site"] or "", d)  # departures are in precedence order: the earliest first
@@ -95,8 +100,9 @@ class RunsComparison:
                     continue
                 seen.add((label, a.signal, a.site))
                 d = first.get(a.site or "")
+                compared = a.site is None or a.site in self.parting.get("sites", ())
                 out.append({"run": label, "step": a.step, "severity": a.severity, "signal": a.signal, "site": a.site,
-                            "departed_at": None if d is None else d["step"],
+                            "compared": compared, "departed_at": None if d is None else d["step"],
                             "departure_signal": None if d is None else d["signal"]})
         return out
 

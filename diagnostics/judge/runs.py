@@ -155,10 +155,11 @@ def parting(a: dict[str, Any], b: dict[str, Any], alpha: float = ALPHA) -> dict[
     """Where two histories part ways (module docstring).
 
     Returns {"first": the first departure or None, "departures": [one per signal that departed,
-    in order], "compared": signals compared, "steps": aligned records, "early": records in the
-    noise window, "threshold": z, "alpha": alpha, "why": a line when nothing could be compared}.
-    Each departure: {"step", "signal", "site", "a", "b", "ratio" (exp(d - d0): b/a beyond the early
-    offset, inverted), "z", "baseline_ratio" (exp d0)}.
+    in order], "compared": signals compared, "too_few": signals with
+    fewer than 5 aligned records (not judged), "steps": aligned records, "early": records that set
+    the offset, "tests": tests made, "sites": the sites compared, "threshold": the smallest z threshold, "alpha": alpha, "why": a
+    line when nothing could be compared}. Each departure: {"step", "signal", "site", "a", "b",
+    "ratio" (exp(d - d0): a / b beyond the offset), "z", "threshold", "baseline_ratio" (exp d0)}.
     """
     from scipy.stats import t as student_t
 
@@ -166,19 +167,20 @@ def parting(a: dict[str, Any], b: dict[str, Any], alpha: float = ALPHA) -> dict[
     order = {s: k for k, s in enumerate(a.get("sites") or [])}
     keys = [k for k in sa if k in sb]
     record_steps = sorted({r["step"] for r in a.get("records") or []} & {r["step"] for r in b.get("records") or []})
-    done = {"first": None, "departures": [], "compared": 0, "steps": len(record_steps), "early": 0,
+    done = {"first": None, "departures": [], "compared": 0, "too_few": 0, "steps": len(record_steps), "early": 0,
             "threshold": math.nan, "alpha": alpha, "why": None}
     tested: list[tuple[tuple[str, str | None], int, float, float, list]] = []
     for key in keys:
         steps = sorted(set(sa[key]) & set(sb[key]))
         early = EARLY
-        if len(steps) < early + 3:
+        if len(steps) < early + 4:
+            done["too_few"] += 1
             continue
         got = _one(sa[key], sb[key], steps, early)
         if got is not None:
             tested.append((key, early, got[0], got[2], got[3]))
     if not tested:
-        done["why"] = (f"too few records in common ({len(record_steps)} aligned by step; at least {EARLY + 3} needed) "
+        done["why"] = (f"too few records in common ({len(record_steps)} aligned by step; at least {EARLY + 4} needed) "
                        "to learn the runs' own noise")
         return done
     n_tests = sum(len(x[4]) for x in tested)
@@ -200,6 +202,7 @@ def parting(a: dict[str, Any], b: dict[str, Any], alpha: float = ALPHA) -> dict[
 
     found.sort(key=precedence)
     done.update(first=found[0] if found else None, departures=found, compared=len(tested),
+                sites=sorted({site for (_, site), *_ in tested if site is not None}),
                 early=EARLY, threshold=min(limits.values()), tests=n_tests)
     return done
 
