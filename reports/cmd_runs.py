@@ -36,16 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write the figure (loss, lr, per-site variances over steps, alerts marked): .png, .svg "
                         "or .pdf; several runs: one file each, named PATH's stem + '-' + the run's name")
     g.add_argument("--html", metavar="PATH", help="write one self-contained page (report, figures, tables; offline)")
-    g.add_argument("--alpha", type=float, default=1e-6,
+    g.add_argument("--alpha", type=float, default=1e-6, metavar="P",
                    help="false-alarm probability of a side-by-side comparison (default 1e-6)")
     g.add_argument("--width", type=report_width, help="report width in columns (default: the terminal's)")
     f = p.add_argument_group("live")
     f.add_argument("--follow", action="store_true", help="redraw the report of one log dir as records arrive "
                                                          "(Ctrl-C, --idle or --for ends it)")
-    f.add_argument("--interval", type=float, default=1.0, help="seconds between reads under --follow (default 1)")
-    f.add_argument("--idle", type=float, default=0.0,
+    f.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between reads under --follow (default 1)")
+    f.add_argument("--idle", type=float, default=0.0, metavar="S",
                    help="under --follow: stop after this many seconds without a new line (default 0: never)")
-    f.add_argument("--for", dest="follow_for", type=float, default=0.0,
+    f.add_argument("--for", dest="follow_for", type=float, default=0.0, metavar="S",
                    help="under --follow: stop after this many seconds (default 0: never)")
 
 

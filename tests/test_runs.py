@@ -283,7 +283,7 @@ def test_follow_redraws_as_records_arrive_and_ends_when_told(runs, tmp_path):
     thread = threading.Thread(target=writer)
     start = time.monotonic()
     thread.start()
-    code, shown, _ = _run_cli(out, "--follow", "--interval", "0.05", "--idle", "1.5", "--for", "30")
+    code, shown, _ = _run_cli(out, "--follow", "--interval", "0.05", "--idle", "2.5", "--for", "30")
     thread.join(timeout=30)
     assert code == 0 and time.monotonic() - start < 30
     last = live.history["series"]["step"][-1]
