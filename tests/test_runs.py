@@ -98,6 +98,12 @@ def test_a_last_line_cut_short_and_a_damaged_line_are_skipped_and_said(runs, tmp
     assert len(h.data["records"]) == len(live.history["records"]) - 1
     assert len(h.data["series"]["step"]) == len(live.history["series"]["step"]) - 1
     assert h.notes and History.read(base / "fail").notes == []  # the intact file: nothing said
+    old = tmp_path / "old"  # a file from a writer without the header line: read, and said
+    old.mkdir()
+    (old / "watch.jsonl").write_bytes(b"\n".join(lines[1:]) + b"\n")
+    h = History.read(old)
+    assert lines[0].startswith(b'{"type": "header"') and "no header line" in h.notes[0]
+    assert h.data["sites"] == live.history["sites"] and len(h.data["records"]) == len(live.history["records"])
 
 
 def test_what_is_not_a_watch_log_is_one_error_line(tmp_path):
