@@ -144,11 +144,8 @@ def run_report(h: Any, label: str):
             t.add_row(g["signal"], g["severity"], steps, str(g["count"]), _sites(g["sites"]),
                       f"{_f(g['value'])} / {_f(g['threshold'])}", g["cause"], g["fix"])
         parts.append(t)
-    elif h.source and h.source.endswith(".jsonl"):
-        parts.append(Text("alerts: none reported"))
     else:
-        parts.append(Text("alerts: not stored in this file (a history JSON or checkpoint keeps the records "
-                          "and alarms; the log dir's watch.jsonl keeps the alerts)"))
+        parts.append(Text("alerts: none reported"))
     for row in _forensics_rows(h):
         parts.append(Text(f"forensics of step {row['step']}: {row['trigger']}", style="bold"))
         parts.append(Text(f"  {row['span']}; {row['records']} records before it; moved most: "

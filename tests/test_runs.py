@@ -311,6 +311,7 @@ def test_a_history_json_and_a_checkpoint_of_tinylm_train_read_back(tmp_path):
         h = History.read(source)
         assert h.verdicts() == V.verdicts(stored) and h.first_departure() == V.first_departure(stored)
         assert h.data["series"]["loss"] == stored["series"]["loss"]
+        assert "replayed" in h.notes[0]  # a JSON or checkpoint stores no alert: replayed from the records
     write_json({"format": "tinylm-watch"}, tmp_path / "bad.json")
     with pytest.raises(OptionsError, match="not a watch history"):
         History.read(tmp_path / "bad.json")
@@ -417,3 +418,21 @@ def test_the_lightning_callbacks_log_dir_reads_back(tmp_path):
     h = History.read(tmp_path / "nan")
     _same_reading(h, cb.watch.history, cb.watch.alerts)
     assert h.outcome()["status"] == "failed" and h.outcome()["step"] == cb.failure.step == 0
+
+
+@pytest.mark.parametrize("every", [5, 1])  # a spike on a step not recorded, and on one recorded
+def test_a_history_json_replays_the_alerts_the_watch_reported(tmp_path, every):
+    from diagnostics.integrations.writers import json_safe, write_json
+
+    model = small_model()
+    watch = Watch(model, every=every)
+    run_loop(watch, model, 20, blow_up_at=12)
+    write_json(watch.history, tmp_path / "h.json")
+    h = History.read(tmp_path / "h.json")
+    assert any(a.signal == "spike" for a in watch.alerts)
+    assert json.dumps(json_safe([a.to_dict() for a in h.alerts])) == json.dumps(
+        json_safe([a.to_dict() for a in watch.alerts]))
+    assert "replayed" in h.notes[0]
+    broken = dict(watch.history, events=[])  # negative control: without its alarm, no spike alert
+    write_json(broken, tmp_path / "b.json")
+    assert not any(a.signal == "spike" for a in History.read(tmp_path / "b.json").alerts)

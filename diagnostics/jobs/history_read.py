@@ -12,6 +12,9 @@ left behind:
   with its line number;
 * a forensics report that is missing or does not read is said, and the rest is read.
 
+A history JSON or a checkpoint keeps the records and alarms but not the alerts: those are
+replayed from the records as the watch reported them (:mod:`diagnostics.jobs.history_replay`).
+
 What is said is in ``History.notes``. A source that cannot be a watch's (no such path, a dir
 without ``watch.jsonl``, another format) raises :class:`diagnostics.OptionsError` with one line
 that says what to pass.
@@ -242,8 +245,12 @@ def _from_file(path: Path) -> History:
     checked, why = check_history(data)
     if checked is None:
         raise OptionsError(f"{path}: not a watch history ({why or 'empty'}); {_FIX}")
+    from .history_replay import replay_alerts
+
     h = History(checked)
     h.source = str(path)
+    h.alerts = replay_alerts(checked, h.thresholds)  # the file keeps the records, not the alerts
+    h.notes.append("alerts replayed from the records (a history JSON or checkpoint stores none)")
     return h
 
 
