@@ -54,6 +54,7 @@ VERBS = {
     "export": "write a model as a Hugging Face directory that transformers loads",
     "diff": "find where two executions of one model part ways (per-site departures against roundoff)",
     "coord-check": "check width scaling (muP): each site's slope over width against theory's exponent",
+    "runs": "read back what a watch wrote: outcome, first departure, alerts, forensics; runs side by side",
 }
 
 #: The presets and init schemes the command line offers, named here so that flags are

@@ -452,6 +452,8 @@ def check_model_path(flag: str, value: str | None) -> None:
         raise UsageError(f"{value}: no such file or directory; tinylm reads only local save_pretrained directories "
                          "and never downloads (a hub name is not read): fetch the model yourself and pass its directory")
     if path.is_dir():
+        if (path / "watch.jsonl").is_file() and not (path / "config.json").is_file():
+            raise UsageError(f"{flag} {value}: is a watch's log dir, not a model; read it with: tinylm runs {value}")
         if not (path / "config.json").is_file():
             raise UsageError(f"{flag} {value}: is a directory without config.json; pass the checkpoint file inside it, "
                              "or a save_pretrained directory")

@@ -204,11 +204,22 @@ def html(obj: Any) -> str:
 def _html_of(obj: Any) -> str:
     from diagnostics import DiagnoseResult, History, Watch
     from diagnostics.jobs.comparison import Comparison
+    from diagnostics.jobs.runs_compare import RunsComparison
 
     if isinstance(obj, DiagnoseResult):
         return diagnosis_html(obj)
     if isinstance(obj, Comparison):
         return comparison_html(obj)
+    if isinstance(obj, RunsComparison):
+        from .runs_view import comparison_html as runs_comparison_html
+
+        return _wrap("runs", [runs_comparison_html(obj)])
+    if isinstance(obj, History) and obj.source is not None:  # read back from a log dir: the runs report
+        from diagnostics.jobs.runs_compare import label_of
+
+        from .runs_view import run_html
+
+        return _wrap("runs", [run_html(obj, label_of(obj.source) or "run")])
     if isinstance(obj, History):
         return history_html(obj)
     if isinstance(obj, Watch):

@@ -143,6 +143,16 @@ def test_every_rank_gets_the_same_history_and_stops_at_the_same_step(ranks):
     assert "merged over 2 ranks" in r0["describe"] and "rank 1 writes nothing" in r1["describe"]
 
 
+def test_rank_zeros_log_dir_reads_back_with_the_verdicts_every_rank_had(ranks):
+    out, (r0, _) = ranks
+    h = History.read(out / "run")
+    assert h.notes == []
+    assert json.dumps(h.data["series"]) == json.dumps(r0["history"]["series"])  # NaNs included
+    assert json.dumps(h.verdicts()) == json.dumps(History(r0["history"]).verdicts())
+    assert h.first_departure() == History(r0["history"]).first_departure()
+    assert h.outcome()["status"] == "failed" and h.outcome()["step"] == NAN_AT  # the ranks' non-finite loss
+
+
 def test_merged_counts_are_the_sum_of_the_ranks_and_the_moments_those_of_one_process(ranks):
     """Step 0 (identical weights on both ranks): the merged record equals one process probing
     both ranks' batches together, counts exactly, moments to float64 merge rounding."""

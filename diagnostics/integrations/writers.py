@@ -7,7 +7,8 @@ The writers here:
 * :class:`CSVWriter` — ``watch.csv``: tidy rows of the one result schema (columns
   :data:`diagnostics.result.COLUMNS`; the rows ``diagnostics.jobs.history.to_rows`` gives,
   written as they happen, so a run that dies leaves what it had);
-* :class:`JSONLWriter` — ``watch.jsonl``: one JSON object a line, ``{"type": "step", "step",
+* :class:`JSONLWriter` — ``watch.jsonl``: one JSON object a line, a first ``{"type": "header",
+  ...}`` (the history's format, version, sites, norm, kinds, model and thresholds), ``{"type": "step", "step",
   "loss", "lr", "grad_norm"}``, ``{"type": "record", ...the history's record..., "verdicts":
   [...]}``, ``{"type": "event", ...}``, ``{"type": "alert", ...}`` and ``{"type": "forensics",
   "step", "path"}`` (the report itself in ``forensics/step_<t>.json``) (:func:`json_safe`: NaN as null, infinities as "inf"/"-inf");
@@ -214,7 +215,14 @@ class CSVWriter(_File):
 
 
 class JSONLWriter(_File):
-    """One JSON object a line: steps, records (with their verdicts) and alarms."""
+    """One JSON object a line: a header, steps, records (with their verdicts) and alarms."""
+
+    def _header(self) -> None:
+        """A new file's first line: ``{"type": "header", ...}``, the history's entries other than
+        its series, records and events (format, version, sites, norm, kinds, model, thresholds),
+        so that a reader judges the records as the watch did."""
+        h = getattr(self.watch, "history", None) or {}
+        self._line({"type": "header", **{k: v for k, v in h.items() if k not in ("series", "records", "events")}})
 
     def _line(self, obj: dict[str, Any]) -> None:
         self._write(json.dumps(json_safe(obj), allow_nan=False) + "\n")

@@ -413,6 +413,11 @@ class History:
     The dict stays the stored form (checkpoints, ``TrainResult.history``): ``History(d).data``
     is ``d`` itself, and ``History(d)[key]`` reads it.
 
+    ``History.read(source)`` reads a run back from what a watch wrote
+    (:func:`diagnostics.jobs.history_read.read`) and ``History.compare(a, b)`` puts two runs side
+    by side (:func:`diagnostics.jobs.runs_compare.compare_runs`); :mod:`diagnostics.jobs` sets
+    both on the class, so that this module imports neither.
+
     Args:
         history: a dict of the documented shape (else :class:`diagnostics.OptionsError`).
         thresholds: what the verdicts use (None: the history's own, else the defaults;
@@ -430,6 +435,20 @@ class History:
         self.thresholds = thresholds_of(history, thresholds)
         self._judged_at: int | None = None  # how many records the kept verdicts cover
         self._kept: dict[str, Any] = {}
+        #: what ``History.read`` found beside the records: the watch's alerts, its forensics reports,
+        #: what reading noticed (lines skipped), the verdicts the record lines carried, the source
+        self.alerts: list[Any] = []
+        self.forensics: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.stored_verdicts: list[dict[str, Any]] | None = None
+        self.source: str | None = None
+
+    def outcome(self) -> dict[str, Any]:
+        """What the run came to: {"status": "failed" | "warned" | "ok" | "not judged", "step", "why"}
+        (:func:`diagnostics.judge.runs.outcome`, from the kept verdicts and the alerts)."""
+        from ..judge.runs import outcome
+
+        return outcome(self.data, self._judgement()["verdicts"], self.alerts)
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
