@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .blocks import find_blocks
 from .outputs import first_tensor, read_output
 
-__all__ = ["StepRecorder", "StepState", "Record"]
+__all__ = ["StepRecorder", "StepState", "Record", "rng_state", "set_rng_state"]
 
 Record = tuple  # (key, base key, direction, moments (5,), sketch (k, k), dtype, shape)
 
@@ -94,12 +94,12 @@ def _unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-def _rng_state() -> tuple:
+def rng_state() -> tuple:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
 
 
-def _set_rng_state(state: tuple) -> None:
+def set_rng_state(state: tuple) -> None:
     cpu, cuda, py, npy = state
     torch.set_rng_state(cpu)
     if cuda is not None:
@@ -128,7 +128,7 @@ class StepState:
         self.start_versions = [b._version for b in self.buffers]
         self.param_versions = [p._version for _, p in self.params]
         self.start_training = [m.training for m in self.modules]
-        self.start_rng = _rng_state() if self.rng else None
+        self.start_rng = rng_state() if self.rng else None
 
     def changed_parameters(self) -> list[str]:
         """The parameters the first execution wrote in place (a step must not: the optimizer steps after)."""
@@ -138,7 +138,7 @@ class StepState:
     def between(self) -> None:
         self.first_grads = [p.grad for _, p in self.params]
         self.first_training = [m.training for m in self.modules]
-        self.first_rng = _rng_state() if self.rng else None
+        self.first_rng = rng_state() if self.rng else None
         self.written = [i for i, (b, v) in enumerate(zip(self.buffers, self.start_versions)) if b._version != v]
         self.first_buffers = {i: self.buffers[i].detach().clone() for i in self.written}
         for i in self.written:
@@ -148,7 +148,7 @@ class StepState:
         for m, flag in zip(self.modules, self.start_training):
             m.training = flag
         if self.start_rng is not None:
-            _set_rng_state(self.start_rng)
+            set_rng_state(self.start_rng)
 
     @torch.no_grad()
     def end(self) -> None:
@@ -159,4 +159,4 @@ class StepState:
         for m, flag in zip(self.modules, self.first_training):
             m.training = flag
         if self.first_rng is not None:
-            _set_rng_state(self.first_rng)
+            set_rng_state(self.first_rng)
