@@ -173,3 +173,22 @@ def test_the_protocol_names_its_states_and_refuses_skips():
     assert judge_rows([0.2, 3.0, math.inf], [1e-7, 1e-3, math.inf], False) == (VERDICTS["departs"], 1)
     assert judge_rows([math.nan], [math.nan], False)[1] == 0  # NaN departs
     assert judge_rows([], [], True)[0].name == "not measured"
+
+
+def test_a_rerun_that_raises_leaves_the_first_execution_and_no_hook():
+    m, twin = tiny_model(0), tiny_model(0)
+    x = tokens(6)
+    step, calls = step_of(m, x), {"n": 0}
+
+    def fn():
+        calls["n"] += 1
+        loss = step()
+        if calls["n"] == 2:
+            raise RuntimeError("device lost")
+        return loss
+    with pytest.raises(RuntimeError, match="device lost"):
+        replay(m, fn)
+    step_of(twin, x)()
+    assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules())
+    for p, q in zip(m.parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad)
