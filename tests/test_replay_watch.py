@@ -21,7 +21,6 @@ def _loop(make_replayer=None, fault=None):
     """8 SGD steps, the loss scaled by 50 at SPIKE_AT (a spike the watch alarms on); ``fault(t, call)``
     may wrap a call of the step in a context (a flip). Returns (model, replayer, watch, calls per step)."""
     model = tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(0))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     watch = Watch(model, every=4, thresholds=Thresholds(spike_warmup=3))
     replayer = make_replayer(watch) if make_replayer else None
     calls = {}
@@ -38,8 +37,10 @@ def _loop(make_replayer=None, fault=None):
             return loss
         with watch.step(t):
             loss = replayer.run(t, step) if replayer else step()
-            opt.step()
-            opt.zero_grad()
+            with torch.no_grad():  # SGD, and the gradients cleared to None
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.05)
+                    p.grad = None
         watch.record(loss)
     watch.close()
     return model, replayer, watch, calls
