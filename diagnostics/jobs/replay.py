@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -202,13 +203,13 @@ def _execute(recorder: StepRecorder, fn, compiled: bool):
         return fn()
 
 
-def _first(model, fn, options, sites, state, protocol, compiled):
+def _first(model, fn, options, sites, stack, state, protocol, compiled):
     """The real step under the hooks; refuses a step that wrote the parameters (an optimizer step inside)."""
     protocol.first()
     state.begin()
     if len(_PROJECTIONS) > _CACHE_MAX:
         _PROJECTIONS.clear()
-    recorder = StepRecorder(model, sites, options.k, options.backward, reduce_site, _PROJECTIONS)
+    recorder = StepRecorder(model, sites, stack, options.k, options.backward, reduce_site, _PROJECTIONS)
     loss = _execute(recorder, fn, compiled)
     changed = state.changed_parameters()
     if changed:
@@ -217,13 +218,13 @@ def _first(model, fn, options, sites, state, protocol, compiled):
     return loss, recorder
 
 
-def _rerun(model, fn, options, sites, state, protocol, compiled):
+def _rerun(model, fn, options, sites, stack, state, protocol, compiled):
     """The rerun from the state before the first execution; the first execution's state back after it.
     Returns (its loss, its recorder, its parameter gradients)."""
     protocol.rerun()
     state.between()
     try:
-        recorder = StepRecorder(model, sites, options.k, options.backward, reduce_site, _PROJECTIONS)
+        recorder = StepRecorder(model, sites, stack, options.k, options.backward, reduce_site, _PROJECTIONS)
         loss = _execute(recorder, fn, compiled)
         grads = [p.grad for _, p in state.params]
     finally:
@@ -343,6 +344,20 @@ def _rows(first_rec, rerun_rec, first_loss, rerun_loss, state, grads, options, s
     return rows, result.unpaired, bitwise and same_loss and same_grads
 
 
+#: model -> (its module names, its diff sites, its block stack): a watched loop replays one model often
+_SITES: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _sites_of(model: nn.Module) -> tuple[list, object]:
+    """(diff_sites, find_blocks) of ``model``, kept while its module names stay the same."""
+    names = tuple(n for n, _ in model.named_modules())
+    kept = _SITES.get(model)
+    if kept is None or kept[0] != names:
+        kept = (names, diff_sites(model), find_blocks(model))
+        _SITES[model] = kept
+    return kept[1], kept[2]
+
+
 def replay(model: nn.Module, fn, options: ReplayOptions | None = None) -> ReplayResult:
     """Run ``fn`` (the forward and backward of one step; it returns the loss) twice under the
     fingerprint hooks and judge whether the rerun reproduced the first execution, site by site.
@@ -365,10 +380,10 @@ def replay(model: nn.Module, fn, options: ReplayOptions | None = None) -> Replay
     options = options or ReplayOptions()
     compiled = is_compiled(model)
     inner = unwrap(model)
-    sites, stack = diff_sites(inner), find_blocks(inner)
+    sites, stack = _sites_of(inner)
     protocol, state = ReplayProtocol(), StepState(inner, options.rng)
-    first_loss, first_rec = _first(inner, fn, options, sites, state, protocol, compiled)
-    rerun_loss, rerun_rec, grads = _rerun(inner, fn, options, sites, state, protocol, compiled)
+    first_loss, first_rec = _first(inner, fn, options, sites, stack, state, protocol, compiled)
+    rerun_loss, rerun_rec, grads = _rerun(inner, fn, options, sites, stack, state, protocol, compiled)
     rows, unpaired, bitwise = _rows(first_rec, rerun_rec, first_loss, rerun_loss, state, grads, options, stack)
     verdict: Verdict = protocol.judge([r.ratio for r in rows], [r.departure for r in rows], bitwise)
     first = None if protocol.first_index is None else rows[protocol.first_index]

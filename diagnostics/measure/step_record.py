@@ -25,7 +25,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .blocks import find_blocks
 from .outputs import first_tensor, read_output
 
 __all__ = ["StepRecorder", "StepState", "Record", "rng_state", "set_rng_state"]
@@ -37,8 +36,9 @@ class StepRecorder:
     """Hooks on ``sites`` (a list of :class:`diagnostics.jobs.fingerprint.Site`) of ``model``
     while :meth:`recording` is open; ``records`` in execution order (module docstring)."""
 
-    def __init__(self, model: nn.Module, sites: list, k: int, backward: bool, reduce, cache: dict):
-        self.model, self.sites, self.k, self.backward, self.reduce = model, sites, k, backward, reduce
+    def __init__(self, model: nn.Module, sites: list, stack, k: int, backward: bool, reduce, cache: dict):
+        self.model, self.sites, self.stack, self.k = model, sites, stack, k
+        self.backward, self.reduce = backward, reduce
         self.cache = cache  # the projections, shared by the executions of one replay
         self.records: list[Record] = []
         self.seen: dict[tuple[str, str], int] = {}
@@ -61,7 +61,7 @@ class StepRecorder:
     def recording(self) -> Iterator["StepRecorder"]:
         """The hooks on for the ``with`` block, removed whatever happens."""
         named = dict(self.model.named_modules())
-        stack = find_blocks(self.model)
+        stack = self.stack
         with contextlib.ExitStack() as undo:
             for site in self.sites:
                 if site.key == "logits":
