@@ -1,4 +1,5 @@
-"""check_replicas over gloo, two spawned CPU processes under a hard deadline: after a DDP step and
+"""check_replicas over gloo, two spawned CPU processes under a hard deadline: after a DDP step (its
+forward and backward replayed on both ranks: identical) and
 an FSDP2 (HSDP: a replicated mesh dimension) step the replicas agree; one exponent bit (or the last
 mantissa bit) of one element flipped on rank 1 is found, at that parameter, on both ranks."""
 
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import tinylm
+from diagnostics.jobs.replay import replay
 from diagnostics.jobs.replicas import check_replicas
 from diagnostics.measure.bits import flip_exponent_bit
 from diagnostics.measure.wrappers import unwrap
@@ -57,11 +59,23 @@ def _check_in_workers(body: str, limit: float = DEADLINE_S) -> None:
                 p.join(5)
 
 
-def _step(model, rank):
+def _step(model, rank, replayed=False):
+    """One SGD step on rank's batch; ``replayed``: its forward and backward through replay first
+    (both ranks replay: DDP's all-reduce runs in both executions), which must be identical."""
     x = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(rank))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
-    opt.step()
+
+    def fn():
+        loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        return loss
+    if replayed:
+        r = replay(model, fn)
+        assert r.verdict == "identical", str(r)
+    else:
+        fn()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.1)
 
 
 def _local(p):
@@ -87,7 +101,7 @@ def _flip_and_check(model, rank, how):
 def ddp_body(rank):
     model = torch.nn.parallel.DistributedDataParallel(
         tinylm.TransformerLM(CFG, generator=torch.Generator().manual_seed(0)))
-    _step(model, rank)
+    _step(model, rank, replayed=True)
     r = check_replicas(model)
     assert r.verdict == "agree" and r.ranks == 2 and r.parameters == len(list(model.parameters())), str(r)
     _flip_and_check(model, rank, "exponent")
@@ -119,12 +133,13 @@ def hsdp_body(rank):
     assert r.verdict == "not measured" and r.agree is None and len(r.skipped) > 0, str(r)
 
 
-def test_ddp_replicas_agree_and_a_flipped_bit_is_named():
-    _check_in_workers("ddp_body")
+def both_body(rank):
+    ddp_body(rank)
+    hsdp_body(rank)
 
 
-def test_hsdp_replicas_agree_and_a_flipped_bit_is_named_fully_sharded_is_not_measured():
-    _check_in_workers("hsdp_body")
+def test_ddp_and_hsdp_replicas_agree_and_a_flipped_bit_is_named_fully_sharded_is_not_measured():
+    _check_in_workers("both_body")  # one pair of interpreters for both: starting them is most of the time
 
 
 def test_one_process_is_not_measured():
