@@ -192,3 +192,43 @@ def test_a_rerun_that_raises_leaves_the_first_execution_and_no_hook():
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules())
     for p, q in zip(m.parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.attention = torch.nn.Linear(d, d)  # a stand-in branch: the sites are found by name and place
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        x = x + self.attention(self.norm(x))
+        return x + self.mlp(self.norm(x))
+
+
+class _UserLM(torch.nn.Module):
+    def __init__(self, vocab=64, d=32, n=3):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(n))
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        x = self.wte(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def test_a_user_module_with_a_block_stack():
+    torch.manual_seed(0)
+    m = _UserLM()
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    r = replay(m, step_of(m, x))
+    assert r.verdict == "identical"
+    assert {"embedding", "layers.1.attn", "layers.2.ffn", "layers.2", "final_norm", "logits"} <= {w.site for w in r.rows}
+    site = next(s for s in injection_sites(m) if s.key == "layers.1.ffn")
+    m.zero_grad(set_to_none=True)
+    r = replay(m, injected_step(m, x, site, "backward", torch.Generator().manual_seed(2), {}))
+    assert r.verdict == "departs" and (r.first.site, r.first.direction, r.first.block) == ("layers.1.ffn", "backward", 1)
