@@ -27,8 +27,9 @@ and a step that writes no buffer; otherwise the alarm is noted as not replayed, 
 A fail the watch judges at a record (after the optimizer step), and under several ranks any alarm
 (the watch judges the ranks' mean loss at the record, the same on every rank), replays the next
 step instead, on every rank alike. Every result goes into the watch's forensics report of its step
-(``report["replay"]``). Other steps cost a loop over the parameters (is any gradient there?) and,
-in one process, the loss read once (the watch reads it at the record anyway); no hook, no copy.
+(``report["replay"]``). Other steps cost, in one process with ``on_alarm``, a loop over the
+parameters (is any gradient there?), a copy of the random generators' states (a few KB) and the
+loss read once (the watch reads it at the record anyway); no hook, no copy of a model tensor.
 """
 
 from __future__ import annotations
