@@ -133,27 +133,28 @@ def injected_step(model, x, site, direction, gen, note):
     return fn
 
 
-def inject_once(model, site, direction, seed: int) -> tuple[bool, bool, str]:
+def inject_once(model, site, direction, seed: int, options=None) -> tuple[bool, bool, str]:
     """(detected, named at the site, summary) of one injection."""
     note: dict = {}
     gen = torch.Generator().manual_seed(seed)
     fn = injected_step(model, tokens(seed), site, direction, gen, note)
     model.zero_grad(set_to_none=True)
-    r = replay(model, fn)
+    r = replay(model, fn, options)
     named = r.first is not None and r.first.site == site.key and r.first.direction == direction
     got = "-" if r.first is None else f"{r.first.site} ({r.first.direction})"
     return r.verdict == "departs", named, f"{site.key} {direction} bit {note.get('bit')}: {note.get('before', 0):.3g}" \
         f" -> {note.get('after', 0):.3g}; found {got}"
 
 
-def sweep_injections(model, n: int, direction: str, seed: int = 0, verbose: bool = False) -> tuple[int, int]:
+def sweep_injections(model, n: int, direction: str, seed: int = 0, verbose: bool = False, options=None
+                     ) -> tuple[int, int]:
     """(detected, named) over ``n`` injections of ``direction`` at sites drawn uniformly."""
     sites = injection_sites(model)
     gen = torch.Generator().manual_seed(seed)
     hit = named = 0
     for i in range(n):
         site = sites[int(torch.randint(len(sites), (), generator=gen))]
-        h, nm, text = inject_once(model, site, direction, seed * 100003 + i)
+        h, nm, text = inject_once(model, site, direction, seed * 100003 + i, options)
         hit, named = hit + h, named + nm
         if verbose and not (h and nm):
             print("  miss:", text)
@@ -255,16 +256,19 @@ def main() -> None:
     ap.add_argument("--cost-model", default="d512", choices=("small", "d512"))
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--models", default="tinylm,llama")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="of the injected models")
+    ap.add_argument("--exact", action="store_true", help="ReplayOptions(exact=True) for the injections")
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     models = {"tinylm": tiny_model, "llama": llama_model}
     for name in a.models.split(","):
-        model = models[name](0)
+        model = models[name](0).to(getattr(torch, a.dtype))
         for direction in ("forward", "backward"):
             if a.injections:
                 t0 = time.perf_counter()
-                hit, named = sweep_injections(model, a.injections, direction, seed=1, verbose=True)
-                print(f"injection {name:6s} {direction:8s}: detected {hit}/{a.injections} "
+                hit, named = sweep_injections(model, a.injections, direction, seed=1, verbose=True,
+                                              options=ReplayOptions(exact=a.exact))
+                print(f"injection {name:6s} {a.dtype} {'exact ' if a.exact else ''}{direction:8s}: detected {hit}/{a.injections} "
                       f"({100 * hit / a.injections:.1f}%), named at the site {named}/{a.injections} "
                       f"({100 * named / a.injections:.1f}%)  [{time.perf_counter() - t0:.0f} s]")
     if a.reruns:

@@ -232,3 +232,17 @@ def test_a_user_module_with_a_block_stack():
     m.zero_grad(set_to_none=True)
     r = replay(m, injected_step(m, x, site, "backward", torch.Generator().manual_seed(2), {}))
     assert r.verdict == "departs" and (r.first.site, r.first.direction, r.first.block) == ("layers.1.ffn", "backward", 1)
+
+
+def test_bfloat16_flips_below_the_roundoff_tolerance_are_named_when_exact():
+    """In bfloat16 the tolerance (u = 2^-8) exceeds what one element moves the tensor by (~4e-3):
+    the default may call such a flip roundoff; exact=True names it at its site (50 of 50 per
+    direction in bench_replay.py --dtype bfloat16 --exact; here 3 each)."""
+    m = tiny_model(0).to(torch.bfloat16)
+    sites = injection_sites(m)
+    exact = ReplayOptions(exact=True)
+    for direction in ("forward", "backward"):
+        found = [inject_once(m, sites[(2 * i + 3) % len(sites)], direction, 500 + i, exact) for i in range(3)]
+        assert all(hit and named for hit, named, _ in found), found
+    m.zero_grad(set_to_none=True)
+    assert replay(m, step_of(m, tokens(0)), exact).verdict == "identical"  # exact is no alarm when nothing differs

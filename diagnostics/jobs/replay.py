@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -72,6 +72,10 @@ class ReplayOptions:
     rng: put the random generators back before the rerun (both executions draw the same dropout
         masks) and, after it, as the first execution left them.
     tolerance: a diagnostics.judge.departure.Tolerance (None = the calibrated defaults of diff).
+    exact: judge every difference as a departure (the tolerance 0), for a step whose kernels are
+        known to be deterministic (a CPU; a GPU in deterministic mode). In bfloat16 and float16 the
+        roundoff tolerance is above what one changed element moves a large tensor by, so only
+        exact names such a fault where it happens (docs/replay.md).
     """
 
     k: int = 32
@@ -79,10 +83,11 @@ class ReplayOptions:
     gradients: bool = True
     rng: bool = True
     tolerance: Tolerance | None = field(default=None)
+    exact: bool = False
 
     def __post_init__(self) -> None:
         integer("k", self.k, low=2, high=1024, fix="k=N (32 is the default)", error=OptionsError)
-        for name in ("backward", "gradients", "rng"):
+        for name in ("backward", "gradients", "rng", "exact"):
             boolean(name, getattr(self, name), error=OptionsError)
         if self.tolerance is not None and not isinstance(self.tolerance, Tolerance):
             raise OptionsError(f"tolerance={self.tolerance!r}: must be a diagnostics.judge.departure.Tolerance; "
@@ -136,6 +141,12 @@ class ReplayResult:
     loss: object = field(default=None, repr=False)
     schema_version: str = field(default=REPLAY_SCHEMA_VERSION)
 
+    @property
+    def first_difference(self) -> ReplayRow | None:
+        """The first row that differs at all (departure > 0), within tolerance or not: where a
+        non-deterministic kernel first shows, or a fault too small for the tolerance."""
+        return next((r for r in self.rows if r.departure != 0.0), None)
+
     def to_frame(self):
         """Tidy rows, one per site (parameter, loss) and direction (columns ``REPLAY_COLUMNS``)."""
         import pandas as pd
@@ -146,6 +157,8 @@ class ReplayResult:
         return {"schema_version": self.schema_version, "summary": str(self), "verdict": self.verdict,
                 "reproduced": self.reproduced, "meaning": self.meaning, "action": self.action,
                 "first": None if self.first is None else {k: _num(v) for k, v in asdict(self.first).items()},
+                "first_difference": None if self.first_difference is None else
+                self.first_difference.site + f" ({self.first_difference.direction})",
                 "losses": [_num(x) for x in self.losses], "columns": list(REPLAY_COLUMNS),
                 "rows": [[_num(getattr(r, c)) for c in REPLAY_COLUMNS] for r in self.rows],
                 "unpaired": [list(u) for u in self.unpaired]}
@@ -166,8 +179,10 @@ class ReplayResult:
             return f"identical: the rerun reproduced the step bit for bit ({what})"
         if self.verdict == "roundoff":
             top = max(self.rows, key=lambda r: r.ratio)
+            d = self.first_difference
             return (f"roundoff: the rerun reproduced the step within roundoff ({what}; largest departure "
-                    f"{top.ratio:.2g}x its tolerance, at {top.site} ({top.direction}))")
+                    f"{top.ratio:.2g}x its tolerance, at {top.site} ({top.direction}); first difference at "
+                    f"{d.site} ({d.direction}))")
         return f"not measured: {self.meaning}"
 
     def __repr__(self) -> str:
@@ -341,6 +356,8 @@ def _rows(first_rec, rerun_rec, first_loss, rerun_loss, state, grads, options, s
     if options.gradients:
         grad_rows, same_grads = _grad_rows(state, grads, tol, max(width, tokens), 2 * blocks + 3, stack)
         rows += grad_rows
+    if options.exact:  # any difference departs: tolerance 0
+        rows = [replace(r, tolerance=0.0, ratio=0.0 if r.departure == 0.0 else math.inf) for r in rows]
     return rows, result.unpaired, bitwise and same_loss and same_grads
 
 
