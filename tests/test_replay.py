@@ -15,7 +15,6 @@ import math
 import pytest
 import torch
 
-import tinylm
 from benchmarks.bench_replay import (injected_step, injection_sites, inject_once, step_of, sweep_false_alarms, tiny_model,
                                      tokens)
 from diagnostics.errors import OptionsError

@@ -5,7 +5,6 @@ mantissa bit) of one element flipped on rank 1 is found, at that parameter, on b
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from datetime import timedelta
