@@ -7,7 +7,9 @@ Four sub-packages, one concept each:
 * :mod:`diagnostics.judge` — verdicts, causes and thresholds; it judges and does nothing else;
 * :mod:`diagnostics.jobs` — pipelines over the three: ``diagnose`` (one model), ``compare``
   (init schemes side by side), ``Watch`` (training), ``diff`` (where two executions of one
-  model part ways) and ``fingerprint`` (one execution, sketched, for a diff across machines).
+  model part ways), ``fingerprint`` (one execution, sketched, for a diff across machines),
+  ``replay`` (a training step run twice, compared site by site; ``StepReplay`` in a watched
+  loop) and ``check_replicas`` (data-parallel replicas compared in one collective).
 
 The results of those jobs share one schema (:mod:`diagnostics.result`); their options
 are :mod:`diagnostics.options` (``DiagnoseOptions``, ``CompareOptions``); their intervals over
@@ -23,6 +25,9 @@ from .jobs import History, Watch, WatchEvent, WatchFailure, WatchReport, WatchSt
 from .jobs.coord_check import CoordCheckOptions, CoordCheckResult, coord_check
 from .jobs.diff import DiffResult, diff, diff_against
 from .jobs.fingerprint import Fingerprint, fingerprint
+from .jobs.replay import ReplayOptions, ReplayResult, replay
+from .jobs.replicas import ReplicaResult, check_replicas
+from .jobs.watch_replay import StepReplay
 from .judge import Thresholds
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .measure.intervals import CONFIDENCE, interval_scope, log_t_interval, t_interval
@@ -84,6 +89,12 @@ __all__ = [
     "coord_check",
     "CoordCheckOptions",
     "CoordCheckResult",
+    "replay",
+    "ReplayOptions",
+    "ReplayResult",
+    "StepReplay",
+    "check_replicas",
+    "ReplicaResult",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

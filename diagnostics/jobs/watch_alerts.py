@@ -135,6 +135,8 @@ class AlertBook:
         self._open: set[tuple[str, str]] = set()  # (site, verdict) not ok at the last record
         #: the last ten forensics reports
         self.reports: deque[dict[str, Any]] = deque(maxlen=10)
+        #: step -> what replaying it found (diagnostics.jobs.watch_replay), joined to that step's report
+        self.replays: dict[int, dict[str, Any]] = {}
         #: (step, loss, lr, grad_norm) of the last logged steps
         self.ring: deque[tuple[int, float, float, float]] = deque(maxlen=forensics * max(every, 1))
 
@@ -173,7 +175,8 @@ class AlertBook:
         (each site's statistics, attention, logits, update ratios) and the logged steps of the
         same span (loss, lr, grad_norm), oldest first."""
         steps = [{"step": t, "loss": loss, "lr": lr, "grad_norm": g} for t, loss, lr, g in self.ring]
-        return {"step": int(trigger.step), "trigger": trigger.to_dict(),
+        replay = {"replay": self.replays[int(trigger.step)]} if int(trigger.step) in self.replays else {}
+        return {"step": int(trigger.step), "trigger": trigger.to_dict(), **replay,
                 "records": list(self.history["records"][-self.forensics_records:]), "steps": steps}
 
     def forensics(self, trigger: Alert | WatchEvent, writers: list) -> None:
