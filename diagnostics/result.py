@@ -367,7 +367,8 @@ class Header:
     interval: what the 99% intervals of the ratios cover, in words ("" without predictions;
         documents written before it read "").
     declared: the declared init judged against, in words ("" in older documents); fresh: the weights at it
-    (True), moved off it (False: trained), unknown (None: nothing declared), by ``fresh_rule``, for every check.
+    (True), moved off it (False: trained), unknown (None: nothing declared), by ``fresh_rule``; kinds: each
+    weight kind's state (WeightKind.to_dict(): kind, state fresh / misscaled / trained, factor, blocks, ...).
     """
 
     model_class: str
@@ -388,6 +389,7 @@ class Header:
     declared: str = ""
     fresh: bool | None = None
     fresh_rule: str = ""
+    kinds: list = field(default_factory=list)
 
 
 @dataclass

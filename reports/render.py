@@ -121,7 +121,8 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     if declared:
         state = {True: "fresh (at its declared init)", False: "trained (moved off its declared init)",
                  None: "fresh or trained unknown"}[getattr(h, "fresh", None)]
-        _kv(t, "init", f"declared: {declared}; {state}")
+        kinds = getattr(h, "kinds", None)
+        _kv(t, "init", f"declared: {declared}; " + (_kind_states(kinds) if kinds else state))
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
@@ -133,6 +134,24 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
                         "from uniform", style="dim")
     _kv(t, "loss", loss)
     return t
+
+
+def _kind_states(kinds: list[dict]) -> str:
+    """Per weight kind, fresh / misscaled (with its factor and blocks) / trained, in words."""
+    def blocks(k: dict) -> str:
+        b = k.get("blocks") or []
+        return "" if not b else f" blocks {b[0]}-{b[-1]}" if b == list(range(b[0], b[-1] + 1)) and len(b) > 1 \
+            else " block" + ("s " if len(b) > 1 else " ") + ",".join(map(str, b))
+    by = {s: [k for k in kinds if k.get("state") == s] for s in ("fresh", "misscaled", "trained")}
+    parts = []
+    if by["misscaled"]:
+        parts.append("misscaled " + ", ".join(f"{k['kind']} x{num(k['factor'], 3)}{blocks(k)}" for k in by["misscaled"]))
+    for s, words in (("trained", "trained (moved off its declared init)"), ("fresh", "fresh (at its declared init)")):
+        if by[s]:
+            names = [k["kind"] for k in by[s]]
+            parts.append(f"{words}: " + ("all kinds" if len(names) == len(kinds) else
+                                          "every other kind" if parts and len(names) > 6 else ", ".join(names)))
+    return "; ".join(parts)
 
 
 def _interval_scope(header: Any) -> str:
