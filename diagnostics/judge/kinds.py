@@ -97,17 +97,20 @@ def effect(k: WeightKind) -> str:
 
 
 def likely_bug(k: WeightKind, num_layers: int | None, d_k: int | None) -> str:
-    """The common bug whose factor is within 15% of the kind's, or ""."""
+    """The common bug whose factor is within 15% of the kind's, or "": a 1/sqrt(fan_in) missing or applied
+    twice (any kind), the residual scaling 1/sqrt(2L) missing or applied twice (a residual output), an
+    attention scale folded into the projection (q or k)."""
     c = k.factor
+    r = role(k.kind, bool(k.blocks))
     cands: list[tuple[float, str]] = []
     if k.fan_in:
         f = math.sqrt(k.fan_in)
         cands += [(f, f"std without its 1/sqrt(fan_in) = 1/{f:.3g}"), (1 / f, "1/sqrt(fan_in) applied twice")]
-    if num_layers and num_layers > 1:
+    if num_layers and num_layers > 1 and r == "residual":
         s = math.sqrt(2 * num_layers)
         cands += [(s, f"the residual scaling 1/sqrt(2L) = 1/{s:.3g} missing"),
                   (1 / s, f"the residual scaling 1/sqrt(2L) = 1/{s:.3g} applied twice")]
-    if d_k and d_k > 1:
+    if d_k and d_k > 1 and r == "query_key":
         cands += [(d_k ** 0.25, "the attention scale d_k^(1/4) folded into the projection"),
                   (d_k ** -0.25, "the attention scale 1/d_k^(1/4) folded into the projection"),
                   (d_k ** 0.5, "the attention scale sqrt(d_k) folded into the projection"),
