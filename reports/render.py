@@ -399,6 +399,8 @@ class LayerTable:
             return num(v, 1) if compact and len(text) > 6 else text  # 9.0e-10 -> 9e-10
 
         def interval(r: Any) -> str:
+            if r.predicted is not None and not r.valid:  # a premise that fails gives no ratio to read
+                return "-*"
             if "interval" in drop:
                 return ratio_interval(r.ratio, None, None, d)
             return ratio_interval(r.ratio, r.ratio_low, r.ratio_high, d, "," if compact else ", ")
@@ -426,7 +428,7 @@ class LayerTable:
         if show["w/init"]:
             parts.append("w/init = weight std / declared init std")
         if predicted:
-            parts.append("* = prediction outside its validity")
+            parts.append("* = prediction outside its validity (no ratio shown; --json has it and why)")
         if "names" in drop:
             parts.append("Ln = layers.n, tok_emb = token_embeddings")
         left_out = [c for c in drop if c != "names" and (predicted or c == "w/init")]

@@ -60,6 +60,20 @@ def test_one_tinylm_kind_scaled_is_named_with_its_factor_and_blocks(suffix, c):
     assert found[0].severity == ("warn" if 1 / 4 <= c <= 4 else "fail")
     assert "blocks 0-3" in found[0].message and "forward" in found[0].message and "backward" in found[0].message
     assert all(x["state"] == "fresh" for x in r.header.kinds if x["kind"] != suffix and x["factor"] is not None)
+    if c == 2.0:  # the header says it (JSON and the report's init line)
+        import io
+        import json
+
+        from rich.console import Console
+
+        from diagnostics.result import DiagnoseResult
+        from reports.render import ReportContext, header_table
+
+        assert DiagnoseResult.from_dict(json.loads(r.to_json())).header.kinds == r.header.kinds
+        console = Console(width=200, file=io.StringIO(), color_system=None)
+        console.print(header_table(r, ReportContext()))
+        line = next(x for x in console.file.getvalue().splitlines() if x.startswith("init"))
+        assert f"misscaled {suffix} x2.00 blocks 0-3" in line and "fresh (at its declared init): every other" in line
 
 
 def test_an_untouched_model_has_every_kind_fresh_and_no_finding():
@@ -191,6 +205,17 @@ def test_local_predictions_that_read_a_trained_weight_are_outside_validity(train
         t = rows[(name, "forward")]
         assert not t.valid and "trained" in t.validity, (name, t.validity)
     assert not rows[("layers.0.ln2", "backward")].valid  # read by w1 and w3
+    # the table shows no ratio for them: "-*", never a number beside "ok"
+    import io
+
+    from rich.console import Console
+
+    from reports.render import LayerTable
+
+    console = Console(width=140, file=io.StringIO(), color_system=None)
+    console.print(LayerTable(r, all_tensors=True))
+    line = next(x for x in console.file.getvalue().splitlines() if x.split() and x.split()[0] == "layers.0.ffn.w2")
+    assert "-*" in line and f"{rows[('layers.0.ffn.w2', 'forward')].ratio:.2f}" not in line
     # every row a trained kind's rule reads is out; a ratio beside a valid mark reads fresh weights only
     for t in r.tensors:
         if t.valid and t.ratio is not None and t.rule.startswith(LINEAR) and t.block is not None \
