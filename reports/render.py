@@ -145,7 +145,8 @@ def _kind_states(kinds: list[dict]) -> str:
     by = {s: [k for k in kinds if k.get("state") == s] for s in ("fresh", "misscaled", "trained")}
     parts = []
     if by["misscaled"]:
-        parts.append("misscaled " + ", ".join(f"{k['kind']} x{num(k['factor'], 3)}{blocks(k)}" for k in by["misscaled"]))
+        parts.append("misscaled " + ", ".join(f"{k['kind']} x{num(k['factor'], 3)}{blocks(k)}"
+                                              for k in by["misscaled"]))
     for s, words in (("trained", "trained (moved off its declared init)"), ("fresh", "fresh (at its declared init)")):
         if by[s]:
             names = [k["kind"] for k in by[s]]

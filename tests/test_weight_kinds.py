@@ -230,3 +230,22 @@ def test_a_fresh_model_keeps_valid_local_ratios():
     linear = [t for t in r.tensors if t.rule.startswith("linear: ") and t.block is not None]
     assert len(linear) >= 10 and all(t.valid for t in linear)
     assert all(0.5 < t.ratio < 2 for t in linear)
+
+
+@pytest.mark.slow
+def test_a_model_trained_hard_has_no_misscaled_kind_and_no_valid_ratio_far_from_one():
+    """200 steps at lr 5e-2: every kind moves (the block kinds 1.2x to 2.5x, the head 7x) and none is
+    called misscaled; every local ratio beyond [1/3, 3] is outside validity."""
+    from tinylm.data import stdlib_corpus
+    from tinylm.train import TrainOptions, train
+
+    cfg = tinylm.ModelConfig(vocab_size=256, context_length=32, d_model=32, num_layers=2, num_heads=1,
+                             d_ff=tinylm.default_d_ff(32))
+    m = tinylm.TransformerLM(cfg, generator=torch.Generator().manual_seed(0))
+    train(m, stdlib_corpus(400_000), TrainOptions(steps=200, batch_size=8, lr=5e-2, watch_every=0))
+    r = diagnose(m.eval(), options=DiagnoseOptions(batch_size=2, seq_len=32, batches=2, theory="local"))
+    assert "misscaled" not in {k["state"] for k in r.header.kinds}
+    assert not [f for f in r.findings if f.cause == "kind_scale"]
+    far = [t.name for t in r.tensors if t.valid and t.ratio is not None and not 1 / 3 < t.ratio < 3
+           and t.rule.startswith(LINEAR) and t.direction == "forward"]
+    assert not far, far

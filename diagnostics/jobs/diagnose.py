@@ -68,8 +68,8 @@ from .diagnose_init import FRESH_RULE, Declaration, declaration, fresh
 from .diagnose_kinds import at_init, weight_kinds
 from .diagnose_peaks import block_peaks
 from .diagnose_rows import attention_rows, depth_rows, param_rows, tensor_rows
-from .diagnose_validity import trained_premise
 from .diagnose_sample import batch_loss, model_context, seed_batches, seed_models
+from .diagnose_validity import trained_premise
 
 __all__ = ["diagnose"]
 

@@ -89,9 +89,11 @@ def effect(k: WeightKind) -> str:
                 f"{'sharper' if c > 1 else 'flatter'} than intended; backward: the gradients through the scores "
                 f"scale alike")
     if r == "embedding":
-        return f"forward: the residual stream starts at {c2}x its declared variance; backward: the embedding's gradient is unchanged but its relative updates are {1 / c:.3g}x"
+        return (f"forward: the residual stream starts at {c2}x its declared variance; backward: the embedding's "
+                f"gradient is unchanged, its relative updates {1 / c:.3g}x")
     if r == "head":
-        return f"forward: the logits' std is {c:.3g}x the declared init's; backward: the gradient into the stack has {c2}x the variance"
+        return (f"forward: the logits' std is {c:.3g}x the declared init's; backward: the gradient into the stack "
+                f"has {c2}x the variance")
     return (f"forward: each of its layers passes {c2}x the declared variance on; backward: the gradient it "
             f"passes back to its input has {c2}x the variance")
 

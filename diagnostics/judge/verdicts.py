@@ -26,7 +26,8 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
           scale_invariant: bool = False, architecture: dict | None = None, flat: dict[str, float] | None = None,
           loss: tuple[float, float, str] | None = None, fresh: bool | None = None,
           logits: dict[str, float] | None = None, peaks: dict[str, float] | None = None,
-          kinds: list | None = None) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
+          kinds: list | None = None
+          ) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
     """All findings (one per cause, fail first), and the verdict of each tensor (name, direction),
     parameter and attention layer.
 

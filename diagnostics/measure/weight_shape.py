@@ -98,10 +98,10 @@ def kurtosis(dist: Dist) -> float:
 
 def shape(weight: torch.Tensor, dist: Dist, spectral_norm: float | None, tests: int = 1) -> Shape | None:
     """The tests of the module docstring on one 2-D tensor, each at rate NULL_RATE / (5 ``tests``);
-    None where the family cannot be tested (constant, or zero std)."""
+    None where it cannot be tested (a constant family or zero std; a sharded or meta tensor)."""
     cdf = _cdf(dist)
-    if cdf is None or not dist.variance > 0:
-        return None
+    if cdf is None or not dist.variance > 0 or type(weight.detach()) is not torch.Tensor or weight.is_meta:
+        return None  # a sharded (DTensor) or meta weight: its entries are not all here to test
     w = weight.detach().reshape(-1)
     n = w.numel()
     w64 = w.to(torch.float64)
