@@ -188,6 +188,7 @@ def _theories(result: Any) -> str:
 _CAUSE_WORDS = {
     "non_finite": "non-finite values", "score_scale": "attention scores not scaled by 1/sqrt(d_k)",
     "saturated_attention": "saturated attention", "dead_units": "dead units", "init_scale": "badly scaled weights",
+    "kind_scale": "one weight kind misscaled",
     "no_norm": "no normalisation", "post_norm_depth": "deep post-norm", "logit_scale": "logits too large",
     "attn_logits": "attention logits growing", "attn_entropy": "attention entropy collapse",
     "output_logits": "output logits drifting", "massive_activations": "massive activations",
