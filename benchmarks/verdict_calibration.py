@@ -137,6 +137,7 @@ def measure(build, T, batch):
         "imbalance": ev.imbalance if getattr(config, "norm", None) == "post" else math.nan,
         "saturated": max((a.saturated_frac for a in r.attention), default=0.0),
         "fresh": ev.fresh, "findings": [f"{f.cause}/{f.severity}" for f in r.findings],
+        "misscaled": [k["kind"] for k in r.header.kinds if k["state"] == "misscaled"],
     }
 
 
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append((label, s))
         print(f"{label:46s} run fwd {s['fwd_run']:5.2f} bwd {s['bwd_run']:5.2f}  score {s['score']:5.2f}  "
               f"gain {s['gain']:.3g}/{s['gain_inner']:.3g}  sat {s['saturated']:.2f}  "
-              f"{', '.join(s['findings']) or 'healthy'}", flush=True)
+              f"{', '.join(s['findings']) or 'healthy'}"
+              + (f"  misscaled kinds: {', '.join(s['misscaled'])}" if s["misscaled"] else ""), flush=True)
     th = Thresholds()
     print(f"\n{'statistic':64s} {'healthy extreme':>15s}  threshold")
     for key, side, name, words in COMPARED:
@@ -184,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{words:64s} {side(vals):15.3g}  {'' if name is None else f'{name} = {getattr(th, name):g}'}")
     alarms = [(label, s["findings"]) for label, s in results if s["findings"]]
+    misscaled = sum(bool(s["misscaled"]) for _, s in results)
+    print(f"\nmodels with a weight kind called misscaled: {misscaled}/{len(results)}")
     n = len(results)
     rate = f"{len(alarms)}/{n}" + (f" (95% upper bound {3 / n:.1%}, rule of three)" if not alarms else "")
     print(f"\nfalse alarms on the healthy set: {rate}; {time.perf_counter() - t0:.0f} s")

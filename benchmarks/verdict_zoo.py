@@ -311,6 +311,42 @@ def hf(kind: str, std: float | None = None, L: int = 4, d: int = 64, V: int = 10
     return build
 
 
+def one_kind(build: Callable[[], nn.Module], suffix: str, factor: float) -> Callable[[], nn.Module]:
+    """``build``'s model with every block weight whose name ends with ``suffix`` + ".weight" times
+    ``factor``, everything else at its declared init: one kind of layer initialised with the wrong std."""
+    def scaled():
+        m = build()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if name.endswith(f".{suffix}.weight"):
+                    p.mul_(factor)
+        return m
+    return scaled
+
+
+#: The kinds of a block of each family, and the factors each is scaled by (c in 1/8 ... 8: two each
+#: way, to keep the zoo's time; 2 and 1/2 are the smallest a kind must be named at).
+KINDS = {"tinylm": ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj", "ffn.w1", "ffn.w2", "ffn.w3"),
+         "llama": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj"),
+         "gpt2": ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+FACTORS = (1 / 8, 1 / 2, 2.0, 8.0)
+
+
+def _misscaled_cases() -> list:
+    """One kind x c for every kind of the block of a fresh 4-block tinylm and of a Hugging Face Llama and
+    GPT-2: cause kind_scale, fail where c is outside [1/4, 4] (init_drift), warn inside."""
+    builds = {"tinylm": fresh(d=64, L=4), "llama": hf("llama"), "gpt2": hf("gpt2")}
+    out = []
+    for family, kinds in KINDS.items():
+        for kind in kinds:
+            for c in FACTORS:
+                out.append(Case(f"{family} {kind} x{c:g}", one_kind(builds[family], kind, c), "kind_scale",
+                                "warn" if 1 / 4 <= c <= 4 else "fail", "mild" if 1 / 4 <= c <= 4 else "severe",
+                                quick=family == "tinylm" and kind == "ffn.w2" and c == 8.0))
+    return out
+
+
 H, F_, W = "healthy", "fail", "warn"
 CASES: list[Case] = [
     # healthy: schemes, depths, widths, sequence lengths, norm placements, FFN kinds, RoPE, training
@@ -339,9 +375,11 @@ CASES: list[Case] = [
     Case("scores unscaled (d_k 32) L6", scaled_scores(0.5, d=128, L=6, heads=4), "score_scale", F_, "severe"),
     # saturated attention: q and k weights too large, scores scaled right
     Case("q,k weights x3.5", scaled_weights(3.5, only=("q_proj.weight", "k_proj.weight"), d=128, L=2, heads=2),
-         "saturated_attention", W, "mild"),
+         "kind_scale", W, "mild"),
     Case("q,k weights x30", scaled_weights(30.0, only=("q_proj.weight", "k_proj.weight"), d=64, L=2),
-         "saturated_attention", F_, "severe", quick=True),
+         "kind_scale", F_, "severe"),
+    Case("q,k weights x30, last block only", scaled_weights(30.0, only=("1.attn.q_proj.weight", "1.attn.k_proj.weight"),
+                                                            d=64, L=2), "saturated_attention", W, "severe", quick=True),
     # dead units: SiLU gate inputs far in the flat region
     Case("gates pushed to -7", dead_gates(7.0, d=64, L=2), "dead_units", W, "mild"),
     Case("gates pushed to -20", dead_gates(20.0, d=64, L=2), "dead_units", F_, "severe", quick=True),
@@ -380,6 +418,10 @@ CASES: list[Case] = [
     Case("nanoGPT L2 trained lr 1e-2", nanogpt(2, 200, 1e-2), None, None, seq_len=64),
     Case("nanoGPT L4 trained lr 1e-2", nanogpt(4, 200, 1e-2), None, None, seq_len=64),
     Case("nanoGPT L6 trained lr 1e-2", nanogpt(6, 200, 1e-2), None, None, seq_len=64),
+    # trained tinylm models, hard enough that every kind moves, none of them misscaled
+    Case("cs336 pre trained 600 steps lr 3e-2", trained(600, 3e-2, d=64, L=4, T=32), None, None),
+    # one kind of the block at c x its declared std, everything else at its declared init
+    *_misscaled_cases(),
 ]
 
 

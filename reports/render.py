@@ -129,7 +129,8 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
     if declared:
         state = {True: "fresh (at its declared init)", False: "trained (moved off its declared init)",
                  None: "fresh or trained unknown"}[getattr(h, "fresh", None)]
-        _kv(t, "init", f"declared: {declared}; {state}")
+        kinds = getattr(h, "kinds", None)
+        _kv(t, "init", f"declared: {declared}; " + (_kind_states(kinds) if kinds else state))
     loss = Text(f"{num(h.loss, 4)}")
     if h.loss_uniform is not None:
         loss.append(f" (uniform guess ln V = {num(h.loss_uniform, 4)})", style="dim")
@@ -143,6 +144,25 @@ def header_table(result: Any, ctx: ReportContext) -> Table:
                         "from uniform", style="dim")
     _kv(t, "loss", loss)
     return t
+
+
+def _kind_states(kinds: list[dict]) -> str:
+    """Per weight kind, fresh / misscaled (with its factor and blocks) / trained, in words."""
+    def blocks(k: dict) -> str:
+        b = k.get("blocks") or []
+        return "" if not b else f" blocks {b[0]}-{b[-1]}" if b == list(range(b[0], b[-1] + 1)) and len(b) > 1 \
+            else " block" + ("s " if len(b) > 1 else " ") + ",".join(map(str, b))
+    by = {s: [k for k in kinds if k.get("state") == s] for s in ("fresh", "misscaled", "trained")}
+    parts = []
+    if by["misscaled"]:
+        parts.append("misscaled " + ", ".join(f"{k['kind']} x{num(k['factor'], 3)}{blocks(k)}"
+                                              for k in by["misscaled"]))
+    for s, words in (("trained", "trained (moved off its declared init)"), ("fresh", "fresh (at its declared init)")):
+        if by[s]:
+            names = [k["kind"] for k in by[s]]
+            parts.append(f"{words}: " + ("all kinds" if len(names) == len(kinds) else
+                                          "every other kind" if parts and len(names) > 6 else ", ".join(names)))
+    return "; ".join(parts)
 
 
 def _interval_scope(header: Any) -> str:
@@ -178,6 +198,7 @@ def _theories(result: Any) -> str:
 _CAUSE_WORDS = {
     "non_finite": "non-finite values", "score_scale": "attention scores not scaled by 1/sqrt(d_k)",
     "saturated_attention": "saturated attention", "dead_units": "dead units", "init_scale": "badly scaled weights",
+    "kind_scale": "one weight kind misscaled",
     "no_norm": "no normalisation", "post_norm_depth": "deep post-norm", "logit_scale": "logits too large",
     "attn_logits": "attention logits growing", "attn_entropy": "attention entropy collapse",
     "output_logits": "output logits drifting", "massive_activations": "massive activations",
@@ -390,6 +411,8 @@ class LayerTable:
             return num(v, 1) if compact and len(text) > 6 else text  # 9.0e-10 -> 9e-10
 
         def interval(r: Any) -> str:
+            if r.predicted is not None and not r.valid:  # a premise that fails gives no ratio to read
+                return "-*"
             if "interval" in drop:
                 return ratio_interval(r.ratio, None, None, d)
             return ratio_interval(r.ratio, r.ratio_low, r.ratio_high, d, "," if compact else ", ")
@@ -417,7 +440,7 @@ class LayerTable:
         if show["w/init"]:
             parts.append("w/init = weight std / declared init std")
         if predicted:
-            parts.append("* = prediction outside its validity")
+            parts.append("* = prediction outside its validity (no ratio shown; --json has it and why)")
         if "names" in drop:
             parts.append("Ln = layers.n, tok_emb = token_embeddings")
         left_out = [c for c in drop if c != "names" and (predicted or c == "w/init")]

@@ -202,7 +202,11 @@ def test_a_tinylm_model_judges_its_loss_by_the_one_fresh_decision():
     fresh = diagnose(model, options=OPTS)
     assert LOSS in fresh.judged and fresh.header.fresh is True
     with torch.no_grad():
-        model.lm_head.weight.mul_(1.5)  # no longer its declared init
+        model.lm_head.weight.mul_(1.5)  # a fresh draw at 1.5x: one kind misscaled, named
+    scaled = diagnose(model, options=OPTS)
+    assert [(f.cause, f.severity) for f in scaled.findings] == [("kind_scale", "warn")]
+    with torch.no_grad():
+        model.lm_head.weight[:32].mul_(1.5)  # some rows moved, as training moves them: trained
     r = diagnose(model, options=OPTS)
     assert r.header.fresh is False and LOSS in r.judged and r.status == "healthy"
     with torch.no_grad():

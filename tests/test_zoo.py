@@ -15,7 +15,7 @@ QUICK = [c for c in CASES if c.quick]
 def test_the_reduced_zoo_covers_health_and_every_cause():
     causes = {c.cause for c in QUICK}
     assert None in causes and {"score_scale", "saturated_attention", "dead_units", "init_scale", "no_norm",
-                                "post_norm_depth", "non_finite"} <= causes
+                                "post_norm_depth", "non_finite", "kind_scale"} <= causes
     assert 12 <= len(QUICK) <= 16 and len(CASES) >= 40
 
 

@@ -65,9 +65,11 @@ from ..result import AttentionRow, DepthRow, DiagnoseResult, Finding, Header, Pa
 from ..theory import Prediction, predict
 from ..theory.tokenkernel import token_coincidence
 from .diagnose_init import FRESH_RULE, Declaration, declaration, fresh
+from .diagnose_kinds import at_init, weight_kinds
 from .diagnose_peaks import block_peaks
 from .diagnose_rows import attention_rows, depth_rows, param_rows, tensor_rows
 from .diagnose_sample import batch_loss, kv_heads, model_context, parameter_placement, seed_batches, seed_models
+from .diagnose_validity import trained_premise
 
 __all__ = ["diagnose"]
 
@@ -155,10 +157,14 @@ class _Measured:
 @dataclass
 class _State:
     """The model's declared init and whether its weights are still at it (None: nothing declared),
-    decided once for every check."""
+    decided once for every check; each weight kind's state (:mod:`.diagnose_kinds`), and whether
+    every kind is at its init or a fresh draw of it at another scale (``at_init``: the init-dependent
+    checks run)."""
 
     declared: Declaration
     fresh: bool | None
+    kinds: list = field(default_factory=list)
+    at_init: bool | None = None
 
 
 @dataclass
@@ -289,7 +295,9 @@ def _state(model: nn.Module, sample: _Sample, measured: _Measured) -> _State:
     replicate's parameters (the model as given; one seed's draw when several are measured)."""
     decl = declaration(sample.models[0])
     rows = param_rows(measured.replicates[0].stats, lambda n: None, decl.dists)
-    return _State(decl, fresh(rows, decl))
+    kinds = weight_kinds(sample.models[0], rows, decl, sample.stack.names if sample.stack is not None else ())
+    is_fresh = fresh(rows, decl)
+    return _State(decl, is_fresh, kinds, at_init(kinds) if kinds else is_fresh)
 
 
 def _predict(model: nn.Module, sample: _Sample, measured: _Measured, pooled: ProbeStats,
@@ -314,6 +322,10 @@ def _predict(model: nn.Module, sample: _Sample, measured: _Measured, pooled: Pro
                 if mode == "global" and len(sample.models) == 1 else ""
             if mismatch:
                 per_rep, pooled_pred = _outside_all(per_rep, pooled_pred, mismatch)
+            if mode == "local":  # a trained weight breaks the local rules' premise (:mod:`.diagnose_validity`)
+                names = sample.stack.names if sample.stack is not None else ()
+                per_rep = [trained_premise(pr, state.kinds, names) for pr in per_rep]
+                pooled_pred = trained_premise(pooled_pred, state.kinds, names)
         except Exception as e:  # noqa: BLE001 - theory never takes the measurement, the verdict or the exit code down
             warnings.warn(f"theory ({mode}) could not be computed for this model ({type(e).__name__}: {e}); "
                           "the measurements and verdicts stand without predictions", RuntimeWarning, stacklevel=3)
@@ -344,16 +356,16 @@ def _judge(model: nn.Module, sample: _Sample, measured: _Measured, pooled: Probe
     checks made (:func:`~diagnostics.judge.verdicts.coverage`); the rows get their verdicts."""
     deliberate = _deliberate_zeros(model, state.declared)
     loss_check, loss_reason = _loss_check(float(np.mean(measured.losses)), measured.vocabs, options,
-                                          sample.source, state.fresh)
+                                          sample.source, state.at_init)
     arch = _architecture(model, sample.stack, state.declared)
     stream_reason = "" if sample.stack is not None else (
         "no block stack found (an nn.ModuleList or nn.Sequential of blocks of one class)")
     findings, tv, pv, av = judge(rows.tensors, rows.params, rows.attention, rows.depth, list(pooled.order),
                                  thresholds, deliberate, scale_invariant=_scale_invariant(model, arch),
-                                 architecture=arch, flat=pooled.flat_frac, loss=loss_check, fresh=state.fresh,
-                                 logits=_logit_scale(measured.logits), peaks=measured.peaks)
+                                 architecture=arch, flat=pooled.flat_frac, loss=loss_check, fresh=state.at_init,
+                                 logits=_logit_scale(measured.logits), peaks=measured.peaks, kinds=state.kinds)
     judged, not_judged = coverage(rows.tensors, rows.params, rows.attention, rows.depth, arch, pooled.flat_frac,
-                                  deliberate, loss_reason, stream_reason, fresh=state.fresh,
+                                  deliberate, loss_reason, stream_reason, fresh=state.at_init,
                                   logits=_logit_scale(measured.logits), peaks=measured.peaks)
     judged_rows = _Rows(tensors=[replace(r, verdict=tv.get((r.name, r.direction), "ok")) for r in rows.tensors],
                         params=[replace(p, verdict=pv.get(p.name, "ok")) for p in rows.params],
@@ -380,7 +392,7 @@ def _header(model: nn.Module, sample: _Sample, measured: _Measured, theory: _The
         seeds=len(sample.models), seed=options.seed, theory=theory.mode, loss=loss,
         loss_uniform=math.log(vocab) if vocab else None, token_source=sample.source,
         declared=state.declared.words, fresh=state.fresh, fresh_rule=FRESH_RULE, dtype=dtype, device=device,
-        kv_heads=kv_heads(model))
+        kv_heads=kv_heads(model), kinds=[k.to_dict() for k in state.kinds])
     return replace(header, interval=interval_scope(header))
 
 

@@ -32,7 +32,7 @@ from torch import nn
 import tinylm
 from tinylm.init import Dist, declare
 
-__all__ = ["Declaration", "declaration", "fresh", "FRESH_SIGMAS", "FRESH_RULE"]
+__all__ = ["Declaration", "declaration", "fresh", "fresh_one", "FRESH_SIGMAS", "FRESH_RULE"]
 
 #: How many standard deviations of a fresh draw's std estimate a weight may sit from its declared std.
 FRESH_SIGMAS = 5.0
@@ -122,6 +122,18 @@ def _hf_dists(model: nn.Module, r: float) -> dict[str, Dist]:
     return out
 
 
+def fresh_one(p, d: Dist) -> bool | None:
+    """Whether one parameter row (name, shape, std, declared_std) is at its declared ``d`` by the rule
+    of the module docstring; None where the rule does not judge it (a 1-D or zero-std non-constant)."""
+    if d.family == "constant":
+        return p.std is not None and p.std == 0
+    if len(p.shape) < 2 or p.declared_std is None or not p.declared_std > 0:
+        return None
+    if p.std is None or not math.isfinite(p.std):
+        return False
+    return abs(p.std / p.declared_std - 1) <= FRESH_SIGMAS / math.sqrt(2 * math.prod(p.shape))
+
+
 def fresh(params, decl: Declaration) -> bool | None:
     """Whether the weights are at their declared init (the rule in the module docstring); None when
     nothing is declared. ``params``: the parameter rows (name, shape, std, declared_std)."""
@@ -132,16 +144,8 @@ def fresh(params, decl: Declaration) -> bool | None:
         d = decl.dists.get(p.name)
         if d is None:
             continue
-        if d.family == "constant":
-            if p.std is None or p.std != 0:
-                return False
-            continue
-        if len(p.shape) < 2 or p.declared_std is None or not p.declared_std > 0:
-            continue
-        if p.std is None or not math.isfinite(p.std):
+        one = fresh_one(p, d)
+        if one is False:
             return False
-        n = math.prod(p.shape)
-        judged = True
-        if abs(p.std / p.declared_std - 1) > FRESH_SIGMAS / math.sqrt(2 * n):
-            return False
+        judged = judged or (one is True and d.family != "constant")
     return judged

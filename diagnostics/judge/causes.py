@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from ..result import Finding
 from .evidence import Evidence
+from .kinds import kind_cause, role
 from .symptoms import Symptom, fmt
 from .thresholds import Thresholds
 
@@ -28,6 +29,7 @@ CAUSES = {
     "saturated_attention": "saturated attention",
     "dead_units": "dead units",
     "init_scale": "badly scaled weights",
+    "kind_scale": "one weight kind misscaled",
     "no_norm": "no normalisation",
     "post_norm_depth": "deep post-norm",
     "logit_scale": "logits too large",
@@ -112,6 +114,7 @@ def attribute(symptoms: list[Symptom], ev: Evidence, th: Thresholds, norm: str |
     causes = _Causes()
     _score_scale(causes, ev, th)
     _init_scale(causes, ev, th, arch)
+    _kind_scale(causes, ev, th, arch)
     _dead_gates(causes, ev, th)
     _post_norm_depth(causes, ev, th, norm, arch)
     _qk_weights(causes, ev, th)
@@ -207,6 +210,28 @@ def _init_scale(causes: _Causes, ev: Evidence, th: Thresholds, arch: dict) -> No
                         "nothing forward and get almost no gradient"))
 
 
+def _kind_scale(causes: _Causes, ev: Evidence, th: Thresholds, arch: dict) -> None:
+    """One finding per misscaled weight kind (:mod:`.kinds`), unless the model-wide badly scaled weights
+    (init_scale) are open in the same direction: that finding names the kinds then."""
+    init = causes.get("init_scale")
+    for k in ev.kinds:
+        if init is not None and init.large == (k.factor > 1):
+            init.text += f"; {k.kind} x{fmt(k.factor)}"
+            continue
+        causes.open(f"kind_scale/{k.kind}", **kind_cause(k, th.init_drift, arch.get("num_layers"), ev.d_k))
+
+
+def _kind_root(causes: _Causes, large: bool | None, only: str | None = None) -> str | None:
+    """The first open misscaled-kind cause (key) whose direction is ``large`` (or any far one; any at
+    all for None), of role ``only`` (:func:`.kinds.role`) where given; None when none is open."""
+    for key, c in causes.items():
+        if not key.startswith("kind_scale/") or (only and role(key.split("/", 1)[1], True) != only):
+            continue
+        if large is None or c.large == large or c.far:
+            return key
+    return None
+
+
 def _dead_gates(causes: _Causes, ev: Evidence, th: Thresholds) -> None:
     """SiLU gates with more than dead_flat of their inputs below -6, driven there by a negative
     offset (mean < -0.25 std)."""
@@ -251,7 +276,7 @@ def _qk_weights(causes: _Causes, ev: Evidence, th: Thresholds) -> None:
     """q/k weights whose geometric-mean gain sqrt(g_q g_k) exceeds init_gain_high: attention made too
     sharp by its weights (unless the weights' scale or the score scaling already explains it)."""
     big = {b: g for b, g in ev.qk_gain.items() if g > th.init_gain_high}
-    if not big or "init_scale" in causes or "score_scale" in causes:
+    if not big or "init_scale" in causes or "score_scale" in causes or _kind_root(causes, True, "query_key"):
         return
     b = max(big, key=big.get)
     causes.open("saturated_attention", value=big[b], threshold=th.init_gain_high, where=f"layers.{b}.attn",
@@ -282,6 +307,10 @@ def _saturated(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds) -> Non
         return
     if init is not None and init.large:
         causes.explains("init_scale", s)
+        return
+    qk_kind = _kind_root(causes, True, "query_key")
+    if qk_kind:
+        causes.explains(qk_kind, s)
         return
     note = (f"; its q/k weights multiply variance by {fmt(qk)} (std^2 fan_in, > "
             f"{fmt(th.init_gain_high)}): too large" if big else
@@ -320,6 +349,8 @@ def _stream(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds, norm: str
         # weights off their rule in the symptom's direction explain it; weights far off explain every
         # reading, since a few layers then dwarf the rest
         causes.explains("init_scale", s)
+    elif _kind_root(causes, s.kind == "exploding"):
+        causes.explains(_kind_root(causes, s.kind == "exploding"), s)
     elif "post_norm_depth" in causes and s.direction == "backward":
         causes.explains("post_norm_depth", s)
     elif norm == "none":
@@ -345,7 +376,7 @@ def _non_finite(causes: _Causes, s: Symptom) -> None:
     root = next((n for n, c in causes.items() if any(x.kind == "exploding" for x in c.symptoms)), None)
     if root is None and not weights:
         root = next((n for n in ("score_scale", "init_scale") if n in causes
-                     and (n == "score_scale" or causes[n].large)), None)
+                     and (n == "score_scale" or causes[n].large)), None) or _kind_root(causes, True)
     if root is not None and not weights:
         causes.explains(root, s)
         return
@@ -366,7 +397,7 @@ def _scale_root(causes: "_Causes") -> str | None:
     init = causes.get("init_scale")
     if root is None and init is not None and (init.large or init.far):
         root = "init_scale"
-    return root
+    return root or _kind_root(causes, True)
 
 def _loss(causes: _Causes, s: Symptom) -> None:
     """A loss far above ln V: logits blown up by an exploding or non-finite stream, or by weights too
@@ -392,6 +423,8 @@ def _attn_logit(causes: _Causes, s: Symptom, ev: Evidence, th: Thresholds) -> No
         causes.explains("score_scale", s)
     elif "init_scale" in causes and causes["init_scale"].far:
         causes.explains("init_scale", s)
+    elif _kind_root(causes, True, "query_key"):
+        causes.explains(_kind_root(causes, True, "query_key"), s)
     elif ev.qk_gain.get(s.block, 0.0) > th.init_gain_high and "saturated_attention" in causes:
         causes.explains("saturated_attention", s)
     elif "attn_logits" in causes:
@@ -416,6 +449,9 @@ def _attn_entropy(causes: _Causes, s: Symptom) -> None:
     if "init_scale" in causes and causes["init_scale"].far:
         causes.explains("init_scale", s)
         return
+    if _kind_root(causes, None, "query_key"):
+        causes.explains(_kind_root(causes, None, "query_key"), s)
+        return
     causes.open_for("attn_entropy", s, direction="forward", kind="saturated", text=s.text, severity="warn",
                     advice="attention entropy collapse makes training unstable (Zhai et al. 2023): lower the "
                            "learning rate, warm it up longer, or normalise q and k (qk-norm, "
@@ -430,6 +466,7 @@ def _output_logits(causes: _Causes, s: Symptom) -> None:
     init = causes.get("init_scale")
     if root is None and init is not None and (init.large or init.far):
         root = "init_scale"
+    root = root or _kind_root(causes, True)
     if root is None and "logit_scale" in causes:
         root = "logit_scale"
     if root is not None:

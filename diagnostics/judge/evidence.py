@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from tinylm.plan import block_index as block_of
 
 from ..result import DepthRow, ParamRow, TensorRow
+from .kinds import role
 
 __all__ = ["Evidence", "evidence"]
 
@@ -37,6 +38,7 @@ class Evidence:
     dead_blocks: set[int] = field(default_factory=set)  # blocks whose FFN holds an exactly-zero tensor
     fresh: bool = False  # the weights at their declared init (the diagnosis's one decision): q, k independent
     imbalance: float | None = None  # stream gradient variance at the first block's output / the last's
+    kinds: list = field(default_factory=list)  # the misscaled weight kinds (WeightKind), each its own finding
 
 
 def median(v: list[float]) -> float | None:
@@ -116,7 +118,7 @@ def _weights(ev: Evidence, params: list[ParamRow], deliberate_zero: set[str]) ->
                and p.name[: -len(".weight")] not in deliberate_zero]
     gain = {p.name: p.std ** 2 * p.shape[1] for p in weights}
     ev.gain_all = median(list(gain.values()))
-    ev.gain_inner = median([g for n, g in gain.items() if not n.endswith((".output_proj.weight", ".w2.weight"))])
+    ev.gain_inner = median([g for n, g in gain.items() if role(n.removesuffix(".weight"), True) != "residual"])
     ev.drift = median([p.drift for p in weights if p.drift is not None])
     for p in weights:
         if p.name.endswith(".attn.q_proj.weight"):

@@ -25,7 +25,8 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
           order: list[str], thresholds: Thresholds, deliberate_zero: set[str] = frozenset(),
           scale_invariant: bool = False, architecture: dict | None = None, flat: dict[str, float] | None = None,
           loss: tuple[float, float, str] | None = None, fresh: bool | None = None,
-          logits: dict[str, float] | None = None, peaks: dict[str, float] | None = None
+          logits: dict[str, float] | None = None, peaks: dict[str, float] | None = None,
+          kinds: list | None = None
           ) -> tuple[list[Finding], dict[tuple[str, str], str], dict[str, str], dict[str, str]]:
     """All findings (one per cause, fail first), and the verdict of each tensor (name, direction),
     parameter and attention layer.
@@ -47,7 +48,8 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
     ({"logz_mean", "logz_std", "logz_absmax", "max_logit", "rows"}, log Z = logsumexp of a row's
     logits; None: not read); ``peaks``: {block output name: max |x| / median |x|}. The precursors
     of a training failure (attention logits and entropy, the output logits, massive activations)
-    are judged on weights not known fresh (``fresh`` False or None).
+    are judged on weights not known fresh (``fresh`` False or None). ``kinds``: each weight kind's
+    state (:class:`~.kinds.WeightKind`); a misscaled kind is a finding of its own (cause "kind_scale").
     """
     th = thresholds
     arch = architecture or {}
@@ -72,7 +74,14 @@ def judge(tensors: list[TensorRow], params: list[ParamRow], attention: list[Atte
         symptoms.massive(reading, peaks, sites, th)
     # the evidence beside them: scores read from a blown-up stream say nothing of their scaling
     # (float32 rounds q k at that size)
-    ev = evidence(tensors, params, architecture, flat, deliberate_zero, depth, fresh)
+    # misscaled kinds are findings of their own: the model-wide weight scale is read without them,
+    # unless every kind of the blocks is misscaled (the whole init off: that finding names them)
+    misscaled = [k for k in kinds or () if k.state == "misscaled"]
+    block_kinds = [k for k in kinds or () if k.blocks and k.factor is not None]
+    whole = bool(block_kinds) and all(k.state == "misscaled" for k in block_kinds)
+    apart = set() if whole else {n.removesuffix(".weight") for k in misscaled for n in k.names}
+    ev = evidence(tensors, params, architecture, flat, set(deliberate_zero) | apart, depth, fresh)
+    ev.kinds = misscaled
     ev.score_ratio = {b: r for b, r in ev.score_ratio.items() if not reading.downstream("forward", b)}
     ev.dead_blocks = {s.block for s in reading.symptoms if s.family == "dead" and ".ffn" in s.where}
     findings = attribute(reading.symptoms, ev, th, norm, reading.folded, arch)
