@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["FloatFormat", "Cast", "Recipe", "FORMATS", "RECIPES", "GEMMS", "OPERANDS", "recipe", "quantize",
-           "round_to_format", "QuantStats"]
+           "round_to_format", "scaled_groups", "QuantStats"]
 
 #: the three GEMMs of a linear layer and their operands (left, right), each cast along the contraction
 GEMMS = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"), "wgrad": ("grad_output", "input")}
@@ -231,6 +231,14 @@ def _scales(amax: Tensor, cast: Cast, x: Tensor) -> tuple[Tensor, Tensor]:
     return mult, block * tensor_scale
 
 
+def scaled_groups(x: Tensor, cast: Cast) -> tuple[Tensor, int, Tensor, Tensor]:
+    """x (rows, K) float32 as its scaling groups (rows, groups, size), the zero padding added to K,
+    and each group's multiplier and reader (:func:`_scales`)."""
+    g, pad = _grouped(x, cast)
+    mult, reader = _scales(g.abs().amax(dim=-1, keepdim=True), cast, x)
+    return g, pad, mult, reader
+
+
 @dataclass
 class QuantStats:
     """What one cast did to one operand: ``nonzero`` entries before, ``underflow`` how many of them
@@ -253,9 +261,7 @@ def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True) -> 
     if cast.format is None:
         return x, (QuantStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0) if stats else None)
     rows, k = x.shape
-    g, pad = _grouped(x, cast)
-    amax = g.abs().amax(dim=-1, keepdim=True)
-    mult, div = _scales(amax, cast, x)
+    g, pad, mult, div = scaled_groups(x, cast)
     scaled = g * mult
     q = round_to_format(scaled, cast.format, native)
     q = q * div if cast.scale_rounding == "e4m3_nv" else q / div

@@ -1,0 +1,157 @@
+"""Predicted SQNR of a GEMM cast to a low-precision recipe, from each format's rounding error and
+each operand's measured values.
+
+Model. An operand entry x, scaled to s = x m by its group's multiplier m (diagnostics.measure.quant),
+is rounded to the format's grid; the error is taken as independent of every other entry's and
+uniform over one step, with the step of s's binade,
+
+    step(s) = 2^(max(floor(log2 |s|), emin) - mbits),   Var = step^2 / 12   (|s| >= step / 2),
+
+except where the grid cannot hold s: an entry below half the smallest step becomes 0 (error s^2,
+the underflow) and one above the format's max saturates (error (|s| - max)^2, the overflow).
+Read back in x's units the variance is divided by m^2. A GEMM out = L R^T contracted along k
+(fprop: x W^T; dgrad: g W; wgrad: g^T x) with independent operand errors e_L, e_R has error power
+
+    E ||out - out_q||^2 = sum_k  sum_i Var e_L[i,k] * sum_j R[j,k]^2  +  sum_i L[i,k]^2 * sum_j Var e_R[j,k]
+
+(the product of the two errors, of second order, dropped), so
+
+    predicted_sqnr_db = 10 log10( ||out||^2 / that ).
+
+``ideal_sqnr_db`` is the same with an unbounded exponent (no underflow, no saturation, no scale): what
+the format's mantissa alone allows for these values; the recipe's loss to range is ideal - measured.
+
+Validity. The premise is an error uniform over one step and independent between entries. It fails
+where an operand's values already sit on the format's grid (a weight stored in that format), or
+where scaling makes the errors of a whole group move together; the measurement tells: when an
+operand's measured quantization error power departs from its predicted one by more than 2x the
+prediction is shown outside validity, with that reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..measure.quant import Cast, scaled_groups
+
+__all__ = ["element_noise", "ideal_noise", "gemm_noise", "GemmPrediction", "predict_gemm", "describe_operand",
+           "PREMISE_FACTOR"]
+
+#: an operand whose measured quantization error power departs from its prediction by more than this
+#: factor (either way) voids the prediction of every GEMM it enters
+PREMISE_FACTOR = 2.0
+
+
+def _rounding_variance(s: Tensor, mbits: int, emin: int | None, fmax: float | None) -> Tensor:
+    mag = s.abs()
+    _, exp = torch.frexp(mag)
+    e = exp - 1
+    if emin is not None:
+        e = e.clamp(min=emin)
+    step = torch.exp2(e.to(torch.float32) - mbits)
+    var = torch.where(mag >= step / 2, step * step / 12.0, mag * mag)
+    if fmax is not None:
+        var = torch.where(mag > fmax, (mag - fmax) ** 2, var)
+    return torch.where(mag == 0, torch.zeros_like(var), var)
+
+
+def element_noise(x: Tensor, cast: Cast) -> Tensor:
+    """Predicted error variance of each entry of ``x`` (rows, K), cast along K as ``cast``, in x's units."""
+    x = x.to(torch.float32)
+    if cast.format is None:
+        return torch.zeros_like(x)
+    rows, k = x.shape
+    g, pad, mult, reader = scaled_groups(x, cast)
+    fmt = cast.format
+    var = _rounding_variance(g * mult, fmt.mbits, fmt.emin, fmt.max)
+    var = var * reader * reader if cast.scale_rounding == "e4m3_nv" else var / (reader * reader)
+    return var.reshape(rows, -1)[:, :k] if pad else var.reshape(rows, k)
+
+
+def ideal_noise(x: Tensor, cast: Cast) -> Tensor:
+    """The same with an unbounded exponent: the format's mantissa alone (module docstring)."""
+    x = x.to(torch.float32)
+    if cast.format is None:
+        return torch.zeros_like(x)
+    return _rounding_variance(x, cast.format.mbits, None, None)
+
+
+def gemm_noise(left: Tensor, right: Tensor, v_left: Tensor, v_right: Tensor) -> tuple[float, float]:
+    """(error power from the left operand, from the right) of out = left right^T, both (., K)."""
+    l2 = left.to(torch.float32).pow(2).sum(0, dtype=torch.float64)
+    r2 = right.to(torch.float32).pow(2).sum(0, dtype=torch.float64)
+    from_left = (v_left.sum(0, dtype=torch.float64) * r2).sum()
+    from_right = (l2 * v_right.sum(0, dtype=torch.float64)).sum()
+    return float(from_left), float(from_right)
+
+
+def _db(signal: float, noise: float) -> float:
+    if noise <= 0:
+        return math.inf
+    if signal <= 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+@dataclass
+class GemmPrediction:
+    """Theory for one GEMM and recipe: ``sqnr_db`` predicted, ``ideal_sqnr_db`` the mantissa's alone,
+    ``left_share`` the share of the predicted error power the left operand brings, ``valid`` and
+    ``reason`` (why not, or "")."""
+
+    sqnr_db: float
+    ideal_sqnr_db: float
+    left_share: float
+    valid: bool
+    reason: str
+
+
+def predict_gemm(left: Tensor, right: Tensor, casts: tuple[Cast, Cast], signal: float,
+                 measured_noise: tuple[float | None, float | None] = (None, None),
+                 names: tuple[str, str] = ("left", "right")) -> GemmPrediction:
+    """Predicted SQNR of out = left right^T (both (., K), cast along K as ``casts``) whose exact
+    output has power ``signal``. ``measured_noise``: each operand's measured quantization error power
+    (sum of squares), held to its predicted one (the premise; module docstring)."""
+    v = [element_noise(t, c) for t, c in zip((left, right), casts)]
+    nl, nr = gemm_noise(left, right, v[0], v[1])
+    il, ir = gemm_noise(left, right, ideal_noise(left, casts[0]), ideal_noise(right, casts[1]))
+    reason = ""
+    for name, var, measured, cast in zip(names, v, measured_noise, casts):
+        if measured is None or cast.format is None:
+            continue
+        predicted = float(var.sum(dtype=torch.float64))
+        if predicted == 0 and measured == 0:
+            continue
+        ratio = measured / predicted if predicted > 0 else math.inf
+        if not (1 / PREMISE_FACTOR <= ratio <= PREMISE_FACTOR):
+            reason = (f"{name}'s rounding error is {ratio:.2g}x the uniform-rounding prediction (values on the "
+                      f"format's grid, or errors that move together)")
+            break
+    total = nl + nr
+    return GemmPrediction(_db(signal, total), _db(signal, il + ir), nl / total if total > 0 else 0.5,
+                          not reason, reason)
+
+
+def describe_operand(x: Tensor) -> dict[str, float]:
+    """What the judge reads of an operand (rows, channels): ``peak_to_median`` max|x| / median|x| (of
+    the non-zero entries), ``kurtosis`` E x^4 / (E x^2)^2, ``channel_ratio`` the largest channel's
+    root mean square over the median channel's, ``top_channel`` its index."""
+    x = x.to(torch.float32)
+    a = x.abs()
+    nz = a[a > 0]
+    if nz.numel() == 0:
+        return {"peak_to_median": math.nan, "kurtosis": math.nan, "channel_ratio": math.nan, "top_channel": -1}
+    step = max(1, nz.numel() // 65536)  # the median of a strided sample: a figure, not a statistic we test
+    median = float(nz[::step].median())
+    m2 = x.double().pow(2).mean()
+    m4 = x.double().pow(4).mean()
+    rms = x.pow(2).mean(0).sqrt()
+    med_rms = float(rms.median())
+    top = int(rms.argmax())
+    return {"peak_to_median": float(a.max()) / median if median > 0 else math.inf,
+            "kurtosis": float(m4 / (m2 * m2)) if m2 > 0 else math.nan,
+            "channel_ratio": float(rms[top]) / med_rms if med_rms > 0 else math.inf, "top_channel": top}
