@@ -24,8 +24,9 @@ the format's mantissa alone allows for these values; the recipe's loss to range 
 Validity. The premise is an error uniform over one step and independent between entries. It fails
 where an operand's values already sit on the format's grid (a weight stored in that format), or
 where scaling makes the errors of a whole group move together; the measurement tells: when an
-operand's measured quantization error power departs from its predicted one by more than 2x the
-prediction is shown outside validity, with that reason.
+operand's measured quantization error power departs from its predicted one by more than 2x, or
+when the error comes from too few entries for one draw to sit near its expectation
+(:data:`MIN_ENTRIES`), the prediction is shown outside validity, with that reason.
 """
 
 from __future__ import annotations
@@ -38,12 +39,16 @@ from torch import Tensor
 
 from ..measure.quant import Cast, scaled_groups
 
-__all__ = ["element_noise", "ideal_noise", "gemm_noise", "GemmPrediction", "predict_gemm", "describe_operand",
+__all__ = ["MIN_ENTRIES", "element_noise", "ideal_noise", "gemm_noise", "GemmPrediction", "predict_gemm", "describe_operand",
            "PREMISE_FACTOR"]
 
 #: an operand whose measured quantization error power departs from its prediction by more than this
 #: factor (either way) voids the prediction of every GEMM it enters
 PREMISE_FACTOR = 2.0
+#: fewest entries the error may effectively come from: the power of n independent uniform rounding
+#: errors has a relative standard deviation of about 0.894 / sqrt(n) (a squared uniform's), so 1 dB
+#: (a factor 0.79) at 4.9 standard deviations (a 1e-6 false alarm) needs n >= (4.9 * 0.894 / 0.206)^2 ~ 450
+MIN_ENTRIES = 500
 
 
 def _rounding_variance(s: Tensor, mbits: int, emin: int | None, fmax: float | None) -> Tensor:
@@ -80,13 +85,19 @@ def ideal_noise(x: Tensor, cast: Cast) -> Tensor:
     return _rounding_variance(x, cast.format.mbits, None, None)
 
 
-def gemm_noise(left: Tensor, right: Tensor, v_left: Tensor, v_right: Tensor) -> tuple[float, float]:
-    """(error power from the left operand, from the right) of out = left right^T, both (., K)."""
-    l2 = left.to(torch.float32).pow(2).sum(0, dtype=torch.float64)
-    r2 = right.to(torch.float32).pow(2).sum(0, dtype=torch.float64)
-    from_left = (v_left.sum(0, dtype=torch.float64) * r2).sum()
-    from_right = (l2 * v_right.sum(0, dtype=torch.float64)).sum()
-    return float(from_left), float(from_right)
+def gemm_noise(left: Tensor, right: Tensor, v_left: Tensor, v_right: Tensor) -> tuple[float, float, float]:
+    """(error power from the left operand, from the right, the number of entries it effectively comes
+    from) of out = left right^T, both (., K). The last, n_eff = (sum c)^2 / sum c^2 over each entry's
+    contribution c (its variance times the other operand's column power), sets how far one draw of
+    the errors strays from the expected power (module docstring)."""
+    l2 = left.to(torch.float32).pow(2).sum(0)
+    r2 = right.to(torch.float32).pow(2).sum(0)
+    c_left, c_right = v_left * r2, v_right * l2
+    from_left = float(c_left.sum(dtype=torch.float64))
+    from_right = float(c_right.sum(dtype=torch.float64))
+    squares = float(c_left.double().pow(2).sum() + c_right.double().pow(2).sum())
+    n_eff = (from_left + from_right) ** 2 / squares if squares > 0 else 0.0
+    return from_left, from_right, n_eff
 
 
 def _db(signal: float, noise: float) -> float:
@@ -117,11 +128,13 @@ def predict_gemm(left: Tensor, right: Tensor, casts: tuple[Cast, Cast], signal: 
     output has power ``signal``. ``measured_noise``: each operand's measured quantization error power
     (sum of squares), held to its predicted one (the premise; module docstring)."""
     v = [element_noise(t, c) for t, c in zip((left, right), casts)]
-    nl, nr = gemm_noise(left, right, v[0], v[1])
-    il, ir = gemm_noise(left, right, ideal_noise(left, casts[0]), ideal_noise(right, casts[1]))
+    nl, nr, n_eff = gemm_noise(left, right, v[0], v[1])
+    il, ir, _ = gemm_noise(left, right, ideal_noise(left, casts[0]), ideal_noise(right, casts[1]))
     reason = ""
+    if 0 < n_eff < MIN_ENTRIES:
+        reason = f"the error comes from about {n_eff:.0f} entries (< {MIN_ENTRIES}): one draw strays too far from its mean"
     for name, var, measured, cast in zip(names, v, measured_noise, casts):
-        if measured is None or cast.format is None:
+        if reason or measured is None or cast.format is None:
             continue
         predicted = float(var.sum(dtype=torch.float64))
         if predicted == 0 and measured == 0:
