@@ -22,6 +22,8 @@ from typing import Any
 from .jobs import History, Watch, WatchEvent, WatchFailure, WatchReport, WatchStop, compare, diagnose
 from .jobs.diff import DiffResult, diff, diff_against
 from .jobs.fingerprint import Fingerprint, fingerprint
+from .jobs.precision import PrecisionOptions, precision
+from .jobs.precision_result import PrecisionResult
 from .judge import Thresholds
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .measure.intervals import CONFIDENCE, interval_scope, log_t_interval, t_interval
@@ -80,6 +82,9 @@ __all__ = [
     "DiffResult",
     "fingerprint",
     "Fingerprint",
+    "precision",
+    "PrecisionOptions",
+    "PrecisionResult",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

@@ -112,12 +112,23 @@ def gemm_operands(x: Tensor, w: Tensor, g: Tensor) -> dict[str, tuple[Tensor, Te
 _TRANSPOSED = {"fprop": (False, False), "dgrad": (False, True), "wgrad": (True, True)}
 
 
-def _sqnr_db(ref: Tensor, out: Tensor) -> float:
-    signal = float(ref.double().pow(2).sum())
-    noise = float((ref - out).double().pow(2).sum())
+def _db(signal: float, noise: float) -> float:
     if not math.isfinite(noise):
         return -math.inf
     return math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
+
+
+def _sqnr_db(ref: Tensor, out: Tensor) -> tuple[float, float]:
+    """(the output's SQNR, the median over its rows of each row's SQNR). The first is dominated by the
+    rows of largest power; the second is what a typical row (token, or output feature for wgrad) gets."""
+    signal_rows = ref.double().pow(2).sum(1)
+    noise_rows = (ref - out).double().pow(2).sum(1)
+    whole = _db(float(signal_rows.sum()), float(noise_rows.sum()))
+    keep = signal_rows > 0
+    if not bool(keep.any()):
+        return whole, whole
+    rows = 10 * torch.log10(signal_rows[keep] / noise_rows[keep])
+    return whole, float(rows.nan_to_num(nan=-math.inf).median())
 
 
 def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory: bool = True) -> list[dict]:
@@ -144,14 +155,15 @@ def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory
                     cache[key] = (*quantize(t, c), flip)
                 qt, st, was = cache[key]
                 q.append((qt if was == flip else qt.t(), st))
-            sqnr = _sqnr_db(refs[gm], q[0][0] @ q[1][0].t())
+            sqnr, row_sqnr = _sqnr_db(refs[gm], q[0][0] @ q[1][0].t())
             st = [s for _, s in q]
-            fact = {"recipe": rc.name, "gemm": gm, "sqnr_db": sqnr, "m": x.shape[0], "n": w.shape[0], "k": x.shape[1]}
+            fact = {"recipe": rc.name, "gemm": gm, "sqnr_db": sqnr, "row_sqnr_db": row_sqnr, "m": x.shape[0], "n": w.shape[0], "k": x.shape[1]}
             fact.update(_range_facts(st))
             fact["operands"] = {nm: {**described[nm], "name": nm, "format": c.format.name if c.format else "hp",
                                      "granularity": c.granularity, "underflow": s.underflow / max(s.nonzero, 1),
                                      "overflow": s.overflow / max(s.nonzero, 1),
-                                     "relative_noise": s.noise / s.power if s.power > 0 else 0.0}
+                                     "relative_noise": s.noise / s.power if s.power > 0 else 0.0,
+                                     "typical_relative_noise": s.typical_relative_noise}
                                 for nm, c, s in zip(names[gm], casts, st)}
             if theory:
                 p = predict_gemm(left, right, casts, power[gm], (st[0].noise, st[1].noise), names[gm])
@@ -299,10 +311,10 @@ def _assemble(model, capture: _Capture, recipes, options, logits_shape, loss, ba
         role = module_role(name, capture.shapes[name] == tuple(logits_shape))
         block = stack.index(name) if stack is not None else None
         for f in capture.facts[name]:
-            worst = max(f["operands"].values(), key=lambda o: o["relative_noise"])
+            worst = max(f["operands"].values(), key=lambda o: (o["typical_relative_noise"], o["relative_noise"]))
             facts = {**f, "module": name, "role": role}
             verdict, cause, fix = judge_gemm(facts, f["operands"], thresholds)
-            rows.append(PrecisionRow(name, f["gemm"], f["recipe"], f["sqnr_db"], f["predicted_sqnr_db"],
+            rows.append(PrecisionRow(name, f["gemm"], f["recipe"], f["sqnr_db"], f["row_sqnr_db"], f["predicted_sqnr_db"],
                                      f["ideal_sqnr_db"], f["valid"], f["why_invalid"], f["underflow"], f["overflow"],
                                      f["scale_min_log2"], f["scale_max_log2"], worst["name"], worst["peak_to_median"],
                                      worst["channel_ratio"], role, block, depth, f["m"], f["n"], f["k"], verdict,

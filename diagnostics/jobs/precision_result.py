@@ -18,7 +18,9 @@ PRECISION_SCHEMA_VERSION = "1"
 class PrecisionRow:
     """One module, GEMM (fprop / dgrad / wgrad) and recipe.
 
-    ``sqnr_db`` 10 log10(||ref||^2 / ||ref - quantized||^2) of the GEMM's output; ``predicted_sqnr_db``
+    ``sqnr_db`` 10 log10(||ref||^2 / ||ref - quantized||^2) of the GEMM's output; ``row_sqnr_db`` the
+    median over the output's rows (tokens; output features for wgrad) of each row's SQNR: what a
+    typical row gets where a few rows of large power dominate ``sqnr_db``; ``predicted_sqnr_db``
     theory's (``valid`` False with ``why_invalid`` where its premise fails); ``ideal_sqnr_db`` what the
     element formats' mantissas alone allow; ``underflow`` / ``overflow`` the shares of the two
     operands' non-zero entries that became 0 / saturated; ``scale_min_log2`` / ``scale_max_log2`` the
@@ -30,6 +32,7 @@ class PrecisionRow:
     gemm: str
     recipe: str
     sqnr_db: float
+    row_sqnr_db: float
     predicted_sqnr_db: float
     ideal_sqnr_db: float
     valid: bool
@@ -53,8 +56,8 @@ class PrecisionRow:
 
     @property
     def loss_db(self) -> float:
-        """dB lost to the mantissa-only ideal."""
-        return self.ideal_sqnr_db - self.sqnr_db
+        """dB lost to the mantissa-only ideal, by the output or by its typical row (the larger loss)."""
+        return self.ideal_sqnr_db - min(self.sqnr_db, self.row_sqnr_db)
 
 
 PRECISION_COLUMNS = tuple(f.name for f in fields(PrecisionRow))

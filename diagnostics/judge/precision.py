@@ -1,6 +1,8 @@
 """Verdicts on a GEMM cast to a low-precision recipe: ok / warn / fail, with a cause and a fix.
 
-The yardstick is what the format's mantissa alone allows for the GEMM's own operands
+A GEMM is judged on the lower of its output's SQNR and its typical row's (the median over tokens):
+a massive activation at one token dominates the output's power, so the output's SQNR stays high
+while every other token loses its precision. The yardstick is what the format's mantissa alone allows for the GEMM's own operands
 (``ideal_sqnr_db``, diagnostics.theory.quant): a recipe that loses little to it is as good as its
 element format can be; what it loses beyond is range — scaling that sends entries to zero, into the
 subnormals, or to saturation. A GEMM is
@@ -63,12 +65,12 @@ def _operand_cause(op: dict, fmt: str, granularity: str) -> str:
     if p2m >= 1e3:
         parts.append(f"its peak is {p2m:.1e}x its median (a massive activation)" if op["name"] == "input"
                      else f"its peak is {p2m:.1e}x its median")
-    if ch >= 20 and op["name"] in ("input", "grad_output"):
+    if ch >= 20 and op.get("peak_share", 1.0) < 0.5 and op["name"] in ("input", "grad_output"):
         parts.append(f"channel {op.get('top_channel')} carries {ch:.0f}x the median channel's RMS (an outlier feature)")
     if under >= 0.01:
         parts.append(f"{under:.0%} of its non-zero entries flush to zero in {fmt}")
-    if op.get("overflow", 0.0) > 0:
-        parts.append(f"{op['overflow']:.1%} saturate")
+    if op.get("overflow", 0.0) >= 1e-3:
+        parts.append(f"{op['overflow']:.2g} of its entries saturate")
     what = "; ".join(parts) or f"its values span more of {fmt}'s range than one scale {granularity} holds"
     return f"{op['name']}: {what}"
 
@@ -86,10 +88,12 @@ def _fix(recipe: str, role: str) -> str:
 
 
 def judge_gemm(row: dict, operands: dict[str, dict], thresholds: PrecisionThresholds) -> tuple[str, str, str]:
-    """(verdict, cause, fix) of one GEMM and recipe. ``row`` holds sqnr_db, ideal_sqnr_db, recipe, gemm,
+    """(verdict, cause, fix) of one GEMM and recipe, judged on the lower of the output's SQNR and its
+    typical row's (``row_sqnr_db``). ``row`` holds sqnr_db, row_sqnr_db, ideal_sqnr_db, recipe, gemm,
     module, role, format and granularity of the worst operand; ``operands`` each operand's descriptors
-    (name, peak_to_median, channel_ratio, top_channel, underflow, overflow, relative_noise)."""
-    sqnr, ideal = row["sqnr_db"], row["ideal_sqnr_db"]
+    (name, peak_to_median, channel_ratio, top_channel, peak_share, underflow, overflow, relative_noise,
+    typical_relative_noise: the operand that hurts its typical row most is named)."""
+    sqnr, ideal = min(row["sqnr_db"], row.get("row_sqnr_db", math.inf)), row["ideal_sqnr_db"]
     if sqnr is None or (isinstance(sqnr, float) and math.isnan(sqnr)):
         return "not measured", row.get("cause") or "not measured", ""
     if not math.isfinite(ideal):
@@ -101,7 +105,7 @@ def judge_gemm(row: dict, operands: dict[str, dict], thresholds: PrecisionThresh
         verdict = "warn"
     else:
         return "ok", f"within {max(loss, 0.0):.1f} dB of what the mantissa allows", ""
-    worst = max(operands.values(), key=lambda o: o.get("relative_noise", 0.0))
+    worst = max(operands.values(), key=lambda o: (o.get("typical_relative_noise", 0.0), o.get("relative_noise", 0.0)))
     role = row.get("role", "linear")
     where = {"head": " (the output head)", "router": " (a router)",
              "swiglu_product": " (the SwiGLU product into the down projection)"}.get(role, "")

@@ -243,7 +243,8 @@ def scaled_groups(x: Tensor, cast: Cast) -> tuple[Tensor, int, Tensor, Tensor]:
 class QuantStats:
     """What one cast did to one operand: ``nonzero`` entries before, ``underflow`` how many of them
     became 0, ``overflow`` how many saturated, ``scale_min`` / ``scale_max`` the range of the
-    multipliers applied (log2), ``noise`` sum of squared errors, ``power`` sum of squares."""
+    multipliers applied (log2), ``noise`` sum of squared errors, ``power`` sum of squares,
+    ``typical_relative_noise`` the median over rows of each row's error power over its power."""
 
     nonzero: int
     underflow: int
@@ -252,6 +253,7 @@ class QuantStats:
     scale_max_log2: float
     noise: float
     power: float
+    typical_relative_noise: float = 0.0
 
 
 def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True) -> tuple[Tensor, QuantStats | None]:
@@ -273,6 +275,9 @@ def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True) -> 
     nz = x != 0
     lm = torch.log2(mult[mult > 0]) if bool((mult > 0).any()) else torch.zeros(1)
     s = torch.stack([nz.sum(), (nz & (q == 0)).sum(), (scaled.abs() > cast.format.max).sum()]).tolist()
-    err = (q - x).double()
+    err_rows = (q - x).double().pow(2).sum(1)
+    pow_rows = x.double().pow(2).sum(1)
+    live = pow_rows > 0
+    typical = float((err_rows[live] / pow_rows[live]).median()) if bool(live.any()) else 0.0
     return q, QuantStats(int(s[0]), int(s[1]), int(s[2]), float(lm.min()), float(lm.max()),
-                         float(err.pow(2).sum()), float(x.double().pow(2).sum()))
+                         float(err_rows.sum()), float(pow_rows.sum()), typical)

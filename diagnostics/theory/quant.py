@@ -152,19 +152,24 @@ def predict_gemm(left: Tensor, right: Tensor, casts: tuple[Cast, Cast], signal: 
 def describe_operand(x: Tensor) -> dict[str, float]:
     """What the judge reads of an operand (rows, channels): ``peak_to_median`` max|x| / median|x| (of
     the non-zero entries), ``kurtosis`` E x^4 / (E x^2)^2, ``channel_ratio`` the largest channel's
-    root mean square over the median channel's, ``top_channel`` its index."""
+    root mean square over the median channel's, ``top_channel`` its index, ``peak_share`` the share of
+    that channel's power its largest entry holds (near 1: one entry, not a feature)."""
     x = x.to(torch.float32)
     a = x.abs()
     nz = a[a > 0]
     if nz.numel() == 0:
-        return {"peak_to_median": math.nan, "kurtosis": math.nan, "channel_ratio": math.nan, "top_channel": -1}
+        return {"peak_to_median": math.nan, "kurtosis": math.nan, "channel_ratio": math.nan, "top_channel": -1,
+                "peak_share": math.nan}
     step = max(1, nz.numel() // 65536)  # the median of a strided sample: a figure, not a statistic we test
     median = float(nz[::step].median())
     m2 = x.double().pow(2).mean()
     m4 = x.double().pow(4).mean()
-    rms = x.pow(2).mean(0).sqrt()
+    power = x.pow(2).sum(0)
+    rms = (power / x.shape[0]).sqrt()
     med_rms = float(rms.median())
     top = int(rms.argmax())
+    share = float(a[:, top].max() ** 2 / power[top]) if power[top] > 0 else 1.0
     return {"peak_to_median": float(a.max()) / median if median > 0 else math.inf,
             "kurtosis": float(m4 / (m2 * m2)) if m2 > 0 else math.nan,
-            "channel_ratio": float(rms[top]) / med_rms if med_rms > 0 else math.inf, "top_channel": top}
+            "channel_ratio": float(rms[top]) / med_rms if med_rms > 0 else math.inf, "top_channel": top,
+            "peak_share": share}
