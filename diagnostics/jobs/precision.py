@@ -37,7 +37,7 @@ from ..measure.blocks import find_blocks
 from ..measure.outputs import read_output
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..options import OptionsError
-from ..theory.quant import describe_operand, predict_gemm
+from ..theory.quant import GemmTheory, describe_operand, element_noise, unit_ideal_noise
 from .fingerprint import batch_of
 from .precision_result import PrecisionResult, PrecisionRow
 
@@ -131,42 +131,36 @@ def _sqnr_db(ref: Tensor, out: Tensor) -> tuple[float, float]:
     return whole, float(rows.nan_to_num(nan=-math.inf).median())
 
 
+_NAMES = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"), "wgrad": ("grad_output", "input")}
+
+
 def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory: bool = True) -> list[dict]:
     """Each GEMM of one layer in each recipe: the measured and predicted facts (a dict per GEMM and
     recipe), from x (M, K), W (N, K) and g (M, N) in any float dtype."""
     x, w, g = (t.detach().to(torch.float32) for t in (x, w, g))
     ops = gemm_operands(x, w, g)
-    names = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"), "wgrad": ("grad_output", "input")}
     described = {"input": describe_operand(x), "grad_output": describe_operand(g), "weight": describe_operand(w.t())}
     refs = {gm: left @ right.t() for gm, (left, right) in ops.items()}
-    power = {gm: float(r.double().pow(2).sum()) for gm, r in refs.items()}
+    power = {gm: float(r.pow(2).sum(dtype=torch.float64)) for gm, r in refs.items()}
+    theories = _theories(x, w, g, ops, power) if theory else {}
     out = []
     for rc in recipes:
         cache: dict = {}
         for gm in GEMMS:
-            left, right = ops[gm]
             casts = rc.casts(gm)
-            q = []
-            for side, (t, c) in enumerate(zip((left, right), casts)):
-                # one scale per tensor does not depend on the layout: cast once, transpose
-                flip = _TRANSPOSED[gm][side]
-                key = (names[gm][side], c) if c.granularity == "tensor" else (names[gm][side], flip, c)
-                if key not in cache:
-                    cache[key] = (*quantize(t, c), flip)
-                qt, st, was = cache[key]
-                q.append((qt if was == flip else qt.t(), st))
+            q = [_cast(cache, gm, side, ops[gm][side], c, theory) for side, c in enumerate(casts)]
             sqnr, row_sqnr = _sqnr_db(refs[gm], q[0][0] @ q[1][0].t())
-            st = [s for _, s in q]
-            fact = {"recipe": rc.name, "gemm": gm, "sqnr_db": sqnr, "row_sqnr_db": row_sqnr, "m": x.shape[0], "n": w.shape[0], "k": x.shape[1]}
-            fact.update(_range_facts(st))
+            st = [s for _, s, _ in q]
+            fact = {"recipe": rc.name, "gemm": gm, "sqnr_db": sqnr, "row_sqnr_db": row_sqnr, "m": x.shape[0],
+                    "n": w.shape[0], "k": x.shape[1], **_range_facts(st)}
             fact["operands"] = {nm: {**described[nm], "name": nm, "format": c.format.name if c.format else "hp",
                                      "granularity": c.granularity, "underflow": s.underflow / max(s.nonzero, 1),
                                      "overflow": s.overflow / max(s.nonzero, 1),
                                      "relative_noise": s.noise / s.power if s.power > 0 else 0.0,
                                      "typical_relative_noise": s.typical_relative_noise}
-                                for nm, c, s in zip(names[gm], casts, st)}
+                                for nm, c, s in zip(_NAMES[gm], casts, st)}
             if theory:
-                p = predict_gemm(left, right, casts, power[gm], (st[0].noise, st[1].noise), names[gm])
+                p = theories[gm].predict(casts, (q[0][2], q[1][2]), (st[0].noise, st[1].noise), _NAMES[gm])
                 fact.update(predicted_sqnr_db=p.sqnr_db, ideal_sqnr_db=p.ideal_sqnr_db, valid=p.valid,
                             why_invalid=p.reason)
             else:
@@ -174,6 +168,31 @@ def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory
                             why_invalid="theory not asked for")
             out.append(fact)
     return out
+
+
+def _theories(x, w, g, ops, power) -> dict[str, GemmTheory]:
+    """Per GEMM its recipe-independent theory (column powers, unit ideal noise: elementwise, so once
+    per operand and transposed where a GEMM takes the transpose)."""
+    unit = {"input": unit_ideal_noise(x), "weight": unit_ideal_noise(w), "grad_output": unit_ideal_noise(g)}
+    out = {}
+    for gm, (left, right) in ops.items():
+        ul, ur = (unit[n].t() if flip else unit[n] for n, flip in zip(_NAMES[gm], _TRANSPOSED[gm]))
+        out[gm] = GemmTheory(left, right, power[gm], ul, ur)
+    return out
+
+
+def _cast(cache: dict, gm: str, side: int, t: Tensor, c, theory: bool) -> tuple[Tensor, object, Tensor | None]:
+    """(dequantized operand, its QuantStats, its predicted error variance or None), cached per operand,
+    layout and cast; one scale per tensor does not depend on the layout: cast once, transpose."""
+    name, flip = _NAMES[gm][side], _TRANSPOSED[gm][side]
+    key = (name, c) if c.granularity == "tensor" else (name, flip, c)
+    if key not in cache:
+        q, st, scaled = quantize(t, c, keep_scaled=True)
+        cache[key] = (q, st, element_noise(t, c, scaled, st.overflow > 0) if theory else None, flip)
+    q, st, noise, was = cache[key]
+    if was == flip:
+        return q, st, noise
+    return q.t(), st, None if noise is None else noise.t()
 
 
 def _range_facts(st) -> dict:

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["FloatFormat", "Cast", "Recipe", "FORMATS", "RECIPES", "GEMMS", "OPERANDS", "recipe", "quantize",
-           "round_to_format", "scaled_groups", "QuantStats"]
+           "round_to_format", "scaled_groups", "QuantStats", "Scaled"]
 
 #: the three GEMMs of a linear layer and their operands (left, right), each cast along the contraction
 GEMMS = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"), "wgrad": ("grad_output", "input")}
@@ -256,12 +256,26 @@ class QuantStats:
     typical_relative_noise: float = 0.0
 
 
-def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True) -> tuple[Tensor, QuantStats | None]:
+@dataclass
+class Scaled:
+    """An operand as its cast saw it: ``scaled`` (rows, groups, size) the entries times their group's
+    multiplier, ``reader`` per group (:func:`_scales`), ``pad`` the zeros added to K, ``shape``."""
+
+    scaled: Tensor
+    reader: Tensor
+    pad: int
+    shape: tuple[int, int]
+
+
+def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True, keep_scaled: bool = False
+             ) -> tuple[Tensor, QuantStats | None] | tuple[Tensor, QuantStats | None, Scaled | None]:
     """``x`` (rows, K), contracted along its last dimension, cast as ``cast`` and dequantized
-    (float32, same shape), with its :class:`QuantStats` (``stats``)."""
+    (float32, same shape), with its :class:`QuantStats` (``stats``) and, with ``keep_scaled``, the
+    :class:`Scaled` operand (for theory: diagnostics.theory.quant.element_noise)."""
     x = x.to(torch.float32)
     if cast.format is None:
-        return x, (QuantStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0) if stats else None)
+        out = (x, QuantStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0) if stats else None)
+        return (*out, None) if keep_scaled else out
     rows, k = x.shape
     g, pad, mult, div = scaled_groups(x, cast)
     scaled = g * mult
@@ -270,14 +284,16 @@ def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True) -> 
     if pad:
         q = q.reshape(rows, -1)[:, :k]
     q = q.reshape(rows, k)
+    kept = Scaled(scaled, div, pad, (rows, k)) if keep_scaled else None
     if not stats:
-        return q, None
-    nz = x != 0
+        return (q, None, kept) if keep_scaled else (q, None)
     lm = torch.log2(mult[mult > 0]) if bool((mult > 0).any()) else torch.zeros(1)
-    s = torch.stack([nz.sum(), (nz & (q == 0)).sum(), (scaled.abs() > cast.format.max).sum()]).tolist()
-    err_rows = (q - x).double().pow(2).sum(1)
-    pow_rows = x.double().pow(2).sum(1)
+    zeros = torch.stack([(x == 0).sum(), (q == 0).sum(), (scaled.abs() > cast.format.max).sum()]).tolist()
+    s = [x.numel() - zeros[0], zeros[1] - zeros[0], zeros[2]]  # a zero stays zero: new zeros are underflow
+    err_rows = torch.linalg.vector_norm(q - x, dim=1, dtype=torch.float64) ** 2
+    pow_rows = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64) ** 2
     live = pow_rows > 0
     typical = float((err_rows[live] / pow_rows[live]).median()) if bool(live.any()) else 0.0
-    return q, QuantStats(int(s[0]), int(s[1]), int(s[2]), float(lm.min()), float(lm.max()),
-                         float(err_rows.sum()), float(pow_rows.sum()), typical)
+    st = QuantStats(int(s[0]), int(s[1]), int(s[2]), float(lm.min()), float(lm.max()),
+                    float(err_rows.sum()), float(pow_rows.sum()), typical)
+    return (q, st, kept) if keep_scaled else (q, st)

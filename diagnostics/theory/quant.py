@@ -5,10 +5,10 @@ Model. An operand entry x, scaled to s = x m by its group's multiplier m (diagno
 is rounded to the format's grid; the error is taken as independent of every other entry's and
 uniform over one step, with the step of s's binade,
 
-    step(s) = 2^(max(floor(log2 |s|), emin) - mbits),   Var = step^2 / 12   (|s| >= step / 2),
+    step(s) = 2^(max(floor(log2 |s|), emin) - mbits),   Var = min(step^2 / 12, s^2),
 
-except where the grid cannot hold s: an entry below half the smallest step becomes 0 (error s^2,
-the underflow) and one above the format's max saturates (error (|s| - max)^2, the overflow).
+the second where the grid cannot hold s: an entry under about half the smallest step becomes 0
+(error s^2, the underflow); one above the format's max saturates (error (|s| - max)^2, the overflow).
 Read back in x's units the variance is divided by m^2. A GEMM out = L R^T contracted along k
 (fprop: x W^T; dgrad: g W; wgrad: g^T x) with independent operand errors e_L, e_R has error power
 
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..measure.quant import Cast, scaled_groups
+from ..measure.quant import Cast, Scaled, scaled_groups
 
-__all__ = ["MIN_ENTRIES", "element_noise", "ideal_noise", "gemm_noise", "GemmPrediction", "predict_gemm", "describe_operand",
-           "PREMISE_FACTOR"]
+__all__ = ["MIN_ENTRIES", "PREMISE_FACTOR", "element_noise", "ideal_noise", "unit_ideal_noise", "GemmTheory",
+           "GemmPrediction", "predict_gemm", "describe_operand"]
 
 #: an operand whose measured quantization error power departs from its prediction by more than this
 #: factor (either way) voids the prediction of every GEMM it enters
@@ -57,47 +57,41 @@ def _rounding_variance(s: Tensor, mbits: int, emin: int | None, fmax: float | No
     e = exp - 1
     if emin is not None:
         e = e.clamp(min=emin)
-    step = torch.exp2(e.to(torch.float32) - mbits)
-    var = torch.where(mag >= step / 2, step * step / 12.0, mag * mag)
+    # step^2 / 12, or mag^2 where smaller: an entry under about half a step rounds to 0 (0 stays 0)
+    var = torch.minimum(torch.exp2(2.0 * (e.to(torch.float32) - mbits)) / 12.0, mag * mag)
     if fmax is not None:
         var = torch.where(mag > fmax, (mag - fmax) ** 2, var)
-    return torch.where(mag == 0, torch.zeros_like(var), var)
+    return var
 
 
-def element_noise(x: Tensor, cast: Cast) -> Tensor:
-    """Predicted error variance of each entry of ``x`` (rows, K), cast along K as ``cast``, in x's units."""
-    x = x.to(torch.float32)
+def element_noise(x: Tensor, cast: Cast, scaled: Scaled | None = None, saturates: bool = True) -> Tensor:
+    """Predicted error variance of each entry of ``x`` (rows, K), cast along K as ``cast``, in x's units;
+    ``scaled``: the operand as quantize saw it (diagnostics.measure.quant.quantize(keep_scaled=True));
+    ``saturates`` False skips the saturation term (no entry exceeded the format's max)."""
     if cast.format is None:
-        return torch.zeros_like(x)
-    rows, k = x.shape
-    g, pad, mult, reader = scaled_groups(x, cast)
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if scaled is None:
+        g, pad, mult, reader = scaled_groups(x.to(torch.float32), cast)
+        scaled = Scaled(g * mult, reader, pad, tuple(x.shape))
     fmt = cast.format
-    var = _rounding_variance(g * mult, fmt.mbits, fmt.emin, fmt.max)
-    var = var * reader * reader if cast.scale_rounding == "e4m3_nv" else var / (reader * reader)
-    return var.reshape(rows, -1)[:, :k] if pad else var.reshape(rows, k)
+    var = _rounding_variance(scaled.scaled, fmt.mbits, fmt.emin, fmt.max if saturates else None)
+    r = scaled.reader
+    var = var * (r * r) if cast.scale_rounding == "e4m3_nv" else var / (r * r)
+    rows, k = scaled.shape
+    return var.reshape(rows, -1)[:, :k] if scaled.pad else var.reshape(rows, k)
+
+
+def unit_ideal_noise(x: Tensor) -> Tensor:
+    """Each entry's rounding variance with no mantissa bit and an unbounded exponent; a format with
+    m mantissa bits has 4^-m times it (the ideal: module docstring)."""
+    return _rounding_variance(x.to(torch.float32), 0, None, None)
 
 
 def ideal_noise(x: Tensor, cast: Cast) -> Tensor:
-    """The same with an unbounded exponent: the format's mantissa alone (module docstring)."""
-    x = x.to(torch.float32)
+    """The predicted variance with an unbounded exponent: the format's mantissa alone."""
     if cast.format is None:
-        return torch.zeros_like(x)
-    return _rounding_variance(x, cast.format.mbits, None, None)
-
-
-def gemm_noise(left: Tensor, right: Tensor, v_left: Tensor, v_right: Tensor) -> tuple[float, float, float]:
-    """(error power from the left operand, from the right, the number of entries it effectively comes
-    from) of out = left right^T, both (., K). The last, n_eff = (sum c)^2 / sum c^2 over each entry's
-    contribution c (its variance times the other operand's column power), sets how far one draw of
-    the errors strays from the expected power (module docstring)."""
-    l2 = left.to(torch.float32).pow(2).sum(0)
-    r2 = right.to(torch.float32).pow(2).sum(0)
-    c_left, c_right = v_left * r2, v_right * l2
-    from_left = float(c_left.sum(dtype=torch.float64))
-    from_right = float(c_right.sum(dtype=torch.float64))
-    squares = float(c_left.double().pow(2).sum() + c_right.double().pow(2).sum())
-    n_eff = (from_left + from_right) ** 2 / squares if squares > 0 else 0.0
-    return from_left, from_right, n_eff
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return unit_ideal_noise(x) * 4.0 ** -cast.format.mbits
 
 
 def _db(signal: float, noise: float) -> float:
@@ -121,32 +115,55 @@ class GemmPrediction:
     reason: str
 
 
+class GemmTheory:
+    """The recipe-independent part of one GEMM out = left right^T (both (., K)): the operands' column
+    powers and their unit ideal error powers; :meth:`predict` then costs one pass per operand."""
+
+    def __init__(self, left: Tensor, right: Tensor, signal: float, unit_left: Tensor | None = None,
+                 unit_right: Tensor | None = None):
+        left, right = left.to(torch.float32), right.to(torch.float32)
+        self.l2, self.r2, self.signal = left.pow(2).sum(0), right.pow(2).sum(0), signal
+        ul = unit_ideal_noise(left) if unit_left is None else unit_left
+        ur = unit_ideal_noise(right) if unit_right is None else unit_right
+        self.ideal_units = (float((ul * self.r2).sum(dtype=torch.float64)),
+                            float((ur * self.l2).sum(dtype=torch.float64)))
+
+    def predict(self, casts: tuple[Cast, Cast], noise: tuple[Tensor, Tensor],
+                measured: tuple[float | None, float | None] = (None, None),
+                names: tuple[str, str] = ("left", "right")) -> GemmPrediction:
+        """The prediction from each operand's :func:`element_noise` and its measured error power."""
+        c_left, c_right = noise[0] * self.r2, noise[1] * self.l2
+        nl, nr = float(c_left.sum(dtype=torch.float64)), float(c_right.sum(dtype=torch.float64))
+        squares = float(c_left.pow(2).sum(dtype=torch.float64) + c_right.pow(2).sum(dtype=torch.float64))
+        n_eff = (nl + nr) ** 2 / squares if squares > 0 else 0.0
+        ideal = sum(u * 4.0 ** -c.format.mbits for u, c in zip(self.ideal_units, casts) if c.format is not None)
+        reason = ""
+        if 0 < n_eff < MIN_ENTRIES:
+            reason = (f"the error comes from about {n_eff:.0f} entries (< {MIN_ENTRIES}): one draw strays too far "
+                      "from its mean")
+        for name, var, meas, cast in zip(names, noise, measured, casts):
+            if reason or meas is None or cast.format is None:
+                continue
+            predicted = float(var.sum(dtype=torch.float64))
+            if predicted == 0 and meas == 0:
+                continue
+            ratio = meas / predicted if predicted > 0 else math.inf
+            if not (1 / PREMISE_FACTOR <= ratio <= PREMISE_FACTOR):
+                reason = (f"{name}'s rounding error is {ratio:.2g}x the uniform-rounding prediction (values on the "
+                          "format's grid, or errors that move together)")
+        total = nl + nr
+        return GemmPrediction(_db(self.signal, total), _db(self.signal, ideal), nl / total if total > 0 else 0.5,
+                              not reason, reason)
+
+
 def predict_gemm(left: Tensor, right: Tensor, casts: tuple[Cast, Cast], signal: float,
                  measured_noise: tuple[float | None, float | None] = (None, None),
                  names: tuple[str, str] = ("left", "right")) -> GemmPrediction:
     """Predicted SQNR of out = left right^T (both (., K), cast along K as ``casts``) whose exact
     output has power ``signal``. ``measured_noise``: each operand's measured quantization error power
     (sum of squares), held to its predicted one (the premise; module docstring)."""
-    v = [element_noise(t, c) for t, c in zip((left, right), casts)]
-    nl, nr, n_eff = gemm_noise(left, right, v[0], v[1])
-    il, ir, _ = gemm_noise(left, right, ideal_noise(left, casts[0]), ideal_noise(right, casts[1]))
-    reason = ""
-    if 0 < n_eff < MIN_ENTRIES:
-        reason = f"the error comes from about {n_eff:.0f} entries (< {MIN_ENTRIES}): one draw strays too far from its mean"
-    for name, var, measured, cast in zip(names, v, measured_noise, casts):
-        if reason or measured is None or cast.format is None:
-            continue
-        predicted = float(var.sum(dtype=torch.float64))
-        if predicted == 0 and measured == 0:
-            continue
-        ratio = measured / predicted if predicted > 0 else math.inf
-        if not (1 / PREMISE_FACTOR <= ratio <= PREMISE_FACTOR):
-            reason = (f"{name}'s rounding error is {ratio:.2g}x the uniform-rounding prediction (values on the "
-                      f"format's grid, or errors that move together)")
-            break
-    total = nl + nr
-    return GemmPrediction(_db(signal, total), _db(signal, il + ir), nl / total if total > 0 else 0.5,
-                          not reason, reason)
+    noise = (element_noise(left, casts[0]), element_noise(right, casts[1]))
+    return GemmTheory(left, right, signal).predict(casts, noise, measured_noise, names)
 
 
 def describe_operand(x: Tensor) -> dict[str, float]:
@@ -162,9 +179,10 @@ def describe_operand(x: Tensor) -> dict[str, float]:
                 "peak_share": math.nan}
     step = max(1, nz.numel() // 65536)  # the median of a strided sample: a figure, not a statistic we test
     median = float(nz[::step].median())
-    m2 = x.double().pow(2).mean()
-    m4 = x.double().pow(4).mean()
-    power = x.pow(2).sum(0)
+    sq = x * x
+    m2 = sq.sum(dtype=torch.float64) / x.numel()
+    m4 = (sq * sq).sum(dtype=torch.float64) / x.numel()
+    power = sq.sum(0)
     rms = (power / x.shape[0]).sqrt()
     med_rms = float(rms.median())
     top = int(rms.argmax())
