@@ -1,7 +1,8 @@
 """Cost of ``diagnostics.precision`` against one bare forward and backward.
 
     python benchmarks/bench_precision.py [--threads N] [--repeats 5] [--batch 4] [--seq 256]
-                                         [--preset tinystories] [--recipes tensorwise,rowwise,mxfp8]
+                                         [--d-model 256] [--layers 4] [--vocab 2048] [--preset NAME]
+                                         [--recipes tensorwise,rowwise,mxfp8]
 
 One "bare" pass: a forward and backward of the model (next-token cross-entropy in float32), no
 hooks. One precision pass: ``precision(model, tokens, PrecisionOptions(recipes=...))`` on the same
@@ -45,12 +46,18 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--preset", default="tinystories")
+    p.add_argument("--preset", default=None, help="a tinylm preset (default: the model below)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--recipes", default="tensorwise,rowwise,mxfp8")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = tinylm.TransformerLM(tinylm.PRESETS[args.preset])
+    config = tinylm.PRESETS[args.preset] if args.preset else tinylm.ModelConfig(
+        vocab_size=args.vocab, context_length=max(args.seq, 16), d_model=args.d_model, num_layers=args.layers,
+        num_heads=max(1, args.d_model // 64), d_ff=(8 * args.d_model // 3 + 63) // 64 * 64)
+    model = tinylm.TransformerLM(config)
     recipes = tuple(args.recipes.split(","))
     batch = torch.randint(0, model.config.vocab_size, (args.batch, args.seq + 1),
                           generator=torch.Generator().manual_seed(0))
@@ -66,7 +73,8 @@ def main(argv=None) -> None:
             b = timed(lambda: bare(model, batch))
             base.append(b)
             ratios[name].append(timed(lambda: precision(model, batch, o)) / b)
-    print(f"{args.preset}, {args.batch} x {args.seq} tokens, {len(recipes)} recipes ({', '.join(recipes)}), "
+    c = model.config
+    print(f"d_model {c.d_model}, {c.num_layers} layers, vocab {c.vocab_size}, {args.batch} x {args.seq} tokens, {len(recipes)} recipes ({', '.join(recipes)}), "
           f"torch threads {torch.get_num_threads()}, bare fwd+bwd median {statistics.median(base) * 1e3:.0f} ms")
     for name, r in ratios.items():
         m = statistics.median(r)

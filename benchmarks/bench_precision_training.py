@@ -103,7 +103,7 @@ def train(massive: float, steps: int, seed: int, data, recipe=None, only=None, k
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return statistics.fmean(losses[-5:])
 
 
@@ -151,6 +151,10 @@ def main(argv=None) -> None:
     print(f"  {args.recipe} everywhere    final loss {mean(full):.4f} (gap {mean(full) - mean(base):+.4f})")
     print(f"  {args.recipe}, {len(keep)} kept   final loss {mean(kept):.4f} (gap {mean(kept) - mean(base):+.4f}; "
           f"{abs(mean(kept) - mean(base)) / spread:.2f}x the spread)")
+    for what, runs in (("everywhere", full), (f"{len(keep)} kept", kept)):
+        d = [a - b for a, b in zip(runs, base)]
+        sd = statistics.stdev(d) if len(d) > 1 else float("nan")
+        print(f"  paired by seed, {args.recipe} {what}: gap {mean(d):+.4f} +- {sd:.4f} (sd of the per-seed gaps)")
     if not args.ablate:
         return
     harm = {}
