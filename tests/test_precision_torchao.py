@@ -31,6 +31,7 @@ RECIPE_NAMES = ("tensorwise", "rowwise", "mxfp8")
 
 
 def _db(ref: torch.Tensor, out: torch.Tensor) -> float:
+    ref, out = ref.detach(), out.detach()
     return 10 * math.log10(float(ref.double().pow(2).sum()) / float((ref.double() - out.double()).pow(2).sum()))
 
 
