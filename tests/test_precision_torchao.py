@@ -168,3 +168,17 @@ def test_negative_controls_move_sqnr_beyond_parity():
         bad = RECIPES["rowwise"].with_cast("input", mutant)
         got = {f["gemm"]: f["sqnr_db"] for f in measure_gemms(x, w, gr, [bad], theory=False)}
         assert abs(got["fprop"] - theirs["fprop"]) > PARITY_DB
+
+
+@pytest.mark.slow
+def test_sqnr_matches_torchao_in_bfloat16():
+    """A bf16 model: operands captured in bf16, each side's GEMMs from them (torchao's output cast to bf16)."""
+    model = _tinylm().to(torch.bfloat16)
+    ids = torch.randint(0, 128, (2, 33), generator=torch.Generator().manual_seed(1))
+    result = precision(model, ids, PrecisionOptions(recipes=RECIPE_NAMES, batch_size=2, seq_len=32, theory=False))
+    rows = {(r.module, r.gemm, r.recipe): r for r in result.rows}
+    for name, (x, w, g) in captured(model, ids).items():
+        for recipe in RECIPE_NAMES:
+            theirs = torchao_sqnr(recipe, x, w, g)
+            for gemm, db in theirs.items():
+                assert abs(rows[(name, gemm, recipe)].sqnr_db - db) <= PARITY_DB, (name, gemm, recipe, db)
