@@ -149,3 +149,20 @@ def test_generic_rounding_is_round_to_nearest_even_with_subnormals():
     assert torch.equal(round_to_format(x, e4m3, native=False), want)
     assert math.isclose(e4m3.dynamic_range_binades, math.log2(448 / 2 ** -9))
     assert RECIPES["tensorwise"].dgrad[0].format.name == "e5m2" and RECIPES["rowwise"].dgrad[0].format.name == "e4m3"
+
+
+def test_trend_alerts_when_a_gemm_falls_from_its_start():
+    from diagnostics.jobs.precision_trend import PrecisionTrend
+
+    model = _model()
+    trend = PrecisionTrend("tensorwise", drop_db=6.0, batch_size=2, seq_len=32)
+    assert trend.record(0, model) == []  # healthy start
+    handle = _massive(model)
+    try:
+        alerts = trend.record(50, model)
+    finally:
+        handle.remove()
+    assert {(a.module, a.gemm) for a in alerts} >= {("layers.0.attn.q_proj", "fprop")}
+    assert all(a.module.startswith("layers.0.attn.") for a in alerts), alerts  # negative control: nothing else fell
+    assert "fell" in str(alerts[0]) and trend.to_frame()["step"].nunique() == 2
+    assert trend.record(100, model) == []  # recovered: no new alert
