@@ -16,7 +16,7 @@ import sys
 
 from .cli import EXIT_FINDINGS, EXIT_OK, UsageError, choose
 from .intake import (check_device_name, check_input_file, check_model_path, check_outputs, check_suffixes, load_model,
-                     load_token_stream, positive_int, report_width, resolve_device)
+                     load_token_stream, memory_check, positive_int, report_width, resolve_device)
 
 #: what --recipes offers (diagnostics.measure.quant.RECIPES, named here to check the flag before torch loads)
 RECIPE_NAMES = ("tensorwise", "rowwise", "mxfp8", "mxfp4", "nvfp4")
@@ -137,8 +137,13 @@ def run(args: argparse.Namespace) -> int:
 
     from . import export
 
-    source = load_model(args.checkpoint, command="precision")
+    source = load_model(args.checkpoint, command="precision", check=memory_check(args.batch_size, args.seq_len))
     model = source.model.to(resolve_device(args.device or "cpu"))
+    context = next((v for k in ("context_length", "max_position_embeddings", "n_positions")
+                    if isinstance(v := getattr(getattr(model, "config", None), k, None), int)), None)
+    if args.seq_len is not None and context is not None and args.seq_len > context:
+        raise UsageError(f"--seq-len {args.seq_len}: the model takes at most {context} tokens; give --seq-len {context}"
+                         " or less")
     tokens = None
     if args.data is not None:
         tokens = load_token_stream(args.data, int(model.config.vocab_size), args.seq_len or 256)

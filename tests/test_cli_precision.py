@@ -62,6 +62,7 @@ def test_check_exits_1_on_a_fail_and_exports(outlier_checkpoint, tmp_path):
     (["--plot", "x.txt"], "--plot x.txt"),
     (["--seed", "-1"], "--seed -1"),
     (["nowhere.pt"], "nowhere.pt"),
+    (["--seq-len", "100000"], "--seq-len 100000: the model takes at most 256 tokens"),
 ])
 def test_usage_errors_are_one_line(argv, phrase):
     code, _, err = _cli(*argv)
