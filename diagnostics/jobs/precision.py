@@ -121,8 +121,8 @@ def _db(signal: float, noise: float) -> float:
 def _sqnr_db(ref: Tensor, out: Tensor) -> tuple[float, float]:
     """(the output's SQNR, the median over its rows of each row's SQNR). The first is dominated by the
     rows of largest power; the second is what a typical row (token, or output feature for wgrad) gets."""
-    signal_rows = torch.linalg.vector_norm(ref, dim=1, dtype=torch.float64) ** 2
-    noise_rows = torch.linalg.vector_norm(ref - out, dim=1, dtype=torch.float64) ** 2
+    signal_rows = torch.linalg.vector_norm(ref, dim=1).double() ** 2
+    noise_rows = torch.linalg.vector_norm(ref - out, dim=1).double() ** 2
     whole = _db(float(signal_rows.sum()), float(noise_rows.sum()))
     keep = signal_rows > 0
     if not bool(keep.any()):
@@ -141,7 +141,7 @@ def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory
     ops = gemm_operands(x, w, g)
     described = {"input": describe_operand(x), "grad_output": describe_operand(g), "weight": describe_operand(w.t())}
     refs = {gm: left @ right.t() for gm, (left, right) in ops.items()}
-    power = {gm: float(torch.linalg.vector_norm(r, dtype=torch.float64) ** 2) for gm, r in refs.items()}
+    power = {gm: float(torch.linalg.vector_norm(r).double() ** 2) for gm, r in refs.items()}
     theories = _theories(x, w, g, ops, power) if theory else {}
     out = []
     for rc in recipes:

@@ -290,8 +290,8 @@ def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True, kee
     lm = torch.log2(mult[mult > 0]) if bool((mult > 0).any()) else torch.zeros(1)
     zeros = torch.stack([(x == 0).sum(), (q == 0).sum(), (scaled.abs() > cast.format.max).sum()]).tolist()
     s = [x.numel() - zeros[0], zeros[1] - zeros[0], zeros[2]]  # a zero stays zero: new zeros are underflow
-    err_rows = torch.linalg.vector_norm(q - x, dim=1, dtype=torch.float64) ** 2
-    pow_rows = torch.linalg.vector_norm(x, dim=1, dtype=torch.float64) ** 2
+    err_rows = torch.linalg.vector_norm(q - x, dim=1).double() ** 2
+    pow_rows = torch.linalg.vector_norm(x, dim=1).double() ** 2
     live = pow_rows > 0
     typical = float((err_rows[live] / pow_rows[live]).median()) if bool(live.any()) else 0.0
     st = QuantStats(int(s[0]), int(s[1]), int(s[2]), float(lm.min()), float(lm.max()),

@@ -58,7 +58,7 @@ def _rounding_variance(s: Tensor, mbits: int, emin: int | None, fmax: float | No
     if emin is not None:
         e = e.clamp(min=emin)
     # step^2 / 12, or mag^2 where smaller: an entry under about half a step rounds to 0 (0 stays 0)
-    var = torch.minimum(torch.exp2(2.0 * (e.to(torch.float32) - mbits)) / 12.0, mag * mag)
+    var = torch.minimum(torch.exp2(2 * (e - mbits)) / 12.0, mag * mag)  # exp2 of an integer tensor is float32
     if fmax is not None:
         var = torch.where(mag > fmax, (mag - fmax) ** 2, var)
     return var
