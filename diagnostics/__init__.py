@@ -28,6 +28,8 @@ from .jobs.fingerprint import Fingerprint, fingerprint
 from .jobs.replay import ReplayOptions, ReplayResult, replay
 from .jobs.replicas import ReplicaResult, check_replicas
 from .jobs.watch_replay import StepReplay
+from .jobs.precision import PrecisionOptions, precision
+from .jobs.precision_result import PrecisionResult
 from .judge import Thresholds
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .measure.intervals import CONFIDENCE, interval_scope, log_t_interval, t_interval
@@ -95,6 +97,9 @@ __all__ = [
     "StepReplay",
     "check_replicas",
     "ReplicaResult",
+    "precision",
+    "PrecisionOptions",
+    "PrecisionResult",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

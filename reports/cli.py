@@ -16,7 +16,7 @@ Exit codes (also in docs/cli.md):
 == =====================================================================
 0  success (``diagnose``: healthy, or run without ``--check``)
 1  findings (``diagnose --check``), a failing property (``props``) or a departure
-   beyond roundoff (``diff --check``)
+   beyond roundoff (``diff --check``) or a GEMM that fails a recipe (``precision --check``)
 2  bad input or usage: one line on stderr, no traceback
 3  an internal error: a bug of ours, never expected (rerun with ``--debug``
    and report it)
@@ -55,6 +55,7 @@ VERBS = {
     "diff": "find where two executions of one model part ways (per-site departures against roundoff)",
     "coord-check": "check width scaling (muP): each site's slope over width against theory's exponent",
     "runs": "read back what a watch wrote: outcome, first departure, alerts, forensics; runs side by side",
+    "precision": "quantize every linear layer's GEMMs per fp8/MX recipe: SQNR, theory, what to keep in bf16",
 }
 
 #: The presets and init schemes the command line offers, named here so that flags are
