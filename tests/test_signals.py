@@ -258,10 +258,10 @@ def test_nanogpt_both_paths(flash):
     hooks = [blk.attn.c_attn.register_forward_hook(lambda m, i, o, n=n: got.__setitem__(n, o.detach()))
              for n, blk in enumerate(model.transformer.h)]
     with torch.no_grad():
-        model(x[:, :-1], x[:, 1:])
+        model(x[:, :-1].contiguous(), x[:, 1:].contiguous())
     for h in hooks:
         h.remove()
-    rec, _ = watched(model, lambda m: m(x[:, :-1], x[:, 1:])[1])
+    rec, _ = watched(model, lambda m: m(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1])
     t = torch.arange(16)
     for i in range(3):
         q, k, _ = got[i].split(32, dim=2)
@@ -428,7 +428,7 @@ def test_a_recorded_step_never_waits_for_the_device_per_layer(which):
     exchange: the recorded step makes no op that waits, as a loop given a float loss makes none."""
     model = small_gpt(flash=False) if which == "nanogpt" else _gpt2(which)
     x = torch.randint(0, 50, (2, 11), generator=torch.Generator().manual_seed(10))
-    run = (lambda m: m(x[:, :-1], x[:, 1:])[1]) if which == "nanogpt" else (lambda m: m(x[:, :-1], labels=x[:, :-1]).loss)
+    run = (lambda m: m(x[:, :-1].contiguous(), x[:, 1:].contiguous())[1]) if which == "nanogpt" else (lambda m: m(x[:, :-1], labels=x[:, :-1]).loss)
     watch = Watch(model, every=1)
     with _Waits() as waits:
         with watch.step(0):

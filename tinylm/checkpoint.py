@@ -246,7 +246,7 @@ def _torch_load(path: Path, unsafe: bool) -> Any:
                            error=UnsafeCheckpointError)
         msg = str(e).lower()
         if _is_npz(path):
-            file_error(path, "is a NumPy .npz archive, not a checkpoint (a fingerprint written by tinylm diff --save "
+            file_error(path, "is a NumPy .npz archive, not a checkpoint (a saved fingerprint "
                        "is one)", "compare a fingerprint with tinylm diff; pass a file written by torch.save or "
                        "safetensors", error=CheckpointError)
         if isinstance(e, EOFError) or _is_broken_zip(path) or "central directory" in msg or "truncat" in msg:

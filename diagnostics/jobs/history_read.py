@@ -41,7 +41,7 @@ __all__ = ["read", "LogReader", "JSONL", "numbers"]
 
 JSONL = "watch.jsonl"
 _FIX = ("pass a log dir a Watch(log_dir=...) or a watch callback wrote, its watch.jsonl, a history JSON "
-        "(tinylm train --watch-json) or a tinylm checkpoint")
+        "(as write_json writes it) or a tinylm checkpoint")
 _ALERT_FIELDS = tuple(f.name for f in fields(Alert))
 _HEADER_KEYS = ("format", "version", "watch_every", "spike_factor", "sites", "norm", "kinds", "model",
                 "thresholds", "param_dims")
