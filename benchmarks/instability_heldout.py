@@ -21,18 +21,25 @@ Failures (each with a control one setting apart) and where a lead is possible:
 
 | kind | failing run | control |
 | --- | --- | --- |
-| attention logit growth | NanoGPT (SDPA) and tinylm (eager) at LR 3e-2, no qk-norm | LR 1e-3 / qk-norm |
-| gradient underflow through a cast | a block's backward rounded through float16, no loss scaling | loss scale 2^16 |
-| post-norm without warm-up | NanoGPT post-LN, 6 layers, LR 3e-3 from step 0 | 100 warm-up steps |
+| attention logit growth | NanoGPT (SDPA) at LR 3e-2, tinylm (eager) at LR 0.1, no qk-norm | LR 1e-3 / qk-norm |
+| gradient underflow through a cast | the gradient into a block rounded through float16 (the loss divided as OLMo's 4M-token step divides it), no loss scaling | loss scale 2^16 |
+| post-norm without warm-up | NanoGPT post-LN, 6 layers, LR 1e-2 from step 0 | 100 warm-up steps |
 | output-logit divergence | NanoGPT, untied head without final norm, LR 1e-2, no weight decay | z-loss 1e-4 |
 | Adam epsilon too large | tinylm, eps 1e-3 | eps 1e-8 |
-| an LR spike | tinylm, the LR ramped up 30x over steps 80-120 (a wrong restart) | no ramp |
+| an LR spike | tinylm, the LR ramped up 100x over steps 80-120 (a wrong restart) | no ramp |
 
 The departure of a failing run: the earlier of its blow-up (the loss not finite or > 2x its
 running minimum) and its onset against its control (the 20-step trailing mean 10% above the
 control's), the rules of instability_runs.py.
 
     python benchmarks/instability_heldout.py [--workers N] [--json PATH] [--only SUBSTR]
+    python benchmarks/instability_heldout.py --rejudge PATH   # judge the saved histories again, train nothing
+
+``--rejudge`` replays each saved watch history through the watch's own judge
+(:class:`diagnostics.jobs.watch_alerts.AlertBook`, the verdicts over time and the recorded
+spike and non-finite events) with the current code and thresholds: the alerts the watch would
+have raised on the same records. It reads any results file holding ``runs`` with a
+``history``, ``losses`` and ``run`` each (this module's, or the tuning set's when saved so).
 
 Each worker process uses one thread.
 """
@@ -252,21 +259,21 @@ def _catalog() -> list[Run]:
     runs = []
     runs += _pair("attn_logit_growth/nanogpt", "attn_logit_growth", dict(lr=3e-2, weight_decay=0.0), dict(lr=1e-3),
                   "LR 3e-2, no qk-norm")
-    runs += _pair("attn_logit_growth/tinylm", "attn_logit_growth", dict(lr=3e-2, attention="eager", **olmo),
-                  dict(qk_norm="rms"), "LR 3e-2, no qk-norm")
+    runs += _pair("attn_logit_growth/tinylm", "attn_logit_growth", dict(lr=1e-1, attention="eager", **olmo),
+                  dict(qk_norm="rms"), "LR 0.1, no qk-norm")
     big = dict(accum=5461)  # the loss divided as OLMo's 4M-token step (2048 x 2048) divides it
     runs += _pair("grad_cast_underflow/tinylm", "grad_cast_underflow", dict(cast=1, **big, **olmo),
                   dict(loss_scale=2.0 ** 16), "the gradient into block 1 rounded through float16, no loss scaling")
     runs += _pair("grad_cast_underflow/nanogpt", "grad_cast_underflow", dict(cast=2, **big),
                   dict(loss_scale=2.0 ** 16), "the gradient into block 2 rounded through float16, no loss scaling")
-    runs += _pair("post_norm_no_warmup", "post_norm_no_warmup", dict(post=True, layers=6, lr=3e-3, warmup=0),
-                  dict(warmup=100), "post-LN, 6 layers, LR 3e-3 from step 0")
+    runs += _pair("post_norm_no_warmup", "post_norm_no_warmup", dict(post=True, layers=6, lr=1e-2, warmup=0),
+                  dict(warmup=100), "post-LN, 6 layers, LR 1e-2 from step 0")
     runs += _pair("output_logit_divergence", "output_logit_divergence",
                   dict(tied=False, final_norm=False, lr=1e-2, weight_decay=0.0), dict(z_loss=1e-4),
                   "untied head, no final norm, LR 1e-2, no weight decay")
     runs += _pair("adam_eps", "adam_eps", dict(eps=1e-3, **olmo), dict(eps=1e-8), "AdamW eps 1e-3")
-    runs += _pair("lr_spike", "lr_spike", dict(spike=(80, 120, 30.0), **olmo), dict(spike=None),
-                  "LR ramped 30x over steps 80-120")
+    runs += _pair("lr_spike", "lr_spike", dict(spike=(80, 120, 100.0), **olmo), dict(spike=None),
+                  "LR ramped 100x over steps 80-120")
     H = "healthy"
     runs += [
         Run(name="healthy/nanogpt-lr1e-3", kind=H, role=H, lr=1e-3),
@@ -454,15 +461,65 @@ def _worker(name: str) -> dict[str, Any]:
     return train(by_name(name))
 
 
+def _tuning_worker(name: str) -> dict[str, Any]:
+    """A run of the tuning set (instability_runs.CATALOG) with the watch, its history kept."""
+    torch.set_num_threads(1)
+    from diagnostics import Watch
+
+    res = IR.train(IR.by_name(name), watch_factory=lambda m, o: Watch(m, every=EVERY, optimizer=o), stop_after=30)
+    w = res.pop("watch")
+    res.pop("model")
+    res.update(history=w.history, alerts=[_alert(a) for a in w.alerts])
+    w.close()
+    return res
+
+
+def rejudge(history: dict[str, Any]) -> list[dict[str, Any]]:
+    """The alerts the watch raises on ``history``'s records, judged again with the current code."""
+    from diagnostics import Thresholds
+    from diagnostics.jobs.watch_alerts import AlertBook
+    from diagnostics.judge.over_time import Extremes, record_verdicts
+
+    h = dict(history, records=[])
+    th = Thresholds()
+    book, earlier = AlertBook(h, th, 4, EVERY), Extremes()
+    for rec in history["records"]:
+        h["records"].append(rec)
+        rows = record_verdicts(rec, earlier, h.get("norm"), th, h.get("kinds"))
+        earlier.update(rec)
+        book.judge(rec, rows, [])
+    out = [_alert(a) for a in book.alerts]
+    return out + [dict(step=e["step"], severity="warn", signal=e["kind"], site=None, value=None, threshold=None,
+                       message=e.get("message", "")) for e in history.get("events", [])]
+
+
+def _rejudged(path: str) -> int:
+    results = json.loads(Path(path).read_text())["runs"]
+    for res in results.values():
+        res["alerts"] = rejudge(res["history"])
+    for n, d in departures(results).items():
+        results[n]["departure"] = d
+    print(f"{len(results)} runs of {path}, judged again")
+    print(report(results, score(results)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=1, help="processes, one thread each (default 1)")
     ap.add_argument("--json", default=str(DEFAULT_JSON), help="where the results (with the histories) go")
     ap.add_argument("--only", default="", help="comma-separated substrings of run names")
+    ap.add_argument("--tuning", action="store_true", help="train the tuning set's runs instead (healthy first)")
+    ap.add_argument("--rejudge", default="", help="a results file: judge its histories again, train nothing")
     args = ap.parse_args(argv)
-    names = [r.name for r in CATALOG if not args.only or any(s in r.name for s in args.only.split(","))]
+    if args.rejudge:
+        return _rejudged(args.rejudge)
+    catalog = IR.CATALOG if args.tuning else CATALOG
+    names = [r.name for r in catalog if not args.only or any(s in r.name for s in args.only.split(","))]
+    if args.tuning:  # the healthy runs first: the false alarms are what this set is read for
+        names.sort(key=lambda n: IR.by_name(n).role != "healthy")
     for n in list(names):  # a failing run is judged against its control
-        ctrl = next((r.name for r in CATALOG if r.control_of == n), None)
+        ctrl = next((r.name for r in catalog if r.control_of == n), None)
         if ctrl and ctrl not in names:
             names.insert(names.index(n) + 1, ctrl)
     print(f"{len(names)} runs, {args.workers} worker process(es), 1 thread each", flush=True)
@@ -473,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {n:40s} {len(res['losses']):4d} steps {res['seconds']:6.1f}s  last loss {res['losses'][-1]:.3f}  "
               f"alerts {len(res['alerts']):3d}  first {first}", flush=True)
 
-    results = IR.run_all(names, args.workers, fn=_worker, progress=progress)
+    results = IR.run_all(names, args.workers, fn=_tuning_worker if args.tuning else _worker, progress=progress)
     for n, d in departures(results).items():
         results[n]["departure"] = d
     scores = score(results)

@@ -141,16 +141,26 @@ def _arec(step, logit):
             "attention": {"layers.0.attn.probs": {"max_logit": logit, "entropy_mean": 2.0, "entropy_ceiling": 3.0}}}
 
 
-def test_attention_logits_growing_past_their_early_level_are_warned_before_the_absolute_threshold():
-    factor, floor = B.GROWTH["attention_logits"], B.FLOOR["attention_logits"]
-    early = [2.0, 8.0, 10.0]  # step 0 (the init) is not the early level; steps 10, 20 are: median 9
-    grow = early + [9.0 * factor * 1.1 * 1.2 ** j for j in range(4)]
+def test_attention_logits_growing_fast_are_warned_before_the_absolute_threshold():
+    factor, floor, p = B.GROWTH["attention_logits"], B.FLOOR["attention_logits"], B.PERSIST["attention_logits"]
+    grow = [2.0, 8.0, 12.0] + [12.0 * (factor * 1.05) ** (j + 1) for j in range(p + 1)]  # 25, 55, 121
     alerts = P.all_precursor_alerts({"records": [_arec(10 * k, v) for k, v in enumerate(grow)]}, Thresholds())
-    assert [(a.step, a.signal) for a in alerts][:1] == [(10 * (len(early) + 2), "attention_logits")]
-    assert "early level" in alerts[0].message and alerts[0].value < Thresholds().attn_logit
-    # negative controls: the same level held flat (not rising), and a growth that stays under the floor
-    flat = early + [9.0 * factor * 1.1] * 4
-    assert P.all_precursor_alerts({"records": [_arec(10 * k, v) for k, v in enumerate(flat)]}, Thresholds()) == []
-    small = [0.1, 0.5, 0.5] + [floor * 0.9 * 0.8 ** (3 - j) for j in range(4)]
+    assert [(a.step, a.signal) for a in alerts][:1] == [(10 * (2 + p), "attention_logits")]
+    assert alerts[0].value < Thresholds().attn_logit and "per record" in alerts[0].message
+    # negative controls: a healthy run's fastest growth (x1.46 per record above 20), and a fast
+    # growth under the floor
+    healthy = [2.0, 10.5, 16.6, 30.8, 44.9, 64.6, 94.0]
+    assert P.all_precursor_alerts({"records": [_arec(10 * k, v) for k, v in enumerate(healthy)]}, Thresholds()) == []
+    small = [0.1, 0.3, 0.9, 2.7, 8.1, floor * 0.99]
     assert P.all_precursor_alerts({"records": [_arec(10 * k, v) for k, v in enumerate(small)]}, Thresholds()) == []
-    assert math.isfinite(floor)
+
+
+def test_an_update_ratio_jumping_with_the_learning_rate_is_warned_at_once():
+    ratios = [0.5, 0.02, 0.03, 0.03, 0.03 * B.GROWTH["update_large"] * 1.1]
+    recs = [{"step": 10 * k, "update_ratio": {"a.weight": r}} for k, r in enumerate(ratios)]
+    alerts = P.all_precursor_alerts({"records": recs}, Thresholds())
+    assert [(a.step, a.signal, a.severity) for a in alerts if a.step > 0] == [(40, "update_large", "warn")]
+    # negative control: a linear warm-up doubles the ratio from step 10 to 20, and no more
+    warm = [0.01, 0.06, 0.11, 0.16, 0.2]
+    recs = [{"step": 10 * k, "update_ratio": {"a.weight": r}} for k, r in enumerate(warm)]
+    assert [a for a in P.all_precursor_alerts({"records": recs}, Thresholds()) if a.step > 0] == []

@@ -19,27 +19,25 @@ collective in fp16) — the one that fits when every surviving entry is below fl
 normal, 2^-14 — a dead branch (a zero gate or scale, dead units) or a mask that blocks the
 gradient. No baseline exists where every watched site is cut at once from the first record.
 
-``*_growth`` — a maximum growing far past the run's own early level: the largest |attention
+growth — a maximum growing fast against its own previous records: the largest |attention
 logit| of a layer (``attention_logits``), the largest |output logit| (``output_logits``) and a
-matrix's update ratio (``update_large``). The early level of a site is the median of its values
-at the run's first :data:`EARLY` records after step 0 (the first step's values are the init's or
-Adam's sign step, not the run's level). A site is past when its value is more than
-:data:`GROWTH` [signal] x its early level, above the signal's floor (:data:`FLOOR`), and higher
-than at the record before (rising); reported when it has been past at ``early_persist``
-records in a row, once per run of such records. The factors, floors and persistence were
-derived from the healthy runs of benchmarks/instability_runs.py (docs/instability.md gives
-the healthy extremes beside them).
+matrix's update ratio (``update_large``, from step 10 on). A site is past at a record when its
+value is above the signal's floor (:data:`FLOOR`) and at least :data:`GROWTH` [signal] x its
+value at the record before; it is reported (a warn, under the signal's name) when it has been
+past at :data:`PERSIST` [signal] records in a row, once per run of such records. Healthy runs
+grow too (attention sharpens, a warm-up raises the updates) but slower and then level off;
+the factors, floors and persistence sit above the healthy runs' fastest growth in the tuning set
+(benchmarks/instability_runs.py; docs/instability.md gives the healthy extremes beside them).
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Any
 
 from .thresholds import Thresholds
 
-__all__ = ["zero_alerts", "growth_alerts", "DENSE_KINDS", "GROWTH", "FLOOR", "EARLY", "LOW_PRECISION"]
+__all__ = ["zero_alerts", "growth_alerts", "DENSE_KINDS", "GROWTH", "FLOOR", "PERSIST", "LOW_PRECISION"]
 
 #: the largest finite value of each low-precision format a site may run in
 LOW_PRECISION = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
@@ -50,25 +48,28 @@ DENSE_KINDS = ("embedding", "residual", "resid_mid", "attn_branch", "ffn_branch"
 #: float16's smallest normal: a cut whose surviving entries all lie below it is an fp16 underflow
 _FP16_TINY = 2.0 ** -14
 
-#: records after step 0 whose median is a site's early level
-EARLY = 2
-
-#: how far past its early level a signal's value must be (a factor), by signal
-GROWTH = {"attention_logits": 6.0, "output_logits": 6.0, "update_large": 8.0}
+#: the growth per record (a factor over the record before) a signal must reach, by signal; the
+#: tuning set's healthy runs reach at most 1.46 (attention logits above 20, two records in a row)
+#: and 1.85 (an update ratio above 0.05, one record: a linear warm-up's step from 10 to 20)
+GROWTH = {"attention_logits": 2.0, "output_logits": 2.0, "update_large": 4.0}
 
 #: the smallest value the growth rule judges, by signal (below it a growth is not a precursor)
-FLOOR = {"attention_logits": 20.0, "output_logits": 20.0, "update_large": 0.02}
+FLOOR = {"attention_logits": 20.0, "output_logits": 20.0, "update_large": 0.05}
+
+#: records in a row a growth must hold, by signal (an update ratio follows the learning rate
+#: without noise: one record)
+PERSIST = {"attention_logits": 2, "output_logits": 2, "update_large": 1}
 
 _WORDS = {
-    "attention_logits": ("max |attention logit|", "the attention logits are growing far past their own early level "
+    "attention_logits": ("max |attention logit|", "the attention logits are growing fast "
                          "(Dehghani et al. 2023; Wortsman et al. 2023): the softmax will saturate and the attention "
                          "collapse onto single keys",
                          "normalise queries and keys (qk-norm: ModelConfig(qk_norm=\"rms\")) or lower the learning rate"),
-    "output_logits": ("max |output logit|", "the output logits are growing far past their own early level "
+    "output_logits": ("max |output logit|", "the output logits are growing fast "
                       "(Wortsman et al. 2023): the head's softmax will lose precision and the loss can diverge",
                       "add a z-loss (TrainOptions(z_loss=1e-4)) or weight decay on the head, or lower the learning rate"),
-    "update_large": ("update ratio ||dW|| / ||W|| per step", "this matrix's updates are growing far past their "
-                     "own early size: the learning rate (or the gradient reaching the optimizer) is rising",
+    "update_large": ("update ratio ||dW|| / ||W|| per step", "this matrix's updates grew several-fold in one record: "
+                     "the learning rate (or the gradient reaching the optimizer) is rising",
                      "check the learning-rate schedule (a restart or a wrong step count), lower the learning "
                      "rate, and clip the gradient norm"),
 }
@@ -155,48 +156,30 @@ def _zero_alert(records: list[dict[str, Any]], site: str, share: float, base: fl
                 ruled_out="", message=message)
 
 
-def _early(values: list[dict[str, dict[str, float]]], records: list[dict[str, Any]], name: str, site: str
-           ) -> float | None:
-    """The median of a site's values at the run's first :data:`EARLY` records after step 0."""
-    got = []
-    for rec, v in zip(records, values):
-        if int(rec["step"]) == 0:
-            continue
-        x = v.get(name, {}).get(site)
-        if x is None:
-            return None
-        got.append(x)
-        if len(got) == EARLY:
-            return statistics.median(got)
-    return None
-
-
 def growth_alerts(history: dict[str, Any], k: int, th: Thresholds, lo: int,
                   values: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
     """The growth alerts first due at record k (module docstring), as the fields of an Alert;
     ``values``: the :func:`~diagnostics.judge.precursors.signal_values` of records 0..k."""
     records = history["records"]
-    p = int(th.early_persist)
     out = []
     for name, factor in GROWTH.items():
+        p = PERSIST[name]
         for site, now in values[k].get(name, {}).items():
-            early = _early(values, records, name, site)
-            if early is None or early <= 0:
-                continue
-            limit = max(factor * early, FLOOR[name])
             series = [v.get(name, {}).get(site) for v in values[lo:k + 1]]
-            past = [b is not None and a is not None and b > limit and b > a
+            past = [b is not None and a is not None and a > 0 and b > FLOOR[name] and b >= factor * a
                     for a, b in zip([None, *series[:-1]], series)]
             run = next((j for j in range(len(past) - 1, -1, -1) if not past[j]), -1) + 1
             if len(past) - run != p:
                 continue
             what, cause, fix = _WORDS[name]
             step, since = int(records[k]["step"]), int(records[lo + run]["step"])
+            start = series[run - 1]
             shown = site[:-len(".probs")] if site.endswith(".probs") else site
             where = "" if site in ("model", "logits") else f" at {shown}"
-            message = (f"step {step}: {name}{where}: {what} = {now:.3g} > {limit:.3g} ({factor:g} x its early "
-                       f"level {early:.3g}) and rising since step {since}; cause: {cause}; fix: {fix}")
+            message = (f"step {step}: {name}{where}: {what} = {now:.3g}, {now / start:.3g}x its {start:.3g} at step "
+                       f"{int(records[lo + run - 1]['step'])} (at least {factor:g}x per record for {p} record"
+                       f"{'s' if p > 1 else ''}, above {FLOOR[name]:g}); cause: {cause}; fix: {fix}")
             out.append(dict(step=step, severity="warn", signal=name, site=site if where else None, value=float(now),
-                            threshold=limit, rising=p, since=since, cause=cause, fix=fix, ruled_out="",
-                            message=message))
+                            threshold=factor * float(series[-2]), rising=p, since=since, cause=cause, fix=fix,
+                            ruled_out="", message=message))
     return out
