@@ -5,7 +5,7 @@ never tuned on it.
 The recipe is nanoGPT's training loop (karpathy/nanoGPT ``train.py``) at a small size, and an
 OLMo-like one for tinylm models:
 
-- data: character-level (the distinct bytes of the text, about 100 symbols) from *other* files of
+- data: character-level (the distinct bytes of the text, 104 symbols) from *other* files of
   Python's standard library than the tuning set reads; batches of 12 windows of 64 characters;
 - the plain-PyTorch model :class:`NanoGPT` below, written after nanoGPT's ``model.py`` (biases in
   every Linear and LayerNorm, GELU MLP of width 4d, learned positions, tied head, N(0, 0.02)
