@@ -164,3 +164,22 @@ def test_an_update_ratio_jumping_with_the_learning_rate_is_warned_at_once():
     warm = [0.01, 0.06, 0.11, 0.16, 0.2]
     recs = [{"step": 10 * k, "update_ratio": {"a.weight": r}} for k, r in enumerate(warm)]
     assert [a for a in P.all_precursor_alerts({"records": recs}, Thresholds()) if a.step > 0] == []
+
+
+def test_the_held_out_set_is_apart_from_the_tuning_set():
+    """Each failing run has one control one setting apart; the kinds the early warnings are scored
+    on; its text is other files than the tuning set's; nothing in it names a threshold."""
+    import instability_runs as IR
+
+    fails = [r for r in H.CATALOG if r.role == "fail"]
+    assert {r.kind for r in fails} >= {"attn_logit_growth", "grad_cast_underflow", "post_norm_no_warmup",
+                                       "output_logit_divergence", "adam_eps", "lr_spike"}
+    assert {r.model for r in fails} == {"nanogpt", "tinylm"}
+    for f in fails:
+        (ctrl,) = [r for r in H.CATALOG if r.control_of == f.name]
+        a, b = f.to_dict(), ctrl.to_dict()
+        changed = [k for k in a if k not in ("name", "role", "control_of", "note") and a[k] != b[k]]
+        assert len(changed) == 1, (f.name, changed)
+    assert len([r for r in H.CATALOG if r.role == "healthy"]) >= 8
+    assert not set(H._FILES) & set(IR._FILES)
+    assert "Thresholds" not in Path(H.__file__).read_text().split("def rejudge")[0]
