@@ -30,8 +30,8 @@ threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
 
 and, against the run's own baseline and trend (:mod:`diagnostics.judge.baseline`): an exact-zero
 share of a site's gradient far above the run's baseline, in any dtype (zero_gradient), and the
-attention logits, the output logits and the update ratios growing far past their own early
-level while rising.
+attention logits, the output logits and the update ratios growing fast against their own
+previous records.
 
 A precursor is reported (an :class:`Alert`) at the record where its signal has been past its
 threshold at ``early_persist`` records in a row (a share or a format's headroom, which counts
@@ -68,7 +68,6 @@ LOOKBACK = 64
 #: how far past its threshold a signal must go to be a fail (larger-is-worse signals: x this
 #: factor; smaller-is-worse: / this factor; shares: halfway from the threshold to 1)
 FAIL_FACTOR = 10.0
-
 
 
 @dataclass
@@ -487,8 +486,8 @@ def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, A
     """A verdict over time (a row of :func:`diagnostics.judge.over_time.record_verdicts`:
     non_finite, exploding or vanishing) as an :class:`Alert`, with its cause told apart where the
     record shows it: a vanishing gradient made of zeros in float16 or bfloat16 is underflow, one
-    made of zeros in another dtype a cut (zero_gradient), and one in a post-norm model is the norms' shrinkage. None for a vanishing gradient of the
-    attention scores that is not underflow: sharpening attention shrinks it in healthy runs (the
+    made of zeros in another dtype a cut (zero_gradient), and one in a post-norm model is the
+    norms' shrinkage. None for a vanishing gradient of the attention scores that is not underflow: sharpening attention shrinks it in healthy runs (the
     attention signals judge that layer), so it stays a verdict row and is not alerted."""
     site, verdict = row["site"], row["verdict"]
     cause, fix = _VERDICT_WORDS[verdict]
