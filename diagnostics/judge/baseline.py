@@ -64,10 +64,12 @@ _WORDS = {
     "attention_logits": ("max |attention logit|", "the attention logits are growing fast "
                          "(Dehghani et al. 2023; Wortsman et al. 2023): the softmax will saturate and the attention "
                          "collapse onto single keys",
-                         "normalise queries and keys (qk-norm: ModelConfig(qk_norm=\"rms\")) or lower the learning rate"),
+                         "normalise queries and keys (qk-norm: ModelConfig(qk_norm=\"rms\")) or lower the "
+                         "learning rate"),
     "output_logits": ("max |output logit|", "the output logits are growing fast "
                       "(Wortsman et al. 2023): the head's softmax will lose precision and the loss can diverge",
-                      "add a z-loss (TrainOptions(z_loss=1e-4)) or weight decay on the head, or lower the learning rate"),
+                      "add a z-loss (TrainOptions(z_loss=1e-4)) or weight decay on the head, or lower the "
+                      "learning rate"),
     "update_large": ("update ratio ||dW|| / ||W|| per step", "this matrix's updates grew several-fold in one record: "
                      "the learning rate (or the gradient reaching the optimizer) is rising",
                      "check the learning-rate schedule (a restart or a wrong step count), lower the learning "

@@ -487,8 +487,9 @@ def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, A
     non_finite, exploding or vanishing) as an :class:`Alert`, with its cause told apart where the
     record shows it: a vanishing gradient made of zeros in float16 or bfloat16 is underflow, one
     made of zeros in another dtype a cut (zero_gradient), and one in a post-norm model is the
-    norms' shrinkage. None for a vanishing gradient of the attention scores that is not underflow: sharpening attention shrinks it in healthy runs (the
-    attention signals judge that layer), so it stays a verdict row and is not alerted."""
+    norms' shrinkage. None for a vanishing gradient of the attention scores that is not
+    underflow: sharpening attention shrinks it in healthy runs (the attention signals judge that
+    layer), so it stays a verdict row and is not alerted."""
     site, verdict = row["site"], row["verdict"]
     cause, fix = _VERDICT_WORDS[verdict]
     signal = verdict
