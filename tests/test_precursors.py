@@ -100,7 +100,9 @@ def test_a_vanishing_gradient_made_of_zeros_in_float16_is_named_underflow():
     assert P.verdict_alert(_history([]), _rec(30, **_grads(0.005, "float16")), row, Thresholds()).signal == "vanishing"
     assert low.signal == "underflow" and "40.0%" in low.cause and "GradScaler" in low.fix
     plain = P.verdict_alert(_history([]), _rec(30, **_grads(0.4, "float32")), row, Thresholds())
-    assert plain.signal == "vanishing" and "underflow" not in plain.cause
+    assert plain.signal == "zero_gradient" and "cut" in plain.cause and "GradScaler" not in plain.fix
+    dense = P.verdict_alert(_history([]), _rec(30, **_grads(0.005, "float32")), row, Thresholds())
+    assert dense.signal == "vanishing" and "cut" not in dense.cause  # few zeros: it does vanish
     post = P.verdict_alert(_history([], norm="post"), _rec(30, **_grads(0.0, "float32")), row, Thresholds())
     assert "post-norm" in post.cause and "warm" in post.fix
     scores = dict(row, site="layers.0.attn.scores")  # sharpening attention: judged by the attention signals

@@ -10,6 +10,10 @@ threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
     log_z              |mean log Z| of the output rows            > logz_limit
     output_logits      max |output logit|                         > logit_limit
     update_large       a matrix's update ratio ||dW|| / ||W||     > update_high
+                       (from the second step on: step 0's is judged by first_update)
+    first_update       at step 0, the median matrix's update ratio > update_high (Adam's first
+                       step is a sign step: each entry moves by the learning rate, a matrix by
+                       lr / rms(W), so each matrix alone says nothing of its gradient)
     update_small       the median matrix's update ratio           < update_low
                        (not measured at a record where no matrix moved: no optimizer step ran in it)
     adam_epsilon       share of Adam entries with sqrt(v_hat) < eps > eps_share
@@ -23,6 +27,11 @@ threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
     stall              the loss has not fallen over the last plateau_steps steps (its least-squares
                        slope is not below zero at a false-alarm rate of 1e-6) while update_small,
                        adam_epsilon or underflow is past its threshold (reported when it begins)
+
+and, against the run's own baseline and trend (:mod:`diagnostics.judge.baseline`): an exact-zero
+share of a site's gradient far above the run's baseline, in any dtype (zero_gradient), and the
+attention logits, the output logits and the update ratios growing fast against their own
+previous records.
 
 A precursor is reported (an :class:`Alert`) at the record where its signal has been past its
 threshold at ``early_persist`` records in a row (a share or a format's headroom, which counts
@@ -46,6 +55,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
+from .baseline import LOW_PRECISION, growth_alerts, zero_alerts
 from .thresholds import Thresholds
 
 __all__ = ["Alert", "SIGNALS", "FAIL_FACTOR", "LOOKBACK", "signal_values", "precursor_alerts", "all_precursor_alerts",
@@ -58,9 +68,6 @@ LOOKBACK = 64
 #: how far past its threshold a signal must go to be a fail (larger-is-worse signals: x this
 #: factor; smaller-is-worse: / this factor; shares: halfway from the threshold to 1)
 FAIL_FACTOR = 10.0
-
-#: the largest finite value of each low-precision format a site may run in
-LOW_PRECISION = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
 
 
 @dataclass
@@ -140,7 +147,12 @@ def _logits(key: str) -> Callable[[dict[str, Any], dict[str, Any]], dict[str, fl
 
 
 def _matrices(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
-    """Update ratios of the matrices (parameters named like weights; biases, gains and norms excluded)."""
+    """Update ratios of the matrices (parameters named like weights; biases, gains and norms excluded);
+    none at step 0, whose ratios the first_update signal judges."""
+    return {} if int(rec.get("step", -1)) == 0 else _ratios(rec, h)
+
+
+def _ratios(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
     shapes = h.get("param_dims") or {}
     out = {}
     for name, r in (rec.get("update_ratio") or {}).items():
@@ -152,10 +164,19 @@ def _matrices(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
 
 
 def _median_update(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
-    ratios = list(_matrices(rec, h).values())
+    ratios = list(_ratios(rec, h).values())
     if not any(ratios):  # no matrix moved: no optimizer step inside the recorded step, nothing measured
         return {}
     return {"model": statistics.median(ratios)}
+
+
+def _first(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
+    """The median matrix's update ratio at step 0, the run's first step: Adam's first step is a
+    sign step (m_hat / sqrt(v_hat) = +-1), so each entry moves by the learning rate and a matrix's
+    ratio is lr / rms(W) whatever its gradient; a matrix initialised small on purpose (GPT-2's
+    residual projections) moves by a large fraction of itself by design. The median matrix's ratio
+    says how large the learning rate is against the weights' typical scale."""
+    return _median_update(rec, h) if int(rec.get("step", -1)) == 0 else {}
 
 
 def _eps(rec: dict[str, Any], _h: dict[str, Any]) -> dict[str, float]:
@@ -211,9 +232,13 @@ SIGNALS: dict[str, Signal] = {s.name: s for s in (
            "the output logits are growing (Wortsman et al. 2023)",
            "add a z-loss (TrainOptions(z_loss=1e-4)) or weight decay, or lower the learning rate"),
     Signal("update_large", _matrices, "update_high", "high", "update ratio ||dW|| / ||W|| per step",
-           "each step moves this matrix by a large fraction of its size: the learning rate is too "
-           "high for it (at the start of a post-norm run: no warm-up, Xiong et al. 2020)",
+           "each step moves this matrix by a large fraction of its size: the learning rate is too high for it",
            "lower the learning rate or warm it up (a few hundred steps), and clip the gradient norm"),
+    Signal("first_update", _first, "update_high", "high", "median matrix update ratio at the first step",
+           "the first optimizer step moves the median matrix by a large fraction of its size (Adam's first step "
+           "moves every entry by the learning rate): the learning rate is high against the weights' scale and "
+           "the next steps may diverge", "warm the learning rate up (a few hundred steps) or lower it",
+           persist=False),
     Signal("update_small", _median_update, "update_low", "low", "median matrix update ratio per step",
            "the updates are too small against the weights: the run stalls",
            "raise the learning rate, or lower Adam's eps if it dominates sqrt(v)"),
@@ -403,6 +428,7 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
             due = _judge_site(sig, series, th)
             if due is not None:
                 out.append(_alert(history, sig, site, series, steps, due, th, values[k]))
+    out += [Alert(**a) for a in zero_alerts(history, k, th, lo) + growth_alerts(history, k, th, lo, values)]
     return sorted(out, key=lambda a: a.severity != "fail")
 
 
@@ -418,7 +444,8 @@ def _alert(history: dict[str, Any], sig: Signal, site: str, series: list[float |
     value, limit = float(series[-1]), _limit(sig, th)
     rising = _rising(sig, series)
     cause, fix = sig.cause, sig.fix
-    if sig.name == "update_large" and history.get("norm") == "post":
+    if sig.name in ("update_large", "first_update") and history.get("norm") == "post":
+        cause += " (a post-norm model without warm-up, Xiong et al. 2020)"
         fix = "warm the learning rate up (post-norm needs it, Xiong et al. 2020) or move to pre-norm"
     ruled = _ruled_out(here, th, sig.name)
     cmp = ">" if sig.worse == "high" else "<"
@@ -458,10 +485,11 @@ def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, A
                   ) -> Alert | None:
     """A verdict over time (a row of :func:`diagnostics.judge.over_time.record_verdicts`:
     non_finite, exploding or vanishing) as an :class:`Alert`, with its cause told apart where the
-    record shows it: a vanishing gradient made of zeros in float16 or bfloat16 is underflow, and
-    one in a post-norm model is the norms' shrinkage. None for a vanishing gradient of the
-    attention scores that is not underflow: sharpening attention shrinks it in healthy runs (the
-    attention signals judge that layer), so it stays a verdict row and is not alerted."""
+    record shows it: a vanishing gradient made of zeros in float16 or bfloat16 is underflow, one
+    made of zeros in another dtype a cut (zero_gradient), and one in a post-norm model is the
+    norms' shrinkage. None for a vanishing gradient of the attention scores that is not
+    underflow: sharpening attention shrinks it in healthy runs (the attention signals judge that
+    layer), so it stays a verdict row and is not alerted."""
     site, verdict = row["site"], row["verdict"]
     cause, fix = _VERDICT_WORDS[verdict]
     signal = verdict
@@ -474,6 +502,12 @@ def verdict_alert(history: dict[str, Any], rec: dict[str, Any], row: dict[str, A
             cause = (f"{zero:.1%} of its gradient entries are exactly zero in {dtype}: the gradient "
                      "underflows (Micikevicius et al. 2018), it does not vanish")
             fix = SIGNALS["underflow"].fix
+        elif _finite(zero) and zero > th.underflow_share:  # zeros in any other dtype: a cut, not a vanishing
+            signal = "zero_gradient"
+            cause = (f"{zero:.1%} of its gradient entries are exactly zero in {dtype or 'its dtype'}: the gradient is "
+                     "cut on its way here (underflow through a cast to float16, a dead branch or a mask), it does "
+                     "not vanish")
+            fix = "find the cast, gate or mask between this site and the sites above it that keep their gradient"
         elif site.rsplit(".", 1)[-1] in ("scores", "probs"):
             return None
         elif history.get("norm") == "post":

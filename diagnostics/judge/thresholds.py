@@ -64,11 +64,15 @@ class Thresholds:
         maximum (mean over rows of ln(keys)) < 0.03.
     logz_limit = 30.0: log-partition drift, |mean log Z| of the output rows > 30 (log Z = logsumexp of a row's logits).
     logit_limit = 50.0: output logit growth, the largest |output logit| > 50.
-    update_high = 0.3: updates too large, a matrix's ||W_after - W_before|| / ||W_before|| > 0.3 per step.
+    update_high = 0.3: updates too large, a matrix's ||W_after - W_before|| / ||W_before|| > 0.3 per step
+        from step 10 on; at step 0 (Adam's first step moves every entry by the learning rate) the
+        median matrix's ratio > 0.3 (first_update).
     update_low = 1e-4: updates too small, the median matrix's update ratio < 1e-4 per step.
     eps_share = 0.5: epsilon-dominated Adam, share of entries with sqrt(v_hat) < eps > 0.5.
     underflow_share = 0.01: gradient underflow, share of a block's gradient entries that are
-        exact zeros in a float16 or bfloat16 run > 0.01.
+        exact zeros in a float16 or bfloat16 run > 0.01; in any other dtype, the share of an
+        embedding's, a branch's or the stream's gradient more than 0.01 above the run's own
+        baseline (zero_gradient, :mod:`diagnostics.judge.baseline`).
     overflow_headroom = 8.0: overflow ahead, max |activation| > the training format's largest finite / 8.
     massive_ratio = 1e4: massive activations, a block output's max |x| / median |x| > 1e4.
     early_persist = 3: records in a row a precursor must hold before it is reported.
