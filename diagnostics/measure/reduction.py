@@ -1,0 +1,173 @@
+"""One op per tensor: every statistic a probe site needs, as the registered custom op ``tinylm::summary``.
+
+    moments, panel, row_ms, cosine, extra = torch.ops.tinylm.summary(x, width, probs, rows, cosine,
+                                                                      inv_eps, below, weight)
+
+A probe that takes a site's statistics one torch op at a time dispatches tens of ops per
+tensor, each a kernel launch on a GPU. Here the whole request is one dispatched op, whatever
+its kernel does inside, with a fake kernel for tracing and two kernels behind it:
+
+* the CPU kernel: the numba reducer (:mod:`.numba_reducer`: one read of the tensor) for CPU
+  float32, bf16 and fp16 tensors when ``TINYLM_REDUCER`` is ``auto``;
+* the CUDA-structure kernel: the compiled reducer (:mod:`.compiled`: the statistics as row
+  reductions that ``torch.compile`` fuses, one build per request shape and dtype, dynamic
+  sizes) for every other tensor, and for CPU tensors too under ``TINYLM_REDUCER=cuda``, so
+  that the CPU runs exactly the ops a GPU runs; where compilation failed, the same formulas
+  run eagerly (the plain-torch reference), inside the same op.
+
+Either kernel runs in the default ``torch.compile`` stance (the probe runs the model eagerly)
+and returns the same numbers (:mod:`.reference` defines them). The outputs, float64 on
+``x``'s device (an empty tensor where not asked):
+
+* ``moments``: :data:`.reference.FIELDS` of the entries (``width`` = T > 0: of the causal
+  entries of (..., T, T) matrices);
+* ``panel``: :data:`.reference.ATTN_FIELDS` of attention probabilities (``probs``, causal);
+* ``row_ms``: mean(x^2) over the last dimension, float32 (float64 for float64 ``x``) (``rows``);
+* ``cosine``: FIELDS of each sequence's mean cosine between its rows (``cosine``);
+* ``extra``, in this order, each when asked: FIELDS of 1 / (row_ms + ``inv_eps``) (``inv_eps``
+  >= 0; needs ``rows``), [count of entries < ``below``, entries] (``below`` finite), FIELDS
+  of row_ms * ``weight`` (``weight`` given: one factor per row; needs ``rows``), each
+  computed in the precision the probe always used (row_ms and the products in float32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import compiled, numba_reducer, reference
+from .reducer_choice import chosen
+from .wrappers import default_stance
+
+__all__ = ["route", "sizes", "DTYPES"]
+
+#: the dtypes the op reduces
+DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _stance() -> str:
+    holder = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return getattr(holder, "stance", "default")
+
+
+def route(x: Tensor) -> bool | None:
+    """Which kernel of the op reduces ``x``: True the CUDA structure, False the numba reducer,
+    None not the op (the caller's plain torch). The op takes a non-empty plain strided tensor
+    (not meta, not inside a ``torch.func`` transform) of :data:`DTYPES`, at least 1-D, unless
+    ``TINYLM_REDUCER=reference``; the numba reducer a CPU tensor of its dtypes under ``auto``
+    where numba imports; the CUDA structure every other (every tensor off the CPU, and CPU
+    tensors under ``TINYLM_REDUCER=cuda``)."""
+    if not (x.ndim > 0 and x.dtype in DTYPES and type(x) in _PLAIN and x.layout == torch.strided
+            and not x.is_meta and x.numel() > 0):
+        return None
+    choice = chosen()
+    if choice == "reference" or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return None
+    if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.available() \
+            and numba_reducer.has_memory(x):
+        return False
+    return True
+
+
+def _ms_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+_LIB = torch.library.Library("tinylm", "DEF")
+_LIB.define("summary(Tensor x, int width, bool probs, bool rows, bool cosine, float inv_eps, float below, "
+            "Tensor? weight, bool cuda) -> (Tensor, Tensor)")
+
+
+def _kernel(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, inv_eps: float, below: float,
+            weight: Optional[Tensor], cuda: bool) -> tuple[Tensor, Tensor]:
+    """The op's one kernel for every device (registered for CompositeExplicitAutograd, so no
+    autograd wrapper runs around it): the CUDA structure or the numba reducer, by ``cuda``."""
+    with torch._C.DisableTorchFunction():  # a kernel: what it reads is its own, never a host read of the caller's
+        if cuda:
+            parts = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight)
+        else:
+            parts = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
+        return _pack(x, *parts)
+
+
+def _pack(x: Tensor, mom, panel, ms, cos, extra) -> tuple[Tensor, Tensor]:
+    vec = [v for v in (mom, panel, cos, extra) if v is not None]
+    return (torch.cat(vec) if len(vec) > 1 else mom), (ms if ms is not None else x.new_empty(0, dtype=_ms_dtype(x)))
+
+
+_LIB.impl("summary", _kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::summary", lib=_LIB)
+def _(x, width, probs, rows, cosine, inv_eps, below, weight, cuda):
+    n = 10 + (6 if probs else 0) + (10 if cosine else 0) + (10 if inv_eps >= 0 else 0) \
+        + (2 if math.isfinite(below) else 0) + (10 if weight is not None else 0)
+    return x.new_empty((n,), dtype=torch.float64), \
+        x.new_empty(tuple(x.shape[:-1]) if rows else (0,), dtype=_ms_dtype(x))
+
+
+def sizes(probs: bool, cosine: bool, inv_eps: float, below: float, weight: Tensor | None) -> list[tuple[str, int]]:
+    """The parts of the op's first output, in order: (name, entries) of those asked."""
+    parts = [("moments", 10), ("panel", 6 if probs else 0), ("cosine", 10 if cosine else 0),
+             ("inv", 10 if inv_eps >= 0 else 0), ("below", 2 if math.isfinite(below) else 0),
+             ("weighted", 10 if weight is not None else 0)]
+    return [(k, n) for k, n in parts if n]
+
+
+def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
+    """The numba kernel: one read of ``x``; the extras from the rows' sums (CPU tensors)."""
+    ms = cos = panel = None
+    if not (rows or cosine):
+        v = numba_reducer.summary(x, width if width else None, probs=probs)
+        mom = torch.from_numpy(v)  # with probs, the panel follows the moments: as the op lays them out
+    else:
+        vec, rowsq, cosv = numba_reducer.summary_rows(x, cosine)
+        mom = torch.from_numpy(vec)
+        ms = torch.from_numpy(rowsq / x.shape[-1]).float()
+        cos = torch.from_numpy(cosv) if cosine else None
+    extra = []
+    if inv_eps >= 0:
+        extra.append(torch.from_numpy(numba_reducer.summary((ms + inv_eps).reciprocal_())))
+    if math.isfinite(below):
+        extra.append(torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64))
+    if weight is not None:
+        extra.append(torch.from_numpy(numba_reducer.summary(ms * weight.reshape(ms.shape))))
+    return mom, panel, ms if rows else None, cos, torch.cat(extra) if extra else None
+
+
+def _extras(x: Tensor, ms: Tensor, inv_eps: float, below: float, weight: Tensor | None) -> Tensor:
+    """The ``extra`` vector from ``x`` and its row mean squares ``ms`` (float32 or float64)."""
+    parts = []
+    if inv_eps >= 0:
+        parts.append(reference.moments((ms + inv_eps).reciprocal()))
+    if below == below and below not in (math.inf, -math.inf):
+        parts.append(torch.stack([(x < below).sum().double(), torch.ones_like(x, dtype=torch.float64).sum()]))
+    if weight is not None:
+        parts.append(reference.moments(ms * weight.reshape(ms.shape)))
+    return torch.cat(parts)
+
+
+def _cuda(x, width, probs, rows, cosine, inv_eps, below, weight):
+    """The CUDA-structure kernel: the compiled reducer (the reference where it failed), in the
+    default ``torch.compile`` stance (a probe runs the model in the eager one)."""
+    if _stance() != "default":
+        with default_stance():
+            return _cuda(x, width, probs, rows, cosine, inv_eps, below, weight)
+    causal = width > 0
+    parts = compiled.reduce(x, causal, probs, rows, cosine) if compiled.available() else None
+    if parts is None:
+        mask = reference.causal_mask(x.shape[-1], x.device) if causal else None
+        parts = (reference.moments(x, mask), reference.panel(x, causal) if probs else None,
+                 reference.row_mean_squares(x) if rows else None, reference.cosines(x) if cosine else None)
+    mom, panel, ms, cos = parts
+    extra = None
+    if inv_eps >= 0 or math.isfinite(below) or weight is not None:
+        extra = compiled.call(_extras, x, ms, inv_eps, below, weight) if compiled.available() else None
+        if extra is None:
+            extra = _extras(x, ms, inv_eps, below, weight)
+    return mom, panel, ms if rows else None, cos, extra
