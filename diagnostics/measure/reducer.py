@@ -170,11 +170,11 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     if readable is None:
         return _unplain(x, causal, probs, rows, cosine)
     x = readable
-    cuda = reduction.route(x) if (causal or not probs) else None  # a panel of full rows: plain torch below
-    if cuda is not None:
+    kernel = reduction.route(x) if (causal or not probs) else None  # a panel of full rows: plain torch below
+    if kernel is not None:
         with torch.no_grad():
             vec, ms = torch.ops.tinylm.summary(x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below,
-                                               weight, cuda)
+                                               weight, kernel)
         parts = reduction.sizes(probs, cosine, inv_eps, below, weight)
         got = dict(zip([k for k, _ in parts], vec.split([n for _, n in parts]))) if len(parts) > 1 else {"moments": vec}
         return Reduction(got["moments"], got.get("panel"), ms if rows else None, got.get("cosine"),

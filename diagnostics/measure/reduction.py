@@ -55,9 +55,14 @@ def _stance() -> str:
     return getattr(holder, "stance", "default")
 
 
-def route(x: Tensor) -> bool | None:
-    """Which kernel of the op reduces ``x``: True the CUDA structure, False the numba reducer,
-    None not the op (the caller's plain torch). The op takes a non-empty plain strided tensor
+#: the op's kernels: the numba reducer, the CUDA structure (compiled), plain torch ops
+NUMBA, CUDA, TORCH = 0, 1, 2
+
+
+def route(x: Tensor) -> int | None:
+    """Which kernel of the op reduces ``x``: :data:`CUDA` the CUDA structure, :data:`NUMBA` the
+    numba reducer (:data:`TORCH`, plain torch ops, while numba's cache is being filled:
+    :func:`.numba_reducer.ready`), None not the op (the caller's plain torch). The op takes a non-empty plain strided tensor
     (not meta, not inside a ``torch.func`` transform) of :data:`DTYPES`, at least 1-D, unless
     ``TINYLM_REDUCER=reference``; the numba reducer a CPU tensor of its dtypes under ``auto``
     where numba imports; the CUDA structure every other (every tensor off the CPU, and CPU
@@ -70,8 +75,8 @@ def route(x: Tensor) -> bool | None:
         return None
     if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.available() \
             and numba_reducer.has_memory(x):
-        return False
-    return True
+        return NUMBA if numba_reducer.ready() else TORCH
+    return CUDA
 
 
 def _ms_dtype(x: Tensor) -> torch.dtype:
@@ -80,16 +85,16 @@ def _ms_dtype(x: Tensor) -> torch.dtype:
 
 _LIB = torch.library.Library("tinylm", "DEF")
 _LIB.define("summary(Tensor x, int width, bool probs, bool rows, bool cosine, float inv_eps, float below, "
-            "Tensor? weight, bool cuda) -> (Tensor, Tensor)")
+            "Tensor? weight, int kernel) -> (Tensor, Tensor)")
 
 
 def _kernel(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, inv_eps: float, below: float,
-            weight: Optional[Tensor], cuda: bool) -> tuple[Tensor, Tensor]:
+            weight: Optional[Tensor], kernel: int) -> tuple[Tensor, Tensor]:
     """The op's one kernel for every device (registered for CompositeExplicitAutograd, so no
-    autograd wrapper runs around it): the CUDA structure or the numba reducer, by ``cuda``."""
+    autograd wrapper runs around it): the CUDA structure, plain torch or the numba reducer, by ``kernel``."""
     with torch._C.DisableTorchFunction():  # a kernel: what it reads is its own, never a host read of the caller's
-        if cuda:
-            parts = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight)
+        if kernel != NUMBA:
+            parts = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, kernel == CUDA)
         else:
             parts = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
         return _pack(x, *parts)
@@ -104,7 +109,7 @@ _LIB.impl("summary", _kernel, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("tinylm::summary", lib=_LIB)
-def _(x, width, probs, rows, cosine, inv_eps, below, weight, cuda):
+def _(x, width, probs, rows, cosine, inv_eps, below, weight, kernel):
     n = 10 + (6 if probs else 0) + (10 if cosine else 0) + (10 if inv_eps >= 0 else 0) \
         + (2 if math.isfinite(below) else 0) + (10 if weight is not None else 0)
     return x.new_empty((n,), dtype=torch.float64), \
@@ -152,14 +157,16 @@ def _extras(x: Tensor, ms: Tensor, inv_eps: float, below: float, weight: Tensor 
     return torch.cat(parts)
 
 
-def _cuda(x, width, probs, rows, cosine, inv_eps, below, weight):
-    """The CUDA-structure kernel: the compiled reducer (the reference where it failed), in the
-    default ``torch.compile`` stance (a probe runs the model in the eager one)."""
-    if _stance() != "default":
+def _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, compile_: bool = True):
+    """The CUDA-structure kernel: the compiled reducer (the reference where it failed, or where
+    ``compile_`` is False), in the default ``torch.compile`` stance (a probe runs the model in
+    the eager one)."""
+    compile_ = compile_ and compiled.available()
+    if compile_ and _stance() != "default":
         with default_stance():
-            return _cuda(x, width, probs, rows, cosine, inv_eps, below, weight)
+            return _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, compile_)
     causal = width > 0
-    parts = compiled.reduce(x, causal, probs, rows, cosine) if compiled.available() else None
+    parts = compiled.reduce(x, causal, probs, rows, cosine) if compile_ else None
     if parts is None:
         mask = reference.causal_mask(x.shape[-1], x.device) if causal else None
         parts = (reference.moments(x, mask), reference.panel(x, causal) if probs else None,
@@ -167,7 +174,7 @@ def _cuda(x, width, probs, rows, cosine, inv_eps, below, weight):
     mom, panel, ms, cos = parts
     extra = None
     if inv_eps >= 0 or math.isfinite(below) or weight is not None:
-        extra = compiled.call(_extras, x, ms, inv_eps, below, weight) if compiled.available() else None
+        extra = compiled.call(_extras, x, ms, inv_eps, below, weight) if compile_ else None
         if extra is None:
             extra = _extras(x, ms, inv_eps, below, weight)
     return mom, panel, ms if rows else None, cos, extra
