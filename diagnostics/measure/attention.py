@@ -248,7 +248,7 @@ def summary(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | None =
     if len(keys) == 1:
         out[keys[0][0]] = vec
     elif keys:
-        out.update(zip([key for key, _ in keys], vec.split([n for _, n in keys])))
+        out.update(zip([key for key, _ in keys], vec.split_with_sizes([n for _, n in keys])))
     return out
 
 

@@ -48,7 +48,7 @@ import torch as _torch
 
 from .reducer_choice import chosen
 
-__all__ = ["available", "takes", "has_memory", "ready", "warm", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
+__all__ = ["available", "importable", "takes", "has_memory", "ready", "warm", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
@@ -69,9 +69,12 @@ def available() -> bool:
     """True when this reducer can run: numba importable and ``TINYLM_REDUCER`` ``auto`` (the other
     choices send CPU tensors to the compiled reducer or the reference; the variable is read on
     every call, so that it can be switched between calls)."""
+    return chosen() == "auto" and importable()
+
+
+def importable() -> bool:
+    """Whether numba imports (asked once per process)."""
     global _checked
-    if chosen() != "auto":
-        return False
     if _checked is None:
         try:
             import numba  # noqa: F401

@@ -49,13 +49,12 @@ import tinylm
 from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
-from . import compiled
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .eager_attention import EagerAttentionWatch
 from .signals import Signals
 from .sites import model_sites
 from .params import param_stats, spectral_stats  # noqa: F401  (public here as before)
-from .wrappers import default_stance, eager, unwrap
+from .wrappers import eager, unwrap
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats", "FLAT_EDGE"]
 
@@ -107,23 +106,14 @@ def _as_lists(*stores: dict) -> list[dict]:
 
 
 class _Reducer(Reducer):
-    """The probe's :class:`Reducer`: while the model runs eagerly (``eager`` True, see
-    :mod:`.wrappers`), a tensor that goes to the compiled reductions (:func:`.compiled.takes`)
-    is reduced by them as compiled, not eagerly."""
-
-    eager = False
-
-    def __call__(self, x: Tensor, **kwargs) -> "Reduction":
-        if self.eager and compiled.takes(x):
-            with default_stance():
-                return super().__call__(x, **kwargs)
-        return super().__call__(x, **kwargs)
+    """The probe's :class:`Reducer` (the op's kernels put the compiled reductions in the default
+    ``torch.compile`` stance themselves while the model runs eagerly, :mod:`.reduction`)."""
 
 
 class ProbeRun:
     """The live state of one probe; ``stats`` converts the accumulated vectors once and caches."""
 
-    def __init__(self, model: nn.Module, options: ProbeOptions):
+    def __init__(self, model: nn.Module, options: ProbeOptions, named: dict[str, nn.Module] | None = None):
         self.model, self.options = model, options
         self.active = False
         self.completed = False  # the probed body ran to its end (set by probe)
@@ -136,7 +126,7 @@ class ProbeRun:
         self._flat: dict[str, Tensor] = {}
         self._tinylm = _is_tinylm(model)
         #: the SiLU gate inputs (``w1`` of each tinylm SwiGLU / SiLU MLP), counted in the flat region
-        self._gates = {f"{n}.w1" for n, m in model.named_modules()
+        self._gates = {f"{n}.w1" for n, m in (named or dict(model.named_modules())).items()
                        if isinstance(m, tinylm.SwiGLU) or (isinstance(m, tinylm.MLP) and m.activation == "silu")}
         #: reduces the hooks' tensors; one that reaches two hooks back to back is read once
         self.reducer = _Reducer()
@@ -460,13 +450,12 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     model = unwrap(model)
     options = options or ProbeOptions()
     points, stack, named = _points(model, options)
-    run = ProbeRun(model, options)
+    run = ProbeRun(model, options, named)
     state = _ModelState(model, named)
     with ExitStack() as owner:  # unwinds last-in first-out: the restore below runs last
         owner.callback(state.restore, options.restore_grads)
         owner.callback(_measure_params, run, state)
         owner.enter_context(eager())  # compiled graphs do not run the hooks: the model runs eagerly while probed
-        run.reducer.eager = True
         observers = _hook_points(run, points, stack, named, observed_attention(model, points), owner)
         if options.eval_mode:
             model.eval()

@@ -176,7 +176,8 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
             vec, ms = torch.ops.tinylm.summary(x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below,
                                                weight, kernel)
         parts = reduction.sizes(probs, cosine, inv_eps, below, weight)
-        got = dict(zip([k for k, _ in parts], vec.split([n for _, n in parts]))) if len(parts) > 1 else {"moments": vec}
+        got = dict(zip([k for k, _ in parts], vec.split_with_sizes([n for _, n in parts]))) if len(parts) > 1 \
+            else {"moments": vec}
         return Reduction(got["moments"], got.get("panel"), ms if rows else None, got.get("cosine"),
                          inv=got.get("inv"), below=got.get("below"), weighted=got.get("weighted"))
     mask = reference.causal_mask(x.shape[-1], x.device) if causal else None
@@ -272,7 +273,8 @@ def _merge(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
     if a.is_cpu and b.is_cpu:
         return torch.from_numpy(_merge_np(a.numpy(), b.numpy(), n, ext, largest))
     if compiled.available():
-        out = compiled.call(_merge_torch, a, b.to(a.device), n, ext, largest)
+        with reduction.compiling():  # the default stance, where a probe runs the model eagerly
+            out = compiled.call(_merge_torch, a, b.to(a.device), n, ext, largest)
         if out is not None:
             return out
     return _merge_torch(a, b, n, ext, largest)

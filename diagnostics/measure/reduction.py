@@ -32,6 +32,7 @@ and returns the same numbers (:mod:`.reference` defines them). The outputs, floa
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -55,6 +56,12 @@ def _stance() -> str:
     return getattr(holder, "stance", "default")
 
 
+def compiling():
+    """A context in which compiled functions run compiled: the default ``torch.compile`` stance
+    (entered only when another one is set: setting a stance costs more than a small reduction)."""
+    return default_stance() if _stance() != "default" else contextlib.nullcontext()
+
+
 #: the op's kernels: the numba reducer, the CUDA structure (compiled), plain torch ops
 NUMBA, CUDA, TORCH = 0, 1, 2
 
@@ -73,7 +80,7 @@ def route(x: Tensor) -> int | None:
     choice = chosen()
     if choice == "reference" or torch._C._functorch.is_functorch_wrapped_tensor(x):
         return None
-    if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.available() \
+    if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.importable() \
             and numba_reducer.has_memory(x):
         return NUMBA if numba_reducer.ready() else TORCH
     return CUDA

@@ -161,7 +161,7 @@ def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
     with torch.no_grad():
         vec = torch.ops.tinylm.sdpa_summary(q, k, attn_mask, is_causal, None if scale is None else float(scale), ROWS,
                                             signal)
-    parts = vec.split([10, 6, len(SIGNAL)] if signal else [10, 6])
+    parts = vec.split_with_sizes([10, 6, len(SIGNAL)] if signal else [10, 6])
     return parts[0], parts[1], parts[2] if signal else None
 
 
