@@ -148,3 +148,32 @@ def test_the_op_has_a_fake_kernel():
     assert vec.shape == (16,) and vec.dtype == torch.float64 and ms.shape == (0,)
     vec, ms = torch.ops.tinylm.summary(x, 0, False, True, True, 1e-5, -6.0, None, 0)
     assert vec.shape == (32,) and ms.shape == (4, 6)
+
+
+def test_a_cold_process_measures_with_torch_ops_while_numba_compiles_elsewhere(monkeypatch):
+    """An empty numba cache: the first call starts one background process and the op runs its
+    plain-torch kernel (the reference's numbers) until that process has finished; then numba."""
+    from diagnostics.measure import numba_reducer, reduction
+
+    started = []
+
+    class Proc:
+        code = None
+
+        def __init__(self, *args, **kwargs):
+            started.append(args)
+
+        def poll(self):
+            return Proc.code
+
+    monkeypatch.setenv("TINYLM_REDUCER", "auto")
+    monkeypatch.setattr(numba_reducer, "_ready", False)
+    monkeypatch.setattr(numba_reducer, "_warming", None)
+    monkeypatch.setattr(numba_reducer, "_cached", lambda k: False)
+    monkeypatch.setattr(numba_reducer.subprocess, "Popen", Proc)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    assert reduction.route(x) == reduction.TORCH and reduction.route(x) == reduction.TORCH
+    assert len(started) == 1
+    assert torch.equal(reduce(x).moments, reference.moments(x))
+    Proc.code = 0
+    assert reduction.route(x) == reduction.NUMBA and len(started) == 1

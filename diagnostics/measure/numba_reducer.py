@@ -114,7 +114,7 @@ def _build():
 def _cached(k) -> bool:
     """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
     try:
-        return all(os.path.exists(d._cache._index_path) for d in (k.serial_at, k.parallel_at))
+        return all(os.path.exists(d._cache._cache_file._index_path) for d in (k.serial_at, k.parallel_at))
     except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
         return True
 

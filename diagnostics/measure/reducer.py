@@ -5,15 +5,16 @@
     r = reduce(probs, causal=True, probs=True)   # r.panel: ATTN_FIELDS of the rows
     r = reduce(h, rows=True, cosine=True)    # r.row_ms: mean(x^2) per row; r.cosine: per-sequence cosines
 
-What each number means is :mod:`.reference` (plain torch, float64). Which code computes them
-is chosen per tensor, by device: a CPU tensor of float32, bf16 or fp16 goes to the numba
-reducer (:mod:`.numba_reducer`, one pass); any other (a GPU's; a CPU's where numba is missing)
-to the compiled reducer (:mod:`.compiled`), the same statistics written as row reductions that
-``torch.compile`` fuses into one pass; what neither takes (or when compilation fails: one
-warning) to the reference itself. ``TINYLM_REDUCER=reference`` sends everything to the
-reference (:mod:`.reducer_choice`). The tests hold both the numba and the compiled reducer to
-the reference (counts and max |x| exactly, mean and M2 to float64
-rounding). Either way the result is a
+What each number means is :mod:`.reference` (plain torch, float64). A plain tensor is reduced
+by one dispatched op, ``tinylm::summary`` (:mod:`.reduction`), which computes every part asked
+for (moments, panel, row mean squares, cosines, and the figures a probe site adds) from one
+read: its numba kernel (:mod:`.numba_reducer`) for a CPU tensor of float32, bf16 or fp16; its
+CUDA-structure kernel, the compiled reducer (:mod:`.compiled`, ``torch.compile``), for any other
+(a GPU's; a CPU's where numba is missing, or under ``TINYLM_REDUCER=cuda``); plain torch ops
+inside the same op while numba's cache is being filled or where compilation failed (one
+warning). ``TINYLM_REDUCER=reference`` sends everything to the reference, op by op
+(:mod:`.reducer_choice`). The tests hold both kernels to the reference (counts and max |x|
+exactly, mean and M2 to float64 rounding). Either way the result is a
 :class:`Reduction` of float64 tensors on ``x``'s device (row mean squares: float32, float64
 for float64 ``x``), with no device sync.
 
