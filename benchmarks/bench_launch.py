@@ -107,7 +107,7 @@ def watch_pair(model, tokens):
         return loss
 
     def plain():
-        float(loss_of())
+        float(loss_of().detach())
 
     def watched():
         with watch.step(t[0]):
