@@ -1,33 +1,34 @@
-"""One op per tensor: every statistic a probe site needs, as the registered custom op ``tinylm::summary``.
+"""One op per tensor: every statistic a probe site needs, as the registered op ``tinylm::summary``.
 
-    moments, panel, row_ms, cosine, extra = torch.ops.tinylm.summary(x, width, probs, rows, cosine,
-                                                                      inv_eps, below, weight)
+    vec, row_ms = torch.ops.tinylm.summary(x, width, probs, rows, cosine, inv_eps, below, weight, kernel)
 
 A probe that takes a site's statistics one torch op at a time dispatches tens of ops per
 tensor, each a kernel launch on a GPU. Here the whole request is one dispatched op, whatever
-its kernel does inside, with a fake kernel for tracing and two kernels behind it:
+its kernel does inside (registered for ``CompositeExplicitAutograd``: no autograd wrapper; a
+fake kernel for tracing and meta tensors). ``kernel`` (:func:`route` chooses it) is one of
 
-* the CPU kernel: the numba reducer (:mod:`.numba_reducer`: one read of the tensor) for CPU
+* :data:`NUMBA`: the numba reducer (:mod:`.numba_reducer`: one read of the tensor), for CPU
   float32, bf16 and fp16 tensors when ``TINYLM_REDUCER`` is ``auto``;
-* the CUDA-structure kernel: the compiled reducer (:mod:`.compiled`: the statistics as row
-  reductions that ``torch.compile`` fuses, one build per request shape and dtype, dynamic
-  sizes) for every other tensor, and for CPU tensors too under ``TINYLM_REDUCER=cuda``, so
-  that the CPU runs exactly the ops a GPU runs; where compilation failed, the same formulas
-  run eagerly (the plain-torch reference), inside the same op.
+* :data:`CUDA`: the CUDA structure, the compiled reducer (:mod:`.compiled`: the statistics as
+  row reductions that ``torch.compile`` fuses, one build per request shape and dtype, dynamic
+  sizes), for every other tensor and for CPU tensors too under ``TINYLM_REDUCER=cuda``, so that
+  the CPU runs exactly the ops a GPU runs; where compilation failed, the same formulas eagerly;
+* :data:`TORCH`: those formulas eagerly (plain torch), while numba's cache is being filled
+  (:func:`.numba_reducer.ready`).
 
-Either kernel runs in the default ``torch.compile`` stance (the probe runs the model eagerly)
-and returns the same numbers (:mod:`.reference` defines them). The outputs, float64 on
-``x``'s device (an empty tensor where not asked):
+Every kernel returns the same numbers (:mod:`.reference` defines them), the compiled ones in
+the default ``torch.compile`` stance (a probe runs the model in the eager one). ``vec`` is
+float64 on ``x``'s device, the parts asked for in this order (:func:`sizes`):
 
-* ``moments``: :data:`.reference.FIELDS` of the entries (``width`` = T > 0: of the causal
-  entries of (..., T, T) matrices);
-* ``panel``: :data:`.reference.ATTN_FIELDS` of attention probabilities (``probs``, causal);
-* ``row_ms``: mean(x^2) over the last dimension, float32 (float64 for float64 ``x``) (``rows``);
-* ``cosine``: FIELDS of each sequence's mean cosine between its rows (``cosine``);
-* ``extra``, in this order, each when asked: FIELDS of 1 / (row_ms + ``inv_eps``) (``inv_eps``
-  >= 0; needs ``rows``), [count of entries < ``below``, entries] (``below`` finite), FIELDS
-  of row_ms * ``weight`` (``weight`` given: one factor per row; needs ``rows``), each
-  computed in the precision the probe always used (row_ms and the products in float32).
+* FIELDS of the entries (``width`` = T > 0: of the causal entries of (..., T, T) matrices);
+* ATTN_FIELDS of attention probabilities (``probs``, causal);
+* FIELDS of each sequence's mean cosine between its rows (``cosine``);
+* FIELDS of 1 / (row_ms + ``inv_eps``) (``inv_eps`` >= 0; needs ``rows``);
+* [entries < ``below``, entries] (``below`` finite);
+* FIELDS of row_ms * ``weight`` (``weight`` given: one factor per row; needs ``rows``),
+
+row_ms and its products in float32 (as the probe always took them). ``row_ms``: mean(x^2) over
+the last dimension, float32 (float64 for float64 ``x``) with ``rows``, else empty.
 """
 
 from __future__ import annotations
