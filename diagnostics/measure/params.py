@@ -13,7 +13,7 @@ from torch import Tensor, nn
 import tinylm
 from tinylm.init import declare
 
-from . import sharded
+from . import reduction, sharded
 from .moments import ParamStats
 from .reducer import reduce
 
@@ -112,12 +112,16 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     # them at once (FIELDS: n_total, count, mean, m2, ...); a parameter with a non-finite entry
     # has no std (NaN), a gradient's std is over its finite entries
     have = [g is not None and g.numel() > 0 for g in glist]
-    vecs = sharded.moments(plist + [g for g, h in zip(glist, have) if h], lambda t: reduce(t).moments)
-    home = next((v.device for v in vecs if v is not None), None)  # None: not measured (NaN)
-    vecs = [torch.full((10,), math.nan, dtype=torch.float64, device=home) if v is None else v for v in vecs]
+    tensors = plist + [g for g, h in zip(glist, have) if h]
+    v = reduction.many(tensors)  # all of them in one op where one kernel takes them all
+    if v is None:
+        vecs = sharded.moments(tensors, lambda t: reduce(t).moments)
+        home = next((v.device for v in vecs if v is not None), None)  # None: not measured (NaN)
+        vecs = [torch.full((10,), math.nan, dtype=torch.float64, device=home) if v is None else v for v in vecs]
+        v = torch.stack(vecs) if vecs else None
     values = []
-    if vecs:
-        v = torch.stack(vecs)
+    if v is not None:
+        vecs = v
         nf = (v[:, 0] - v[:, 1]) / v[:, 0].clamp(min=1.0)
         std = (v[:, 3] / v[:, 1].clamp(min=1.0)).sqrt()
         std = torch.where((nf > 0) & (torch.arange(len(vecs), device=v.device) < len(plist)), math.nan, std)

@@ -37,6 +37,7 @@ import contextlib
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -44,7 +45,7 @@ from . import compiled, numba_reducer, reference
 from .reducer_choice import chosen
 from .wrappers import default_stance
 
-__all__ = ["route", "sizes", "DTYPES"]
+__all__ = ["route", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
 
 #: the dtypes the op reduces
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -186,3 +187,35 @@ def _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, compile_: bool 
         if extra is None:
             extra = _extras(x, ms, inv_eps, below, weight)
     return mom, panel, ms if rows else None, cos, extra
+
+
+_LIB.define("summaries(Tensor[] xs, int kernel) -> Tensor")
+
+
+def _many_kernel(xs: list[Tensor], kernel: int) -> Tensor:
+    """(N, 10): the FIELDS vector of every tensor of ``xs``, each by ``kernel``."""
+    with torch._C.DisableTorchFunction():
+        if kernel == NUMBA:
+            return torch.from_numpy(np.stack([numba_reducer.summary(x) for x in xs]))
+        return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0] for x in xs])
+
+
+_LIB.impl("summaries", _many_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::summaries", lib=_LIB)
+def _(xs, kernel):
+    return xs[0].new_empty((len(xs), 10), dtype=torch.float64)
+
+
+def many(xs: list[Tensor]) -> Tensor | None:
+    """(N, 10) float64: the moments of every tensor of ``xs`` from one dispatched op,
+    ``tinylm::summaries`` (one kernel call per tensor inside), or None where they do not all
+    take the same kernel on one device (the caller reduces them one by one)."""
+    if not xs:
+        return None
+    kinds = {route(x) for x in xs}
+    if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
+        return None
+    with torch.no_grad():
+        return torch.ops.tinylm.summaries(xs, kinds.pop())
