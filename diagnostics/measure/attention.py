@@ -39,6 +39,7 @@ import tinylm
 
 from . import reducer
 from .reducer import merge_attention_vectors, merge_vectors
+from .reducer_choice import chosen
 from .reference import FIELDS
 
 __all__ = ["statistics", "forward_statistics", "backward_statistics", "AttentionObserver", "observed_attention",
@@ -60,14 +61,20 @@ def _flat(t: Tensor) -> Tensor:
     return t.detach().reshape(-1, t.shape[-2], t.shape[-1])
 
 
+def _cpu_structure(device: torch.device) -> bool:
+    """Whether work on ``device`` is cut as for a CPU: a CPU tensor, unless ``TINYLM_REDUCER=cuda``
+    (or ``compiled``) asks for the structure CUDA tensors get."""
+    return device.type == "cpu" and chosen() not in ("cuda", "compiled")
+
+
 def _chunk(N: int, T: int, device: torch.device = torch.device("cpu")) -> int:
     """The largest divisor n of N with n T^2 <= CHUNK (CHUNK_DEVICE off the CPU), at least 1."""
-    most = max(1, (CHUNK if device.type == "cpu" else CHUNK_DEVICE) // max(T * T, 1))
+    most = max(1, (CHUNK if _cpu_structure(device) else CHUNK_DEVICE) // max(T * T, 1))
     return max(n for n in range(1, min(N, most) + 1) if N % n == 0)
 
 
 def _blocks(T: int, device: torch.device, block: int | None) -> list[tuple[int, int]]:
-    size = block if block is not None else (BLOCK if device.type == "cpu" else T)
+    size = block if block is not None else (BLOCK if _cpu_structure(device) else T)
     size = max(1, min(size, T))
     return [(r0, min(r0 + size, T)) for r0 in range(0, T, size)]
 
@@ -199,6 +206,67 @@ def _add(out: dict, want: dict, S: Tensor, P: Tensor | None, G: Tensor | None, D
             out["panel"] = _merge(out["panel"], r.panel, merge_attention_vectors)
 
 
+#: the parts of :func:`statistics` in the order the op ``tinylm::attention_summary`` lays them out
+PARTS = (("scores", 10), ("probs", 10), ("panel", 6), ("scores_grad", 10), ("probs_grad", 10))
+
+_LIB = torch.library.Library("tinylm", "FRAGMENT")
+_LIB.define("attention_summary(Tensor q, Tensor k, Tensor? v, Tensor? grad, bool scores, bool probs, bool panel, "
+            "bool forward) -> Tensor")
+
+
+def _summary_kernel(q, k, v, grad, scores, probs, panel, forward):
+    """:func:`statistics` as one vector (the parts of :data:`PARTS` asked, in order)."""
+    with torch._C.DisableTorchFunction():
+        got = statistics(q, k, v, grad, scores=scores, probs=probs, panel=panel, forward=forward)
+        return torch.cat([got[key] for key, _ in PARTS if got[key] is not None])
+
+
+_LIB.impl("attention_summary", _summary_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::attention_summary", lib=_LIB)
+def _(q, k, v, grad, scores, probs, panel, forward):
+    return q.new_empty((sum(n for key, n in PARTS if _asked(key, grad is not None, scores, probs, panel, forward)),),
+                       dtype=torch.float64)
+
+
+def _asked(key: str, backward: bool, scores: bool, probs: bool, panel: bool, forward: bool) -> bool:
+    backward = backward and (scores or probs)
+    return {"scores": forward and scores, "probs": forward and probs, "panel": forward and probs and panel,
+            "scores_grad": backward and scores, "probs_grad": backward and probs}[key]
+
+
+def summary(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | None = None, *, scores: bool = True,
+            probs: bool = True, panel: bool = True, forward: bool = True) -> dict[str, Tensor | None]:
+    """:func:`statistics` (default blocks) from one dispatched op, ``tinylm::attention_summary``:
+    the same dict, its vectors views of the op's one output (one ``split``)."""
+    with torch.no_grad():
+        vec = torch.ops.tinylm.attention_summary(q, k, v, grad, scores, probs, panel, forward)
+    keys = [(key, n) for key, n in PARTS if _asked(key, grad is not None and v is not None, scores, probs, panel,
+                                                  forward)]
+    out: dict[str, Tensor | None] = {key: None for key, _ in PARTS}
+    if len(keys) == 1:
+        out[keys[0][0]] = vec
+    elif keys:
+        out.update(zip([key for key, _ in keys], vec.split_with_sizes([n for _, n in keys])))
+    return out
+
+
+_HELD: dict = {}
+
+
+def _held(device: torch.device) -> tuple[Tensor, Tensor]:
+    """(FIELDS of no entries, ATTN_FIELDS of no rows) on ``device``: made once per device and
+    shared by every place held (never changed in place: a merge makes a new vector)."""
+    got = _HELD.get(device)
+    if got is None:
+        none = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+        no_rows = torch.zeros(6, dtype=torch.float64, device=device)
+        no_rows[3] = math.inf  # a fill on the device, no host copy
+        got = _HELD[device] = (none, no_rows)
+    return got
+
+
 class AttentionObserver:
     """The observer (:meth:`tinylm.MultiHeadSelfAttention.register_observer`) that measures the
     tinylm attention ``name``'s ``{name}.scores`` and ``{name}.probs`` (the leaves in ``want``).
@@ -236,7 +304,8 @@ class AttentionObserver:
             for leaf in ("scores", "probs"):
                 if getattr(self, leaf):
                     self._register(leaf, q.device, later)
-            entry = {"q": q.detach(), "k": k.detach(), "v": v.detach(), "forward": True}
+            # kept as they are until the gradient comes (the graph holds them until then anyway)
+            entry = {"q": q, "k": k, "v": v, "forward": True}
             if later:
                 self.pending.append(entry)
                 heads.register_hook(self._hook(entry))
@@ -268,12 +337,11 @@ class AttentionObserver:
         if key == run.order[0]:
             run.steps += 1
         if hold and (key, "forward") not in run._vec:
-            run._vec[(key, "forward")] = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
+            none, no_rows = _held(device)
+            run._vec[(key, "forward")] = none
             self.held.add(("vec", (key, "forward")))
             if leaf == "probs" and run.options.attention and key not in run._attn:
-                empty = torch.zeros(6, dtype=torch.float64, device=device)  # ATTN_FIELDS of no rows
-                empty[3] = math.inf  # a fill on the device, no host copy
-                run._attn[key] = empty
+                run._attn[key] = no_rows
                 self.held.add(("attn", key))
 
     def _record(self, which: str, key, vec: Tensor | None) -> None:
@@ -288,8 +356,8 @@ class AttentionObserver:
             self.run._add(store, key, vec, merge)
 
     def _measure(self, entry: dict, grad: Tensor | None) -> None:
-        got = statistics(entry["q"], entry["k"], entry["v"], grad, scores=self.scores, probs=self.probs,
-                                   panel=self.run.options.attention, forward=entry.pop("forward", False))
+        got = summary(entry["q"], entry["k"], entry["v"], grad, scores=self.scores, probs=self.probs,
+                      panel=self.run.options.attention, forward=entry.pop("forward", False))
         s, p = f"{self.name}.scores", f"{self.name}.probs"
         self._record("vec", (s, "forward"), got["scores"])
         self._record("vec", (p, "forward"), got["probs"])

@@ -39,12 +39,16 @@ to the reference).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import torch as _torch
 
 from .reducer_choice import chosen
 
-__all__ = ["available", "takes", "has_memory", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
+__all__ = ["available", "importable", "takes", "has_memory", "ready", "warm", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
@@ -57,15 +61,20 @@ _PLAIN = (_torch.Tensor, _torch.nn.Parameter)
 
 _loops = None
 _checked: bool | None = None
+_ready = False
+_warming = None  # the process filling numba's cache while this one measures with torch ops
 
 
 def available() -> bool:
     """True when this reducer can run: numba importable and ``TINYLM_REDUCER`` ``auto`` (the other
     choices send CPU tensors to the compiled reducer or the reference; the variable is read on
     every call, so that it can be switched between calls)."""
+    return chosen() == "auto" and importable()
+
+
+def importable() -> bool:
+    """Whether numba imports (asked once per process)."""
     global _checked
-    if chosen() != "auto":
-        return False
     if _checked is None:
         try:
             import numba  # noqa: F401
@@ -100,6 +109,52 @@ def _build():
         from . import _numba
         _loops = _numba
     return _loops
+
+
+def _cached(k) -> bool:
+    """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
+    try:
+        return all(os.path.exists(d._cache._cache_file._index_path) for d in (k.serial_at, k.parallel_at))
+    except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
+        return True
+
+
+def ready() -> bool:
+    """Whether the loops run now without compiling them in this process: numba's cache holds
+    them, or the process started to fill it (:func:`warm`, in the background on the first call
+    that found the cache empty) has finished (if it failed, the loops compile here at first
+    use). While it runs, the probe measures CPU tensors with torch ops (the same numbers to
+    float64 rounding), so a fresh install's first measurement does not wait for the compiler."""
+    global _ready, _warming
+    if _ready:
+        return True
+    if _warming is not None:
+        if _warming.poll() is None:
+            return False
+        _warming = None
+        _ready = True
+        return True
+    if _cached(_build()):
+        _ready = True
+        return True
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    try:
+        _warming = subprocess.Popen([sys.executable, "-c", "from diagnostics.measure import numba_reducer as n; n.warm()"],
+                                    env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:  # no process to spare: compile here
+        _ready = True
+        return True
+    return False
+
+
+def warm() -> None:
+    """Compile every loop the reducer enters by (into numba's on-disk cache)."""
+    x = _torch.randn(2, 8, 8)
+    summary(x), summary(x, 8), summary(x.softmax(-1), 8, probs=True), summary_rows(x), summary_rows(x, True)
+    k = _build()
+    k.parallel_at(x.data_ptr(), x.numel(), 0, 0, False, 0, 2)
 
 
 def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:

@@ -45,17 +45,16 @@ import torch
 from torch import Tensor, nn
 
 import tinylm
-from tinylm.init import declare
 
 from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
-from . import compiled, sharded
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .eager_attention import EagerAttentionWatch
 from .signals import Signals
 from .sites import model_sites
-from .wrappers import default_stance, eager, unwrap
+from .params import param_stats, spectral_stats  # noqa: F401  (public here as before)
+from .wrappers import eager, unwrap
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats", "FLAT_EDGE"]
 
@@ -89,129 +88,6 @@ def _causal(kind: str, t: Tensor) -> bool:
     return kind in _CAUSAL_KINDS and t.dim() >= 2 and t.shape[-1] == t.shape[-2]
 
 
-@torch.no_grad()
-def spectral_stats(w: Tensor) -> tuple[float, float]:
-    """(sigma_max(W), stable rank ||W||_F^2 / sigma_max^2) of a matrix, from its Gram matrix.
-
-    The eigenvalues of G = W^T W (or W W^T, whichever is k x k with k = min(m, n)) are the
-    squared singular values, so sigma_max^2 = lambda_max(G) and ||W||_F^2 = trace(G). One
-    GEMM (in float32, at least) and a k x k ``eigvalsh`` in float64 replace a full SVD (a k x k
-    eigenproblem instead of an m x n decomposition), agreeing with float64 ``svdvals`` to about
-    7 digits. The Gram product's rounding (about sqrt(max(m, n)) ulp) stays far below what a
-    diagnosis reads. A Gram product that overflowed or underflowed in float32 is formed again
-    from W scaled by its largest |entry|, so weights of any finite scale get their figures.
-
-    A figure that cannot be computed (non-finite weights, an eigensolver that does not converge)
-    is NaN, never an error: the rest of the measurement stands.
-    """
-    x = w.detach().to(torch.promote_types(w.dtype, torch.float32))
-    gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T  # (k, k)
-    scale = 1.0
-    largest = float(gram.diagonal().amax()) if gram.numel() else 0.0  # the largest squared row/column norm
-    if not (1e-30 < largest < 1e30):  # overflowed, underflowed, zero or not finite: scale by max |w|, once more
-        scale = float(torch.linalg.vector_norm(x, ord=math.inf)) if x.numel() else 0.0
-        if not math.isfinite(scale):
-            return math.nan, math.nan
-        if scale == 0.0:
-            return 0.0, 0.0
-        x = x / scale
-        gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T
-    # The eigenproblem runs on one thread: its tridiagonal reduction synchronises the threads at
-    # every column, so a second thread gains little and a busy core stalls it many times over.
-    threads = torch.get_num_threads()
-    try:
-        if threads != 1:
-            torch.set_num_threads(1)
-        ev = torch.linalg.eigvalsh(gram.double())  # ascending
-    except RuntimeError:  # torch.linalg.LinAlgError: no convergence
-        return math.nan, math.nan
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-    top = float(ev[-1].clamp(min=0.0))
-    return math.sqrt(top) * scale, (float(ev.clamp(min=0.0).sum()) / top if top > 0 else 0.0)
-
-
-_DECLARED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _declared(model: nn.Module) -> dict:
-    """``declare(model, model.config.init)`` ({} without a declared scheme), cached per model
-    while its scheme and parameter shapes stay the same (the declarations depend on nothing else)."""
-    config = getattr(model, "config", None)
-    init = getattr(config, "init", None)
-    if not isinstance(init, str):
-        return {}
-    key = (init, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
-    hit = _DECLARED.get(model)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    try:
-        decl = declare(model, init)
-    except tinylm.TinyLMError:
-        decl = {}
-    _DECLARED[model] = (key, decl)
-    return decl
-
-
-@torch.no_grad()
-def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tensor | None] | None = None
-                ) -> dict[str, ParamStats]:
-    """Per-parameter statistics (tied parameters once), with declared std from ``model.config.init``.
-
-    std = sqrt(mean((w - mean w)^2)), accumulated in float64 by :func:`reduce` (NaN when
-    any entry is non-finite; the non-finite fraction says how many); grad_std likewise over
-    the finite entries of ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank =
-    sum sigma^2 / sigma_max^2 (:func:`spectral_stats`), for 2-D finite parameters when ``spectral``.
-    A sharded parameter (DTensor) is measured from its local shards, all parameters and gradients
-    merged over their mesh in one collective (:func:`.sharded.moments`); its spectral figures need
-    the full matrix and are not measured (``note`` says so). Every rank must call this alike.
-    """
-    decl = _declared(model)
-    names, plist, glist = [], [], []
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        names.append(name)
-        plist.append(p)
-        glist.append(grads.get(name) if grads is not None else p.grad)
-    # one summary per parameter and per gradient, then std and non-finite fraction of all of
-    # them at once (FIELDS: n_total, count, mean, m2, ...); a parameter with a non-finite entry
-    # has no std (NaN), a gradient's std is over its finite entries
-    have = [g is not None and g.numel() > 0 for g in glist]
-    vecs = sharded.moments(plist + [g for g, h in zip(glist, have) if h], lambda t: reduce(t).moments)
-    home = next((v.device for v in vecs if v is not None), None)  # None: not measured (NaN)
-    vecs = [torch.full((10,), math.nan, dtype=torch.float64, device=home) if v is None else v for v in vecs]
-    values = []
-    if vecs:
-        v = torch.stack(vecs)
-        nf = (v[:, 0] - v[:, 1]) / v[:, 0].clamp(min=1.0)
-        std = (v[:, 3] / v[:, 1].clamp(min=1.0)).sqrt()
-        std = torch.where((nf > 0) & (torch.arange(len(vecs), device=v.device) < len(plist)), math.nan, std)
-        flat = torch.stack([std, nf], 1).tolist()
-        gi = iter(flat[len(plist):])
-        for (pstd, pnf), h in zip(flat[:len(plist)], have):
-            gstd, gnf = next(gi) if h else (math.nan, math.nan)
-            values.append((pstd, pnf, gstd, gnf))
-    out: dict[str, ParamStats] = {}
-    for name, p, g, (std, nf, gstd, gnf) in zip(names, plist, glist, values):
-        spec = srank = None
-        full = sharded.whole(p)  # None: sharded, the matrix is on several ranks
-        if spectral and p.dim() == 2 and nf == 0.0 and p.numel() and full is not None:
-            spec, srank = spectral_stats(full)
-        d = decl.get(name)
-        out[name] = ParamStats(
-            shape=tuple(p.shape), std=std, grad_std=None if g is None else gstd, frac_nonfinite=nf,
-            grad_frac_nonfinite=None if g is None else gnf,
-            declared_std=d.actual_std if d is not None else None, declared=d.describe() if d is not None else "",
-            spectral_norm=spec, stable_rank=srank,
-            note=sharded.NOT_MEASURED_SPECTRAL if spectral and p.dim() == 2 and full is None else "",
-        )
-    return out
-
-
 def _as_lists(*stores: dict) -> list[dict]:
     """Each store of vectors (float64 tensors) as {key: vector as a list of floats}, moved to the
     host in one transfer per device (one ``.tolist()`` of all the vectors concatenated), so the
@@ -220,7 +96,8 @@ def _as_lists(*stores: dict) -> list[dict]:
     out: list[dict] = [{} for _ in stores]
     for device in dict.fromkeys(v.device for _, _, v in flat):
         part = [(i, k, v) for i, k, v in flat if v.device == device]
-        values = torch.cat([v.reshape(-1).double() for _, _, v in part]).tolist()
+        values = torch.cat([v if v.dim() == 1 and v.dtype == torch.float64 else v.reshape(-1).double()
+                            for _, _, v in part]).tolist()
         at = 0
         for i, k, v in part:
             out[i][k] = values[at:at + v.numel()]
@@ -229,23 +106,14 @@ def _as_lists(*stores: dict) -> list[dict]:
 
 
 class _Reducer(Reducer):
-    """The probe's :class:`Reducer`: while the model runs eagerly (``eager`` True, see
-    :mod:`.wrappers`), a tensor that goes to the compiled reductions (:func:`.compiled.takes`)
-    is reduced by them as compiled, not eagerly."""
-
-    eager = False
-
-    def __call__(self, x: Tensor, **kwargs) -> "Reduction":
-        if self.eager and compiled.takes(x):
-            with default_stance():
-                return super().__call__(x, **kwargs)
-        return super().__call__(x, **kwargs)
+    """The probe's :class:`Reducer` (the op's kernels put the compiled reductions in the default
+    ``torch.compile`` stance themselves while the model runs eagerly, :mod:`.reduction`)."""
 
 
 class ProbeRun:
     """The live state of one probe; ``stats`` converts the accumulated vectors once and caches."""
 
-    def __init__(self, model: nn.Module, options: ProbeOptions):
+    def __init__(self, model: nn.Module, options: ProbeOptions, named: dict[str, nn.Module] | None = None):
         self.model, self.options = model, options
         self.active = False
         self.completed = False  # the probed body ran to its end (set by probe)
@@ -258,7 +126,7 @@ class ProbeRun:
         self._flat: dict[str, Tensor] = {}
         self._tinylm = _is_tinylm(model)
         #: the SiLU gate inputs (``w1`` of each tinylm SwiGLU / SiLU MLP), counted in the flat region
-        self._gates = {f"{n}.w1" for n, m in model.named_modules()
+        self._gates = {f"{n}.w1" for n, m in (named or dict(model.named_modules())).items()
                        if isinstance(m, tinylm.SwiGLU) or (isinstance(m, tinylm.MLP) and m.activation == "silu")}
         #: reduces the hooks' tensors; one that reaches two hooks back to back is read once
         self.reducer = _Reducer()
@@ -303,23 +171,22 @@ class ProbeRun:
         rows = self._wants_rows(kind, "forward", out)
         cosine = rows and kind != "resid_mid" and out.dim() >= 3  # a block's input or output
         probs = kind == "attn_probs" and self.options.attention and out.dim() >= 2
-        r = self.reducer(out, causal=causal, probs=probs, rows=rows, cosine=cosine)
+        gate = name in self._gates
+        # one reduction: the moments and every figure this site adds (the inverse row mean
+        # squares of a residual point, the gate's flat-region count)
+        r = self.reducer(out, causal=causal, probs=probs, rows=rows, cosine=cosine,
+                         inv_eps=float(self.model.config.eps) if rows else -1.0, below=FLAT_EDGE if gate else math.nan)
         self._add(self._vec, (name, "forward"), r.moments, merge_vectors)
         if self.signals is not None:
             self.signals.forward(name, kind, out, r.moments)
         if probs:
             self._add(self._attn, name, r.panel, merge_attention_vectors)
-        if name in self._gates:
-            with torch.no_grad():
-                flat = torch.stack([(out.detach() < FLAT_EDGE).sum(), torch.tensor(out.numel(), device=out.device)])
-            self._add(self._flat, name, flat.double(), torch.add)
+        if gate:
+            self._add(self._flat, name, r.below, torch.add)
         if cosine:
             self._add(self._cos, name, r.cosine, merge_vectors)
         if rows:
-            with torch.no_grad():
-                # reciprocal_ on the fresh sum: `1.0 / t` goes through a Python wrapper and two ops
-                self._add(self._inv, name, reduce((r.row_ms + self.model.config.eps).reciprocal_()).moments,
-                          merge_vectors)
+            self._add(self._inv, name, r.inv, merge_vectors)
         if self.options.backward and out.requires_grad:
             self._targets(out).append((name, kind, None))
 
@@ -352,13 +219,20 @@ class ProbeRun:
             if not self.active:
                 return None
             t0 = time.perf_counter()
-            with torch.no_grad():
-                for name, kind, inv in targets:
-                    if inv is not None:  # the norm's factor: its per-token mean squares, weighed
-                        self._add(self._normb, name, reduce(self._row_ms(grad) * inv).moments, merge_vectors)
-                        continue
-                    r = self.reducer(grad, causal=_causal(kind, grad), rows=self._wants_rows(kind, "backward", grad))
-                    self._add(self._vec, (name, "backward"), r.moments, merge_vectors)
+            weights = {name: inv for name, kind, inv in targets if inv is not None}
+            done = set()  # norms whose weighted figure came with their gradient's reduction
+            for name, kind, inv in targets:
+                if inv is not None:  # the norm's factor: weighed with its per-token mean squares below
+                    if name not in done:
+                        self._add(self._normb, name, self.reducer(grad, rows=True, weight=inv).weighted, merge_vectors)
+                    continue
+                weight = weights.get(name) if kind == "norm" else None
+                r = self.reducer(grad, causal=_causal(kind, grad), rows=self._wants_rows(kind, "backward", grad),
+                                 weight=weight)
+                self._add(self._vec, (name, "backward"), r.moments, merge_vectors)
+                if r.weighted is not None and weight is not None:
+                    self._add(self._normb, name, r.weighted, merge_vectors)
+                    done.add(name)
             self.seconds += time.perf_counter() - t0
             return None
         return hook
@@ -576,13 +450,12 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
     model = unwrap(model)
     options = options or ProbeOptions()
     points, stack, named = _points(model, options)
-    run = ProbeRun(model, options)
+    run = ProbeRun(model, options, named)
     state = _ModelState(model, named)
     with ExitStack() as owner:  # unwinds last-in first-out: the restore below runs last
         owner.callback(state.restore, options.restore_grads)
         owner.callback(_measure_params, run, state)
         owner.enter_context(eager())  # compiled graphs do not run the hooks: the model runs eagerly while probed
-        run.reducer.eager = True
         observers = _hook_points(run, points, stack, named, observed_attention(model, points), owner)
         if options.eval_mode:
             model.eval()

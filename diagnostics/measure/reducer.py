@@ -5,15 +5,16 @@
     r = reduce(probs, causal=True, probs=True)   # r.panel: ATTN_FIELDS of the rows
     r = reduce(h, rows=True, cosine=True)    # r.row_ms: mean(x^2) per row; r.cosine: per-sequence cosines
 
-What each number means is :mod:`.reference` (plain torch, float64). Which code computes them
-is chosen per tensor, by device: a CPU tensor of float32, bf16 or fp16 goes to the numba
-reducer (:mod:`.numba_reducer`, one pass); any other (a GPU's; a CPU's where numba is missing)
-to the compiled reducer (:mod:`.compiled`), the same statistics written as row reductions that
-``torch.compile`` fuses into one pass; what neither takes (or when compilation fails: one
-warning) to the reference itself. ``TINYLM_REDUCER=reference`` sends everything to the
-reference (:mod:`.reducer_choice`). The tests hold both the numba and the compiled reducer to
-the reference (counts and max |x| exactly, mean and M2 to float64
-rounding). Either way the result is a
+What each number means is :mod:`.reference` (plain torch, float64). A plain tensor is reduced
+by one dispatched op, ``tinylm::summary`` (:mod:`.reduction`), which computes every part asked
+for (moments, panel, row mean squares, cosines, and the figures a probe site adds) from one
+read: its numba kernel (:mod:`.numba_reducer`) for a CPU tensor of float32, bf16 or fp16; its
+CUDA-structure kernel, the compiled reducer (:mod:`.compiled`, ``torch.compile``), for any other
+(a GPU's; a CPU's where numba is missing, or under ``TINYLM_REDUCER=cuda``); plain torch ops
+inside the same op while numba's cache is being filled or where compilation failed (one
+warning). ``TINYLM_REDUCER=reference`` sends everything to the reference, op by op
+(:mod:`.reducer_choice`). The tests hold both kernels to the reference (counts and max |x|
+exactly, mean and M2 to float64 rounding). Either way the result is a
 :class:`Reduction` of float64 tensors on ``x``'s device (row mean squares: float32, float64
 for float64 ``x``), with no device sync.
 
@@ -36,6 +37,7 @@ is read again).
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import NamedTuple
 
@@ -46,7 +48,7 @@ from torch import Tensor
 from tinylm.validate import check, refuse
 
 from ..options import OptionsError
-from . import compiled, numba_reducer, reference, sharded
+from . import compiled, reduction, reference, sharded
 from .reference import ATTN_FIELDS, FIELDS
 
 __all__ = ["Reduction", "reduce", "Reducer", "plain", "merge_vectors", "merge_attention_vectors", "FIELDS",
@@ -60,13 +62,18 @@ class Reduction(NamedTuple):
     row_ms: mean(x^2) over the last dimension, shape ``x.shape[:-1]``. cosine: (10,) float64,
     :data:`FIELDS` of each sequence's mean cosine between its different rows. measured: False when
     the tensor could not be read (see the module docstring): every vector then counts no entries
-    (the panel's minimum entropy inf, row mean squares NaN), so merging it changes nothing."""
+    (the panel's minimum entropy inf, row mean squares NaN), so merging it changes nothing.
+    inv: FIELDS of 1 / (row_ms + inv_eps); below: (2,) [entries < below, entries]; weighted:
+    FIELDS of row_ms * weight (:func:`reduce`'s ``inv_eps``, ``below``, ``weight``)."""
 
     moments: Tensor
     panel: Tensor | None = None
     row_ms: Tensor | None = None
     cosine: Tensor | None = None
     measured: bool = True
+    inv: Tensor | None = None
+    below: Tensor | None = None
+    weighted: Tensor | None = None
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -144,7 +151,8 @@ def _check(x: Tensor, causal: bool, probs: bool, rows: bool) -> None:
 
 
 def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
-           cosine: bool = False) -> Reduction:
+           cosine: bool = False, inv_eps: float = -1.0, below: float = math.nan,
+           weight: Tensor | None = None) -> Reduction:
     """The statistics of ``x`` that :mod:`.reference` defines, as a :class:`Reduction`.
 
     ``causal``: ``x`` is (..., T, T) and only the entries on and below each diagonal are
@@ -152,30 +160,44 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     probabilities ``x`` (entries above the diagonal taken as 0 when ``causal``). ``rows``: also
     mean(x^2) over the last dimension. ``cosine``: also the moments of each sequence's mean
     cosine between its rows (sequences: ``x.shape[-2]`` rows of ``x.shape[-1]`` entries).
-    Raises OptionsError for a tensor these do not fit; a tensor whose memory cannot be read
-    is measured through its parts or not at all (module docstring: ``measured``)."""
+    ``inv_eps`` >= 0 (with ``rows``): also the moments of 1 / (row_ms + inv_eps); ``below``
+    (finite): also [entries < below, entries]; ``weight`` (with ``rows``; one factor per row):
+    also the moments of row_ms * weight. A plain tensor is reduced by one dispatched op
+    (:mod:`.reduction`). Raises OptionsError for a tensor these do not fit; a tensor whose
+    memory cannot be read is measured through its parts or not at all (module docstring:
+    ``measured``)."""
     _check(x, causal, probs, rows)
     readable = plain(x)
     if readable is None:
         return _unplain(x, causal, probs, rows, cosine)
     x = readable
-    if numba_reducer.takes(x) and numba_reducer.has_memory(x):
-        if not (rows or cosine) and (causal or not probs):
-            v = numba_reducer.summary(x, x.shape[-1] if causal else None, probs=probs)
-            if probs:  # numpy slices: slicing a tensor costs more than the small reductions
-                return Reduction(torch.from_numpy(v[:len(FIELDS)]), torch.from_numpy(v[len(FIELDS):]))
-            return Reduction(torch.from_numpy(v))
-        if not (causal or probs) and x.shape[-1] > 0:
-            vec, rowsq, cos = numba_reducer.summary_rows(x, cosine)
-            ms = torch.from_numpy(rowsq / x.shape[-1]).float() if rows else None
-            return Reduction(torch.from_numpy(vec), None, ms, torch.from_numpy(cos) if cosine else None)
-    if compiled.takes(x):
-        parts = compiled.reduce(x, causal, probs, rows, cosine)
-        if parts is not None:
-            return Reduction(*parts)
+    kernel = reduction.route(x) if (causal or not probs) else None  # a panel of full rows: plain torch below
+    if kernel is not None:
+        with torch.no_grad():
+            vec, ms = torch.ops.tinylm.summary(x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below,
+                                               weight, kernel)
+        parts = reduction.sizes(probs, cosine, inv_eps, below, weight)
+        got = dict(zip([k for k, _ in parts], vec.split_with_sizes([n for _, n in parts]))) if len(parts) > 1 \
+            else {"moments": vec}
+        return Reduction(got["moments"], got.get("panel"), ms if rows else None, got.get("cosine"),
+                         inv=got.get("inv"), below=got.get("below"), weighted=got.get("weighted"))
     mask = reference.causal_mask(x.shape[-1], x.device) if causal else None
-    return Reduction(reference.moments(x, mask), reference.panel(x, causal) if probs else None,
-                     reference.row_mean_squares(x) if rows else None, reference.cosines(x) if cosine else None)
+    r = Reduction(reference.moments(x, mask), reference.panel(x, causal) if probs else None,
+                  reference.row_mean_squares(x) if rows or weight is not None or inv_eps >= 0 else None,
+                  reference.cosines(x) if cosine else None)
+    return _with_extra(r, inv_eps, below, weight, x)
+
+
+def _with_extra(r: Reduction, inv_eps: float, below: float, weight: Tensor | None, x: Tensor) -> Reduction:
+    """``r`` with its ``inv``, ``below`` and ``weighted`` parts, computed with torch ops."""
+    parts = {}
+    if inv_eps >= 0:
+        parts["inv"] = reference.moments((r.row_ms + inv_eps).reciprocal())
+    if math.isfinite(below):
+        parts["below"] = torch.stack([(x.detach() < below).sum(), torch.tensor(x.numel(), device=x.device)]).double()
+    if weight is not None:
+        parts["weighted"] = reference.moments(r.row_ms * weight.reshape(r.row_ms.shape))
+    return r._replace(**parts)
 
 
 class Reducer:
@@ -189,27 +211,33 @@ class Reducer:
         check("size", size, lambda v: isinstance(v, int) and v >= 1, "be a positive int (the tensors remembered)",
               fix="e.g. 4", error=OptionsError)
         self.size = size
-        self._recent: list[tuple[weakref.ref, tuple, Reduction]] = []  # most recent first
+        self._recent: list[tuple[weakref.ref, tuple, Reduction, tuple]] = []  # most recent first
 
     def __call__(self, x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool = False,
-                 cosine: bool = False) -> Reduction:
+                 cosine: bool = False, inv_eps: float = -1.0, below: float = math.nan,
+                 weight: Tensor | None = None) -> Reduction:
         try:
             key = (x.data_ptr(), x._version, causal) if type(x) in _PLAIN else None  # the object: checked below
         except RuntimeError:  # no storage (sparse; functorch and functional wrappers)
             key = None
         if key is None:  # nothing of its own to recognise it by
-            return reduce(x, causal=causal, probs=probs, rows=rows, cosine=cosine)
-        for i, (ref, k, r) in enumerate(self._recent):
+            return reduce(x, causal=causal, probs=probs, rows=rows, cosine=cosine, inv_eps=inv_eps, below=below,
+                          weight=weight)
+        for i, (ref, k, r, ext) in enumerate(self._recent):
             if k == key and ref() is x:
                 if (not probs or r.panel is not None) and (not rows or r.row_ms is not None) \
-                        and (not cosine or r.cosine is not None):
+                        and (not cosine or r.cosine is not None) and (inv_eps < 0 or ext[0] == inv_eps) \
+                        and (below != below or ext[1] == below) and (weight is None or ext[2] is weight):
                     return r
                 probs, rows, cosine = probs or r.panel is not None, rows or r.row_ms is not None, \
                     cosine or r.cosine is not None
+                inv_eps = inv_eps if inv_eps >= 0 else ext[0]
+                below = below if below == below else ext[1]
                 del self._recent[i]
                 break
-        r = reduce(x, causal=causal, probs=probs, rows=rows, cosine=cosine)
-        self._recent = [(weakref.ref(x), key, r)] + self._recent[:self.size - 1]
+        r = reduce(x, causal=causal, probs=probs, rows=rows, cosine=cosine, inv_eps=inv_eps, below=below,
+                   weight=weight)
+        self._recent = [(weakref.ref(x), key, r, (inv_eps, below, weight))] + self._recent[:self.size - 1]
         return r
 
 
@@ -246,7 +274,8 @@ def _merge(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
     if a.is_cpu and b.is_cpu:
         return torch.from_numpy(_merge_np(a.numpy(), b.numpy(), n, ext, largest))
     if compiled.available():
-        out = compiled.call(_merge_torch, a, b.to(a.device), n, ext, largest)
+        with reduction.compiling():  # the default stance, where a probe runs the model eagerly
+            out = compiled.call(_merge_torch, a, b.to(a.device), n, ext, largest)
         if out is not None:
             return out
     return _merge_torch(a, b, n, ext, largest)

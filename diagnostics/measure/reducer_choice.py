@@ -7,7 +7,11 @@ numbers: the numba reducer (:mod:`.numba_reducer`, CPU tensors), the compiled re
 
 ======================  =================================================================
 ``auto`` (or unset)     by device, as above
-``compiled``            the compiled reducer for CPU tensors too (to measure or test it)
+``cuda``                CPU tensors take exactly the path CUDA tensors take: the same
+                        registered op (:mod:`.reduction`) with its CUDA-structure kernel
+                        (the compiled reducer), the same ops dispatched, in the same
+                        number (to measure a GPU's launch-bound cost on a CPU)
+``compiled``            the same as ``cuda`` (its older name)
 ``reference``           the reference for every tensor
 ======================  =================================================================
 
@@ -25,13 +29,13 @@ import warnings
 __all__ = ["ENV", "CHOICES", "chosen"]
 
 ENV = "TINYLM_REDUCER"
-CHOICES = ("auto", "compiled", "reference")
+CHOICES = ("auto", "cuda", "compiled", "reference")
 _OLD_ENV = "TINYLM_FUSED"
 _OLD_VALUES = {"0": "reference", "compiled": "compiled"}
 
 
 def chosen() -> str:
-    """The reducer choice of this moment: "auto", "compiled" or "reference" (see the module docstring)."""
+    """The reducer choice of this moment: "auto", "cuda", "compiled" or "reference" (see the module docstring)."""
     value = os.environ.get(ENV)
     if value is None:
         old = os.environ.get(_OLD_ENV)

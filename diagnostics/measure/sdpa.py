@@ -134,6 +134,37 @@ def sampled_attention(q: Tensor, k: Tensor, attn_mask: Tensor | None = None, is_
     return kept[allowed & torch.isfinite(kept)], row_statistics(s, allowed)[1]
 
 
+_LIB = torch.library.Library("tinylm", "FRAGMENT")
+_LIB.define("sdpa_summary(Tensor q, Tensor k, Tensor? attn_mask, bool is_causal, float? scale, int rows, "
+            "bool signal) -> Tensor")
+
+
+def _summary_kernel(q, k, attn_mask, is_causal, scale, rows, signal):
+    """[moments, panel, signal vector] of :func:`row_statistics` of a call's sampled rows, in one vector."""
+    with torch._C.DisableTorchFunction():
+        s, allowed = _logits(q, k, attn_mask, is_causal, scale, rows)
+        return torch.cat([v for v in row_statistics(s, allowed, signal) if v is not None])
+
+
+_LIB.impl("sdpa_summary", _summary_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::sdpa_summary", lib=_LIB)
+def _(q, k, attn_mask, is_causal, scale, rows, signal):
+    return q.new_empty((16 + (len(SIGNAL) if signal else 0),), dtype=torch.float64)
+
+
+def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None,
+            signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`row_statistics` of a call's sampled rows (moments, panel, the SIGNAL vector or None)
+    from one dispatched op, ``tinylm::sdpa_summary``, cut by one ``split``."""
+    with torch.no_grad():
+        vec = torch.ops.tinylm.sdpa_summary(q, k, attn_mask, is_causal, None if scale is None else float(scale), ROWS,
+                                            signal)
+    parts = vec.split_with_sizes([10, 6, len(SIGNAL)] if signal else [10, 6])
+    return parts[0], parts[1], parts[2] if signal else None
+
+
 class SDPAWatch(TorchFunctionMode):
     """While entered, every call of ``F.scaled_dot_product_attention`` is measured on its
     sampled rows (:func:`row_statistics`) and reported as ``record(name, moments, panel)`` (the
@@ -155,9 +186,9 @@ class SDPAWatch(TorchFunctionMode):
                 names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
                 call = {**dict(zip(names, args)), **kwargs}
                 with torch._C.DisableTorchFunction():
-                    s, allowed = _logits(call["query"], call["key"], call.get("attn_mask"),
-                                         bool(call.get("is_causal", False)), call.get("scale"), ROWS)
-                    moments, panel, vec = row_statistics(s, allowed, self.signal is not None)
+                    moments, panel, vec = summary(call["query"], call["key"], call.get("attn_mask"),
+                                                  bool(call.get("is_causal", False)), call.get("scale"),
+                                                  self.signal is not None)
                 self.record(name, moments, panel)
                 if vec is not None:
                     self.signal(name, vec)

@@ -161,6 +161,15 @@ def _sum_squares(t: Tensor) -> Tensor:
     return t.detach().double().square().sum()
 
 
+@torch.no_grad()
+def _plain_ratios(now: list[Tensor], was: list[Tensor]) -> Tensor:
+    """The ratios of plain tensors in a fixed number of ops, whatever their number: the
+    differences and both norms (float64 sums) by ``torch._foreach_*``, one stack each."""
+    num = torch.stack(torch._foreach_norm(torch._foreach_sub(now, was), 2, dtype=torch.float64))
+    den = torch.stack(torch._foreach_norm(was, 2, dtype=torch.float64))
+    return torch.where(den > 0, num / den, torch.where(num > 0, torch.inf, 0.0))
+
+
 def update_ratio_vector(params: dict[str, Tensor], before: dict[str, Tensor]) -> Tensor | None:
     """||W - W_before||_F / ||W_before||_F for every name of ``before``, in its order, as one
     plain float64 tensor (no host transfer; None when ``before`` is empty). ``params``: the
@@ -172,6 +181,8 @@ def update_ratio_vector(params: dict[str, Tensor], before: dict[str, Tensor]) ->
     names = list(before)
     if not names:
         return None
+    if not any(is_dtensor(params[n]) or is_dtensor(before[n]) for n in names):
+        return _plain_ratios([params[n] for n in names], [before[n] for n in names])
     sums: dict[str, Tensor | None] = {}
     by_mesh: dict = {}
     for n in names:

@@ -1,0 +1,179 @@
+"""The probe in the launch-bound regime: a small, deep model where every op costs its dispatch.
+
+    python benchmarks/bench_launch.py [--pairs 9] [--threads 1] [--reducer cuda,auto] [--models tinylm,gpt2]
+                                      [--top 12] [--no-watch]
+
+d_model 64, 24 layers, 4 heads, T 32, batch 4 (vocab 10000), one thread by default: on a
+GPU every model people debug with is in this regime, and on the CPU this shape shows it. Per
+model (tinylm's ``TransformerLM``, ``tinylm.reference.BuiltinLM`` for the bare ops only, and
+a Hugging Face GPT-2 of the same shape) and per reducer (``TINYLM_REDUCER``: ``cuda`` is the
+structure CUDA tensors get, ``auto`` the default CPU path), one forward+backward:
+
+* dispatched aten ops, bare and under ``probe`` (the whole ``with`` block: its exit, the
+  parameter statistics and the one transfer of its results, included), counted by
+  :class:`diagnostics.measure.opcount.OpCount`, and the ops the probe adds, by name (``--top``);
+* host reads (``.item()``, ``.tolist()``, ``.cpu()`` and kin) inside forward and backward;
+* time probed / bare: ``--pairs`` interleaved pairs (order by a seeded coin) after a warm-up
+  of each, the median of the within-pair ratios (the machine is shared: pairs, not means);
+* a recorded watch step against a plain step (``Watch(every=1)``, SGD) the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+SHAPE = dict(d_model=64, num_layers=24, num_heads=4, context_length=32, batch=4, vocab=10000)
+
+
+def models():
+    import torch
+    import transformers
+
+    import tinylm
+    from tinylm.reference import BuiltinLM
+
+    s = SHAPE
+    config = tinylm.preset("tiny", num_layers=s["num_layers"], context_length=s["context_length"],
+                           d_model=s["d_model"], num_heads=s["num_heads"], vocab_size=s["vocab"])
+    tiny = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+    builtin = BuiltinLM(config)
+    builtin.load_state_dict(tiny.state_dict())
+    gcfg = transformers.GPT2Config(vocab_size=s["vocab"], n_positions=s["context_length"], n_embd=s["d_model"],
+                                   n_layer=s["num_layers"], n_head=s["num_heads"], attn_implementation="sdpa")
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(gcfg)
+    gpt2.train(False)
+    tokens = torch.randint(0, s["vocab"], (s["batch"], s["context_length"] + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return {"tinylm": tiny, "builtin": builtin, "gpt2": gpt2}, tokens
+
+
+def step(model, tokens) -> None:
+    """One forward and backward of the next-token loss (gradients dropped after)."""
+    import tinylm
+
+    out = model(tokens[:, :-1])
+    logits = out if not hasattr(out, "logits") else out.logits
+    tinylm.functional.cross_entropy(logits, tokens[:, 1:]).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def probed(model, tokens, counter=None) -> None:
+    """One probed step; with ``counter`` (an OpCount), host reads are counted inside forward and
+    backward only (the count of ops covers the whole ``with`` block)."""
+    from diagnostics import probe
+
+    with probe(model) as run:
+        reads = dict(counter.reads) if counter is not None else None
+        step(model, tokens)
+        if counter is not None:
+            inside = {k: v - reads.get(k, 0) for k, v in counter.reads.items() if v - reads.get(k, 0)}
+    run.stats  # noqa: B018 - the one transfer
+    return inside if counter is not None else None
+
+
+def count(fn, *args):
+    from diagnostics.measure.opcount import OpCount
+
+    with OpCount() as ops:
+        got = fn(*args, counter=ops) if fn is probed else fn(*args)
+    return ops, got
+
+
+def watch_pair(model, tokens):
+    """(plain step, recorded watch step) callables on ``model`` with SGD (``Watch(every=1)``:
+    every step recorded); both take the loss to the host once, as a training loop logs it."""
+    import torch
+
+    import tinylm
+    from diagnostics import Watch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    watch = Watch(model, every=1)
+    t = [0]
+
+    def loss_of():
+        out = model(tokens[:, :-1])
+        logits = out if not hasattr(out, "logits") else out.logits
+        loss = tinylm.functional.cross_entropy(logits, tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def plain():
+        float(loss_of().detach())
+
+    def watched():
+        with watch.step(t[0]):
+            loss = loss_of()
+        watch.record(loss)
+        t[0] += 1
+    return plain, watched, watch
+
+
+def pairs(a, b, n: int, seed: int = 0) -> tuple[float, list[float]]:
+    """Median of b/a over ``n`` interleaved pairs (order by a seeded coin), after one warm-up each."""
+    a(), b()
+    rng, ratios = random.Random(seed), []
+    for _ in range(n):
+        times = {}
+        for which in (("a", "b") if rng.random() < 0.5 else ("b", "a")):
+            t0 = time.perf_counter()
+            (a if which == "a" else b)()
+            times[which] = time.perf_counter() - t0
+        ratios.append(times["b"] / times["a"])
+    return statistics.median(ratios), ratios
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reducer", default="cuda,auto")
+    ap.add_argument("--models", default="tinylm,gpt2")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--no-watch", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    nets, tokens = models()
+    print(f"shape {SHAPE}, threads {args.threads}, load {os.getloadavg()[0]:.1f}")
+    bare_builtin = count(step, nets["builtin"], tokens)[0].total
+    for name in args.models.split(","):
+        model = nets[name]
+        bare = count(step, model, tokens)[0]
+        extra = f" (BuiltinLM {bare_builtin}, ratio {bare.total / bare_builtin:.3f})" if name == "tinylm" else ""
+        print(f"\n{name}: bare ops {bare.total}{extra}; host reads bare {bare.host_reads}")
+        for reducer in args.reducer.split(","):
+            os.environ["TINYLM_REDUCER"] = reducer
+            probed(model, tokens)  # builds what the reducer compiles, outside the count
+            ops, inside = count(probed, model, tokens)
+            added = ops.counts - bare.counts
+            print(f"  TINYLM_REDUCER={reducer}: probed ops {ops.total} ({ops.total / bare.total:.2f}x); "
+                  f"host reads inside forward+backward {sum(inside.values())} {inside or ''}; "
+                  f"all host reads {ops.host_reads}")
+            print("    added: " + ", ".join(f"{k} {v}" for k, v in added.most_common(args.top)))
+            med, ratios = pairs(lambda: step(model, tokens), lambda: probed(model, tokens), args.pairs)
+            print(f"    time probed/bare: median {med:.2f} over {len(ratios)} pairs "
+                  f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+            if not args.no_watch:
+                plain, watched, watch = watch_pair(model, tokens)
+                med, ratios = pairs(plain, watched, args.pairs)
+                wops = count(watched)[0].total
+                pops = count(plain)[0].total
+                print(f"    watch step recorded/plain: time median {med:.2f} "
+                      f"(range {min(ratios):.2f}-{max(ratios):.2f}); ops {wops} / {pops} = {wops / pops:.2f}x")
+                watch.close() if hasattr(watch, "close") else None
+    os.environ.pop("TINYLM_REDUCER", None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Parameter statistics a probe takes on exit: each parameter's and gradient's spread and
+non-finite share (one reduction per tensor), its declared std, and on request its spectral
+figures (largest singular value and stable rank, from a Gram matrix)."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+import tinylm
+from tinylm.init import declare
+
+from . import reduction, sharded
+from .moments import ParamStats
+from .reducer import reduce
+
+__all__ = ["param_stats", "spectral_stats"]
+
+
+@torch.no_grad()
+def spectral_stats(w: Tensor) -> tuple[float, float]:
+    """(sigma_max(W), stable rank ||W||_F^2 / sigma_max^2) of a matrix, from its Gram matrix.
+
+    The eigenvalues of G = W^T W (or W W^T, whichever is k x k with k = min(m, n)) are the
+    squared singular values, so sigma_max^2 = lambda_max(G) and ||W||_F^2 = trace(G). One
+    GEMM (in float32, at least) and a k x k ``eigvalsh`` in float64 replace a full SVD (a k x k
+    eigenproblem instead of an m x n decomposition), agreeing with float64 ``svdvals`` to about
+    7 digits. The Gram product's rounding (about sqrt(max(m, n)) ulp) stays far below what a
+    diagnosis reads. A Gram product that overflowed or underflowed in float32 is formed again
+    from W scaled by its largest |entry|, so weights of any finite scale get their figures.
+
+    A figure that cannot be computed (non-finite weights, an eigensolver that does not converge)
+    is NaN, never an error: the rest of the measurement stands.
+    """
+    x = w.detach().to(torch.promote_types(w.dtype, torch.float32))
+    gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T  # (k, k)
+    scale = 1.0
+    largest = float(gram.diagonal().amax()) if gram.numel() else 0.0  # the largest squared row/column norm
+    if not (1e-30 < largest < 1e30):  # overflowed, underflowed, zero or not finite: scale by max |w|, once more
+        scale = float(torch.linalg.vector_norm(x, ord=math.inf)) if x.numel() else 0.0
+        if not math.isfinite(scale):
+            return math.nan, math.nan
+        if scale == 0.0:
+            return 0.0, 0.0
+        x = x / scale
+        gram = x.T @ x if x.shape[0] >= x.shape[1] else x @ x.T
+    # The eigenproblem runs on one thread: its tridiagonal reduction synchronises the threads at
+    # every column, so a second thread gains little and a busy core stalls it many times over.
+    threads = torch.get_num_threads()
+    try:
+        if threads != 1:
+            torch.set_num_threads(1)
+        ev = torch.linalg.eigvalsh(gram.double())  # ascending
+    except RuntimeError:  # torch.linalg.LinAlgError: no convergence
+        return math.nan, math.nan
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+    top = float(ev[-1].clamp(min=0.0))
+    return math.sqrt(top) * scale, (float(ev.clamp(min=0.0).sum()) / top if top > 0 else 0.0)
+
+
+_DECLARED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _declared(model: nn.Module) -> dict:
+    """``declare(model, model.config.init)`` ({} without a declared scheme), cached per model
+    while its scheme and parameter shapes stay the same (the declarations depend on nothing else)."""
+    config = getattr(model, "config", None)
+    init = getattr(config, "init", None)
+    if not isinstance(init, str):
+        return {}
+    key = (init, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    hit = _DECLARED.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    try:
+        decl = declare(model, init)
+    except tinylm.TinyLMError:
+        decl = {}
+    _DECLARED[model] = (key, decl)
+    return decl
+
+
+@torch.no_grad()
+def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tensor | None] | None = None
+                ) -> dict[str, ParamStats]:
+    """Per-parameter statistics (tied parameters once), with declared std from ``model.config.init``.
+
+    std = sqrt(mean((w - mean w)^2)), accumulated in float64 by :func:`reduce` (NaN when
+    any entry is non-finite; the non-finite fraction says how many); grad_std likewise over
+    the finite entries of ``grads[name]`` (default: ``p.grad``). spectral_norm = sigma_max(W), stable_rank =
+    sum sigma^2 / sigma_max^2 (:func:`spectral_stats`), for 2-D finite parameters when ``spectral``.
+    A sharded parameter (DTensor) is measured from its local shards, all parameters and gradients
+    merged over their mesh in one collective (:func:`.sharded.moments`); its spectral figures need
+    the full matrix and are not measured (``note`` says so). Every rank must call this alike.
+    """
+    decl = _declared(model)
+    names, plist, glist = [], [], []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        names.append(name)
+        plist.append(p)
+        glist.append(grads.get(name) if grads is not None else p.grad)
+    # one summary per parameter and per gradient, then std and non-finite fraction of all of
+    # them at once (FIELDS: n_total, count, mean, m2, ...); a parameter with a non-finite entry
+    # has no std (NaN), a gradient's std is over its finite entries
+    have = [g is not None and g.numel() > 0 for g in glist]
+    tensors = plist + [g for g, h in zip(glist, have) if h]
+    v = reduction.many(tensors)  # all of them in one op where one kernel takes them all
+    if v is None:
+        vecs = sharded.moments(tensors, lambda t: reduce(t).moments)
+        home = next((v.device for v in vecs if v is not None), None)  # None: not measured (NaN)
+        vecs = [torch.full((10,), math.nan, dtype=torch.float64, device=home) if v is None else v for v in vecs]
+        v = torch.stack(vecs) if vecs else None
+    values = []
+    if v is not None:
+        vecs = v
+        nf = (v[:, 0] - v[:, 1]) / v[:, 0].clamp(min=1.0)
+        std = (v[:, 3] / v[:, 1].clamp(min=1.0)).sqrt()
+        std = torch.where((nf > 0) & (torch.arange(len(vecs), device=v.device) < len(plist)), math.nan, std)
+        flat = torch.stack([std, nf], 1).tolist()
+        gi = iter(flat[len(plist):])
+        for (pstd, pnf), h in zip(flat[:len(plist)], have):
+            gstd, gnf = next(gi) if h else (math.nan, math.nan)
+            values.append((pstd, pnf, gstd, gnf))
+    out: dict[str, ParamStats] = {}
+    for name, p, g, (std, nf, gstd, gnf) in zip(names, plist, glist, values):
+        spec = srank = None
+        full = sharded.whole(p)  # None: sharded, the matrix is on several ranks
+        if spectral and p.dim() == 2 and nf == 0.0 and p.numel() and full is not None:
+            spec, srank = spectral_stats(full)
+        d = decl.get(name)
+        out[name] = ParamStats(
+            shape=tuple(p.shape), std=std, grad_std=None if g is None else gstd, frac_nonfinite=nf,
+            grad_frac_nonfinite=None if g is None else gnf,
+            declared_std=d.actual_std if d is not None else None, declared=d.describe() if d is not None else "",
+            spectral_norm=spec, stable_rank=srank,
+            note=sharded.NOT_MEASURED_SPECTRAL if spectral and p.dim() == 2 and full is None else "",
+        )
+    return out

@@ -1,0 +1,221 @@
+"""One op per tensor: every statistic a probe site needs, as the registered op ``tinylm::summary``.
+
+    vec, row_ms = torch.ops.tinylm.summary(x, width, probs, rows, cosine, inv_eps, below, weight, kernel)
+
+A probe that takes a site's statistics one torch op at a time dispatches tens of ops per
+tensor, each a kernel launch on a GPU. Here the whole request is one dispatched op, whatever
+its kernel does inside (registered for ``CompositeExplicitAutograd``: no autograd wrapper; a
+fake kernel for tracing and meta tensors). ``kernel`` (:func:`route` chooses it) is one of
+
+* :data:`NUMBA`: the numba reducer (:mod:`.numba_reducer`: one read of the tensor), for CPU
+  float32, bf16 and fp16 tensors when ``TINYLM_REDUCER`` is ``auto``;
+* :data:`CUDA`: the CUDA structure, the compiled reducer (:mod:`.compiled`: the statistics as
+  row reductions that ``torch.compile`` fuses, one build per request shape and dtype, dynamic
+  sizes), for every other tensor and for CPU tensors too under ``TINYLM_REDUCER=cuda``, so that
+  the CPU runs exactly the ops a GPU runs; where compilation failed, the same formulas eagerly;
+* :data:`TORCH`: those formulas eagerly (plain torch), while numba's cache is being filled
+  (:func:`.numba_reducer.ready`).
+
+Every kernel returns the same numbers (:mod:`.reference` defines them), the compiled ones in
+the default ``torch.compile`` stance (a probe runs the model in the eager one). ``vec`` is
+float64 on ``x``'s device, the parts asked for in this order (:func:`sizes`):
+
+* FIELDS of the entries (``width`` = T > 0: of the causal entries of (..., T, T) matrices);
+* ATTN_FIELDS of attention probabilities (``probs``, causal);
+* FIELDS of each sequence's mean cosine between its rows (``cosine``);
+* FIELDS of 1 / (row_ms + ``inv_eps``) (``inv_eps`` >= 0; needs ``rows``);
+* [entries < ``below``, entries] (``below`` finite);
+* FIELDS of row_ms * ``weight`` (``weight`` given: one factor per row; needs ``rows``),
+
+row_ms and its products in float32 (as the probe always took them). ``row_ms``: mean(x^2) over
+the last dimension, float32 (float64 for float64 ``x``) with ``rows``, else empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import compiled, numba_reducer, reference
+from .reducer_choice import chosen
+from .wrappers import default_stance
+
+__all__ = ["route", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
+
+#: the dtypes the op reduces
+DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _stance() -> str:
+    holder = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return getattr(holder, "stance", "default")
+
+
+def compiling():
+    """A context in which compiled functions run compiled: the default ``torch.compile`` stance
+    (entered only when another one is set: setting a stance costs more than a small reduction)."""
+    return default_stance() if _stance() != "default" else contextlib.nullcontext()
+
+
+#: the op's kernels: the numba reducer, the CUDA structure (compiled), plain torch ops
+NUMBA, CUDA, TORCH = 0, 1, 2
+
+
+def route(x: Tensor) -> int | None:
+    """Which kernel of the op reduces ``x``: :data:`CUDA` the CUDA structure, :data:`NUMBA` the
+    numba reducer (:data:`TORCH`, plain torch ops, while numba's cache is being filled:
+    :func:`.numba_reducer.ready`), None not the op (the caller's plain torch). The op takes a non-empty plain strided tensor
+    (not meta, not inside a ``torch.func`` transform) of :data:`DTYPES`, at least 1-D, unless
+    ``TINYLM_REDUCER=reference``; the numba reducer a CPU tensor of its dtypes under ``auto``
+    where numba imports; the CUDA structure every other (every tensor off the CPU, and CPU
+    tensors under ``TINYLM_REDUCER=cuda``)."""
+    if not (x.ndim > 0 and x.dtype in DTYPES and type(x) in _PLAIN and x.layout == torch.strided
+            and not x.is_meta and x.numel() > 0):
+        return None
+    choice = chosen()
+    if choice == "reference" or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return None
+    if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.importable() \
+            and numba_reducer.has_memory(x):
+        return NUMBA if numba_reducer.ready() else TORCH
+    return CUDA
+
+
+def _ms_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+_LIB = torch.library.Library("tinylm", "DEF")
+_LIB.define("summary(Tensor x, int width, bool probs, bool rows, bool cosine, float inv_eps, float below, "
+            "Tensor? weight, int kernel) -> (Tensor, Tensor)")
+
+
+def _kernel(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, inv_eps: float, below: float,
+            weight: Optional[Tensor], kernel: int) -> tuple[Tensor, Tensor]:
+    """The op's one kernel for every device (registered for CompositeExplicitAutograd, so no
+    autograd wrapper runs around it): the CUDA structure, plain torch or the numba reducer, by ``kernel``."""
+    with torch._C.DisableTorchFunction():  # a kernel: what it reads is its own, never a host read of the caller's
+        if kernel != NUMBA:
+            parts = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, kernel == CUDA)
+        else:
+            parts = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
+        return _pack(x, *parts)
+
+
+def _pack(x: Tensor, mom, panel, ms, cos, extra) -> tuple[Tensor, Tensor]:
+    vec = [v for v in (mom, panel, cos, extra) if v is not None]
+    return (torch.cat(vec) if len(vec) > 1 else mom), (ms if ms is not None else x.new_empty(0, dtype=_ms_dtype(x)))
+
+
+_LIB.impl("summary", _kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::summary", lib=_LIB)
+def _(x, width, probs, rows, cosine, inv_eps, below, weight, kernel):
+    n = 10 + (6 if probs else 0) + (10 if cosine else 0) + (10 if inv_eps >= 0 else 0) \
+        + (2 if math.isfinite(below) else 0) + (10 if weight is not None else 0)
+    return x.new_empty((n,), dtype=torch.float64), \
+        x.new_empty(tuple(x.shape[:-1]) if rows else (0,), dtype=_ms_dtype(x))
+
+
+def sizes(probs: bool, cosine: bool, inv_eps: float, below: float, weight: Tensor | None) -> list[tuple[str, int]]:
+    """The parts of the op's first output, in order: (name, entries) of those asked."""
+    parts = [("moments", 10), ("panel", 6 if probs else 0), ("cosine", 10 if cosine else 0),
+             ("inv", 10 if inv_eps >= 0 else 0), ("below", 2 if math.isfinite(below) else 0),
+             ("weighted", 10 if weight is not None else 0)]
+    return [(k, n) for k, n in parts if n]
+
+
+def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
+    """The numba kernel: one read of ``x``; the extras from the rows' sums (CPU tensors)."""
+    ms = cos = panel = None
+    if not (rows or cosine):
+        v = numba_reducer.summary(x, width if width else None, probs=probs)
+        mom = torch.from_numpy(v)  # with probs, the panel follows the moments: as the op lays them out
+    else:
+        vec, rowsq, cosv = numba_reducer.summary_rows(x, cosine)
+        mom = torch.from_numpy(vec)
+        ms = torch.from_numpy(rowsq / x.shape[-1]).float()
+        cos = torch.from_numpy(cosv) if cosine else None
+    extra = []
+    if inv_eps >= 0:
+        extra.append(torch.from_numpy(numba_reducer.summary((ms + inv_eps).reciprocal_())))
+    if math.isfinite(below):
+        extra.append(torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64))
+    if weight is not None:
+        extra.append(torch.from_numpy(numba_reducer.summary(ms * weight.reshape(ms.shape))))
+    return mom, panel, ms if rows else None, cos, torch.cat(extra) if extra else None
+
+
+def _extras(x: Tensor, ms: Tensor, inv_eps: float, below: float, weight: Tensor | None) -> Tensor:
+    """The ``extra`` vector from ``x`` and its row mean squares ``ms`` (float32 or float64)."""
+    parts = []
+    if inv_eps >= 0:
+        parts.append(reference.moments((ms + inv_eps).reciprocal()))
+    if below == below and below not in (math.inf, -math.inf):
+        parts.append(torch.stack([(x < below).sum().double(), torch.ones_like(x, dtype=torch.float64).sum()]))
+    if weight is not None:
+        parts.append(reference.moments(ms * weight.reshape(ms.shape)))
+    return torch.cat(parts)
+
+
+def _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, compile_: bool = True):
+    """The CUDA-structure kernel: the compiled reducer (the reference where it failed, or where
+    ``compile_`` is False), in the default ``torch.compile`` stance (a probe runs the model in
+    the eager one)."""
+    compile_ = compile_ and compiled.available()
+    if compile_ and _stance() != "default":
+        with default_stance():
+            return _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, compile_)
+    causal = width > 0
+    parts = compiled.reduce(x, causal, probs, rows, cosine) if compile_ else None
+    if parts is None:
+        mask = reference.causal_mask(x.shape[-1], x.device) if causal else None
+        parts = (reference.moments(x, mask), reference.panel(x, causal) if probs else None,
+                 reference.row_mean_squares(x) if rows else None, reference.cosines(x) if cosine else None)
+    mom, panel, ms, cos = parts
+    extra = None
+    if inv_eps >= 0 or math.isfinite(below) or weight is not None:
+        extra = compiled.call(_extras, x, ms, inv_eps, below, weight) if compile_ else None
+        if extra is None:
+            extra = _extras(x, ms, inv_eps, below, weight)
+    return mom, panel, ms if rows else None, cos, extra
+
+
+_LIB.define("summaries(Tensor[] xs, int kernel) -> Tensor")
+
+
+def _many_kernel(xs: list[Tensor], kernel: int) -> Tensor:
+    """(N, 10): the FIELDS vector of every tensor of ``xs``, each by ``kernel``."""
+    with torch._C.DisableTorchFunction():
+        if kernel == NUMBA:
+            return torch.from_numpy(np.stack([numba_reducer.summary(x) for x in xs]))
+        return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0] for x in xs])
+
+
+_LIB.impl("summaries", _many_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::summaries", lib=_LIB)
+def _(xs, kernel):
+    return xs[0].new_empty((len(xs), 10), dtype=torch.float64)
+
+
+def many(xs: list[Tensor]) -> Tensor | None:
+    """(N, 10) float64: the moments of every tensor of ``xs`` from one dispatched op,
+    ``tinylm::summaries`` (one kernel call per tensor inside), or None where they do not all
+    take the same kernel on one device (the caller reduces them one by one)."""
+    if not xs:
+        return None
+    kinds = {route(x) for x in xs}
+    if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
+        return None
+    with torch.no_grad():
+        return torch.ops.tinylm.summaries(xs, kinds.pop())
