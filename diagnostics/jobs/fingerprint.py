@@ -47,6 +47,7 @@ import tinylm
 from ..measure.blocks import find_blocks
 from ..measure.outputs import call_model
 from ..measure.probe import instrument_points
+from ..measure.step_record import hook_sites
 from ..options import DiffOptions, OptionsError
 from .diagnose_sample import model_context
 
@@ -294,14 +295,6 @@ def _logits(output) -> Tensor:
     return value
 
 
-def _first_tensor(output) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        return next((o for o in output if isinstance(o, Tensor)), None)
-    return None
-
-
 class _Recorder:
     """Reduces each site's tensor as it comes (forward in the hook, backward in a gradient hook)."""
 
@@ -333,17 +326,7 @@ def _recording(model: nn.Module, sites: list[Site], recorder: _Recorder) -> Iter
     grads = {n: p.grad for n, p in params}
     with contextlib.ExitStack() as undo:
         undo.callback(_restore, model, training, requires, grads)
-        for site in sites:
-            if site.key == "logits":
-                continue
-            if stack is not None and site.module == stack.input:
-                def pre(module, args, kwargs, _s=site):
-                    t = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
-                    recorder.take(_s, t)
-                h = named[stack.names[0]].register_forward_pre_hook(pre, with_kwargs=True)
-            else:
-                h = named[site.module].register_forward_hook(lambda m, i, o, _s=site: recorder.take(_s, _first_tensor(o)))
-            undo.callback(h.remove)
+        hook_sites(undo, model, sites, stack, recorder.take, output=False)
         model.eval()
         for _, p in params:
             p.grad = None

@@ -27,9 +27,30 @@ from torch import Tensor, nn
 
 from .outputs import first_tensor, read_output
 
-__all__ = ["StepRecorder", "StepState", "Record", "rng_state", "set_rng_state"]
+__all__ = ["hook_sites", "StepRecorder", "StepState", "Record", "rng_state", "set_rng_state"]
 
 Record = tuple  # (key, base key, direction, moments (5,), sketch (k, k), dtype, shape)
+
+
+def hook_sites(undo: contextlib.ExitStack, model: nn.Module, sites: list, stack, take, *, output: bool) -> None:
+    """Hand each site's tensor to ``take(site, tensor)`` as the forward reaches it; every hook's
+    removal goes on ``undo``. The stack's input site is read before its first block (a positional
+    argument or ``hidden_states``); the ``logits`` site from the model's output where ``output``,
+    else skipped (a caller that reads the logits itself); every other site from its module's output."""
+    named = dict(model.named_modules())
+    for site in sites:
+        if site.key == "logits":
+            if not output:
+                continue
+            h = model.register_forward_hook(lambda m, i, o, _s=site: take(_s, read_output(o)[0]))
+        elif stack is not None and site.module == stack.input:
+            def pre(module, args, kwargs, _s=site):
+                t = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
+                take(_s, t)
+            h = named[stack.names[0]].register_forward_pre_hook(pre, with_kwargs=True)
+        else:
+            h = named[site.module].register_forward_hook(lambda m, i, o, _s=site: take(_s, first_tensor(o)))
+        undo.callback(h.remove)
 
 
 class StepRecorder:
@@ -60,20 +81,8 @@ class StepRecorder:
     @contextlib.contextmanager
     def recording(self) -> Iterator["StepRecorder"]:
         """The hooks on for the ``with`` block, removed whatever happens."""
-        named = dict(self.model.named_modules())
-        stack = self.stack
         with contextlib.ExitStack() as undo:
-            for site in self.sites:
-                if site.key == "logits":
-                    h = self.model.register_forward_hook(lambda m, i, o, _s=site: self.take(_s, read_output(o)[0]))
-                elif stack is not None and site.module == stack.input:
-                    def pre(module, args, kwargs, _s=site):
-                        t = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
-                        self.take(_s, t)
-                    h = named[stack.names[0]].register_forward_pre_hook(pre, with_kwargs=True)
-                else:
-                    h = named[site.module].register_forward_hook(lambda m, i, o, _s=site: self.take(_s, first_tensor(o)))
-                undo.callback(h.remove)
+            hook_sites(undo, self.model, self.sites, self.stack, self.take, output=True)
             yield self
 
     def host(self) -> tuple[np.ndarray, np.ndarray]:
