@@ -15,7 +15,8 @@ structure CUDA tensors get, ``auto`` the default CPU path), one forward+backward
 * host reads (``.item()``, ``.tolist()``, ``.cpu()`` and kin) inside forward and backward;
 * time probed / bare: ``--pairs`` interleaved pairs (order by a seeded coin) after a warm-up
   of each, the median of the within-pair ratios (the machine is shared: pairs, not means);
-* a recorded watch step against a plain step (``Watch(every=1)``, SGD) the same way.
+* a recorded watch step against a plain step (``Watch(every=1)``, SGD) the same way;
+* for tinylm, the bare pass's ops and time against ``BuiltinLM``'s (the same pairs).
 """
 
 from __future__ import annotations
@@ -151,6 +152,10 @@ def main(argv=None) -> int:
         bare = count(step, model, tokens)[0]
         extra = f" (BuiltinLM {bare_builtin}, ratio {bare.total / bare_builtin:.3f})" if name == "tinylm" else ""
         print(f"\n{name}: bare ops {bare.total}{extra}; host reads bare {bare.host_reads}")
+        if name == "tinylm":
+            med, ratios = pairs(lambda: step(nets["builtin"], tokens), lambda: step(model, tokens), args.pairs)
+            print(f"  bare time tinylm/BuiltinLM: median {med:.3f} over {len(ratios)} pairs "
+                  f"(range {min(ratios):.3f}-{max(ratios):.3f})")
         for reducer in args.reducer.split(","):
             os.environ["TINYLM_REDUCER"] = reducer
             probed(model, tokens)  # builds what the reducer compiles, outside the count

@@ -228,8 +228,8 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
     """
     in_dtype = x.dtype
     xf = x.to(torch.promote_types(in_dtype, torch.float32))
-    rms = torch.sqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    out = xf / rms
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # 1 / rms: one op, not sqrt then divide
+    out = xf * inv_rms
     if weight is not None:
         out = out * weight.to(out.dtype)
     return out.to(in_dtype)
@@ -307,8 +307,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     Shape: x (..., T, d_k); cos, sin broadcastable to (..., T, d_k/2).
     out_{2k} = x_{2k} cos - x_{2k+1} sin;  out_{2k+1} = x_{2k} sin + x_{2k+1} cos.
+    Computed on the pairs as (x_{2k}, x_{2k+1}) cos + (x_{2k+1}, x_{2k}) (-sin, sin): the same
+    products and sums as the formula, so the same roundings, in a few whole-tensor ops.
     """
-    x_even, x_odd = x[..., 0::2], x[..., 1::2]  # (..., T, d_k/2) each
-    out_even = x_even * cos - x_odd * sin
-    out_odd = x_even * sin + x_odd * cos
-    return torch.stack((out_even, out_odd), dim=-1).flatten(-2)  # interleave back to (..., T, d_k)
+    pairs = x.unflatten(-1, (-1, 2))  # (..., T, d_k/2, 2): (x_{2k}, x_{2k+1})
+    swapped = pairs.flip(-1)  # (x_{2k+1}, x_{2k})
+    signed_sin = torch.stack((-sin, sin), dim=-1)  # (..., T, d_k/2, 2)
+    return (pairs * cos.unsqueeze(-1) + swapped * signed_sin).flatten(-2)  # (..., T, d_k)

@@ -280,11 +280,19 @@ class RotaryPositionalEmbedding(nn.Module):
         raise ValueError(f"token position {position} >= max_seq_len={self.max_seq_len}: "
                          "the sequence is longer than the RoPE table")
 
-    def rotate(self, x: Tensor, token_positions: Tensor) -> Tensor:
-        """The rotation of ``forward`` for positions already known to be inside the table."""
-        cos = self.cos[token_positions].to(x.dtype)  # (..., T, d_k/2)
-        sin = self.sin[token_positions].to(x.dtype)
-        return F.apply_rope(x, cos, sin)
+    def rotate(self, x: Tensor, token_positions: Tensor | None) -> Tensor:
+        """The rotation of ``forward`` for positions already known to be inside the table
+        (None: 0 .. T-1, T = x.shape[-2])."""
+        return F.apply_rope(x, *self.tables(token_positions, x.shape[-2], x.dtype))
+
+    def tables(self, token_positions: Tensor | None, T: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin (..., T, d_k/2) in ``dtype`` at ``token_positions`` (inside the table), or
+        at 0 .. T-1 when None (the table's first T rows, read without an index)."""
+        if token_positions is None:
+            cos, sin = self.cos[:T], self.sin[:T]  # (T, d_k/2)
+        else:
+            cos, sin = self.cos[token_positions], self.sin[token_positions]  # (..., T, d_k/2)
+        return cos.to(dtype), sin.to(dtype)
 
     def extra_repr(self) -> str:
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
@@ -412,11 +420,12 @@ class MultiHeadSelfAttention(nn.Module):
             if token_positions is None:  # 0 .. T-1: checked from the shape, no device sync
                 if T > self.rope.max_seq_len:
                     self.rope.refuse(T - 1)
-                token_positions = torch.arange(T, device=x.device)
+                pos = None
             else:
                 self.rope.check(token_positions)  # once for q and k
-            pos = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (..., 1, T)
-            q, k = self.rope.rotate(q, pos), self.rope.rotate(k, pos)
+                pos = token_positions.unsqueeze(-2) if token_positions.dim() > 1 else token_positions  # (..., 1, T)
+            cos, sin = self.rope.tables(pos, T, q.dtype)  # (..., T, d_k/2), read once for q and k
+            q, k = F.apply_rope(q, cos, sin), F.apply_rope(k, cos, sin)
         if self.query_multiplier != 1.0:  # muP: logits q.k sqrt(d_base) / d_k (ModelConfig.attention_multiplier)
             q = q * self.query_multiplier
         k, v = self.repeat_kv(k), self.repeat_kv(v)  # (..., H, T, d_k): K/V head g for query heads g G .. g G + G - 1
