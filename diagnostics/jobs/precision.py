@@ -54,7 +54,7 @@ class PrecisionOptions:
         "nvfp4") or Recipe objects.
     batch_size, seq_len, seed, inputs: the measured batch, as DiffOptions' (seq_len None = min(model
         context, 256), 128 when the model states no context).
-    theory: also predict each GEMM's SQNR (about a third of the cost).
+    theory: also predict each GEMM's SQNR (about a sixth of the cost).
     thresholds: a diagnostics.judge.precision.PrecisionThresholds (None = the defaults).
     modules: None measures every linear layer; else a callable (module, name) -> bool choosing them.
     """

@@ -138,7 +138,8 @@ def noise_sums(var: Tensor) -> tuple[Tensor, Tensor]:
 
 class GemmTheory:
     """The recipe-independent part of one GEMM out = left right^T (both (., K)): the operands' column
-    powers and their unit ideal error powers; :meth:`predict` then costs one pass per operand."""
+    powers and their unit ideal error powers; :meth:`predict` then costs one reduction per operand
+    (none given its :func:`noise_sums`)."""
 
     def __init__(self, left: Tensor, right: Tensor, signal: float, unit_left: Tensor | None = None,
                  unit_right: Tensor | None = None):
