@@ -37,7 +37,7 @@ from ..measure.blocks import find_blocks
 from ..measure.outputs import read_output
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..options import OptionsError
-from ..theory.quant import GemmTheory, describe_operand, element_noise, unit_ideal_noise
+from ..theory.quant import GemmTheory, describe_operand, element_noise, noise_sums, unit_ideal_noise
 from .fingerprint import batch_of
 from .precision_result import PrecisionResult, PrecisionRow
 
@@ -54,7 +54,7 @@ class PrecisionOptions:
         "nvfp4") or Recipe objects.
     batch_size, seq_len, seed, inputs: the measured batch, as DiffOptions' (seq_len None = min(model
         context, 256), 128 when the model states no context).
-    theory: also predict each GEMM's SQNR (about a third of the cost).
+    theory: also predict each GEMM's SQNR (about a sixth of the cost).
     thresholds: a diagnostics.judge.precision.PrecisionThresholds (None = the defaults).
     modules: None measures every linear layer; else a callable (module, name) -> bool choosing them.
     """
@@ -118,11 +118,11 @@ def _db(signal: float, noise: float) -> float:
     return math.inf if noise == 0 else (10 * math.log10(signal / noise) if signal > 0 else -math.inf)
 
 
-def _sqnr_db(ref: Tensor, out: Tensor) -> tuple[float, float]:
-    """(the output's SQNR, the median over its rows of each row's SQNR). The first is dominated by the
-    rows of largest power; the second is what a typical row (token, or output feature for wgrad) gets."""
-    signal_rows = torch.linalg.vector_norm(ref, dim=1).double() ** 2
-    noise_rows = torch.linalg.vector_norm(ref - out, dim=1).double() ** 2
+def _sqnr_db(signal_rows: Tensor, ref: Tensor, out: Tensor) -> tuple[float, float]:
+    """(the output's SQNR, the median over its rows of each row's SQNR), from the reference's power per
+    row. The first is dominated by the rows of largest power; the second is what a typical row (token,
+    or output feature for wgrad) gets."""
+    noise_rows = out.sub_(ref).square_().sum(1).double()
     whole = _db(float(signal_rows.sum()), float(noise_rows.sum()))
     keep = signal_rows > 0
     if not bool(keep.any()):
@@ -134,22 +134,55 @@ def _sqnr_db(ref: Tensor, out: Tensor) -> tuple[float, float]:
 _NAMES = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"), "wgrad": ("grad_output", "input")}
 
 
+class _Operands:
+    """What every recipe reads of a layer's x, W and g, computed once: each operand's zero count, its
+    squares summed along each dimension (rows: dim 1; columns: dim 0), and for theory its unit ideal
+    variances summed the same ways."""
+
+    def __init__(self, x: Tensor, w: Tensor, g: Tensor, theory: bool):
+        self.t = {"input": x, "weight": w, "grad_output": g}
+        self.zeros, self.power, self.unit = {}, {}, {}
+        for name, t in self.t.items():
+            sq = t.square()
+            self.power[name] = (sq.sum(1), sq.sum(0))  # rows of t, rows of t^T
+            self.zeros[name] = int((t == 0).sum())
+            if theory:
+                u = unit_ideal_noise(t)
+                self.unit[name] = (u.sum(0), u.sum(1))  # summed over t's rows (t contracted), over t^T's rows
+
+    def rows(self, name: str, flip: bool) -> Tensor:
+        """Each row's sum of squares of the operand as a GEMM takes it (transposed where ``flip``)."""
+        return self.power[name][1 if flip else 0]
+
+    def cols(self, name: str, flip: bool) -> Tensor:
+        """Each column's (contraction index's) sum of squares of the operand as a GEMM takes it."""
+        return self.power[name][0 if flip else 1]
+
+    def theory(self, gm: str, signal: float) -> GemmTheory:
+        """The GEMM's recipe-independent theory."""
+        (nl, fl), (nr, fr) = zip(_NAMES[gm], _TRANSPOSED[gm])
+        return GemmTheory.from_sums(self.cols(nl, fl), self.cols(nr, fr), signal,
+                                    (self.unit[nl][int(fl)], self.unit[nr][int(fr)]))
+
+
 def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory: bool = True) -> list[dict]:
     """Each GEMM of one layer in each recipe: the measured and predicted facts (a dict per GEMM and
     recipe), from x (M, K), W (N, K) and g (M, N) in any float dtype."""
     x, w, g = (t.detach().to(torch.float32) for t in (x, w, g))
     ops = gemm_operands(x, w, g)
-    described = {"input": describe_operand(x), "grad_output": describe_operand(g), "weight": describe_operand(w.t())}
+    facts = _Operands(x, w, g, theory)
+    described = {nm: describe_operand(t.t() if nm == "weight" else t, facts.cols(nm, nm == "weight"), facts.zeros[nm])
+                 for nm, t in facts.t.items()}
     refs = {gm: left @ right.t() for gm, (left, right) in ops.items()}
-    power = {gm: float(torch.linalg.vector_norm(r).double() ** 2) for gm, r in refs.items()}
-    theories = _theories(x, w, g, ops, power) if theory else {}
+    signal = {gm: r.square().sum(1).double() for gm, r in refs.items()}
+    theories = {gm: facts.theory(gm, float(signal[gm].sum())) for gm in GEMMS} if theory else {}
     out = []
     for rc in recipes:
         cache: dict = {}
         for gm in GEMMS:
             casts = rc.casts(gm)
-            q = [_cast(cache, gm, side, ops[gm][side], c, theory) for side, c in enumerate(casts)]
-            sqnr, row_sqnr = _sqnr_db(refs[gm], q[0][0] @ q[1][0].t())
+            q = [_cast(cache, facts, gm, side, ops[gm][side], c, theory) for side, c in enumerate(casts)]
+            sqnr, row_sqnr = _sqnr_db(signal[gm], refs[gm], q[0][0] @ q[1][0].t())
             st = [s for _, s, _ in q]
             fact = {"recipe": rc.name, "gemm": gm, "sqnr_db": sqnr, "row_sqnr_db": row_sqnr, "m": x.shape[0],
                     "n": w.shape[0], "k": x.shape[1], **_range_facts(st)}
@@ -170,29 +203,23 @@ def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory
     return out
 
 
-def _theories(x, w, g, ops, power) -> dict[str, GemmTheory]:
-    """Per GEMM its recipe-independent theory (column powers, unit ideal noise: elementwise, so once
-    per operand and transposed where a GEMM takes the transpose)."""
-    unit = {"input": unit_ideal_noise(x), "weight": unit_ideal_noise(w), "grad_output": unit_ideal_noise(g)}
-    out = {}
-    for gm, (left, right) in ops.items():
-        ul, ur = (unit[n].t() if flip else unit[n] for n, flip in zip(_NAMES[gm], _TRANSPOSED[gm]))
-        out[gm] = GemmTheory(left, right, power[gm], ul, ur)
-    return out
-
-
-def _cast(cache: dict, gm: str, side: int, t: Tensor, c, theory: bool) -> tuple[Tensor, object, Tensor | None]:
-    """(dequantized operand, its QuantStats, its predicted error variance or None), cached per operand,
-    layout and cast; one scale per tensor does not depend on the layout: cast once, transpose."""
+def _cast(cache: dict, facts: _Operands, gm: str, side: int, t: Tensor, c, theory: bool) -> tuple:
+    """(dequantized operand, its QuantStats, its predicted error variances reduced by
+    diagnostics.theory.quant.noise_sums, or None), cached per operand, layout and cast; one scale per
+    tensor does not depend on the layout: cast once, transpose."""
     name, flip = _NAMES[gm][side], _TRANSPOSED[gm][side]
     key = (name, c) if c.granularity == "tensor" else (name, flip, c)
     if key not in cache:
-        q, st, scaled = quantize(t, c, keep_scaled=True)
-        cache[key] = (q, st, element_noise(t, c, scaled, st.overflow > 0) if theory else None, flip)
-    q, st, noise, was = cache[key]
-    if was == flip:
-        return q, st, noise
-    return q.t(), st, None if noise is None else noise.t()
+        q, st, scaled = quantize(t, c, keep_scaled=True, zeros=facts.zeros[name], row_power=facts.rows(name, flip))
+        noise = None
+        if theory:
+            small = t.numel() - st.nonzero + st.underflow > 0  # an entry became (or was) 0
+            noise = element_noise(t, c, scaled, st.overflow > 0, small)
+        cache[key] = (q, st, noise, flip, {})
+    q, st, noise, was, sums = cache[key]
+    if noise is not None and flip not in sums:
+        sums[flip] = noise_sums(noise if was == flip else noise.t())
+    return (q if was == flip else q.t()), st, sums.get(flip)
 
 
 def _range_facts(st) -> dict:

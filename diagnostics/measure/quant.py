@@ -172,10 +172,12 @@ def recipe(name: str | Recipe) -> Recipe:
 # ----------------------------------------------------------------------------- element rounding
 
 
-def round_to_format(a: Tensor, fmt: FloatFormat, native: bool = True) -> Tensor:
+def round_to_format(a: Tensor, fmt: FloatFormat, native: bool = True, saturate: bool = True) -> Tensor:
     """``a`` (float32, already scaled) saturated to +-fmt.max and rounded to the nearest value of ``fmt``
-    (ties to even, subnormals kept). ``native`` uses torch's own dtype where there is one."""
-    a = a.clamp(-fmt.max, fmt.max)
+    (ties to even, subnormals kept). ``native`` uses torch's own dtype where there is one; ``saturate``
+    False skips the clamp (the caller knows no entry exceeds fmt.max)."""
+    if saturate:
+        a = a.clamp(-fmt.max, fmt.max)
     if native and fmt.torch_dtype is not None:
         return a.to(getattr(torch, fmt.torch_dtype)).to(torch.float32)
     mag = a.abs()
@@ -234,9 +236,16 @@ def _scales(amax: Tensor, cast: Cast, x: Tensor) -> tuple[Tensor, Tensor]:
 def scaled_groups(x: Tensor, cast: Cast) -> tuple[Tensor, int, Tensor, Tensor]:
     """x (rows, K) float32 as its scaling groups (rows, groups, size), the zero padding added to K,
     and each group's multiplier and reader (:func:`_scales`)."""
-    g, pad = _grouped(x, cast)
-    mult, reader = _scales(g.abs().amax(dim=-1, keepdim=True), cast, x)
+    g, pad, mult, reader, _ = _scaled_groups(x, cast)
     return g, pad, mult, reader
+
+
+def _scaled_groups(x: Tensor, cast: Cast) -> tuple[Tensor, int, Tensor, Tensor, Tensor]:
+    """:func:`scaled_groups` and each group's largest magnitude."""
+    g, pad = _grouped(x, cast)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    mult, reader = _scales(amax, cast, x)
+    return g, pad, mult, reader, amax
 
 
 @dataclass
@@ -267,19 +276,23 @@ class Scaled:
     shape: tuple[int, int]
 
 
-def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True, keep_scaled: bool = False
+def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True, keep_scaled: bool = False,
+             zeros: int | None = None, row_power: Tensor | None = None
              ) -> tuple[Tensor, QuantStats | None] | tuple[Tensor, QuantStats | None, Scaled | None]:
     """``x`` (rows, K), contracted along its last dimension, cast as ``cast`` and dequantized
     (float32, same shape), with its :class:`QuantStats` (``stats``) and, with ``keep_scaled``, the
-    :class:`Scaled` operand (for theory: diagnostics.theory.quant.element_noise)."""
+    :class:`Scaled` operand (for theory: diagnostics.theory.quant.element_noise). ``zeros`` (how many
+    entries of x are 0) and ``row_power`` (each row's sum of squares) spare their pass where known."""
     x = x.to(torch.float32)
     if cast.format is None:
         out = (x, QuantStats(0, 0, 0, 0.0, 0.0, 0.0, 0.0) if stats else None)
         return (*out, None) if keep_scaled else out
     rows, k = x.shape
-    g, pad, mult, div = scaled_groups(x, cast)
+    g, pad, mult, div, amax = _scaled_groups(x, cast)
     scaled = g * mult
-    q = round_to_format(scaled, cast.format, native)
+    # an entry saturates only in a group whose largest entry does (rounding is monotonic): else no clamp
+    saturates = bool((amax * mult > cast.format.max).any())
+    q = round_to_format(scaled, cast.format, native, saturate=saturates)
     q = q * div if cast.scale_rounding == "e4m3_nv" else q / div
     if pad:
         q = q.reshape(rows, -1)[:, :k]
@@ -288,10 +301,12 @@ def quantize(x: Tensor, cast: Cast, native: bool = True, stats: bool = True, kee
     if not stats:
         return (q, None, kept) if keep_scaled else (q, None)
     lm = torch.log2(mult[mult > 0]) if bool((mult > 0).any()) else torch.zeros(1)
-    zeros = torch.stack([(x == 0).sum(), (q == 0).sum(), (scaled.abs() > cast.format.max).sum()]).tolist()
-    s = [x.numel() - zeros[0], zeros[1] - zeros[0], zeros[2]]  # a zero stays zero: new zeros are underflow
-    err_rows = torch.linalg.vector_norm(q - x, dim=1).double() ** 2
-    pow_rows = torch.linalg.vector_norm(x, dim=1).double() ** 2
+    counts = [(x == 0).sum() if zeros is None else torch.tensor(zeros), (q == 0).sum(),
+              (scaled.abs() > cast.format.max).sum() if saturates else torch.tensor(0)]
+    counts = torch.stack(counts).tolist()
+    s = [x.numel() - counts[0], counts[1] - counts[0], counts[2]]  # a zero stays zero: new zeros are underflow
+    err_rows = (q - x).square_().sum(1)
+    pow_rows = x.square().sum(1) if row_power is None else row_power
     live = pow_rows > 0
     typical = float((err_rows[live] / pow_rows[live]).median()) if bool(live.any()) else 0.0
     st = QuantStats(int(s[0]), int(s[1]), int(s[2]), float(lm.min()), float(lm.max()),

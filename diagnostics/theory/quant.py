@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..measure.quant import Cast, Scaled, scaled_groups
 
-__all__ = ["MIN_ENTRIES", "PREMISE_FACTOR", "element_noise", "ideal_noise", "unit_ideal_noise", "GemmTheory",
+__all__ = ["MIN_ENTRIES", "PREMISE_FACTOR", "element_noise", "noise_sums", "ideal_noise", "unit_ideal_noise", "GemmTheory",
            "GemmPrediction", "predict_gemm", "describe_operand"]
 
 #: an operand whose measured quantization error power departs from its prediction by more than this
@@ -51,32 +51,46 @@ PREMISE_FACTOR = 2.0
 MIN_ENTRIES = 500
 
 
-def _rounding_variance(s: Tensor, mbits: int, emin: int | None, fmax: float | None) -> Tensor:
-    mag = s.abs()
-    _, exp = torch.frexp(mag)
-    e = exp - 1
+def _binade(s: Tensor) -> Tensor:
+    """2^floor(log2 |s|) of each float32 entry, read from its exponent bits (0 for 0 and subnormals)."""
+    return (s.contiguous().view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def _rounding_variance(s: Tensor, mbits: int, emin: int | None, fmax: float | None, small: bool = True,
+                       unit: Tensor | None = None) -> Tensor:
+    """Each entry's predicted variance (module docstring) in s's units, times ``unit`` (per group, to read
+    it back in x's units) where given. ``small`` False: no entry rounds to 0, so the variance is step^2 / 12."""
+    p = _binade(s)
     if emin is not None:
-        e = e.clamp(min=emin)
-    # step^2 / 12, or mag^2 where smaller: an entry under about half a step rounds to 0 (0 stays 0)
-    var = torch.minimum(torch.exp2(2 * (e - mbits)) / 12.0, mag * mag)  # exp2 of an integer tensor is float32
+        p = p.clamp_(min=2.0 ** emin)
+    k = 2.0 ** -mbits / math.sqrt(12.0)  # step / sqrt(12) = 2^e k
+    if not small and fmax is None:
+        return p.mul_(k if unit is None else unit.sqrt() * k).square_()
+    # step^2 / 12, or s^2 where smaller: an entry under about half a step rounds to 0 (0 stays 0)
+    var = p.mul_(k).square_()
+    if small:
+        var = torch.minimum(var, s * s)
     if fmax is not None:
+        mag = s.abs()
         var = torch.where(mag > fmax, (mag - fmax) ** 2, var)
-    return var
+    return var if unit is None else var.mul_(unit)
 
 
-def element_noise(x: Tensor, cast: Cast, scaled: Scaled | None = None, saturates: bool = True) -> Tensor:
+def element_noise(x: Tensor, cast: Cast, scaled: Scaled | None = None, saturates: bool = True,
+                  small: bool = True) -> Tensor:
     """Predicted error variance of each entry of ``x`` (rows, K), cast along K as ``cast``, in x's units;
     ``scaled``: the operand as quantize saw it (diagnostics.measure.quant.quantize(keep_scaled=True));
-    ``saturates`` False skips the saturation term (no entry exceeded the format's max)."""
+    ``saturates`` False skips the saturation term (no entry exceeded the format's max), ``small`` False
+    the underflow term (no entry became 0)."""
     if cast.format is None:
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if scaled is None:
         g, pad, mult, reader = scaled_groups(x.to(torch.float32), cast)
         scaled = Scaled(g * mult, reader, pad, tuple(x.shape))
     fmt = cast.format
-    var = _rounding_variance(scaled.scaled, fmt.mbits, fmt.emin, fmt.max if saturates else None)
-    r = scaled.reader
-    var = var * (r * r) if cast.scale_rounding == "e4m3_nv" else var / (r * r)
+    r2 = scaled.reader * scaled.reader
+    unit = r2 if cast.scale_rounding == "e4m3_nv" else 1.0 / r2
+    var = _rounding_variance(scaled.scaled, fmt.mbits, fmt.emin, fmt.max if saturates else None, small, unit)
     rows, k = scaled.shape
     return var.reshape(rows, -1)[:, :k] if scaled.pad else var.reshape(rows, k)
 
@@ -84,7 +98,7 @@ def element_noise(x: Tensor, cast: Cast, scaled: Scaled | None = None, saturates
 def unit_ideal_noise(x: Tensor) -> Tensor:
     """Each entry's rounding variance with no mantissa bit and an unbounded exponent; a format with
     m mantissa bits has 4^-m times it (the ideal: module docstring)."""
-    return _rounding_variance(x.to(torch.float32), 0, None, None)
+    return _rounding_variance(x.to(torch.float32), 0, None, None, small=False)
 
 
 def ideal_noise(x: Tensor, cast: Cast) -> Tensor:
@@ -115,9 +129,17 @@ class GemmPrediction:
     reason: str
 
 
+def noise_sums(var: Tensor) -> tuple[Tensor, Tensor]:
+    """Of an operand's predicted error variances (rows, K), contracted along K: per k the sum over rows of
+    the variance and of its square (float32: a pairwise sum, relative error ~1e-6, far below the 1 dB the
+    theory is held to). What :meth:`GemmTheory.predict` needs of it."""
+    return var.sum(0), (var * var).sum(0)
+
+
 class GemmTheory:
     """The recipe-independent part of one GEMM out = left right^T (both (., K)): the operands' column
-    powers and their unit ideal error powers; :meth:`predict` then costs one pass per operand."""
+    powers and their unit ideal error powers; :meth:`predict` then costs one reduction per operand
+    (none given its :func:`noise_sums`)."""
 
     def __init__(self, left: Tensor, right: Tensor, signal: float, unit_left: Tensor | None = None,
                  unit_right: Tensor | None = None):
@@ -125,26 +147,34 @@ class GemmTheory:
         self.l2, self.r2, self.signal = left.pow(2).sum(0), right.pow(2).sum(0), signal
         ul = unit_ideal_noise(left) if unit_left is None else unit_left
         ur = unit_ideal_noise(right) if unit_right is None else unit_right
-        self.ideal_units = (float((ul * self.r2).sum(dtype=torch.float64)),
-                            float((ur * self.l2).sum(dtype=torch.float64)))
+        self.ideal_units = (float(ul.sum(0) @ self.r2), float(ur.sum(0) @ self.l2))
 
-    def predict(self, casts: tuple[Cast, Cast], noise: tuple[Tensor, Tensor],
-                measured: tuple[float | None, float | None] = (None, None),
+    @classmethod
+    def from_sums(cls, l2: Tensor, r2: Tensor, signal: float, unit_sums: tuple[Tensor, Tensor]) -> "GemmTheory":
+        """From the operands' column powers l2, r2 (K,) and their unit ideal variances summed over rows."""
+        self = cls.__new__(cls)
+        self.l2, self.r2, self.signal = l2, r2, signal
+        self.ideal_units = (float(unit_sums[0] @ r2), float(unit_sums[1] @ l2))
+        return self
+
+    def predict(self, casts: tuple[Cast, Cast], noise: tuple, measured: tuple[float | None, float | None] = (None, None),
                 names: tuple[str, str] = ("left", "right")) -> GemmPrediction:
-        """The prediction from each operand's :func:`element_noise` and its measured error power."""
-        c_left, c_right = noise[0] * self.r2, noise[1] * self.l2
-        nl, nr = float(c_left.sum(dtype=torch.float64)), float(c_right.sum(dtype=torch.float64))
-        squares = float(c_left.pow(2).sum(dtype=torch.float64) + c_right.pow(2).sum(dtype=torch.float64))
+        """The prediction from each operand's :func:`element_noise` (or its :func:`noise_sums`) and its
+        measured error power."""
+        sums = [noise_sums(v) if isinstance(v, Tensor) else v for v in noise]
+        (vl, ql), (vr, qr) = sums
+        nl, nr = float(vl @ self.r2), float(vr @ self.l2)
+        squares = float(ql @ self.r2.square()) + float(qr @ self.l2.square())
         n_eff = (nl + nr) ** 2 / squares if squares > 0 else 0.0
         ideal = sum(u * 4.0 ** -c.format.mbits for u, c in zip(self.ideal_units, casts) if c.format is not None)
         reason = ""
         if 0 < n_eff < MIN_ENTRIES:
             reason = (f"the error comes from about {n_eff:.0f} entries (< {MIN_ENTRIES}): one draw strays too far "
                       "from its mean")
-        for name, var, meas, cast in zip(names, noise, measured, casts):
+        for name, (var, _), meas, cast in zip(names, sums, measured, casts):
             if reason or meas is None or cast.format is None:
                 continue
-            predicted = float(var.sum(dtype=torch.float64))
+            predicted = float(var.sum())
             if predicted == 0 and meas == 0:
                 continue
             ratio = meas / predicted if predicted > 0 else math.inf
@@ -166,23 +196,24 @@ def predict_gemm(left: Tensor, right: Tensor, casts: tuple[Cast, Cast], signal: 
     return GemmTheory(left, right, signal).predict(casts, noise, measured_noise, names)
 
 
-def describe_operand(x: Tensor) -> dict[str, float]:
+def describe_operand(x: Tensor, power: Tensor | None = None, zeros: int | None = None) -> dict[str, float]:
     """What the judge reads of an operand (rows, channels): ``peak_to_median`` max|x| / median|x| (of
     the non-zero entries), ``kurtosis`` E x^4 / (E x^2)^2, ``channel_ratio`` the largest channel's
     root mean square over the median channel's, ``top_channel`` its index, ``peak_share`` the share of
-    that channel's power its largest entry holds (near 1: one entry, not a feature)."""
+    that channel's power its largest entry holds (near 1: one entry, not a feature). ``power``: the
+    column powers (x^2 summed over rows) and ``zeros``: how many entries are 0, where known."""
     x = x.to(torch.float32)
     a = x.abs()
-    nz = a[a > 0]
+    nz = a.reshape(-1) if zeros == 0 else a[a > 0]
     if nz.numel() == 0:
         return {"peak_to_median": math.nan, "kurtosis": math.nan, "channel_ratio": math.nan, "top_channel": -1,
                 "peak_share": math.nan}
     step = max(1, nz.numel() // 65536)  # the median of a strided sample: a figure, not a statistic we test
     median = float(nz[::step].median())
     sq = x * x
-    m2 = sq.sum(dtype=torch.float64) / x.numel()
-    m4 = (sq * sq).sum(dtype=torch.float64) / x.numel()
-    power = sq.sum(0)
+    power = sq.sum(0) if power is None else power
+    m2 = float(power.sum()) / x.numel()
+    m4 = float(sq.square_().sum(dtype=torch.float64)) / x.numel()  # x^4 summed in float32 could overflow
     rms = (power / x.shape[0]).sqrt()
     med_rms = float(rms.median())
     top = int(rms.argmax())
