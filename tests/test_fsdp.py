@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tinylm
+from spawnhelp import run_in_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -29,36 +26,9 @@ CFG = tinylm.ModelConfig(vocab_size=33, context_length=8, d_model=16, num_layers
 DEADLINE_S = 120.0  # a loaded machine; each test takes well under 30 s on a quiet one
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, body: str, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        globals()[body](rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def _check_in_workers(body: str, limit: float = DEADLINE_S) -> None:
-    """Run ``body(rank)`` (whose assertions are the check) in two spawned processes: a worker's
-    failure is raised here; past ``limit`` seconds the workers are killed and the test fails."""
-    ctx = mp.start_processes(_entry, args=(body, _free_port()), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + limit
-    try:
-        while not ctx.join(timeout=1.0):  # raises when a worker raised
-            if time.monotonic() > deadline:
-                pytest.fail(f"{body}: the workers did not finish within {limit:.0f} s (killed)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    """``body(rank)`` of this module in two spawned gloo ranks, killed past ``limit`` seconds."""
+    run_in_workers(__name__, body, limit)
 
 
 def _models():

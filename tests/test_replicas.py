@@ -5,14 +5,9 @@ mantissa bit) of one element flipped on rank 1 is found, at that parameter, on b
 
 from __future__ import annotations
 
-import socket
-import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import tinylm
@@ -20,6 +15,7 @@ from diagnostics.jobs.replay import replay
 from diagnostics.jobs.replicas import check_replicas
 from diagnostics.measure.bits import flip_exponent_bit
 from diagnostics.measure.wrappers import unwrap
+from spawnhelp import run_in_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -28,34 +24,9 @@ DEADLINE_S = 150.0
 TARGET = "layers.1.ffn.w1.weight"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, body: str, port: int) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        globals()[body](rank)
-    finally:
-        dist.destroy_process_group()
-
-
 def _check_in_workers(body: str, limit: float = DEADLINE_S) -> None:
-    ctx = mp.start_processes(_entry, args=(body, _free_port()), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + limit
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                pytest.fail(f"{body}: the workers did not finish within {limit:.0f} s (killed)")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    """``body(rank)`` of this module in two spawned gloo ranks, killed past ``limit`` seconds."""
+    run_in_workers(__name__, body, limit)
 
 
 def _step(model, rank, replayed=False):
