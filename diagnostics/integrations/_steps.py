@@ -49,7 +49,8 @@ def record_scalars(record: dict[str, Any], verdicts: list[dict[str, Any]]) -> di
     for site, a in (record.get("attention") or {}).items():
         out[f"watch/attention_entropy/{site}"] = a["entropy_mean"]
     out["watch/not_ok"] = float(len(verdicts))
-    return out
+    from ..jobs.watch_precision import precision_scalars  # Watch(precision=...): per-GEMM SQNR
+    return {**out, **precision_scalars(record)}
 
 
 class Steps:

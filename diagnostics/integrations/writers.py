@@ -284,6 +284,10 @@ class TensorBoardWriter(WatchWriter):
         for site, a in (record.get("attention") or {}).items():
             add(f"watch/attention_entropy/{site}", a["entropy_mean"], t)
         add("watch/not_ok", len(verdicts), t)
+        from ..jobs.watch_precision import precision_scalars  # Watch(precision=...): per-GEMM SQNR
+
+        for tag, v in precision_scalars(record).items():
+            add(tag, v, t)
         if verdicts:
             text = "\n\n".join(f"{v['site']}: {v['verdict']} ({v['stat']} = {v['value']:.3g}, "
                                f"threshold {v['threshold']:.3g})" for v in verdicts)

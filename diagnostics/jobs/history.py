@@ -22,7 +22,8 @@ The history is a dict of plain lists, dicts, floats, ints and strings (so
                   "update_ratio": {parameter: r},
                   ["optimizer": {"eps_share", "alignment", "alignment_min"}],
                   ["dtypes": {site: "float16" | "bfloat16" | "float32" | ...}],
-                  ["init": {"drift"}]}, ...],
+                  ["init": {"drift"}],
+                  ["precision": {"tokens", "modules": {module: {...}}}]}, ...],  # watch_precision
      "events": [{"step", "kind", "site", "stat", "moved_at", "message"}, ...]}
 
 "kinds", "model" and "thresholds" are optional: a history without them reads the same,
@@ -390,7 +391,8 @@ def record_rows(history: dict[str, Any], rec: dict[str, Any], bad: dict[tuple[in
     opt = rec.get("optimizer") or {}
     rows += [Row(**common, step=step, kind="optimizer", statistic=k, value=_num(opt[k]))
              for k in OPTIMIZER_KEYS if k in opt]
-    return rows
+    from .watch_precision import precision_rows  # a record's per-GEMM SQNR (Watch(precision=...))
+    return rows + precision_rows(rec, common)
 
 
 def to_frame(history: dict[str, Any], run: str | None = None, thresholds: Thresholds | None = None):

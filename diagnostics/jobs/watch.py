@@ -57,6 +57,7 @@ from ..measure import sharded
 from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
 from ..result import Row
+from .watch_precision import precision_tap
 from .watch_alerts import AlertBook, WatchEvent, WatchFailure, WatchReport, WatchStop, failure_of
 from .history import attention_stats, check_history, logits_stats, new_history, record_rows, site_stats, step_rows
 
@@ -159,7 +160,7 @@ class Watch:
                  sites: list[str] | None = None, history: dict[str, Any] | None = None,
                  on_event: Callable[[WatchEvent], None] | None = None, thresholds: Thresholds | None = None,
                  *, log_dir: str | None = None, writers: list[WatchWriter] | tuple = (), stop: str | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, forensics: int = 8):
+                 optimizer: torch.optim.Optimizer | None = None, forensics: int = 8, precision: Any = None):
         thresholds = _checked_thresholds(model, every, stop, thresholds, spike_factor)
         validate.integer("forensics", forensics, low=1, fix="forensics=N (records kept for a report)", error=OptionsError)
         self.thresholds = thresholds
@@ -184,6 +185,7 @@ class Watch:
         history, self.history_problem = check_history(history)  # a damaged history: start a new one
         self.history = history if history is not None else new_history(model, self.sites, self.every, self.spike_factor)
         self.history["thresholds"] = thresholds.to_dict()  # a resumed run judges all its records by these
+        self.precision = precision_tap(model, precision, self.history)  # per-GEMM SQNR (watch_precision)
         self.events: list[WatchEvent] = []
         self._pending: dict[str, dict[str, float]] | None = None
         self._raw: tuple | None = None  # the probe's vectors and signals of a recorded step, not yet moved
@@ -468,7 +470,7 @@ class Watch:
 
         options = ProbeOptions(modules=self._probed, backward=True, attention=True, cosine=False, params=False,
                                spectral=False, restore_grads=False, eval_mode=False, signals=True)
-        with probe(self.model, options) as run:
+        with probe(self.model, options) as run, self.precision.capture():
             yield
         self._raw = (*run.vectors(), run.signals)  # moved to the host (and merged over the ranks) once, at record
         self._pending, self._ratios = None, None
@@ -521,7 +523,7 @@ class Watch:
             return
         record = {"step": int(t), "reason": reason, "loss": float(loss), "lr": float(lr), "grad_norm": float(grad_norm),
                   "stats": self._pending, "attention": self._pending_attention, "update_ratio": self._ratios or {},
-                  **self._opt.record()}
+                  **self._opt.record(), **self.precision.take()}
         if self._pending_logits is not None:
             record["logits"] = self._pending_logits
         if self._pending_dtypes:

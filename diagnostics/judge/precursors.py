@@ -31,7 +31,8 @@ threshold (the fields of :class:`diagnostics.judge.thresholds.Thresholds`) when
 and, against the run's own baseline and trend (:mod:`diagnostics.judge.baseline`): an exact-zero
 share of a site's gradient far above the run's baseline, in any dtype (zero_gradient), and the
 attention logits, the output logits and the update ratios growing fast against their own
-previous records.
+previous records; and with the watch's precision trend, a GEMM's SQNR in a low-precision recipe
+fallen below its own first record's (precision_drop, :mod:`diagnostics.judge.precision_trend`).
 
 A precursor is reported (an :class:`Alert`) at the record where its signal has been past its
 threshold at ``early_persist`` records in a row (a share or a format's headroom, which counts
@@ -56,6 +57,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from .baseline import LOW_PRECISION, growth_alerts, zero_alerts
+from .precision_trend import precision_alerts
 from .thresholds import Thresholds
 
 __all__ = ["Alert", "SIGNALS", "FAIL_FACTOR", "LOOKBACK", "signal_values", "precursor_alerts", "all_precursor_alerts",
@@ -429,6 +431,7 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
             if due is not None:
                 out.append(_alert(history, sig, site, series, steps, due, th, values[k]))
     out += [Alert(**a) for a in zero_alerts(history, k, th, lo) + growth_alerts(history, k, th, lo, values)]
+    out += [Alert(**a) for a in precision_alerts(history, k)]  # a GEMM's SQNR against its own first record
     return sorted(out, key=lambda a: a.severity != "fail")
 
 
