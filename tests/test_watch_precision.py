@@ -10,7 +10,8 @@ import torch
 
 import tinylm
 from diagnostics import History, OptionsError, PrecisionOptions, Watch, precision
-from diagnostics.jobs.watch_precision import PrecisionWatch
+from diagnostics.jobs.watch_precision import PrecisionWatch, gemm_sqnr, sample_rows
+from diagnostics.measure.quant import recipe
 from tinylm import functional as F
 
 CHANNEL = 5
@@ -71,6 +72,8 @@ def test_numbers_are_precisions_on_the_same_operands():
         # the same code on the same operands (the same pass, in eval mode there, training mode here: no
         # dropout): equal to the bit
         assert e[r.gemm] == min(r.sqnr_db, r.row_sqnr_db) and e[f"{r.gemm}_row"] == r.row_sqnr_db, (r.module, r.gemm)
+    for m in got["modules"]:
+        assert got["modules"][m]["underflow"] == max(r.underflow for r in ref.rows if r.module == m)
     # negative control: another recipe's figures differ from these (the check can fail)
     rw = precision(model, b, PrecisionOptions(recipes=("rowwise",), theory=False))
     assert any(abs(got["modules"][r.module][r.gemm] - min(r.sqnr_db, r.row_sqnr_db)) > 1.0 for r in rw.rows)
@@ -120,3 +123,18 @@ def test_options_fields_checked():
         PrecisionWatch(drop_db=0)
     with pytest.raises(OptionsError, match=r"^tokens=-1: must be an integer >= 0"):
         PrecisionWatch(tokens=-1)
+
+
+def test_subsample_keeps_the_largest_rows_and_each_sampled_row_is_exact():
+    gen = torch.Generator().manual_seed(1)
+    x, w, g = torch.randn(512, 32, generator=gen), torch.randn(48, 32, generator=gen), torch.randn(512, 48, generator=gen)
+    x[301, 7] = 1e5  # a massive activation at a row the stride skips
+    g[77, 3] = 50.0
+    rows = sample_rows(x, g, 64)
+    assert {301, 77} <= set(rows.tolist()) and len(rows) == 66 and rows[1] == 8
+    sub = gemm_sqnr(x[rows], w, g[rows], recipe("tensorwise"))
+    # the scale per tensor is the whole tensor's: fprop's sampled rows are the full GEMM's rows, so the massive
+    # row's harm shows; without it in the sample (negative control) the typical row reads far higher
+    bare = torch.arange(0, 512, 8)
+    miss = gemm_sqnr(x[bare], w, g[bare], recipe("tensorwise"))
+    assert sub["fprop"][1] < miss["fprop"][1] - 6 and sub["input_peak"] > 1e4 > miss["input_peak"]

@@ -4,13 +4,13 @@
 
 At a recorded step, and only then, a forward hook on every linear layer
 (:func:`diagnostics.jobs.precision.linear_layers`: a leaf module with a 2-D weight whose output is
-x W^T (+ b)) keeps its input x (the rows of a strided subsample of at most ``tokens`` tokens) and
-its weight W, and a hook on its output's gradient receives g = dL/dy for the same rows. There, in
-the step's own backward, the layer's three GEMMs (fprop y = x W^T, dgrad dx = g W, wgrad
-dW = g^T x) are measured in the recipe by :func:`diagnostics.jobs.precision.measure_gemms` (theory
-off): the same code and the same numbers as :func:`diagnostics.precision` on the same operands.
-No extra forward or backward runs; the operands are dropped as soon as the layer's gradient has
-been measured. The record gains ``"precision"``::
+x W^T (+ b), checked on the pass but for ``nn.Linear`` and tinylm's ``Linear``) keeps its input x
+and weight W, and a hook on its output's gradient receives g = dL/dy. There, in the step's own
+backward, the layer's three GEMMs (fprop y = x W^T, dgrad dx = g W, wgrad dW = g^T x) are
+measured in the recipe by :func:`gemm_sqnr`: the casts, products and SQNR of
+:func:`diagnostics.jobs.precision.measure_gemms` (equal to the bit on the same operands), without
+its theory and its operands' descriptions. No extra forward or backward runs; the operands are
+dropped once the layer's gradient has been measured. The record gains ``"precision"``::
 
     {"tokens": m, "modules": {module: {"fprop", "dgrad", "wgrad",             # SQNR judged, dB
                                        "fprop_row", "dgrad_row", "wgrad_row", # typical row's, dB
@@ -18,15 +18,21 @@ been measured. The record gains ``"precision"``::
                                        "underflow"}}}                         # share of non-zero
                                                                               # entries sent to 0
 (the judged SQNR is the lower of the output's and its typical row's, as diagnostics.judge.precision
-judges a GEMM) and the history's header ``"precision"``: {"recipe", "drop_db", "tokens",
-"products"} (``products``: the layers whose input is the SwiGLU product, w2 / down_proj).
+judges a GEMM; ``m`` the most token rows measured in a layer) and the history's header
+``"precision"``: {"recipe", "drop_db", "tokens", "products"} (``products``: the layers whose input
+is the SwiGLU product, w2 / down_proj).
 
-A subsample (a layer whose input has more than ``tokens`` rows; every s-th row, s = ceil(M /
-tokens)) changes what is measured: fprop's and dgrad's SQNR are those of the sampled rows (a
-tensorwise scale from the sampled rows' largest entry: a massive value at a token not sampled is
-not seen), and wgrad's is the SQNR of the GEMM over the sampled tokens only (its signal adds up
-over fewer tokens: it may read lower than the full GEMM's). The trend compares each GEMM with
-itself measured the same way, so the drop it judges is not changed in kind.
+Token rows are subsampled where a layer sees more than ``tokens`` (64 by default): every s-th row
+from row 0, s = ceil(M / tokens), and the rows holding the largest |x| and the largest |g|
+(:func:`sample_rows`). A scale per tensor is then the whole tensor's, a scale per row or per block
+along the contraction is each row's own, so every sampled output row of fprop and dgrad is exactly
+the full GEMM's row: their SQNR is that of the sampled rows, an estimate of the whole's (the
+output's SQNR a power-weighted mean over rows, the typical row's a median over them), and the
+rows of a massive activation are always among them. wgrad contracts over the tokens: its SQNR is
+that of the GEMM over the sampled tokens (its signal sums fewer tokens; where they add coherently
+it reads lower than the full GEMM's). The trend compares each GEMM with itself measured the same
+way. ``tokens=0`` measures every row (the cost then is about 2.5 plain steps per record on the
+``tiny`` preset against 1.5 at 64 of 128 rows: docs/benchmarks.md).
 
 Over several ranks each rank measures its own batch and keeps its own figures (not merged);
 its alerts are its own.
@@ -42,13 +48,14 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 
+import tinylm
 from tinylm.validate import check, choice, integer, number
 
 from ..errors import OptionsError
 from ..judge.precision import module_role
-from ..measure.quant import RECIPES, recipe as recipe_of
+from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..result import Row
-from .precision import _Capture, linear_layers, measure_gemms
+from .precision import _NAMES, _TRANSPOSED, _Capture, _sqnr_db, gemm_operands, linear_layers
 
 __all__ = ["PrecisionWatch", "PrecisionTap", "precision_tap", "precision_rows", "precision_scalars", "GEMM_KEYS"]
 
@@ -64,19 +71,20 @@ class PrecisionWatch:
     recipe: a name in diagnostics.measure.quant.RECIPES ("tensorwise", "rowwise", "mxfp8", "mxfp4",
         "nvfp4"): the recipe whose GEMMs are measured.
     drop_db: a GEMM whose SQNR falls more than this below its own first record is alerted (dB, > 0).
-    tokens: the most token rows of a layer measured (a strided subsample above it; 0: every row).
+    tokens: the most token rows of a layer measured (a strided subsample and the rows of the largest
+        entries above it, module docstring; 0: every row).
     """
 
     recipe: str = "tensorwise"
     drop_db: float = 6.0
-    tokens: int = 1024
+    tokens: int = 64
 
     def __post_init__(self) -> None:
         choice("precision", self.recipe, RECIPES, fix="precision=\"tensorwise\" (or one of "
                + ", ".join(RECIPES) + ")", error=OptionsError)
         number("drop_db", self.drop_db, low=0.0, strict_low=True, fix="PrecisionWatch(drop_db=6.0)",
                error=OptionsError)
-        integer("tokens", self.tokens, low=0, fix="PrecisionWatch(tokens=1024) (0: every row)", error=OptionsError)
+        integer("tokens", self.tokens, low=0, fix="PrecisionWatch(tokens=64) (0: every row)", error=OptionsError)
 
 
 def _options(value: Any) -> PrecisionWatch | None:
@@ -88,6 +96,10 @@ def _options(value: Any) -> PrecisionWatch | None:
     return PrecisionWatch(recipe=value)
 
 
+#: module classes whose forward is known to be x W^T (+ b): no check of it on the pass
+_KNOWN = (nn.Linear, tinylm.Linear)
+
+
 class _Hooks(_Capture):
     """precision()'s capture with its rows subsampled and theory off; the facts kept per layer."""
 
@@ -96,14 +108,82 @@ class _Hooks(_Capture):
         self.tokens = options.tokens
         self.used = 0
 
+    @staticmethod
+    def _check(mod, orient, x, y) -> str:
+        if type(mod) in _KNOWN and isinstance(x, Tensor) and isinstance(y, Tensor) and x.is_floating_point() \
+                and x.shape[-1] == mod.weight.shape[1] and y.shape[-1] == mod.weight.shape[0]:
+            return ""
+        return _Capture._check(mod, orient, x, y)
+
     def _take(self, name: str, x: Tensor, w: Tensor, g: Tensor) -> None:
         g = g.reshape(-1, g.shape[-1])
-        stride = 1 if not self.tokens or g.shape[0] <= self.tokens else -(-g.shape[0] // self.tokens)
-        if stride > 1:
-            x, g = x[::stride], g[::stride]
+        if self.tokens and g.shape[0] > self.tokens:
+            rows = sample_rows(x, g, self.tokens)
+            x, g = x.index_select(0, rows), g.index_select(0, rows)
         self.used = max(self.used, int(g.shape[0]))
         with torch.no_grad():
-            self.facts[name] = measure_gemms(x, w, g, self.recipes, theory=False)
+            self.facts[name] = gemm_sqnr(x, w, g, self.recipes[0])
+
+
+def sample_rows(x: Tensor, g: Tensor, tokens: int) -> Tensor:
+    """The rows measured of x (M, K) and g (M, N) when M > ``tokens``: every s-th, s = ceil(M /
+    tokens), from row 0, and the rows that hold the largest |x| and the largest |g| (so that a
+    scale per tensor is the whole tensor's, and a massive activation is always among them)."""
+    m = x.shape[0]
+    stride = -(-m // tokens)
+    top = torch.stack([x.abs().amax(1).argmax(), g.abs().amax(1).argmax()])
+    return torch.cat([torch.arange(0, m, stride, device=x.device), top]).unique()
+
+
+#: entries of an operand whose median |.| is taken for its peak / median (a strided sample beyond)
+PEAK_SAMPLE = 4096
+
+
+def peak_ratio(t: Tensor) -> float:
+    """max |t| / the median |t| of its non-zero entries (those of a strided sample of at least
+    :data:`PEAK_SAMPLE` entries, all of them in a smaller tensor); NaN for an all-zero tensor, inf
+    when that median is 0. A figure for the trend (the sample's median is within a few percent of
+    the whole's), the peak itself exact."""
+    flat = t.detach().reshape(-1)
+    lo, hi = torch.aminmax(flat)
+    sample = flat[::max(1, flat.numel() // PEAK_SAMPLE)].abs()
+    sample = sample[sample > 0]
+    if sample.numel() == 0:
+        return math.nan
+    med, top = torch.stack([sample.median(), torch.maximum(hi, -lo)]).tolist()
+    return top / med if med > 0 else math.inf
+
+
+def gemm_sqnr(x: Tensor, w: Tensor, g: Tensor, rc: Recipe) -> dict[str, Any]:
+    """One layer's three GEMMs in recipe ``rc``: {gemm: (sqnr_db, row_sqnr_db, underflow)} and the
+    peaks of x and g. The SQNRs and the underflow share are those of
+    :func:`diagnostics.jobs.precision.measure_gemms` (the same casts, cached per operand and layout
+    the same way, and the same products: equal to the bit), without its theory and its operands'
+    descriptions (kurtosis, channels), which the trend does not keep."""
+    x, w, g = (t.detach().to(torch.float32) for t in (x, w, g))
+    ops = gemm_operands(x, w, g)
+    cache: dict = {}
+    out: dict[str, Any] = {}
+    for gm in GEMMS:
+        left, right = ops[gm]
+        ref = left @ right.t()
+        signal = ref.square().sum(1).double()
+        qs = []
+        for side, c in enumerate(rc.casts(gm)):
+            name, flip = _NAMES[gm][side], _TRANSPOSED[gm][side]
+            key = (name, c) if c.granularity == "tensor" else (name, flip, c)
+            if key not in cache:
+                t = ops[gm][side]
+                q, _ = quantize(t, c, stats=False)
+                live = t != 0
+                cache[key] = (q, flip, torch.stack([(live & (q == 0)).sum(), live.sum()]))
+            q, was, counts = cache[key]
+            qs.append((q if was == flip else q.t(), counts))
+        sqnr, row = _sqnr_db(signal, ref, qs[0][0] @ qs[1][0].t())
+        under, nonzero = (qs[0][1] + qs[1][1]).tolist()
+        out[gm] = (sqnr, row, under / max(nonzero, 1))
+    out["input_peak"], out["grad_peak"] = peak_ratio(x), peak_ratio(g)
+    return out
 
 
 class PrecisionTap:
@@ -148,18 +228,15 @@ def _entry(hooks: _Hooks) -> dict[str, Any] | None:
     """The record's "precision" entry from a capture's facts (module docstring); None if none measured."""
     modules = {}
     for name in hooks.order:
-        facts = {f["gemm"]: f for f in hooks.facts.get(name, ())}
+        facts = hooks.facts.get(name)
         if not facts:
             continue
         entry = {}
-        for gm, f in facts.items():
-            entry[gm] = float(min(f["sqnr_db"], f["row_sqnr_db"]))
-            entry[f"{gm}_row"] = float(f["row_sqnr_db"])
-        ops = facts["fprop"]["operands"]
-        grad = facts["dgrad"]["operands"]["grad_output"]
-        entry["input_peak"] = float(ops["input"]["peak_to_median"])
-        entry["grad_peak"] = float(grad["peak_to_median"])
-        entry["underflow"] = float(max(f["underflow"] for f in facts.values()))
+        for gm in GEMMS:
+            sqnr, row, _ = facts[gm]
+            entry[gm], entry[f"{gm}_row"] = float(min(sqnr, row)), float(row)
+        entry["input_peak"], entry["grad_peak"] = float(facts["input_peak"]), float(facts["grad_peak"])
+        entry["underflow"] = float(max(facts[gm][2] for gm in GEMMS))
         modules[name] = entry
     return {"tokens": hooks.used, "modules": modules} if modules else None
 
