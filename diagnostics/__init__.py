@@ -30,6 +30,7 @@ from .jobs.replicas import ReplicaResult, check_replicas
 from .jobs.watch_replay import StepReplay
 from .jobs.precision import PrecisionOptions, precision
 from .jobs.precision_result import PrecisionResult
+from .jobs.watch_precision import PrecisionWatch
 from .judge import Thresholds
 from .measure import AttnMoments, Moments, ParamStats, ProbeRun, ProbeStats, instrument_points, merge_distributed, probe
 from .measure.intervals import CONFIDENCE, interval_scope, log_t_interval, t_interval
@@ -100,6 +101,7 @@ __all__ = [
     "precision",
     "PrecisionOptions",
     "PrecisionResult",
+    "PrecisionWatch",
 ]
 
 # Names that moved to tinylm (the training loop belongs with the model); still importable

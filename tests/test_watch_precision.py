@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tinylm
-from diagnostics import History, OptionsError, PrecisionOptions, Watch, precision
-from diagnostics.jobs.watch_precision import PrecisionWatch, gemm_sqnr, sample_rows
+from diagnostics import History, OptionsError, PrecisionOptions, PrecisionWatch, Watch, precision
+from diagnostics.jobs.watch_precision import gemm_sqnr, sample_rows
 from diagnostics.measure.quant import recipe
 from tinylm import functional as F
 

@@ -57,7 +57,8 @@ from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_o
 from ..result import Row
 from .precision import _NAMES, _TRANSPOSED, _Capture, _sqnr_db, gemm_operands, linear_layers
 
-__all__ = ["PrecisionWatch", "PrecisionTap", "precision_tap", "precision_rows", "precision_scalars", "GEMM_KEYS"]
+__all__ = ["PrecisionWatch", "PrecisionTap", "precision_tap", "precision_rows", "precision_scalars", "GEMM_KEYS",
+           "gemm_sqnr", "sample_rows", "peak_ratio"]
 
 #: the per-module keys of a record's "precision" entry
 GEMM_KEYS = ("fprop", "dgrad", "wgrad", "fprop_row", "dgrad_row", "wgrad_row", "input_peak", "grad_peak",
