@@ -176,13 +176,17 @@ def gemm_sqnr(x: Tensor, w: Tensor, g: Tensor, rc: Recipe) -> dict[str, Any]:
             if key not in cache:
                 t = ops[gm][side]
                 q, _ = quantize(t, c, stats=False)
-                live = t != 0
-                cache[key] = (q, flip, torch.stack([(live & (q == 0)).sum(), live.sum()]))
-            q, was, counts = cache[key]
-            qs.append((q if was == flip else q.t(), counts))
-        sqnr, row = _sqnr_db(signal, ref, qs[0][0] @ qs[1][0].t())
-        under, nonzero = (qs[0][1] + qs[1][1]).tolist()
-        out[gm] = (sqnr, row, under / max(nonzero, 1))
+                # zeros after and before (a zero stays zero: the new ones underflowed), entries
+                cache[key] = (q, flip, torch.stack([(q == 0).sum(), (t == 0).sum()]), t.numel())
+            q, was, counts, n = cache[key]
+            qs.append((q if was == flip else q.t(), counts, n))
+        out[gm] = (*_sqnr_db(signal, ref, qs[0][0] @ qs[1][0].t()), qs[0][1:], qs[1][1:])
+    zeros = {id(c): c for gm in GEMMS for c in (out[gm][2][0], out[gm][3][0])}
+    read = dict(zip(zeros, torch.stack(list(zeros.values())).tolist()))  # one read for every count
+    for gm in GEMMS:
+        sqnr, row, (a, na), (b, nb) = out[gm]
+        (qa, za), (qb, zb) = read[id(a)], read[id(b)]
+        out[gm] = (sqnr, row, (qa - za + qb - zb) / max(na - za + nb - zb, 1))
     out["input_peak"], out["grad_peak"] = peak_ratio(x), peak_ratio(g)
     return out
 
