@@ -79,9 +79,9 @@ def test_numbers_are_precisions_on_the_same_operands():
     assert any(abs(got["modules"][r.module][r.gemm] - min(r.sqnr_db, r.row_sqnr_db)) > 1.0 for r in rw.rows)
 
 
-def test_growing_massive_activation_alerts_and_healthy_run_does_not():
+def test_growing_massive_activation_alerts_and_healthy_run_does_not(tmp_path):
     scales = [1.0, 1.0, 1e2, 1e4, 1e6, 1e6]
-    bad = _run(6, scales, precision="tensorwise")
+    bad = _run(6, scales, precision="tensorwise", log_dir=str(tmp_path))
     drops = [a for a in bad.alerts if a.signal == "precision_drop"]
     assert drops, [a.message for a in bad.alerts]
     first = drops[0]
@@ -91,6 +91,10 @@ def test_growing_massive_activation_alerts_and_healthy_run_does_not():
     # the trend keeps the precursor: the input's peak / median grew with the scale
     peaks = [r["precision"]["modules"]["layers.0.attn.q_proj"]["input_peak"] for r in bad.history["records"]]
     assert peaks[-1] > 1e3 * peaks[0]
+    # the log dir keeps the trend: read back, the records hold it and the alert is replayed from them
+    back = History.read(tmp_path)
+    assert back["records"][-1]["precision"] == bad.history["records"][-1]["precision"]
+    assert [a.step for a in back.alerts if a.signal == "precision_drop"] == [first.step]
     healthy = _run(6, None, precision="tensorwise")
     assert not [a for a in healthy.alerts if a.signal == "precision_drop"], [a.message for a in healthy.alerts]
     qs = [r["precision"]["modules"]["layers.0.attn.q_proj"]["fprop"] for r in healthy.history["records"]]
