@@ -123,6 +123,8 @@ def test_option_checked_in_one_line(value, words):
 
 
 def test_options_fields_checked():
+    with pytest.raises(OptionsError, match=r"^recipe='fp7': must be one of tensorwise, rowwise"):
+        PrecisionWatch(recipe="fp7")
     with pytest.raises(OptionsError, match=r"^drop_db=0: must be a finite number > 0"):
         PrecisionWatch(drop_db=0)
     with pytest.raises(OptionsError, match=r"^tokens=-1: must be an integer >= 0"):

@@ -154,6 +154,8 @@ class Watch:
     ``thresholds``: a :class:`diagnostics.Thresholds` (None: the defaults), the same object diagnose takes; the
     watch reads its watch_* and spike_* fields. ``spike_factor``, when given, replaces the thresholds' own (the
     training options carry one). ``optimizer``: the loop's optimizer (figures: :mod:`diagnostics.measure.optimizer`).
+    ``precision``: None (off), a recipe name or a :class:`diagnostics.PrecisionWatch`: each record also holds every
+    linear layer's GEMM SQNR in that recipe, alerted on a drop (:mod:`diagnostics.jobs.watch_precision`).
     """
 
     def __init__(self, model: nn.Module, every: int = 25, spike_factor: float | None = None,

@@ -81,7 +81,7 @@ class PrecisionWatch:
     tokens: int = 64
 
     def __post_init__(self) -> None:
-        choice("precision", self.recipe, RECIPES, fix="precision=\"tensorwise\" (or one of "
+        choice("recipe", self.recipe, RECIPES, fix="PrecisionWatch(recipe=\"tensorwise\") (or one of "
                + ", ".join(RECIPES) + ")", error=OptionsError)
         number("drop_db", self.drop_db, low=0.0, strict_low=True, fix="PrecisionWatch(drop_db=6.0)",
                error=OptionsError)
@@ -94,6 +94,8 @@ def _options(value: Any) -> PrecisionWatch | None:
         return value
     check("precision", value, lambda v: isinstance(v, str), "be a recipe name or a diagnostics.PrecisionWatch",
           fix="precision=\"tensorwise\" (or None: off)", error=OptionsError)
+    choice("precision", value, RECIPES, fix="precision=\"tensorwise\" (or one of " + ", ".join(RECIPES) + ")",
+           error=OptionsError)
     return PrecisionWatch(recipe=value)
 
 
