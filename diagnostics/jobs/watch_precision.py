@@ -53,6 +53,7 @@ from tinylm.validate import check, choice, integer, number
 
 from ..errors import OptionsError
 from ..judge.precision import module_role
+from ..judge.precision_trend import record_modules
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..result import Row
 from .precision import _NAMES, _TRANSPOSED, _Capture, _sqnr_db, gemm_operands, linear_layers
@@ -254,7 +255,11 @@ def precision_tap(model: nn.Module, value: Any, history: dict[str, Any]) -> Prec
 
 
 def _num(x: Any) -> float:
-    return math.nan if x is None else float(x)
+    """A stored figure as a float (NaN where it is missing or not a number)."""
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def precision_rows(rec: dict[str, Any], common: dict[str, Any]) -> list[Row]:
@@ -264,11 +269,8 @@ def precision_rows(rec: dict[str, Any], common: dict[str, Any]) -> list[Row]:
     of its input (forward) and of its output's gradient (backward), ``frac_underflow``."""
     from ..measure.probe import block_index
 
-    got = rec.get("precision")
-    if not isinstance(got, dict):
-        return []
     rows = []
-    for name, e in (got.get("modules") or {}).items():
+    for name, e in record_modules(rec).items():
         at = dict(common, step=rec["step"], name=name, kind="linear", block=block_index(name))
         for gm in ("fprop", "dgrad", "wgrad"):
             d = "forward" if gm == "fprop" else "backward"
@@ -283,9 +285,8 @@ def precision_rows(rec: dict[str, Any], common: dict[str, Any]) -> list[Row]:
 def precision_scalars(rec: dict[str, Any]) -> dict[str, float]:
     """The record's precision figures as scalars, named as the TensorBoard and W&B writers write them:
     ``watch/sqnr_db/<gemm>/<module>`` and ``watch/input_peak/<module>``."""
-    got = rec.get("precision")
     out: dict[str, float] = {}
-    for name, e in ((got or {}).get("modules") or {}).items():
+    for name, e in record_modules(rec).items():
         for gm in ("fprop", "dgrad", "wgrad"):
             out[f"watch/sqnr_db/{gm}/{name}"] = _num(e.get(gm))
         out[f"watch/input_peak/{name}"] = _num(e.get("input_peak"))

@@ -24,7 +24,7 @@ from typing import Any
 
 from .precision import _fix, module_role
 
-__all__ = ["precision_alerts", "SIGNAL"]
+__all__ = ["precision_alerts", "record_modules", "SIGNAL"]
 
 SIGNAL = "precision_drop"
 
@@ -33,28 +33,30 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _modules(rec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def record_modules(rec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{module: its figures} of a record's "precision" entry (none where it is missing or not of that shape)."""
     got = rec.get("precision")
-    return (got.get("modules") or {}) if isinstance(got, dict) else {}
+    mods = got.get("modules") if isinstance(got, dict) else None
+    return {k: v for k, v in mods.items() if isinstance(v, dict)} if isinstance(mods, dict) else {}
 
 
 def _first(records: list[dict[str, Any]], k: int, module: str, key: str) -> tuple[int, float] | None:
     """(index, value) of the first record up to k where ``module``'s ``key`` is a finite number."""
     for j in range(k + 1):
-        v = _modules(records[j]).get(module, {}).get(key)
+        v = record_modules(records[j]).get(module, {}).get(key)
         if _finite(v):
             return j, float(v)
     return None
 
 
 def _past(records: list[dict[str, Any]], j: int, module: str, gm: str, start: float, drop: float) -> bool:
-    v = _modules(records[j]).get(module, {}).get(gm) if j >= 0 else None
+    v = record_modules(records[j]).get(module, {}).get(gm) if j >= 0 else None
     return v is not None and (v == -math.inf or (_finite(v) and start - float(v) > drop))
 
 
 def _why(records: list[dict[str, Any]], k: int, module: str, gm: str, role: str) -> str:
     """What grew with the drop: the input's or the gradient's peak / median, or the underflow."""
-    now = _modules(records[k])[module]
+    now = record_modules(records[k])[module]
     parts = []
     for key, what in (("input_peak", "its input's"), ("grad_peak", "its output gradient's")):
         if key == "input_peak" and gm == "dgrad" or key == "grad_peak" and gm == "fprop":
@@ -81,7 +83,7 @@ def precision_alerts(history: dict[str, Any], k: int) -> list[dict[str, Any]]:
     recipe = str(head.get("recipe", "the recipe"))
     products = set(head.get("products") or ())
     out = []
-    for module, now in _modules(records[k]).items():
+    for module, now in record_modules(records[k]).items():
         role = "swiglu_product" if module in products else module_role(module, False)
         for gm in ("fprop", "dgrad", "wgrad"):
             first = _first(records, k, module, gm)
