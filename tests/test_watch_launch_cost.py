@@ -1,0 +1,107 @@
+"""What a recorded watch step dispatches in the launch-bound regime (a small, deep model): op
+counts are deterministic, so they are held where a GPU pays per op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tinylm
+from diagnostics import Watch
+from diagnostics.jobs import watch_record
+from diagnostics.measure.opcount import OpCount
+
+VOCAB, T, BATCH = 512, 32, 4
+
+
+def _model(kind: str, layers: int):
+    if kind == "tinylm":
+        config = tinylm.preset("tiny", num_layers=layers, context_length=T, d_model=64, num_heads=4, vocab_size=VOCAB)
+        return tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=64, n_layer=layers, n_head=4,
+                                     attn_implementation="sdpa", bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).train(False)
+
+
+def _counts(model) -> dict[str, int]:
+    """Aten ops of one training step (SGD) plain, under the watch's probe alone
+    (``Watch.capture``, nothing recorded) and recorded (``Watch(every=1)``), each after a warm-up."""
+    tokens = torch.randint(0, VOCAB, (BATCH, T + 1), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    watch = Watch(model, every=1)
+    t = [0]
+
+    def loss_of():
+        out = model(tokens[:, :-1])
+        loss = tinylm.functional.cross_entropy(getattr(out, "logits", out), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def plain():
+        float(loss_of().detach())
+
+    def probed():
+        with watch.capture():
+            loss = loss_of()
+        float(loss.detach())
+
+    def recorded():
+        with watch.step(t[0]):
+            loss = loss_of()
+        watch.record(loss)
+        t[0] += 1
+
+    out = {}
+    with watch:
+        for name, fn in (("plain", plain), ("probed", probed), ("recorded", recorded)):
+            fn()
+            fn()
+            with OpCount() as ops:
+                fn()
+            out[name] = ops.total
+    return out
+
+
+@pytest.mark.parametrize("kind", ["tinylm", "gpt2"])
+def test_a_recorded_step_dispatches_at_most_1_5x_a_plain_step(kind, monkeypatch):
+    monkeypatch.setenv("TINYLM_REDUCER", "auto")
+    n = _counts(_model(kind, 4))
+    assert n["recorded"] <= 1.5 * n["plain"], n
+
+
+def test_negative_control_statistics_one_torch_op_at_a_time_exceed_the_bound(monkeypatch):
+    """The same bound rejects a recorded step whose probe takes its statistics op by op."""
+    monkeypatch.setenv("TINYLM_REDUCER", "reference")
+    n = _counts(_model("tinylm", 2))
+    assert n["recorded"] > 1.5 * n["plain"], n
+
+
+def _own_growth(monkeypatch) -> int:
+    """The watch's own ops (a recorded step's beyond its probe's pass) at 4 layers minus at 2."""
+    monkeypatch.setenv("TINYLM_REDUCER", "auto")
+    own = []
+    for layers in (2, 4):
+        n = _counts(_model("tinylm", layers))
+        own.append(n["recorded"] - n["probed"])
+    return own[1] - own[0]
+
+
+def test_the_watchs_own_ops_grow_by_at_most_one_per_layer(monkeypatch):
+    """Two more layers add 18 parameters to copy and measure and 12 sites to move to the host;
+    the watch's own work adds at most the one read of each attention's largest logit."""
+    assert _own_growth(monkeypatch) <= 2
+
+
+def test_negative_control_a_copy_per_parameter_grows_with_the_layers(monkeypatch):
+    """The same count sees a watch that clones parameter by parameter and hands each entry to
+    the exchange as it is (two ops per parameter, two per entry)."""
+    monkeypatch.setattr(watch_record, "copy_params", lambda params: {n: p.detach().clone() for n, p in params.items()})
+    import diagnostics.jobs.watch as watch_module
+
+    monkeypatch.setattr(watch_module, "copy_params", watch_record.copy_params)
+    monkeypatch.setattr(watch_module, "host_values", lambda entries, group=None: entries)
+    assert _own_growth(monkeypatch) >= 2 * 18
