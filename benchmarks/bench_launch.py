@@ -15,7 +15,9 @@ structure CUDA tensors get, ``auto`` the default CPU path), one forward+backward
 * host reads (``.item()``, ``.tolist()``, ``.cpu()`` and kin) inside forward and backward;
 * time probed / bare: ``--pairs`` interleaved pairs (order by a seeded coin) after a warm-up
   of each, the median of the within-pair ratios (the machine is shared: pairs, not means);
-* a recorded watch step against a plain step (``Watch(every=1)``, SGD) the same way;
+* a recorded watch step against a plain step (``Watch(every=1)``, SGD) the same way, and the
+  same step under the watch's probe alone (``Watch.capture``, nothing recorded): the rest is
+  the watch's own work (parameter copies, update ratios, the one transfer, the judging);
 * for tinylm, the bare pass's ops and time against ``BuiltinLM``'s (the same pairs).
 """
 
@@ -115,6 +117,12 @@ def watch_pair(model, tokens):
             loss = loss_of()
         watch.record(loss)
         t[0] += 1
+
+    def captured():
+        with watch.capture():
+            loss = loss_of()
+        float(loss.detach())
+    watched.captured = captured
     return plain, watched, watch
 
 
@@ -175,6 +183,10 @@ def main(argv=None) -> int:
                 pops = count(plain)[0].total
                 print(f"    watch step recorded/plain: time median {med:.2f} "
                       f"(range {min(ratios):.2f}-{max(ratios):.2f}); ops {wops} / {pops} = {wops / pops:.2f}x")
+                pmed, pratios = pairs(watched.captured, watched, args.pairs)
+                cops = count(watched.captured)[0].total
+                print(f"      its probe alone / plain: ops {cops / pops:.2f}x; recorded / its probe alone: time median "
+                      f"{pmed:.2f} (range {min(pratios):.2f}-{max(pratios):.2f}), ops {wops - cops} more")
                 watch.close() if hasattr(watch, "close") else None
     os.environ.pop("TINYLM_REDUCER", None)
     return 0

@@ -9,6 +9,7 @@ import torch
 import tinylm
 from diagnostics import Watch
 from diagnostics.jobs import watch_record
+from diagnostics.measure import update_sums
 from diagnostics.measure.opcount import OpCount
 
 VOCAB, T, BATCH = 512, 32, 4
@@ -27,10 +28,11 @@ def _model(kind: str, layers: int):
 
 def _counts(model) -> dict[str, int]:
     """Aten ops of one training step (SGD) plain, under the watch's probe alone
-    (``Watch.capture``, nothing recorded) and recorded (``Watch(every=1)``), each after a warm-up."""
+    (``Watch.capture``, nothing recorded) and recorded (``Watch(every=1, optimizer=opt)``: the
+    optimizer's figures too), each after a warm-up."""
     tokens = torch.randint(0, VOCAB, (BATCH, T + 1), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    watch = Watch(model, every=1)
+    watch = Watch(model, every=1, optimizer=opt)
     t = [0]
 
     def loss_of():
@@ -91,17 +93,19 @@ def _own_growth(monkeypatch) -> int:
 
 
 def test_the_watchs_own_ops_grow_by_at_most_one_per_layer(monkeypatch):
-    """Two more layers add 18 parameters to copy and measure and 12 sites to move to the host;
-    the watch's own work adds at most the one read of each attention's largest logit."""
+    """Two more layers add 18 parameters to copy, measure and take the optimizer's sums of, and
+    12 sites to move to the host; the watch's own work adds at most the one read of each
+    attention's largest logit."""
     assert _own_growth(monkeypatch) <= 2
 
 
 def test_negative_control_a_copy_per_parameter_grows_with_the_layers(monkeypatch):
-    """The same count sees a watch that clones parameter by parameter and hands each entry to
-    the exchange as it is (two ops per parameter, two per entry)."""
+    """The same count sees a watch that clones parameter by parameter, hands each entry to the
+    exchange as it is and takes the optimizer's sums one parameter at a time."""
     monkeypatch.setattr(watch_record, "copy_params", lambda params: {n: p.detach().clone() for n, p in params.items()})
     import diagnostics.jobs.watch as watch_module
 
     monkeypatch.setattr(watch_module, "copy_params", watch_record.copy_params)
     monkeypatch.setattr(watch_module, "host_values", lambda entries, group=None: entries)
-    assert _own_growth(monkeypatch) >= 2 * 18
+    monkeypatch.setattr(update_sums, "sums", lambda now, was, grads: None)
+    assert _own_growth(monkeypatch) >= 4 * 18

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import sharded
+from . import sharded, update_sums
 
 __all__ = ["OptimizerSignals", "optimizer_signals", "usable_optimizer", "FIGURES"]
 
@@ -141,6 +141,10 @@ class OptimizerSignals:
     def _update_rows(self, before: dict[str, Tensor]) -> Tensor:
         """(P, 3): per parameter <Delta W_i, g_i>, ||Delta W_i||^2, ||g_i||^2, this rank's share
         (zeros for a parameter without a gradient or a copy)."""
+        plain = update_sums.sums([self.params[n] for n in self.names], [before.get(n) for n in self.names],
+                                 [self.params[n].grad for n in self.names])
+        if plain is not None:  # every one a plain tensor with its copy and gradient, on one device: one op
+            return plain * self.weight
         rows = []
         for n in self.names:
             p, was = self.params[n], before.get(n)
