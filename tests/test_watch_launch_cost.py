@@ -109,3 +109,46 @@ def test_negative_control_a_copy_per_parameter_grows_with_the_layers(monkeypatch
     monkeypatch.setattr(watch_module, "host_values", lambda entries, group=None: entries)
     monkeypatch.setattr(update_sums, "sums", lambda now, was, grads: None)
     assert _own_growth(monkeypatch) >= 4 * 18
+
+
+def _rows(model, sums=None) -> torch.Tensor:
+    """The optimizer figures' sums (:meth:`OptimizerSignals.vector`) of one AdamW step of
+    ``model`` (``sums``: replaces :func:`diagnostics.measure.update_sums.sums`)."""
+    from diagnostics.jobs.watch_record import copy_params
+    from diagnostics.measure import optimizer
+
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    signals = optimizer.OptimizerSignals(opt, params)
+    tokens = torch.randint(0, VOCAB, (BATCH, T + 1), generator=torch.Generator().manual_seed(2))
+    tinylm.functional.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    signals.arm(copy_params(params))
+    real = update_sums.sums
+    try:
+        update_sums.sums = sums or real
+        opt.step()
+        return signals.vector()  # [eps counts, then the (P, 3) sums flattened]
+    finally:
+        update_sums.sums = real
+        signals.close()
+
+
+def test_the_one_op_gives_the_per_parameter_sums_to_the_bit():
+    taken = []
+
+    def spy(now, was, grads):
+        got = torch.ops.tinylm.update_sums(now, was, grads)
+        taken.append(len(now))
+        return got
+    one = _rows(_model("tinylm", 1), spy)
+    assert taken == [len(list(_model("tinylm", 1).parameters()))]  # every parameter through the op
+    each = _rows(_model("tinylm", 1), lambda now, was, grads: None)
+    assert one.dtype == torch.float64 and torch.equal(one, each)
+
+
+def test_negative_control_float32_sums_are_not_the_same():
+    """The same comparison sees sums taken in float32 (the difference and the dots rounded)."""
+    def float32(now, was, grads):
+        return torch.stack([torch.stack([((p - w).flatten() @ g.flatten()), (p - w).flatten() @ (p - w).flatten(),
+                                         g.flatten() @ g.flatten()]) for p, w, g in zip(now, was, grads)]).double()
+    assert not torch.equal(_rows(_model("tinylm", 1), float32), _rows(_model("tinylm", 1)))
