@@ -27,11 +27,11 @@ def _model(kind: str, layers: int):
 
 
 def _counts(model) -> dict[str, int]:
-    """Aten ops of one training step (SGD) plain, under the watch's probe alone
+    """Aten ops of one training step (AdamW) plain, under the watch's probe alone
     (``Watch.capture``, nothing recorded) and recorded (``Watch(every=1, optimizer=opt)``: the
     optimizer's figures too), each after a warm-up."""
     tokens = torch.randint(0, VOCAB, (BATCH, T + 1), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     watch = Watch(model, every=1, optimizer=opt)
     t = [0]
 
@@ -108,12 +108,14 @@ def test_negative_control_a_copy_per_parameter_grows_with_the_layers(monkeypatch
     monkeypatch.setattr(watch_module, "copy_params", watch_record.copy_params)
     monkeypatch.setattr(watch_module, "host_values", lambda entries, group=None: entries)
     monkeypatch.setattr(update_sums, "sums", lambda now, was, grads: None)
+    monkeypatch.setattr(update_sums, "counts", lambda v, steps, beta2, eps: None)
     assert _own_growth(monkeypatch) >= 4 * 18
 
 
-def _rows(model, sums=None) -> torch.Tensor:
-    """The optimizer figures' sums (:meth:`OptimizerSignals.vector`) of one AdamW step of
-    ``model`` (``sums``: replaces :func:`diagnostics.measure.update_sums.sums`)."""
+def _vector(model, sums=None, counts=None) -> torch.Tensor:
+    """The optimizer figures' sums (:meth:`OptimizerSignals.vector`: Adam's eps counts, then each
+    parameter's update sums) of one AdamW step of ``model``; ``sums``, ``counts``: replace
+    :func:`diagnostics.measure.update_sums.sums` and ``counts``."""
     from diagnostics.jobs.watch_record import copy_params
     from diagnostics.measure import optimizer
 
@@ -121,29 +123,33 @@ def _rows(model, sums=None) -> torch.Tensor:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     signals = optimizer.OptimizerSignals(opt, params)
     tokens = torch.randint(0, VOCAB, (BATCH, T + 1), generator=torch.Generator().manual_seed(2))
-    tinylm.functional.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    signals.arm(copy_params(params))
-    real = update_sums.sums
+    real = update_sums.sums, update_sums.counts
     try:
-        update_sums.sums = sums or real
-        opt.step()
-        return signals.vector()  # [eps counts, then the (P, 3) sums flattened]
+        update_sums.sums, update_sums.counts = sums or real[0], counts or real[1]
+        for _ in range(2):  # the second step: Adam's state in place
+            tinylm.functional.cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            signals.arm(copy_params(params))
+            opt.step()
+            opt.zero_grad()
+        return signals.vector()
     finally:
-        update_sums.sums = real
+        update_sums.sums, update_sums.counts = real
         signals.close()
 
 
-def test_the_one_op_gives_the_per_parameter_sums_to_the_bit():
+def test_the_one_op_sums_are_the_per_parameter_sums_to_the_bit():
     taken = []
 
-    def spy(now, was, grads):
-        got = torch.ops.tinylm.update_sums(now, was, grads)
-        taken.append(len(now))
-        return got
-    one = _rows(_model("tinylm", 1), spy)
-    assert taken == [len(list(_model("tinylm", 1).parameters()))]  # every parameter through the op
-    each = _rows(_model("tinylm", 1), lambda now, was, grads: None)
-    assert one.dtype == torch.float64 and torch.equal(one, each)
+    def spy(op):
+        def call(*args):
+            taken.append((op, len(args[0])))
+            return getattr(torch.ops.tinylm, op)(*args)
+        return call
+    one = _vector(_model("tinylm", 1), spy("update_sums"), spy("eps_counts"))
+    n = len(list(_model("tinylm", 1).parameters()))
+    assert taken[-2:] == [("update_sums", n), ("eps_counts", n)]  # every parameter through the two ops
+    each = _vector(_model("tinylm", 1), lambda *a: None, lambda *a: None)
+    assert one.dtype == torch.float64 and one[1] > 0 and torch.equal(one, each)
 
 
 def test_negative_control_float32_sums_are_not_the_same():
@@ -151,4 +157,4 @@ def test_negative_control_float32_sums_are_not_the_same():
     def float32(now, was, grads):
         return torch.stack([torch.stack([((p - w).flatten() @ g.flatten()), (p - w).flatten() @ (p - w).flatten(),
                                          g.flatten() @ g.flatten()]) for p, w, g in zip(now, was, grads)]).double()
-    assert not torch.equal(_rows(_model("tinylm", 1), float32), _rows(_model("tinylm", 1)))
+    assert not torch.equal(_vector(_model("tinylm", 1), float32), _vector(_model("tinylm", 1)))

@@ -178,7 +178,7 @@ class OptimizerSignals:
     def _eps_counts(self) -> Tensor:
         """[entries with sqrt(v_hat) < eps, entries with state] over this rank's share (float64, (2,))."""
         watched = {id(p) for p in self.params.values()}
-        counts: list[Tensor | None] = []
+        found = []  # (v, step, beta2, eps, weight) of each watched parameter with that state
         for group in self.optimizer.param_groups:
             betas, eps = group.get("betas"), group.get("eps")
             if betas is None or eps is None:
@@ -188,15 +188,12 @@ class OptimizerSignals:
                 if id(p) not in watched or "exp_avg_sq" not in state or "step" not in state:
                     continue
                 v, w = _local(state["exp_avg_sq"], self.weight)
-                if v is None:
-                    continue
-                step = state["step"]
-                step = step.to(v.device, torch.float64) if isinstance(step, Tensor) else float(step)
-                # sqrt(v / (1 - beta2^step)) < eps  <=>  v < eps^2 (1 - beta2^step)
-                limit = (1 - betas[1] ** step) * eps ** 2
-                small = (v.detach().double() < limit).sum().double()
-                counts.append(torch.stack([small, small.new_tensor(float(v.numel()))]) * w)
-        return self._stack(counts, 2).sum(0)
+                if v is not None:
+                    found.append((v, state["step"], betas[1], eps, w))
+        rows = update_sums.counts(*[[f[i] for f in found] for i in range(4)])
+        if rows is not None:  # every one a plain tensor with a tensor step, on one device: one op
+            return (rows * self.weight).sum(0)
+        return self._stack([update_sums.eps_row(*f[:4]) * f[4] for f in found], 2).sum(0)
 
     def vector(self) -> Tensor:
         """The step's sums as one float64 tensor on the parameters' device (no host transfer):

@@ -1,6 +1,8 @@
-"""An optimizer step's sums for every parameter from one dispatched op, ``tinylm::update_sums``.
+"""An optimizer step's sums for every parameter from one dispatched op each: ``tinylm::update_sums``
+and ``tinylm::eps_counts``.
 
     rows = torch.ops.tinylm.update_sums(now, was, grads)     # (P, 3) float64
+    counts = torch.ops.tinylm.eps_counts(v, steps, beta2, eps)  # (P, 2) float64
 
 Row i is [<Delta W_i, g_i>, ||Delta W_i||^2, ||g_i||^2] with Delta W_i = now_i - was_i taken in
 float64 (the difference of two float32 or narrower values, exact) and g_i in float64, each
@@ -10,6 +12,11 @@ op is registered for ``CompositeExplicitAutograd`` (no autograd wrapper; call it
 ``no_grad``) with a fake kernel for tracing; its kernel runs those same torch ops, so its
 numbers are the per-parameter path's to the bit. It takes plain strided tensors on one
 device, the three lists of equal length, each triple of one shape (:func:`sums` checks).
+
+``eps_counts`` row i is :func:`eps_row` of Adam's second moment v_i (``exp_avg_sq``), its
+step (a tensor), beta2 and eps: [entries with sqrt(v_hat) < eps, entries], v_hat = v /
+(1 - beta2^step), the same ops again (about ten per parameter taken one by one);
+:func:`counts` checks its arguments.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["sums"]
+__all__ = ["sums", "counts", "eps_row"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -58,3 +65,41 @@ def sums(now: list[Tensor], was: list[Tensor | None], grads: list[Tensor | None]
     if len({t.device for t in (*now, *was, *grads)}) != 1:
         return None
     return torch.ops.tinylm.update_sums(now, was, grads)
+
+
+def eps_row(v: Tensor, step: Tensor | float, beta2: float, eps: float) -> Tensor:
+    """[entries of ``v`` with sqrt(v / (1 - beta2^step)) < eps, entries] as float64 (2,)."""
+    step = step.to(v.device, torch.float64) if isinstance(step, Tensor) else float(step)
+    # sqrt(v / (1 - beta2^step)) < eps  <=>  v < eps^2 (1 - beta2^step)
+    limit = (1 - beta2 ** step) * eps ** 2
+    small = (v.detach().double() < limit).sum().double()
+    return torch.stack([small, small.new_tensor(float(v.numel()))])
+
+
+_LIB.define("eps_counts(Tensor[] v, Tensor[] steps, float[] beta2, float[] eps) -> Tensor")
+
+
+def _eps_kernel(v: list[Tensor], steps: list[Tensor], beta2: list[float], eps: list[float]) -> Tensor:
+    with torch._C.DisableTorchFunction():
+        return torch.stack([eps_row(*args) for args in zip(v, steps, beta2, eps)])
+
+
+_LIB.impl("eps_counts", _eps_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::eps_counts", lib=_LIB)
+def _(v, steps, beta2, eps):
+    return v[0].new_empty((len(v), 2), dtype=torch.float64)
+
+
+@torch.no_grad()
+def counts(v: list[Tensor], steps: list, beta2: list, eps: list) -> Tensor | None:
+    """(P, 2) float64 of :func:`eps_row` from one ``tinylm::eps_counts``, or None where the op
+    does not take these (empty; a DTensor, sparse or non-strided v; a step that is not a
+    tensor, a beta2 or eps that is not a Python number; v on more than one device)."""
+    if not v or not all(_plain(t) and isinstance(s, Tensor) and type(b) in (int, float) and type(e) in (int, float)
+                        for t, s, b, e in zip(v, steps, beta2, eps)):
+        return None
+    if len({t.device for t in v}) != 1:
+        return None
+    return torch.ops.tinylm.eps_counts(v, steps, [float(b) for b in beta2], [float(e) for e in eps])
