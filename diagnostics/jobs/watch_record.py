@@ -5,12 +5,12 @@ ops (:class:`diagnostics.measure.opcount.OpCount`), not only in seconds:
 
 * :func:`copy_params`: the copies of the parameters taken before the optimizer step (the
   update ratios, the optimizer's figures and the first record's init drift read them), made
-  by one ``torch._foreach_mul(params, 1)`` for every plain tensor, where a ``clone`` each
-  dispatched two ops per parameter (``detach``, ``clone``). ``x * 1`` is ``x`` to the bit in
+  by one ``torch._foreach_mul(params, 1)`` per device and dtype (usually one; a ``clone`` of
+  each would dispatch two ops per parameter, ``detach`` and ``clone``). ``x * 1`` is ``x`` to the bit in
   IEEE arithmetic, signed zeros, infinities and NaN included; only a process that has turned
   on flush-to-zero (``torch.set_flush_denormal(True)``) would read a subnormal weight as 0
   there, as its optimizer step already does. Other tensors (DTensors, sparse or
-  non-strided ones) are cloned one by one, as before.
+  non-strided ones) are cloned one by one.
 * :func:`host_values`: the record's entries for
   :func:`diagnostics.measure.distributed.exchange` with every tensor's values already on the
   host, packed by one ``cat`` and moved by one ``tolist`` (the transfer the exchange would
@@ -38,9 +38,14 @@ def _plain(t: Tensor) -> bool:
 @torch.no_grad()
 def copy_params(params: dict[str, Tensor]) -> dict[str, Tensor]:
     """{name: a copy of the parameter's values} in ``params``' order (see the module docstring):
-    one dispatched op for all plain tensors, a ``clone`` for each other one."""
-    names = [n for n, p in params.items() if _plain(p)]
-    copies = dict(zip(names, torch._foreach_mul([params[n] for n in names], 1))) if names else {}
+    one dispatched op for the plain tensors of each device and dtype, a ``clone`` for each other one."""
+    groups: dict[tuple, list[str]] = {}  # (device, dtype) -> names: one foreach launch each on a GPU
+    for n, p in params.items():
+        if _plain(p):
+            groups.setdefault((p.device, p.dtype), []).append(n)
+    copies = {}
+    for names in groups.values():
+        copies.update(zip(names, torch._foreach_mul([params[n] for n in names], 1)))
     return {n: copies[n] if n in copies else p.detach().clone() for n, p in params.items()}
 
 

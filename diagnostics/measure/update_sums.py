@@ -6,17 +6,19 @@ and ``tinylm::eps_counts``.
 
 Row i is [<Delta W_i, g_i>, ||Delta W_i||^2, ||g_i||^2] with Delta W_i = now_i - was_i taken in
 float64 (the difference of two float32 or narrower values, exact) and g_i in float64, each
-sum a float64 dot product: the figures of :mod:`.optimizer`, which took them with about ten
-ops per parameter (two conversions, a subtraction, views, three dot products, a stack). The
+sum a float64 dot product: the figures of :mod:`.optimizer` (about ten ops per parameter
+taken one by one: two conversions, a subtraction, views, three dot products, a stack). The
 op is registered for ``CompositeExplicitAutograd`` (no autograd wrapper; call it under
 ``no_grad``) with a fake kernel for tracing; its kernel runs those same torch ops, so its
 numbers are the per-parameter path's to the bit. It takes plain strided tensors on one
 device, the three lists of equal length, each triple of one shape (:func:`sums` checks).
+One op is one dispatch from Python; on a GPU its kernel still launches its few small kernels
+per parameter inside (a fused kernel over the list would make them one launch).
 
 ``eps_counts`` row i is :func:`eps_row` of Adam's second moment v_i (``exp_avg_sq``), its
 step (a tensor), beta2 and eps: [entries with sqrt(v_hat) < eps, entries], v_hat = v /
-(1 - beta2^step), the same ops again (about ten per parameter taken one by one);
-:func:`counts` checks its arguments.
+(1 - beta2^step); its kernel runs :func:`eps_row` for each parameter (about ten ops inside),
+the per-parameter path's numbers to the bit; :func:`counts` checks its arguments.
 """
 
 from __future__ import annotations
