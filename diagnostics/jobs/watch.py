@@ -500,7 +500,7 @@ class Watch:
         """Copies of the parameters, for the update ratio (and optimizer figures) of the step about to be taken."""
         if not self.enabled:
             return {}
-        copies = copy_params(self.params)  # one op for every plain tensor
+        copies = copy_params(self.params)  # one op per device and dtype
         if not self.history["records"]:  # the first record: the weights against their declared init
             self._init = init_drift(self.model, copies)
         return self._opt.arm(copies)
