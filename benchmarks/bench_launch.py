@@ -15,7 +15,10 @@ structure CUDA tensors get, ``auto`` the default CPU path), one forward+backward
 * host reads (``.item()``, ``.tolist()``, ``.cpu()`` and kin) inside forward and backward;
 * time probed / bare: ``--pairs`` interleaved pairs (order by a seeded coin) after a warm-up
   of each, the median of the within-pair ratios (the machine is shared: pairs, not means);
-* a recorded watch step against a plain step (``Watch(every=1)``, SGD) the same way;
+* a recorded watch step against a plain step (``Watch(every=1)``, SGD) the same way (its ops
+  also with the optimizer's figures, ``optimizer=``), and the
+  same step under the watch's probe alone (``Watch.capture``, nothing recorded): the rest is
+  the watch's own work (parameter copies, update ratios, the one transfer, the judging);
 * for tinylm, the bare pass's ops and time against ``BuiltinLM``'s (the same pairs).
 """
 
@@ -86,16 +89,17 @@ def count(fn, *args):
     return ops, got
 
 
-def watch_pair(model, tokens):
+def watch_pair(model, tokens, figures: bool = False):
     """(plain step, recorded watch step) callables on ``model`` with SGD (``Watch(every=1)``:
-    every step recorded); both take the loss to the host once, as a training loop logs it."""
+    every step recorded; ``figures``: ``optimizer=`` the SGD too, its figures measured); both
+    take the loss to the host once, as a training loop logs it."""
     import torch
 
     import tinylm
     from diagnostics import Watch
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    watch = Watch(model, every=1)
+    watch = Watch(model, every=1, optimizer=opt if figures else None)
     t = [0]
 
     def loss_of():
@@ -115,6 +119,12 @@ def watch_pair(model, tokens):
             loss = loss_of()
         watch.record(loss)
         t[0] += 1
+
+    def captured():
+        with watch.capture():
+            loss = loss_of()
+        float(loss.detach())
+    watched.captured = captured
     return plain, watched, watch
 
 
@@ -175,6 +185,15 @@ def main(argv=None) -> int:
                 pops = count(plain)[0].total
                 print(f"    watch step recorded/plain: time median {med:.2f} "
                       f"(range {min(ratios):.2f}-{max(ratios):.2f}); ops {wops} / {pops} = {wops / pops:.2f}x")
+                pmed, pratios = pairs(watched.captured, watched, args.pairs)
+                cops = count(watched.captured)[0].total
+                print(f"      its probe alone / plain: ops {cops / pops:.2f}x; recorded / its probe alone: time median "
+                      f"{pmed:.2f} (range {min(pratios):.2f}-{max(pratios):.2f}), ops {wops - cops} more")
+                watch.close()
+                _, measured, watch = watch_pair(model, tokens, figures=True)
+                measured(), measured()
+                mops = count(measured)[0].total
+                print(f"      with the optimizer's figures (Watch(optimizer=opt)): ops {mops} / {pops} = {mops / pops:.2f}x")
                 watch.close() if hasattr(watch, "close") else None
     os.environ.pop("TINYLM_REDUCER", None)
     return 0

@@ -58,6 +58,7 @@ from ..measure.sites import model_sites
 from ..measure.wrappers import unwrap
 from ..result import Row
 from .watch_precision import precision_tap
+from .watch_record import copy_params, host_values
 from .watch_alerts import AlertBook, WatchEvent, WatchFailure, WatchReport, WatchStop, failure_of
 from .history import attention_stats, check_history, logits_stats, new_history, record_rows, site_stats, step_rows
 
@@ -367,7 +368,7 @@ class Watch:
             entries += self._opt.entries()  # the optimizer's sums (none without one)
             if isinstance(self._init, torch.Tensor):
                 entries.append(("init", "first", self._init))
-        got = exchange(entries, self.group)
+        got = exchange(host_values(entries, self.group), self.group)  # one transfer, no op per entry
         if raw is not None:
             merged = ProbeStats(
                 tensors={(s, d): Moments.from_vector(got[f"t/{s}/{d}"]) for s in self.sites
@@ -503,7 +504,7 @@ class Watch:
         """Copies of the parameters, for the update ratio (and optimizer figures) of the step about to be taken."""
         if not self.enabled:
             return {}
-        copies = {n: p.detach().clone() for n, p in self.params.items()}
+        copies = copy_params(self.params)  # one op per device and dtype
         if not self.history["records"]:  # the first record: the weights against their declared init
             self._init = init_drift(self.model, copies)
         return self._opt.arm(copies)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import sharded
+from . import sharded, update_sums
 
 __all__ = ["OptimizerSignals", "optimizer_signals", "usable_optimizer", "FIGURES"]
 
@@ -141,6 +141,10 @@ class OptimizerSignals:
     def _update_rows(self, before: dict[str, Tensor]) -> Tensor:
         """(P, 3): per parameter <Delta W_i, g_i>, ||Delta W_i||^2, ||g_i||^2, this rank's share
         (zeros for a parameter without a gradient or a copy)."""
+        plain = update_sums.sums([self.params[n] for n in self.names], [before.get(n) for n in self.names],
+                                 [self.params[n].grad for n in self.names])
+        if plain is not None:  # every one a plain tensor with its copy and gradient, on one device: one op
+            return plain * self.weight
         rows = []
         for n in self.names:
             p, was = self.params[n], before.get(n)
@@ -174,7 +178,7 @@ class OptimizerSignals:
     def _eps_counts(self) -> Tensor:
         """[entries with sqrt(v_hat) < eps, entries with state] over this rank's share (float64, (2,))."""
         watched = {id(p) for p in self.params.values()}
-        counts: list[Tensor | None] = []
+        found = []  # (v, step, beta2, eps, weight) of each watched parameter with that state
         for group in self.optimizer.param_groups:
             betas, eps = group.get("betas"), group.get("eps")
             if betas is None or eps is None:
@@ -184,15 +188,12 @@ class OptimizerSignals:
                 if id(p) not in watched or "exp_avg_sq" not in state or "step" not in state:
                     continue
                 v, w = _local(state["exp_avg_sq"], self.weight)
-                if v is None:
-                    continue
-                step = state["step"]
-                step = step.to(v.device, torch.float64) if isinstance(step, Tensor) else float(step)
-                # sqrt(v / (1 - beta2^step)) < eps  <=>  v < eps^2 (1 - beta2^step)
-                limit = (1 - betas[1] ** step) * eps ** 2
-                small = (v.detach().double() < limit).sum().double()
-                counts.append(torch.stack([small, small.new_tensor(float(v.numel()))]) * w)
-        return self._stack(counts, 2).sum(0)
+                if v is not None:
+                    found.append((v, state["step"], betas[1], eps, w))
+        rows = update_sums.counts(*[[f[i] for f in found] for i in range(4)])
+        if rows is not None:  # every one a plain tensor with a tensor step, on one device: one op
+            return (rows * self.weight).sum(0)
+        return self._stack([update_sums.eps_row(*f[:4]) * f[4] for f in found], 2).sum(0)
 
     def vector(self) -> Tensor:
         """The step's sums as one float64 tensor on the parameters' device (no host transfer):
