@@ -248,6 +248,8 @@ def main(argv=None) -> None:
     base, full, kept, rest = out[:k], out[k:2 * k], out[2 * k:3 * k], out[3 * k:]
     spread = statistics.stdev(base) if k > 1 else float("nan")
     print(f"  high precision (float32) final loss {statistics.fmean(base):.4f}, spread over seeds (sd) {spread:.4f}")
+    print("  per seed: float32 " + " ".join(f"{v:.4f}" for v in base) + f"; {args.recipe} everywhere "
+          + " ".join(f"{v:.4f}" for v in full) + "; kept " + " ".join(f"{v:.4f}" for v in kept))
     for what, runs in ((f"{args.recipe} everywhere", full), (f"{args.recipe}, {len(keep)} kept", kept)):
         m, se = _mean_se([a - b for a, b in zip(runs, base)])
         print(f"  {what:26s} final loss {statistics.fmean(runs):.4f}, gap paired by seed {m:+.4f} +- {se:.4f} (se); "
