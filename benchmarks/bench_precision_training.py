@@ -1,7 +1,7 @@
 """Does ``precision`` predict training? Small runs with torchao's emulated recipes on the CPU.
 
     python benchmarks/bench_precision_training.py [--model tinylm|llama] [--case outlier|massive|none]
-        [--steps 300] [--seeds 3] [--recipe tensorwise] [--lr 3e-3] [--ablate] [--ablate-seeds 2]
+        [--steps 300] [--seeds 3] [--recipe tensorwise] [--lr 3e-3] [--ablate] [--ablate-seeds 3]
         [--workers 2]
 
 The models: a tinylm and a Hugging Face Llama built from a config (no download), both d_model 64,
@@ -224,7 +224,7 @@ def main(argv=None) -> None:
     p.add_argument("--recipe", default="tensorwise")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ablate", action="store_true")
-    p.add_argument("--ablate-seeds", type=int, default=2)
+    p.add_argument("--ablate-seeds", type=int, default=3)
     p.add_argument("--workers", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
