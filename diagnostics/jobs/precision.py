@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from tinylm.validate import boolean, check, choice, integer
 
-from ..judge.precision import PrecisionThresholds, judge_gemm, module_role
+from ..judge.precision import PrecisionThresholds, judge_gemm, module_role, worst_operand
 from ..measure.blocks import find_blocks
 from ..measure.outputs import read_output
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
@@ -357,7 +357,7 @@ def _assemble(model, capture: _Capture, recipes, options, logits_shape, loss, ba
         role = module_role(name, capture.shapes[name] == tuple(logits_shape))
         block = stack.index(name) if stack is not None else None
         for f in capture.facts[name]:
-            worst = max(f["operands"].values(), key=lambda o: (o["typical_relative_noise"], o["relative_noise"]))
+            worst = worst_operand(f["operands"])
             facts = {**f, "module": name, "role": role}
             verdict, cause, fix = judge_gemm(facts, f["operands"], thresholds)
             rows.append(PrecisionRow(name, f["gemm"], f["recipe"], f["sqnr_db"], f["row_sqnr_db"], f["predicted_sqnr_db"],

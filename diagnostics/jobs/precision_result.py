@@ -24,9 +24,10 @@ class PrecisionRow:
     theory's (``valid`` False with ``why_invalid`` where its premise fails); ``ideal_sqnr_db`` what the
     element formats' mantissas alone allow; ``underflow`` / ``overflow`` the shares of the two
     operands' non-zero entries that became 0 / saturated; ``scale_min_log2`` / ``scale_max_log2`` the
-    range of the scales applied; ``worst_operand`` the operand with the larger relative error and its
-    ``peak_to_median`` and ``channel_ratio``; ``role`` head / swiglu_product / router / linear;
-    ``block`` its block (None outside), ``depth`` its order among the measured modules."""
+    range of the scales applied; ``worst_operand`` the operand that brings most of the error
+    (diagnostics.judge.precision.worst_operand) and its ``peak_to_median`` and ``channel_ratio``;
+    ``role`` head / swiglu_product / router / linear; ``block`` its block (None outside), ``depth``
+    its order among the measured modules."""
 
     module: str
     gemm: str
@@ -96,6 +97,20 @@ class PrecisionResult:
         """The modules with a GEMM that fails in ``recipe``: the ones to keep in high precision."""
         return [m for m in self.modules if any(r.module == m and r.recipe == recipe and r.verdict == "fail"
                                                for r in self.rows)]
+
+    def harm(self, recipe: str) -> dict[str, float]:
+        """Per module, the noise power its three GEMMs inject in ``recipe``, each relative to its own
+        output's power: the sum of 10^(-SQNR/10) over fprop, dgrad and wgrad, each GEMM's SQNR the
+        lower of the output's and its typical row's (inf where an output is not finite). Absolute,
+        not against the format's ideal: a recipe's uniform cost (E5M2 gradients) counts too. A
+        ranking of which modules cost the most to convert."""
+        out: dict[str, float] = {}
+        for r in self.rows:
+            if r.recipe != recipe:
+                continue
+            db = min(r.sqnr_db, r.row_sqnr_db) if math.isfinite(r.row_sqnr_db) else r.sqnr_db
+            out[r.module] = out.get(r.module, 0.0) + (10.0 ** (-db / 10) if not math.isnan(db) else 0.0)
+        return out
 
     def module_filter_fn(self, recipe: str) -> Callable[[object, str], bool]:
         """For torchao's ``convert_to_float8_training(model, module_filter_fn=...)`` (and quantize_):

@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
-__all__ = ["PrecisionThresholds", "judge_gemm", "module_role", "VERDICTS"]
+__all__ = ["PrecisionThresholds", "judge_gemm", "module_role", "worst_operand", "VERDICTS"]
 
 VERDICTS = ("ok", "warn", "fail", "not measured")
 
@@ -56,6 +56,18 @@ def module_role(name: str, is_head: bool) -> str:
     if _ROUTER.search(name):
         return "router"
     return "linear"
+
+
+def worst_operand(operands: dict[str, dict]) -> dict:
+    """The operand that brings most of a GEMM's error: one that loses >= 1% of its non-zero entries to
+    range (flushed to zero or saturated) before one that does not, then the larger relative error of
+    its typical row, then of the whole. Range first: an operand's relative error is taken against its
+    own power, which an outlier feature dominates, so the operand whose other channels all flush can
+    show the smaller relative error."""
+    def key(o: dict):
+        return (o.get("underflow", 0.0) + o.get("overflow", 0.0) >= 0.01, o.get("typical_relative_noise", 0.0),
+                o.get("relative_noise", 0.0))
+    return max(operands.values(), key=key)
 
 
 def _operand_cause(op: dict, fmt: str, granularity: str) -> str:
@@ -92,11 +104,12 @@ def judge_gemm(row: dict, operands: dict[str, dict], thresholds: PrecisionThresh
     typical row's (``row_sqnr_db``). ``row`` holds sqnr_db, row_sqnr_db, ideal_sqnr_db, recipe, gemm,
     module, role, format and granularity of the worst operand; ``operands`` each operand's descriptors
     (name, peak_to_median, channel_ratio, top_channel, peak_share, underflow, overflow, relative_noise,
-    typical_relative_noise: the operand that hurts its typical row most is named)."""
+    typical_relative_noise: the operand :func:`worst_operand` picks is named)."""
     sqnr, ideal = min(row["sqnr_db"], row.get("row_sqnr_db", math.inf)), row["ideal_sqnr_db"]
     if sqnr is None or (isinstance(sqnr, float) and math.isnan(sqnr)):
         return "not measured", row.get("cause") or "not measured", ""
-    if not math.isfinite(ideal):
+    known = ideal is not None and math.isfinite(ideal)  # not when theory was not asked for
+    if not known:
         ideal = sqnr
     loss = ideal - sqnr if math.isfinite(sqnr) else math.inf
     if sqnr == -math.inf or loss >= thresholds.fail_loss_db or sqnr < thresholds.floor_db:
@@ -104,11 +117,13 @@ def judge_gemm(row: dict, operands: dict[str, dict], thresholds: PrecisionThresh
     elif loss >= thresholds.warn_loss_db:
         verdict = "warn"
     else:
-        return "ok", f"within {max(loss, 0.0):.1f} dB of what the mantissa allows", ""
-    worst = max(operands.values(), key=lambda o: (o.get("typical_relative_noise", 0.0), o.get("relative_noise", 0.0)))
+        return "ok", (f"within {max(loss, 0.0):.1f} dB of what the mantissa allows" if known
+                      else f"{sqnr:.1f} dB (what the mantissa allows not computed: theory off)"), ""
+    worst = worst_operand(operands)
     role = row.get("role", "linear")
     where = {"head": " (the output head)", "router": " (a router)",
              "swiglu_product": " (the SwiGLU product into the down projection)"}.get(role, "")
-    cause = (f"{row['recipe']} loses {loss:.1f} dB at {row['module']}{where} ({row['gemm']}): "
+    lost = f"loses {loss:.1f} dB" if known else f"measures {sqnr:.1f} dB"
+    cause = (f"{row['recipe']} {lost} at {row['module']}{where} ({row['gemm']}): "
              + _operand_cause(worst, worst.get("format", "fp8"), worst.get("granularity", "")))
     return verdict, cause, _fix(row["recipe"], role)
