@@ -179,13 +179,37 @@ def test_a_hung_worker_is_killed_at_the_deadline():
     assert time.monotonic() - start < 40.0
 
 
-def test_fsdp2_parameter_statistics_equal_the_unsharded_model():
-    _check_in_workers("_probe_and_diagnose")
+#: the checks, run one after another in one pair of spawned ranks (a spawn costs more than them all)
+CHECKS = ("_probe_and_diagnose", "_sharded_primitives", "_watch")
 
 
-def test_sharded_moments_and_update_ratios():
-    _check_in_workers("_sharded_primitives")
+def _checks(rank: int) -> None:
+    """Every check of :data:`CHECKS`; each one's failure is kept and all are raised together."""
+    failed = []
+    for name in CHECKS:
+        try:
+            globals()[name](rank)
+        except Exception as e:  # noqa: BLE001 - reported below, with the check's name
+            failed.append(f"{name}: {type(e).__name__}: {e}")
+    assert not failed, f"rank {rank}: " + " | ".join(failed)
 
 
-def test_fsdp2_watch_records_steps():
-    _check_in_workers("_watch")
+def test_fsdp2_statistics_primitives_and_watch():
+    """Parameter statistics of the sharded model equal the unsharded model's (probe and diagnose);
+    the sharded moments and update ratios merge over the mesh; the watch records sharded steps."""
+    _check_in_workers("_checks")
+
+
+def test_one_failing_check_fails_the_run_and_is_named():
+    """Negative control of :func:`_checks`: a failing check is reported by name, the others still run."""
+    ran = []
+    saved = {n: globals()[n] for n in CHECKS}
+    try:
+        globals()["_probe_and_diagnose"] = lambda rank: ran.append("a") or (_ for _ in ()).throw(ValueError("off"))
+        globals()["_sharded_primitives"] = lambda rank: ran.append("b")
+        globals()["_watch"] = lambda rank: ran.append("c")
+        with pytest.raises(AssertionError, match="_probe_and_diagnose: ValueError: off"):
+            _checks(0)
+    finally:
+        globals().update(saved)
+    assert ran == ["a", "b", "c"]
