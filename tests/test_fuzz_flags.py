@@ -45,12 +45,16 @@ PATH = st.sampled_from(["missing.npy", "dir", "m.pt", "d.npy", "m.pt/x.json", "o
                         "dir/../m.pt", "new.pt"])
 WORD = st.sampled_from(["pre", "post", "none", "swiglu", "bogus", "", "cs336", "gpt2", "float32", "bfloat16", "auto",
                         "local", "global", "cuda", "cpu", "tiny", "gpt2-small"])
+RECIPES = st.sampled_from(["tensorwise", "rowwise,mxfp8", "mxfp4,nvfp4", "tensorwise,tensorwise", "fp8", "", ",",
+                           "MXFP8", "rowwise,bogus"])
 
 BASE = {
     "diagnose": ["m.pt", "--batch-size", "1", "--batches", "1", "--seq-len", "4", "--no-progress", "--width", "100"],
     "init": ["--preset", "tiny", "-o", "fresh.pt", "--force"],
     "compare": ["--schemes", "cs336", "--depths", "1", "--widths", "16", "--seeds", "1", "--no-progress",
                 "--width", "100"],
+    "precision": ["m.pt", "--recipes", "tensorwise", "--batch-size", "1", "--seq-len", "4", "--no-theory",
+                  "--width", "100"],
     "train": ["--preset", "tiny", "--steps", "1", "--batch-size", "1", "--data", "d.npy", "-o", "run.pt", "--force",
               "--quiet"],
 }
@@ -67,6 +71,8 @@ FLAGS = {
               "--beta1": REAL, "--seed": SEED, "--d-model": SIZE, "--num-layers": SIZE, "--num-heads": SIZE,
               "--context-length": SIZE, "--vocab-size": SIZE, "--batch-size": SIZE, "--steps": COUNT,
               "--resume": PATH, "--data": PATH, "-o": PATH, "--watch-json": PATH, "--watch-csv": PATH},
+    "precision": {"--recipes": RECIPES, "--batch-size": SIZE, "--seq-len": SIZE, "--seed": SEED, "--device": WORD,
+                  "--data": PATH, "--top": SIZE, "--json": PATH, "--csv": PATH, "--plot": PATH, "--width": SIZE},
 }
 
 
@@ -116,7 +122,7 @@ SETTINGS = dict(deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-@settings(max_examples=60, **SETTINGS)
+@settings(max_examples=75, **SETTINGS)
 @given(argv=argvs())
 def test_flags_never_end_in_an_internal_error(argv, inputs, capsys, monkeypatch):
     _check(argv, inputs, capsys, monkeypatch)
