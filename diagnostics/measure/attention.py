@@ -377,12 +377,14 @@ class AttentionObserver:
         return hook
 
 
-def observed_attention(model: nn.Module, points: dict[str, str]) -> dict[str, frozenset[str]]:
+def observed_attention(model: nn.Module, points: dict[str, str], named: dict[str, nn.Module] | None = None
+                       ) -> dict[str, frozenset[str]]:
     """{tinylm attention name: the leaves of ``scores``/``probs`` among ``points``}: those Taps are
     measured through the attention's observer rather than hooked (a hook would force the explicit
-    path). A subclass with a forward of its own calls no observer: its Taps are hooked."""
+    path). A subclass with a forward of its own calls no observer: its Taps are hooked.
+    ``named``: ``dict(model.named_modules())`` where the caller has it."""
     found: dict[str, set[str]] = {}
-    for name, mod in model.named_modules():
+    for name, mod in (named if named is not None else dict(model.named_modules())).items():
         attention = tinylm.MultiHeadSelfAttention
         if isinstance(mod, attention) and type(mod).forward is attention.forward:
             for leaf in ("scores", "probs"):

@@ -50,6 +50,7 @@ from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
+from .reducer_choice import pinned
 from .eager_attention import EagerAttentionWatch
 from .signals import Signals
 from .sites import model_sites
@@ -319,6 +320,9 @@ def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], ob
     return points, sites.blocks, named
 
 
+_SETATTR = nn.Module.__setattr__
+
+
 class _ModelState:
     """What a probe must leave as it found it: every module's ``training``, every parameter's
     ``requires_grad`` and ``.grad`` (the same tensor object, its values restored)."""
@@ -330,6 +334,26 @@ class _ModelState:
         self.requires = {n: p.requires_grad for n, p in entry}
         self.grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
         self.grad_objs = {n: p.grad for n, p in entry}
+        self._now: list[tuple[str, nn.Parameter]] | None = None
+
+    def now(self) -> list[tuple[str, nn.Parameter]]:
+        """The model's named parameters as they are on exit (a parameter may have been replaced),
+        walked once for everything the exit does."""
+        if self._now is None:
+            self._now = list(self.model.named_parameters())
+        return self._now
+
+    def eval(self) -> None:
+        """``model.eval()``: each module's ``training`` set False directly where no module
+        overrides ``train`` or ``__setattr__`` (what ``eval`` does, without a call per module),
+        else ``model.eval()`` itself."""
+        if not any(self.training.values()):
+            return
+        if all(type(m).train is nn.Module.train and type(m).__setattr__ is _SETATTR for m in self.training):
+            for m in self.training:
+                object.__setattr__(m, "training", False)
+        else:
+            self.model.eval()
 
     def grad_deltas(self, params: dict[str, Tensor]) -> dict[str, Tensor | None]:
         """Each parameter's gradient less what it held when the probe began (this pass's share)."""
@@ -340,16 +364,23 @@ class _ModelState:
         return out
 
     def restore(self, grads: bool) -> None:
-        params = dict(self.model.named_parameters())  # as they are now (a parameter may have been replaced)
+        params = dict(self.now())
         for m, flag in self.training.items():
-            m.training = flag
+            if m.training is not flag:  # a write through Module.__setattr__ costs more than the check
+                if type(m).__setattr__ is _SETATTR:
+                    object.__setattr__(m, "training", flag)  # what Module.__setattr__ does with a bool
+                else:
+                    m.training = flag
         for n, flag in self.requires.items():
-            params[n].requires_grad_(flag)
+            p = params[n]
+            if p.requires_grad is not flag:
+                p.requires_grad_(flag)
         if grads:
             for n, p in params.items():
                 saved = self.grads.get(n)
                 if saved is None:
-                    p.grad = None
+                    if p.grad is not None:
+                        p.grad = None
                 else:
                     obj = self.grad_objs[n]
                     with torch.no_grad():
@@ -426,8 +457,9 @@ def _measure_params(run: ProbeRun, state: _ModelState) -> None:
     if not (run.completed and run.options.params):
         return None
     t0 = time.perf_counter()
-    grads = state.grad_deltas(dict(state.model.named_parameters()))
-    run.params = param_stats(state.model, spectral=run.options.spectral, grads=grads)
+    named = state.now()
+    grads = state.grad_deltas(dict(named))
+    run.params = param_stats(state.model, spectral=run.options.spectral, grads=grads, named=named)
     run._stats = None
     run.seconds += time.perf_counter() - t0
     return None
@@ -456,9 +488,10 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         owner.callback(state.restore, options.restore_grads)
         owner.callback(_measure_params, run, state)
         owner.enter_context(eager())  # compiled graphs do not run the hooks: the model runs eagerly while probed
-        observers = _hook_points(run, points, stack, named, observed_attention(model, points), owner)
+        owner.enter_context(pinned())  # TINYLM_REDUCER read once per probe, not once per tensor
+        observers = _hook_points(run, points, stack, named, observed_attention(model, points, named), owner)
         if options.eval_mode:
-            model.eval()
+            state.eval()
         if options.attention and (options.modules is None or options.signals) and stack and not run._tinylm:
             _watch_attention(run, stack, named, owner)
         if run.signals is not None:

@@ -8,7 +8,9 @@
 What each number means is :mod:`.reference` (plain torch, float64). A plain tensor is reduced
 by one dispatched op, ``tinylm::summary`` (:mod:`.reduction`), which computes every part asked
 for (moments, panel, row mean squares, cosines, and the figures a probe site adds) from one
-read: its numba kernel (:mod:`.numba_reducer`) for a CPU tensor of float32, bf16 or fp16; its
+read: its numba kernel (:mod:`.numba_reducer`) for a CPU tensor of float32, bf16 or fp16 (called
+directly, without the op's dispatch, where nothing observes the ops: :func:`.reduction.direct`;
+the same bits); its
 CUDA-structure kernel, the compiled reducer (:mod:`.compiled`, ``torch.compile``), for any other
 (a GPU's; a CPU's where numba is missing, or under ``TINYLM_REDUCER=cuda``); plain torch ops
 inside the same op while numba's cache is being filled or where compilation failed (one
@@ -172,6 +174,10 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
         return _unplain(x, causal, probs, rows, cosine)
     x = readable
     kernel = reduction.route(x) if (causal or not probs) else None  # a panel of full rows: plain torch below
+    if kernel == reduction.NUMBA and reduction.direct():  # the op's numba kernel without its dispatch
+        mom, panel, ms, cos, inv, under, weighted = reduction.numba_parts(
+            x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below, weight)
+        return Reduction(mom, panel, ms, cos, inv=inv, below=under, weighted=weighted)
     if kernel is not None:
         with torch.no_grad():
             vec, ms = torch.ops.tinylm.summary(x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below,

@@ -45,7 +45,7 @@ from . import compiled, numba_reducer, reference
 from .reducer_choice import chosen
 from .wrappers import default_stance
 
-__all__ = ["route", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
+__all__ = ["route", "direct", "numba_parts", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
 
 #: the dtypes the op reduces
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -103,15 +103,15 @@ def _kernel(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, inv_ep
     autograd wrapper runs around it): the CUDA structure, plain torch or the numba reducer, by ``kernel``."""
     with torch._C.DisableTorchFunction():  # a kernel: what it reads is its own, never a host read of the caller's
         if kernel != NUMBA:
-            parts = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, kernel == CUDA)
-        else:
-            parts = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
-        return _pack(x, *parts)
+            mom, panel, ms, cos, extra = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, kernel == CUDA)
+            return _pack(x, (mom, panel, cos, extra), ms)
+        mom, ms, cos, inv, under, weighted = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
+        return _pack(x, (mom, cos, inv, under, weighted), ms)
 
 
-def _pack(x: Tensor, mom, panel, ms, cos, extra) -> tuple[Tensor, Tensor]:
-    vec = [v for v in (mom, panel, cos, extra) if v is not None]
-    return (torch.cat(vec) if len(vec) > 1 else mom), (ms if ms is not None else x.new_empty(0, dtype=_ms_dtype(x)))
+def _pack(x: Tensor, vectors, ms) -> tuple[Tensor, Tensor]:
+    vec = [v for v in vectors if v is not None]
+    return (torch.cat(vec) if len(vec) > 1 else vec[0]), (ms if ms is not None else x.new_empty(0, dtype=_ms_dtype(x)))
 
 
 _LIB.impl("summary", _kernel, "CompositeExplicitAutograd")
@@ -134,24 +134,51 @@ def sizes(probs: bool, cosine: bool, inv_eps: float, below: float, weight: Tenso
 
 
 def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
-    """The numba kernel: one read of ``x``; the extras from the rows' sums (CPU tensors)."""
-    ms = cos = panel = None
+    """The numba kernel: one read of ``x``; the extras from the rows' sums (CPU tensors).
+    (moments, with the panel after them when ``probs``; row_ms; cosine; inv; below; weighted),
+    None where not asked."""
+    ms = cos = inv = under = weighted = None
     if not (rows or cosine):
-        v = numba_reducer.summary(x, width if width else None, probs=probs)
-        mom = torch.from_numpy(v)  # with probs, the panel follows the moments: as the op lays them out
+        mom = torch.from_numpy(numba_reducer.summary(x, width if width else None, probs=probs))
     else:
         vec, rowsq, cosv = numba_reducer.summary_rows(x, cosine)
         mom = torch.from_numpy(vec)
         ms = torch.from_numpy(rowsq / x.shape[-1]).float()
         cos = torch.from_numpy(cosv) if cosine else None
-    extra = []
     if inv_eps >= 0:
-        extra.append(torch.from_numpy(numba_reducer.summary((ms + inv_eps).reciprocal_())))
-    if math.isfinite(below):
-        extra.append(torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64))
+        inv = torch.from_numpy(numba_reducer.summary((ms + inv_eps).reciprocal_()))
+    if below == below and below not in (math.inf, -math.inf):
+        under = torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64)
     if weight is not None:
-        extra.append(torch.from_numpy(numba_reducer.summary(ms * weight.reshape(ms.shape))))
-    return mom, panel, ms if rows else None, cos, torch.cat(extra) if extra else None
+        weighted = torch.from_numpy(numba_reducer.summary(ms * weight.reshape(ms.shape)))
+    return mom, ms if rows else None, cos, inv, under, weighted
+
+
+def direct() -> bool:
+    """Whether a tensor that :func:`route` sends to :data:`NUMBA` may skip the op's dispatch
+    (:func:`numba_parts`: the same kernel, called from Python; the same bits): nothing observes
+    or transforms the ops of this moment. Not while a ``TorchDispatchMode`` is on (an op
+    counter, a FakeTensor mode), while ``torch.compile`` traces, or while a
+    ``TorchFunctionMode`` other than the probe's own attention watchers (a class attribute
+    ``probe_own`` True) is on. Never taken under ``TINYLM_REDUCER=cuda``: route gives
+    :data:`NUMBA` under ``auto`` only."""
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_function_stack():
+        from torch.overrides import _get_current_function_mode_stack
+        return all(getattr(m, "probe_own", False) for m in _get_current_function_mode_stack())
+    return True
+
+
+def numba_parts(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, inv_eps: float, below: float,
+                weight: Optional[Tensor]) -> tuple:
+    """What the op's numba kernel computes, without the op: (moments, panel, row_ms, cosine, inv,
+    below, weighted), None where not asked (row_ms empty without ``rows``, as the op's). The
+    vectors are those the op's output holds (its parts are cut from their concatenation), bit
+    for bit. Call only where :func:`route` gives :data:`NUMBA` and :func:`direct` holds."""
+    mom, ms, cos, inv, under, weighted = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
+    panel = mom[10:] if probs else None
+    return (mom[:10] if probs else mom), panel, ms, cos, inv, under, weighted
 
 
 def _extras(x: Tensor, ms: Tensor, inv_eps: float, below: float, weight: Tensor | None) -> Tensor:

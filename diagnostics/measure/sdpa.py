@@ -171,7 +171,11 @@ class SDPAWatch(TorchFunctionMode):
     scores' FIELDS vector, the panel) and, given ``signal``, ``signal(name, vector)`` (the
     :data:`SIGNAL` vector; no step then waits for the device); the call
     then runs as it would have. ``where()`` names the caller (None: the call is not reported).
-    The measurement runs with torch functions' overrides off, so no other mode sees its ops."""
+    The measurement runs with torch functions' overrides off, so no other mode sees its ops.
+    ``probe_own``: the mode passes every other function on untouched, so the probe's reductions
+    may skip their op's dispatch while it is on (:func:`.reduction.direct`)."""
+
+    probe_own = True
 
     def __init__(self, record: Callable[[str, Tensor, Tensor], None], where: Callable[[], str | None],
                  signal: Callable[[str, Tensor], None] | None = None):
