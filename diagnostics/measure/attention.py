@@ -37,13 +37,15 @@ from torch import Tensor, nn
 
 import tinylm
 
-from . import reducer
+from . import reducer, reduction
 from .reducer import merge_attention_vectors, merge_vectors
 from .reducer_choice import chosen
 from .reference import FIELDS
 
 __all__ = ["statistics", "forward_statistics", "backward_statistics", "AttentionObserver", "observed_attention",
            "CHUNK", "CHUNK_DEVICE", "BLOCK", "KINDS"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 #: the probe's kind of each Tap of a tinylm attention
 KINDS = {"scores": "attn_scores", "probs": "attn_probs"}
@@ -239,7 +241,12 @@ def _asked(key: str, backward: bool, scores: bool, probs: bool, panel: bool, for
 def summary(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | None = None, *, scores: bool = True,
             probs: bool = True, panel: bool = True, forward: bool = True) -> dict[str, Tensor | None]:
     """:func:`statistics` (default blocks) from one dispatched op, ``tinylm::attention_summary``:
-    the same dict, its vectors views of the op's one output (one ``split``)."""
+    the same dict, its vectors views of the op's one output (one ``split``). CPU tensors under
+    ``TINYLM_REDUCER=auto``, where nothing observes the ops (:func:`.reduction.direct`), skip
+    the op's dispatch: :func:`statistics` itself (what the op's kernel runs; the same bits)."""
+    if q.is_cpu and chosen() == "auto" and reduction.direct() and type(q) in _PLAIN and type(k) in _PLAIN:
+        with torch._C.DisableTorchFunction():  # as inside the op's kernel
+            return statistics(q, k, v, grad, scores=scores, probs=probs, panel=panel, forward=forward)
     with torch.no_grad():
         vec = torch.ops.tinylm.attention_summary(q, k, v, grad, scores, probs, panel, forward)
     keys = [(key, n) for key, n in PARTS if _asked(key, grad is not None and v is not None, scores, probs, panel,

@@ -209,14 +209,22 @@ def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool, S: int
     """The loops on ``x``'s entries, read in place: a tensor at its data pointer (after
     :func:`_readable`), an array at the address of its C-contiguous float32 flattening.
     (summary, rows' sums of squares, cosine summary): see ``_numba.reduce_serial``."""
-    if isinstance(x, np.ndarray):
+    if isinstance(x, (np.ndarray, np.generic)):  # a 0-d result of numpy arithmetic is a scalar
         x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the loops' read
         if x.dtype != np.float32:
             raise TypeError(f"the numba reducer reads float32, got {x.dtype}")
         n, addr = x.size, x.ctypes.data
     else:
-        x = _readable(x)  # kept alive below, for the loops' read
-        n, addr = x.numel(), x.data_ptr()
+        if not (type(x) in _PLAIN and x.dtype == _torch.float32 and x.is_cpu and x.layout == _torch.strided
+                and x.is_contiguous() and not x.is_neg()):  # the common case needs none of _readable's work
+            x = _readable(x)  # kept alive below, for the loops' read
+        n = x.numel()
+        try:
+            addr = x.data_ptr()
+        except RuntimeError:  # a wrapper without storage of its own
+            addr = 0
+        if n and not addr:
+            raise TypeError("the numba reducer reads a contiguous tensor with memory")
     if n == 0:
         return np.zeros(16 if probs else 10), np.zeros(0), np.zeros(0)
     k = _loops or _build()

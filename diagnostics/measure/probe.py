@@ -422,7 +422,8 @@ def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, 
     unwinds). tinylm attention keeps its path under a probe (the fused kernel unless something
     else needs the weights): its scores and weights are measured by an observer, never by hooks
     on its Taps. Returns the observers."""
-    observers = []
+    observers, handles = [], []
+    owner.callback(_remove_all, handles)  # every handle below, each removed whatever the others do
     for attn, want in observed.items():
         observers.append(AttentionObserver(run, attn, want))
         owner.callback(named[attn].register_observer(observers[-1]).remove)
@@ -436,8 +437,20 @@ def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, 
             handle = named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(_heads_hook(run, name, kind))
         else:
             handle = named[name].register_forward_hook(_forward_hook(run, name, kind))
-        owner.callback(handle.remove)
+        handles.append(handle)
     return observers
+
+
+def _remove_all(handles: list) -> None:
+    """Remove every hook handle, last first; the first error raised once all are removed."""
+    error = None
+    for handle in reversed(handles):
+        try:
+            handle.remove()
+        except BaseException as err:  # noqa: BLE001 - the others are removed all the same
+            error = error or err
+    if error is not None:
+        raise error
 
 
 def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:

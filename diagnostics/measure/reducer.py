@@ -169,15 +169,15 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     memory cannot be read is measured through its parts or not at all (module docstring:
     ``measured``)."""
     _check(x, causal, probs, rows)
+    if (causal or not probs) and reduction.lane(x):  # the op's numba kernel without its dispatch
+        mom, panel, ms, cos, inv, under, weighted = reduction.numba_parts(
+            x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below, weight)
+        return Reduction(mom, panel, ms, cos, inv=inv, below=under, weighted=weighted)
     readable = plain(x)
     if readable is None:
         return _unplain(x, causal, probs, rows, cosine)
     x = readable
     kernel = reduction.route(x) if (causal or not probs) else None  # a panel of full rows: plain torch below
-    if kernel == reduction.NUMBA and reduction.direct():  # the op's numba kernel without its dispatch
-        mom, panel, ms, cos, inv, under, weighted = reduction.numba_parts(
-            x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below, weight)
-        return Reduction(mom, panel, ms, cos, inv=inv, below=under, weighted=weighted)
     if kernel is not None:
         with torch.no_grad():
             vec, ms = torch.ops.tinylm.summary(x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below,

@@ -45,7 +45,7 @@ from . import compiled, numba_reducer, reference
 from .reducer_choice import chosen
 from .wrappers import default_stance
 
-__all__ = ["route", "direct", "numba_parts", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
+__all__ = ["route", "lane", "direct", "numba_parts", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
 
 #: the dtypes the op reduces
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -76,16 +76,16 @@ def route(x: Tensor) -> int | None:
     ``TINYLM_REDUCER=reference``; the numba reducer a CPU tensor of its dtypes under ``auto``
     where numba imports; the CUDA structure every other (every tensor off the CPU, and CPU
     tensors under ``TINYLM_REDUCER=cuda``)."""
-    if not (x.ndim > 0 and x.dtype in DTYPES and type(x) in _PLAIN and x.layout == torch.strided
+    if not (type(x) in _PLAIN and x.ndim > 0 and x.dtype in DTYPES and x.layout == torch.strided
             and not x.is_meta and x.numel() > 0):
         return None
     choice = chosen()
-    if choice == "reference" or torch._C._functorch.is_functorch_wrapped_tensor(x):
+    if choice == "reference":
         return None
     if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.importable() \
-            and numba_reducer.has_memory(x):
+            and numba_reducer.has_memory(x):  # a functorch wrapper has no memory of its own: not here
         return NUMBA if numba_reducer.ready() else TORCH
-    return CUDA
+    return None if torch._C._functorch.is_functorch_wrapped_tensor(x) else CUDA
 
 
 def _ms_dtype(x: Tensor) -> torch.dtype:
@@ -140,18 +140,30 @@ def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
     ms = cos = inv = under = weighted = None
     if not (rows or cosine):
         mom = torch.from_numpy(numba_reducer.summary(x, width if width else None, probs=probs))
-    else:
+    else:  # the per-row work in numpy, float32 as torch would round it (a few us less per op)
         vec, rowsq, cosv = numba_reducer.summary_rows(x, cosine)
         mom = torch.from_numpy(vec)
-        ms = torch.from_numpy(rowsq / x.shape[-1]).float()
+        msn = np.asarray(rowsq / x.shape[-1], dtype=np.float32)  # an array also for 0-d rows
+        ms = torch.from_numpy(msn)
         cos = torch.from_numpy(cosv) if cosine else None
     if inv_eps >= 0:
-        inv = torch.from_numpy(numba_reducer.summary((ms + inv_eps).reciprocal_()))
+        inv = torch.from_numpy(numba_reducer.summary(np.reciprocal(msn + np.float32(inv_eps))))
     if below == below and below not in (math.inf, -math.inf):
         under = torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64)
     if weight is not None:
-        weighted = torch.from_numpy(numba_reducer.summary(ms * weight.reshape(ms.shape)))
+        w = weight.reshape(ms.shape)
+        weighted = torch.from_numpy(numba_reducer.summary(
+            msn * w.numpy() if w.dtype == torch.float32 and w.is_cpu and type(w) in _PLAIN and not w.requires_grad
+            else ms * w))
     return mom, ms if rows else None, cos, inv, under, weighted
+
+
+def lane(x: Tensor) -> bool:
+    """``route(x) == NUMBA and direct()``, its checks in the order that settles most tensors
+    soonest: whether :func:`numba_parts` may reduce ``x``."""
+    return type(x) in _PLAIN and x.is_cpu and x.dtype in numba_reducer.DTYPES and x.ndim > 0 \
+        and x.layout == torch.strided and x.numel() > 0 and chosen() == "auto" and numba_reducer.importable() \
+        and numba_reducer.has_memory(x) and numba_reducer.ready() and direct()
 
 
 def direct() -> bool:
@@ -244,5 +256,7 @@ def many(xs: list[Tensor]) -> Tensor | None:
     kinds = {route(x) for x in xs}
     if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
         return None
+    if kinds == {NUMBA} and direct():  # the kernel's own loop, without the op's dispatch (the same bits)
+        return _many_kernel(xs, NUMBA)
     with torch.no_grad():
         return torch.ops.tinylm.summaries(xs, kinds.pop())
