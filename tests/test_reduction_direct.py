@@ -109,3 +109,33 @@ def test_negative_control_a_probed_pass_by_plain_torch_differs(small, monkeypatc
     monkeypatch.setenv("TINYLM_REDUCER", "reference")
     reference = _probed(model, tokens)
     assert direct.keys() == reference.keys() and direct != reference
+
+
+def test_the_records_fields_are_the_vectors_layout():
+    """The probe builds its records positionally from the vectors: their field order is the layout."""
+    from dataclasses import fields
+
+    from diagnostics.measure.moments import AttnMoments, Moments
+    from diagnostics.measure.reference import ATTN_FIELDS, FIELDS
+
+    assert [f.name for f in fields(Moments)] == list(FIELDS)
+    assert [f.name for f in fields(AttnMoments)] == list(ATTN_FIELDS)
+    assert [f.name for f in fields(Moments)] != list(reversed(FIELDS))  # negative control: order is compared
+
+
+@pytest.mark.parametrize("signal", [False, True])
+def test_sdpa_and_attention_summaries_are_the_ops_bits_without_the_dispatch(signal, monkeypatch):
+    from diagnostics.measure import attention, sdpa
+
+    monkeypatch.setenv("TINYLM_REDUCER", "auto")
+    q, k, v, g = (torch.randn(2, 4, 20, 8, generator=torch.Generator().manual_seed(i)) for i in range(4))
+    mask = torch.rand(20, 20, generator=torch.Generator().manual_seed(5)) > 0.3
+    fast = sdpa.summary(q, k, mask, False, None, signal)
+    fast_attn = attention.summary(q, k, v, g)
+    with OpCount() as ops:
+        slow = sdpa.summary(q, k, mask, False, None, signal)
+        slow_attn = attention.summary(q, k, v, g)
+    assert ops.counts["sdpa_summary.default"] == 1 and ops.counts["attention_summary.default"] == 1
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(fast, slow))
+    assert fast_attn.keys() == slow_attn.keys()
+    assert all(torch.equal(fast_attn[key], slow_attn[key]) for key in fast_attn)

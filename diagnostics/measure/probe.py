@@ -95,14 +95,20 @@ def _as_lists(*stores: dict) -> list[dict]:
     transfers of a probe's results do not grow with the number of tensors it measured."""
     flat = [(i, k, v) for i, store in enumerate(stores) for k, v in store.items()]
     out: list[dict] = [{} for _ in stores]
-    for device in dict.fromkeys(v.device for _, _, v in flat):
-        part = [(i, k, v) for i, k, v in flat if v.device == device]
-        values = torch.cat([v if v.dim() == 1 and v.dtype == torch.float64 else v.reshape(-1).double()
+    if all(v.is_cpu for _, _, v in flat):  # one group, named without a device object per vector
+        groups = [flat] if flat else []
+    else:
+        groups = [[(i, k, v) for i, k, v in flat if v.device == device]
+                  for device in dict.fromkeys(v.device for _, _, v in flat)]
+    f64 = torch.float64
+    for part in groups:
+        values = torch.cat([v if v.dtype == f64 and v.dim() == 1 else v.reshape(-1).double()
                             for _, _, v in part]).tolist()
         at = 0
         for i, k, v in part:
-            out[i][k] = values[at:at + v.numel()]
-            at += v.numel()
+            n = v.numel()
+            out[i][k] = values[at:at + n]
+            at += n
     return [{k: out[i][k] for k in store} for i, store in enumerate(stores)]
 
 
@@ -249,13 +255,14 @@ class ProbeRun:
         if self._stats is None:
             vec, attn, cos, inv, nb, flat = _as_lists(self._vec, self._attn, self._cos, self._inv, self._normb,
                                                       self._flat)
-            self._stats = ProbeStats(tensors={k: Moments.from_vector(r) for k, r in vec.items()},
+            # positional: FIELDS and ATTN_FIELDS are the records' field order (tests/test_reduction_direct.py)
+            self._stats = ProbeStats(tensors={k: Moments(*r) for k, r in vec.items()},
                                      kinds=dict(self.kinds), order=list(self.order),
-                                     attention={k: AttnMoments.from_vector(r) for k, r in attn.items()},
-                                     cosine={k: Moments.from_vector(r) for k, r in cos.items()},
+                                     attention={k: AttnMoments(*r) for k, r in attn.items()},
+                                     cosine={k: Moments(*r) for k, r in cos.items()},
                                      params=dict(self.params), steps=self.steps,
-                                     inv_ms={k: Moments.from_vector(r) for k, r in inv.items()},
-                                     norm_back={k: Moments.from_vector(r) for k, r in nb.items()}, flat=flat)
+                                     inv_ms={k: Moments(*r) for k, r in inv.items()},
+                                     norm_back={k: Moments(*r) for k, r in nb.items()}, flat=flat)
         return self._stats
 
 

@@ -161,9 +161,14 @@ def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
 def lane(x: Tensor) -> bool:
     """``route(x) == NUMBA and direct()``, its checks in the order that settles most tensors
     soonest: whether :func:`numba_parts` may reduce ``x``."""
+    return _numba_route(x) and direct()
+
+
+def _numba_route(x: Tensor) -> bool:
+    """``route(x) == NUMBA``."""
     return type(x) in _PLAIN and x.is_cpu and x.dtype in numba_reducer.DTYPES and x.ndim > 0 \
         and x.layout == torch.strided and x.numel() > 0 and chosen() == "auto" and numba_reducer.importable() \
-        and numba_reducer.has_memory(x) and numba_reducer.ready() and direct()
+        and numba_reducer.has_memory(x) and numba_reducer.ready()
 
 
 def direct() -> bool:
@@ -253,10 +258,10 @@ def many(xs: list[Tensor]) -> Tensor | None:
     take the same kernel on one device (the caller reduces them one by one)."""
     if not xs:
         return None
+    if direct() and all(_numba_route(x) for x in xs):  # the kernel's own loop, without the op's dispatch
+        return _many_kernel(xs, NUMBA)
     kinds = {route(x) for x in xs}
     if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
         return None
-    if kinds == {NUMBA} and direct():  # the kernel's own loop, without the op's dispatch (the same bits)
-        return _many_kernel(xs, NUMBA)
     with torch.no_grad():
         return torch.ops.tinylm.summaries(xs, kinds.pop())
