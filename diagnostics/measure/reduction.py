@@ -29,6 +29,14 @@ float64 on ``x``'s device, the parts asked for in this order (:func:`sizes`):
 
 row_ms and its products in float32 (as the probe always took them). ``row_ms``: mean(x^2) over
 the last dimension, float32 (float64 for float64 ``x``) with ``rows``, else empty.
+
+The direct lane. On the CPU the op's dispatch (the op's Python entry, its vector cut by a
+``split``) costs more than the numba kernel it runs on a small tensor. Where :func:`lane` holds
+(the tensor goes to :data:`NUMBA` and :func:`direct`: no dispatch mode, no ``torch.compile``
+tracing, no torch-function mode but the probe's own), :func:`.reducer.reduce` calls the same
+kernel from Python (:func:`numba_parts`) and gets its parts uncut: the same bits (tests hold
+them equal). Anything that observes the ops (an op counter, a FakeTensor mode) sees the op, and
+``TINYLM_REDUCER=cuda`` never takes the lane: there the CPU dispatches what a GPU would.
 """
 
 from __future__ import annotations
