@@ -48,7 +48,8 @@ import torch as _torch
 
 from .reducer_choice import chosen
 
-__all__ = ["available", "importable", "takes", "has_memory", "ready", "warm", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
+__all__ = ["available", "importable", "takes", "has_memory", "ready", "warm", "summary", "summary_rows", "summaries",
+           "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
@@ -114,7 +115,7 @@ def _build():
 def _cached(k) -> bool:
     """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
     try:
-        return all(os.path.exists(d._cache._cache_file._index_path) for d in (k.serial_at, k.parallel_at))
+        return all(os.path.exists(d._cache._cache_file._index_path) for d in (k.serial_at, k.parallel_at, k.many_at))
     except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
         return True
 
@@ -155,6 +156,35 @@ def warm() -> None:
     summary(x), summary(x, 8), summary(x.softmax(-1), 8, probs=True), summary_rows(x), summary_rows(x, True)
     k = _build()
     k.parallel_at(x.data_ptr(), x.numel(), 0, 0, False, 0, 2)
+    summaries([x, x[0]])
+
+
+def summaries(xs: list) -> np.ndarray:
+    """(N, 10) float64: :func:`summary` of each CPU tensor of ``xs`` (as :func:`summary` takes them),
+    bit for bit, from one call into the loops for all those a single thread reduces (fewer than
+    :data:`PARALLEL_MIN` entries, or one torch thread); larger ones one call each, as
+    :func:`summary` splits them over threads."""
+    keep, addrs, ns, big = [], [], [], []
+    threads = _torch.get_num_threads()
+    for i, x in enumerate(xs):
+        if not (type(x) in _PLAIN and x.dtype == _torch.float32 and x.is_cpu and x.layout == _torch.strided
+                and x.is_contiguous() and not x.is_neg()):
+            x = _readable(x)
+        n = x.numel()
+        if n >= PARALLEL_MIN and threads > 1:
+            big.append(i)
+            n = 0  # reduced apart below; zeros here
+        addr = x.data_ptr() if n else 0
+        if n and not addr:
+            raise TypeError("the numba reducer reads a contiguous tensor with memory")
+        keep.append(x)  # alive until the loops have read it
+        addrs.append(addr)
+        ns.append(n)
+    k = _loops or _build()
+    out = k.many_at(np.array(addrs, dtype=np.int64), np.array(ns, dtype=np.int64))
+    for i in big:
+        out[i] = summary(keep[i])
+    return out
 
 
 def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:

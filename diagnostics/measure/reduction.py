@@ -245,11 +245,15 @@ _LIB.define("summaries(Tensor[] xs, int kernel) -> Tensor")
 
 
 def _many_kernel(xs: list[Tensor], kernel: int) -> Tensor:
-    """(N, 10): the FIELDS vector of every tensor of ``xs``, each by ``kernel``."""
+    """(N, 10): the FIELDS vector of every tensor of ``xs``, by ``kernel``: numba's one loop over
+    them all (:func:`.numba_reducer.summaries`), else one reduction each (the compiled ones in
+    one entry into the default ``torch.compile`` stance)."""
     with torch._C.DisableTorchFunction():
         if kernel == NUMBA:
-            return torch.from_numpy(np.stack([numba_reducer.summary(x) for x in xs]))
-        return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0] for x in xs])
+            return torch.from_numpy(numba_reducer.summaries(xs))
+        with compiling() if kernel == CUDA and compiled.available() else contextlib.nullcontext():
+            return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0]
+                                for x in xs])
 
 
 _LIB.impl("summaries", _many_kernel, "CompositeExplicitAutograd")
@@ -262,7 +266,8 @@ def _(xs, kernel):
 
 def many(xs: list[Tensor]) -> Tensor | None:
     """(N, 10) float64: the moments of every tensor of ``xs`` from one dispatched op,
-    ``tinylm::summaries`` (one kernel call per tensor inside), or None where they do not all
+    ``tinylm::summaries`` (numba: one loop over them all; else one kernel call per tensor
+    inside), or None where they do not all
     take the same kernel on one device (the caller reduces them one by one)."""
     if not xs:
         return None
