@@ -24,7 +24,7 @@ def test_one_call_gives_each_tensors_own_summary_bit_for_bit(threads):
     torch.set_num_threads(threads)
     try:
         xs = _tensors() + [torch.randn(numba_reducer.PARALLEL_MIN + 5)]  # one the threads split
-        got = numba_reducer.summaries(xs)
+        got = numba_reducer.summaries(xs)[:, :10]
         want = np.stack([numba_reducer.summary(x) for x in xs])
     finally:
         torch.set_num_threads(before)
@@ -32,7 +32,25 @@ def test_one_call_gives_each_tensors_own_summary_bit_for_bit(threads):
     # negative control: one ulp in one entry of one tensor changes that tensor's row
     xs[0] = xs[0].clone()
     xs[0][0, 0] = torch.nextafter(xs[0][0, 0], torch.tensor(np.inf))
-    assert numba_reducer.summaries(xs)[0].tobytes() != want[0].tobytes()
+    assert numba_reducer.summaries(xs)[0, :10].tobytes() != want[0].tobytes()
+
+
+def test_causal_buffers_in_one_call_equal_their_own_reductions():
+    from diagnostics.measure import reducer
+
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(6, 16, 16, generator=g)
+    p = s.softmax(-1)
+    xs, probs = [s, p, s.bfloat16(), p], [False, True, False, False]
+    got = reduction.causal_parts(xs, probs)
+    for x, pr, (mom, panel) in zip(xs, probs, got):
+        want = reducer.reduce(x, causal=True, probs=pr)
+        assert mom.numpy().tobytes() == want.moments.numpy().tobytes()
+        assert (panel is None) == (not pr)
+        if pr:
+            assert panel.numpy().tobytes() == want.panel.numpy().tobytes()
+    # negative control: the whole matrix (not causal) differs from the causal entries' moments
+    assert reducer.reduce(s).moments.numpy().tobytes() != got[0][0].numpy().tobytes()
 
 
 def test_the_probes_list_takes_the_loop_and_the_ops_bits(monkeypatch):

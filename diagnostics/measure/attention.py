@@ -197,7 +197,18 @@ def _score_grad(g: Tensor, p: Tensor, out: Tensor) -> None:
 
 
 def _add(out: dict, want: dict, S: Tensor, P: Tensor | None, G: Tensor | None, D: Tensor | None) -> None:
-    """Reduce one chunk's buffers (causal entries) into ``out``, merging with the chunks before."""
+    """Reduce one chunk's buffers (causal entries) into ``out``, merging with the chunks before:
+    all of them in one call into numba's loops where they take its direct lane."""
+    asked = [(key, t, False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)) if want[key]]
+    if want["probs"]:
+        asked.append(("probs", P, want["panel"]))
+    got = reduction.causal_parts([t for _, t, _ in asked], [p for _, _, p in asked])
+    if got is not None:
+        for (key, _, _), (mom, panel) in zip(asked, got):
+            out[key] = _merge(out[key], mom, merge_vectors)
+            if panel is not None:
+                out["panel"] = _merge(out["panel"], panel, merge_attention_vectors)
+        return
     for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)):
         if want[key]:
             out[key] = _merge(out[key], reducer.reduce(t, causal=True).moments, merge_vectors)

@@ -156,14 +156,15 @@ def warm() -> None:
     summary(x), summary(x, 8), summary(x.softmax(-1), 8, probs=True), summary_rows(x), summary_rows(x, True)
     k = _build()
     k.parallel_at(x.data_ptr(), x.numel(), 0, 0, False, 0, 2)
-    summaries([x, x[0]])
+    summaries([x, x[0]]), summaries([x, x.softmax(-1)], 8, [False, True])
 
 
-def summaries(xs: list) -> np.ndarray:
-    """(N, 10) float64: :func:`summary` of each CPU tensor of ``xs`` (as :func:`summary` takes them),
-    bit for bit, from one call into the loops for all those a single thread reduces (fewer than
-    :data:`PARALLEL_MIN` entries, or one torch thread); larger ones one call each, as
-    :func:`summary` splits them over threads."""
+def summaries(xs: list, width: int = 0, probs: list | None = None) -> np.ndarray:
+    """(N, 16) float64: :func:`summary` of each CPU tensor of ``xs`` (as :func:`summary` takes them;
+    ``width`` T > 0: causal T x T matrices; with its panel in columns 10: where ``probs[i]``,
+    else those are 0), bit for bit, from one call into the loops for all those a single thread
+    reduces (fewer than :data:`PARALLEL_MIN` entries, or one torch thread); larger ones one
+    call each, as :func:`summary` splits them over threads."""
     keep, addrs, ns, big = [], [], [], []
     threads = _torch.get_num_threads()
     for i, x in enumerate(xs):
@@ -181,9 +182,11 @@ def summaries(xs: list) -> np.ndarray:
         addrs.append(addr)
         ns.append(n)
     k = _loops or _build()
-    out = k.many_at(np.array(addrs, dtype=np.int64), np.array(ns, dtype=np.int64))
+    flags = np.zeros(len(xs), dtype=np.bool_) if probs is None else np.array(probs, dtype=np.bool_)
+    out = k.many_at(np.array(addrs, dtype=np.int64), np.array(ns, dtype=np.int64), width, flags & (width > 0))
     for i in big:
-        out[i] = summary(keep[i])
+        vec = summary(keep[i], width or None, probs=bool(flags[i]))
+        out[i, :vec.size] = vec
     return out
 
 

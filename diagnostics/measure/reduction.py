@@ -53,7 +53,7 @@ from . import compiled, numba_reducer, reference
 from .reducer_choice import chosen
 from .wrappers import default_stance
 
-__all__ = ["route", "lane", "direct", "numba_parts", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
+__all__ = ["route", "lane", "direct", "numba_parts", "all_numba", "causal_parts", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
 
 #: the dtypes the op reduces
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -179,6 +179,25 @@ def _numba_route(x: Tensor) -> bool:
         and numba_reducer.has_memory(x) and numba_reducer.ready()
 
 
+def all_numba(xs) -> bool:
+    """``all(route(x) == NUMBA for x in xs)``, the choice and numba's readiness asked once."""
+    if not (chosen() == "auto" and numba_reducer.importable() and numba_reducer.ready()):
+        return False
+    dtypes, has_memory = numba_reducer.DTYPES, numba_reducer.has_memory
+    return all(type(x) in _PLAIN and x.is_cpu and x.dtype in dtypes and x.ndim > 0 and x.layout == torch.strided
+               and x.numel() > 0 and has_memory(x) for x in xs)
+
+
+def causal_parts(xs: list[Tensor], probs: list[bool]) -> list[tuple[Tensor, Tensor | None]] | None:
+    """[(moments, panel or None)] of each causal (..., T, T) tensor of ``xs`` (one T), from one
+    call into numba's loops, or None where they do not all take the direct lane (:func:`lane`):
+    what :func:`.reducer.reduce` (``causal``, ``probs``) gives each, bit for bit."""
+    if not (xs and direct() and all_numba(xs)):
+        return None
+    vec = torch.from_numpy(numba_reducer.summaries(xs, xs[0].shape[-1], probs))
+    return [(v[:10], v[10:] if p else None) for v, p in zip(vec, probs)]
+
+
 def direct() -> bool:
     """Whether a tensor that :func:`route` sends to :data:`NUMBA` may skip the op's dispatch
     (:func:`numba_parts`: the same kernel, called from Python; the same bits): nothing observes
@@ -250,7 +269,7 @@ def _many_kernel(xs: list[Tensor], kernel: int) -> Tensor:
     one entry into the default ``torch.compile`` stance)."""
     with torch._C.DisableTorchFunction():
         if kernel == NUMBA:
-            return torch.from_numpy(numba_reducer.summaries(xs))
+            return torch.from_numpy(numba_reducer.summaries(xs)[:, :10])
         with compiling() if kernel == CUDA and compiled.available() else contextlib.nullcontext():
             return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0]
                                 for x in xs])
@@ -271,7 +290,7 @@ def many(xs: list[Tensor]) -> Tensor | None:
     take the same kernel on one device (the caller reduces them one by one)."""
     if not xs:
         return None
-    if direct() and all(_numba_route(x) for x in xs):  # the kernel's own loop, without the op's dispatch
+    if direct() and all_numba(xs):  # the kernel's own loop, without the op's dispatch
         return _many_kernel(xs, NUMBA)
     kinds = {route(x) for x in xs}
     if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
