@@ -89,6 +89,21 @@ def _scores(S: Tensor, r0: int, r1: int, above: Tensor) -> Tensor:
     return s
 
 
+_ABOVE: dict = {}
+
+
+def _above(T: int, device: torch.device) -> Tensor:
+    """The (T, T) mask of the keys after each query row (above the diagonal), made once per T and
+    device (read only: masked_fill_ reads it); made afresh, not kept, under a dispatch mode (a
+    FakeTensor mode would make it fake)."""
+    got = _ABOVE.get((T, device))
+    if got is None:
+        got = torch.ones(T, T, dtype=torch.bool, device=device).triu_(1)
+        if not torch._C._len_torch_dispatch_stack():
+            _ABOVE[(T, device)] = got
+    return got
+
+
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
@@ -158,7 +173,7 @@ def statistics(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | Non
     vf, gf = (_flat(v), _flat(grad)) if backward else (None, None)
     N = qf.shape[0]
     n = _chunk(N, T, dev)
-    above = torch.ones(T, T, dtype=torch.bool, device=dev).triu_(1)
+    above = _above(T, dev)
     wide = _wide(dtype)
     need_p = want["probs"] or want["scores_grad"]
     S = torch.empty(n, T, T, dtype=dtype, device=dev)
