@@ -31,6 +31,11 @@ prefetch): in a hook the tensor comes from memory. Tensors of at least
 :data:`PARALLEL_MIN` entries are split (whole segments) over as many numba threads as torch
 uses.
 
+:func:`summaries` reduces a list of tensors (a probe's parameters and gradients at its exit,
+an attention chunk's causal buffers) in one call into the loops, each exactly as
+:func:`summary` would (the same loops, the same bits): one crossing from Python into numba
+rather than one per tensor.
+
 :func:`available` says whether numba is importable (and ``TINYLM_REDUCER``, see
 :mod:`.reducer_choice`, is ``auto``), and :func:`takes` whether a tensor can be read here; when
 not, ``reduce`` hands it to the compiled reducer or the reference (the tests hold this reducer
