@@ -169,6 +169,9 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     memory cannot be read is measured through its parts or not at all (module docstring:
     ``measured``)."""
     _check(x, causal, probs, rows)
+    if not (rows or cosine or probs and not causal) and inv_eps < 0 and below != below and weight is None \
+            and reduction.lane(x):  # most requests: moments (and a causal panel), one frame
+        return Reduction(*reduction.numba_moments(x, x.shape[-1] if causal else 0, probs))
     if (causal or not probs) and reduction.lane(x):  # the op's numba kernel without its dispatch
         mom, panel, ms, cos, inv, under, weighted = reduction.numba_parts(
             x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below, weight)

@@ -53,7 +53,7 @@ from . import compiled, numba_reducer, reference
 from .reducer_choice import chosen
 from .wrappers import default_stance
 
-__all__ = ["route", "lane", "direct", "numba_parts", "all_numba", "causal_parts", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
+__all__ = ["route", "lane", "direct", "numba_parts", "all_numba", "causal_parts", "numba_moments", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
 
 #: the dtypes the op reduces
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -223,6 +223,21 @@ def numba_parts(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, in
     mom, ms, cos, inv, under, weighted = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
     panel = mom[10:] if probs else None
     return (mom[:10] if probs else mom), panel, ms, cos, inv, under, weighted
+
+
+def numba_moments(x: Tensor, width: int, probs: bool) -> tuple[Tensor, Tensor | None]:
+    """(moments, panel or None): :func:`numba_parts` of a request with no rows, cosine or extras
+    (most of a probe's), in one frame: a float32 tensor that one thread reduces goes straight
+    to the loop's entry point (what :func:`.numba_reducer.summary` calls; the same bits). Call
+    only where :func:`lane` holds (and ``probs`` only with ``width``)."""
+    n = x.numel()
+    if x.dtype == torch.float32 and x.is_contiguous() and not x.is_neg() \
+            and (n < numba_reducer.PARALLEL_MIN or torch.get_num_threads() <= 1):
+        k = numba_reducer._loops or numba_reducer._build()
+        mom = torch.from_numpy(k.serial_at(x.data_ptr(), n, width, 0, probs, 0)[0])
+    else:
+        mom = torch.from_numpy(numba_reducer.summary(x, width if width else None, probs=probs))
+    return (mom[:10], mom[10:]) if probs else (mom, None)
 
 
 def _extras(x: Tensor, ms: Tensor, inv_eps: float, below: float, weight: Tensor | None) -> Tensor:
