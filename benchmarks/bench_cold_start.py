@@ -5,7 +5,8 @@
 Each arm is a fresh Python process that builds the launch-bound model of
 ``bench_launch.py`` and times its first ``--steps`` probed forward+backward passes (imports
 and model building excluded): "cold" with an empty ``NUMBA_CACHE_DIR`` (a fresh install:
-numba has compiled nothing), "warm" with the cache the cold arm's background process filled.
+numba has compiled nothing), "warm" with the cache the cold arm's background process filled
+(every entry point the cache check asks for: ``serial_at``, ``parallel_at``, ``many_at``).
 The first cold pass measures with torch ops while numba compiles in another process
 (:func:`diagnostics.measure.numba_reducer.ready`); target: first cold pass - first warm pass <= 2 s.
 """
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         deadline = time.time() + 600  # the background compile of the cold arm fills the cache
         while time.time() < deadline and not all(any(f.endswith(".nbi") and name in f
                                                      for _, _, files in os.walk(cache) for f in files)
-                                                 for name in ("serial_at", "parallel_at")):
+                                                 for name in ("serial_at", "parallel_at", "many_at")):
             time.sleep(1)
         time.sleep(5)
         warm = child(cache, args.threads, args.steps)

@@ -1,7 +1,7 @@
 """The probe in the launch-bound regime: a small, deep model where every op costs its dispatch.
 
     python benchmarks/bench_launch.py [--pairs 9] [--threads 1] [--reducer cuda,auto] [--models tinylm,gpt2]
-                                      [--top 12] [--no-watch]
+                                      [--top 12] [--no-watch] [--breakdown N]
 
 d_model 64, 24 layers, 4 heads, T 32, batch 4 (vocab 10000), one thread by default: on a
 GPU every model people debug with is in this regime, and on the CPU this shape shows it. Per
@@ -81,6 +81,62 @@ def probed(model, tokens, counter=None) -> None:
     return inside if counter is not None else None
 
 
+def breakdown(model, tokens, n: int) -> dict[str, float]:
+    """Medians over ``n`` probed passes, in ms, of the probe's own parts: ``entry`` (entering the
+    ``with``: the module walks, the hooks registered), ``hooks`` (``run.seconds`` spent in forward
+    and backward), ``torch`` (the pass less its hooks), ``exit`` (leaving the ``with``: the
+    parameters' and gradients' moments, the hooks removed, the model restored), ``stats`` (the
+    one transfer of the results to Python); and ``bare`` (one unprobed pass, interleaved). Inside
+    the hooks, the mean time per pass of two pieces (clocked, so slightly slower): the direct
+    lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``) and the tinylm
+    attention summaries (``attention.statistics``)."""
+    from diagnostics import probe
+    from diagnostics.measure import attention, reduction
+
+    parts: dict[str, list[float]] = {k: [] for k in ("bare", "entry", "hooks", "torch", "exit", "stats")}
+    clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0]}
+    timed = [(reduction, "numba_moments", "numba reductions in hooks"),
+             (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics", "attention summaries")]
+    real = [(mod, name, getattr(mod, name)) for mod, name, _ in timed]
+
+    def clocked(fn, key):
+        def f(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            clocks[key][0] += time.perf_counter() - t0
+            clocks[key][1] += 1
+            return out
+        return f
+    for _ in range(n + 1):
+        t0 = time.perf_counter()
+        step(model, tokens)
+        t1 = time.perf_counter()
+        cm = probe(model)
+        run = cm.__enter__()
+        t2 = time.perf_counter()
+        s0 = run.seconds
+        for (mod, name, fn), (_, _, key) in zip(real, timed):  # inside the hooks only (clocks the pieces)
+            setattr(mod, name, clocked(fn, key))
+        try:
+            step(model, tokens)
+        finally:
+            for mod, name, fn in real:
+                setattr(mod, name, fn)
+        t3 = time.perf_counter()
+        hooks = run.seconds - s0
+        cm.__exit__(None, None, None)
+        t4 = time.perf_counter()
+        run.stats  # noqa: B018 - the one transfer
+        t5 = time.perf_counter()
+        for k, v in (("bare", t1 - t0), ("entry", t2 - t1), ("hooks", hooks), ("torch", t3 - t2 - hooks),
+                     ("exit", t4 - t3), ("stats", t5 - t4)):
+            parts[k].append(v * 1e3)
+    out = {k: statistics.median(v[1:]) for k, v in parts.items()}  # the first pass warms up
+    for key, (secs, calls) in clocks.items():  # means over all passes (the pieces are clocked, so slower)
+        out[f"{key} ({calls // (n + 1)} calls)"] = secs * 1e3 / (n + 1)
+    return out
+
+
 def count(fn, *args):
     from diagnostics.measure.opcount import OpCount
 
@@ -150,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="tinylm,gpt2")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--no-watch", action="store_true")
+    ap.add_argument("--breakdown", type=int, default=0, metavar="N",
+                    help="also the probe's own parts (entry, hooks, exit, stats), medians of N passes")
     args = ap.parse_args(argv)
     import torch
 
@@ -178,6 +236,10 @@ def main(argv=None) -> int:
             med, ratios = pairs(lambda: step(model, tokens), lambda: probed(model, tokens), args.pairs)
             print(f"    time probed/bare: median {med:.2f} over {len(ratios)} pairs "
                   f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+            if args.breakdown:
+                b = breakdown(model, tokens, args.breakdown)
+                print("    probe's parts (ms, median of %d): " % args.breakdown
+                      + ", ".join(f"{k} {v:.1f}" for k, v in b.items()))
             if not args.no_watch:
                 plain, watched, watch = watch_pair(model, tokens)
                 med, ratios = pairs(plain, watched, args.pairs)

@@ -287,7 +287,17 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
         calls.append(kw)
         return real(x, **kw)
 
+    from diagnostics.measure import reduction
+
+    real_causal = reduction.causal_parts
+
+    def counted_causal(xs, probs):  # an attention's buffers, read together in one call
+        got = real_causal(xs, probs)
+        calls.extend({"causal": True} for _ in (xs if got is not None else ()))
+        return got
+
     monkeypatch.setattr(reducer_module, "reduce", counted)
+    monkeypatch.setattr(reduction, "causal_parts", counted_causal)
     model, x = model_of(seed=6), tokens(seed=6)
     with probe(model, ProbeOptions(params=False)) as run:
         step(model, x)

@@ -305,3 +305,18 @@ def parallel_at(addr, n, T, D, probs, S, threads):
     """:func:`reduce_parallel` of the n float32 entries at address ``addr`` (a function apart
     from :func:`serial_at`, so that a program that reduces serially never starts the pool)."""
     return reduce_parallel(carray(at(addr), n), T, D, probs, S, threads)
+
+
+@njit(cache=True)
+def many_at(addrs, ns, T, probs):
+    """(N, 16): :func:`reduce_serial`'s summary of each of N tensors, the ns[i] float32 entries at
+    address addrs[i] (int64 arrays): every entry (T = 0) or the causal entries of T x T matrices,
+    with the attention panel after the FIELDS where probs[i] (else columns 10: are 0). A tensor
+    of no entries gets the summary of no values (zeros). The parameters and gradients of a
+    probe's exit, or an attention's buffers, in one call rather than one each."""
+    out = np.zeros((addrs.size, 16))
+    for i in range(addrs.size):
+        if ns[i] > 0:
+            vec = reduce_serial(carray(at(addrs[i]), ns[i]), T, 0, probs[i], 0)[0]
+            out[i, :vec.size] = vec
+    return out

@@ -37,13 +37,15 @@ from torch import Tensor, nn
 
 import tinylm
 
-from . import reducer
+from . import reducer, reduction
 from .reducer import merge_attention_vectors, merge_vectors
 from .reducer_choice import chosen
 from .reference import FIELDS
 
 __all__ = ["statistics", "forward_statistics", "backward_statistics", "AttentionObserver", "observed_attention",
            "CHUNK", "CHUNK_DEVICE", "BLOCK", "KINDS"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 #: the probe's kind of each Tap of a tinylm attention
 KINDS = {"scores": "attn_scores", "probs": "attn_probs"}
@@ -85,6 +87,21 @@ def _scores(S: Tensor, r0: int, r1: int, above: Tensor) -> Tensor:
     s = S[:, r0:r1, :r1]
     s[:, :, r0:].masked_fill_(above[:r1 - r0, :r1 - r0], -math.inf)  # the diagonal block: keys after the row
     return s
+
+
+_ABOVE: dict = {}
+
+
+def _above(T: int, device: torch.device) -> Tensor:
+    """The (T, T) mask of the keys after each query row (above the diagonal), made once per T and
+    device (read only: masked_fill_ reads it); made afresh, not kept, under a dispatch mode (a
+    FakeTensor mode would make it fake)."""
+    got = _ABOVE.get((T, device))
+    if got is None:
+        got = torch.ones(T, T, dtype=torch.bool, device=device).triu_(1)
+        if not torch._C._len_torch_dispatch_stack():
+            _ABOVE[(T, device)] = got
+    return got
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -156,7 +173,7 @@ def statistics(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | Non
     vf, gf = (_flat(v), _flat(grad)) if backward else (None, None)
     N = qf.shape[0]
     n = _chunk(N, T, dev)
-    above = torch.ones(T, T, dtype=torch.bool, device=dev).triu_(1)
+    above = _above(T, dev)
     wide = _wide(dtype)
     need_p = want["probs"] or want["scores_grad"]
     S = torch.empty(n, T, T, dtype=dtype, device=dev)
@@ -195,7 +212,18 @@ def _score_grad(g: Tensor, p: Tensor, out: Tensor) -> None:
 
 
 def _add(out: dict, want: dict, S: Tensor, P: Tensor | None, G: Tensor | None, D: Tensor | None) -> None:
-    """Reduce one chunk's buffers (causal entries) into ``out``, merging with the chunks before."""
+    """Reduce one chunk's buffers (causal entries) into ``out``, merging with the chunks before:
+    all of them in one call into numba's loops where they take its direct lane."""
+    asked = [(key, t, False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)) if want[key]]
+    if want["probs"]:
+        asked.append(("probs", P, want["panel"]))
+    got = reduction.causal_parts([t for _, t, _ in asked], [p for _, _, p in asked])
+    if got is not None:
+        for (key, _, _), (mom, panel) in zip(asked, got):
+            out[key] = _merge(out[key], mom, merge_vectors)
+            if panel is not None:
+                out["panel"] = _merge(out["panel"], panel, merge_attention_vectors)
+        return
     for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)):
         if want[key]:
             out[key] = _merge(out[key], reducer.reduce(t, causal=True).moments, merge_vectors)
@@ -239,7 +267,12 @@ def _asked(key: str, backward: bool, scores: bool, probs: bool, panel: bool, for
 def summary(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | None = None, *, scores: bool = True,
             probs: bool = True, panel: bool = True, forward: bool = True) -> dict[str, Tensor | None]:
     """:func:`statistics` (default blocks) from one dispatched op, ``tinylm::attention_summary``:
-    the same dict, its vectors views of the op's one output (one ``split``)."""
+    the same dict, its vectors views of the op's one output (one ``split``). CPU tensors under
+    ``TINYLM_REDUCER=auto``, where nothing observes the ops (:func:`.reduction.direct`), skip
+    the op's dispatch: :func:`statistics` itself (what the op's kernel runs; the same bits)."""
+    if q.is_cpu and chosen() == "auto" and reduction.direct() and type(q) in _PLAIN and type(k) in _PLAIN:
+        with torch._C.DisableTorchFunction():  # as inside the op's kernel
+            return statistics(q, k, v, grad, scores=scores, probs=probs, panel=panel, forward=forward)
     with torch.no_grad():
         vec = torch.ops.tinylm.attention_summary(q, k, v, grad, scores, probs, panel, forward)
     keys = [(key, n) for key, n in PARTS if _asked(key, grad is not None and v is not None, scores, probs, panel,
@@ -377,12 +410,14 @@ class AttentionObserver:
         return hook
 
 
-def observed_attention(model: nn.Module, points: dict[str, str]) -> dict[str, frozenset[str]]:
+def observed_attention(model: nn.Module, points: dict[str, str], named: dict[str, nn.Module] | None = None
+                       ) -> dict[str, frozenset[str]]:
     """{tinylm attention name: the leaves of ``scores``/``probs`` among ``points``}: those Taps are
     measured through the attention's observer rather than hooked (a hook would force the explicit
-    path). A subclass with a forward of its own calls no observer: its Taps are hooked."""
+    path). A subclass with a forward of its own calls no observer: its Taps are hooked.
+    ``named``: ``dict(model.named_modules())`` where the caller has it."""
     found: dict[str, set[str]] = {}
-    for name, mod in model.named_modules():
+    for name, mod in (named if named is not None else dict(model.named_modules())).items():
         attention = tinylm.MultiHeadSelfAttention
         if isinstance(mod, attention) and type(mod).forward is attention.forward:
             for leaf in ("scores", "probs"):

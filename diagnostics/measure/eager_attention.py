@@ -39,6 +39,8 @@ __all__ = ["EagerAttentionWatch", "eager_rows", "is_attention_softmax", "SOFTMAX
 
 #: the softmax functions seen (a TorchFunctionMode receives these as ``func``)
 SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax, Tensor.softmax)
+#: what the watch measures: the softmax functions and SDPA
+_SEEN = frozenset((*SOFTMAX, F.scaled_dot_product_attention))
 
 
 def _call(func, args: tuple, kwargs: dict) -> tuple[object, object]:
@@ -81,6 +83,8 @@ class EagerAttentionWatch(SDPAWatch):
         self.rows = rows
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _SEEN:  # every other function (nearly all calls): passed on in one frame
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
         if func in SOFTMAX:
             x, dim = _call(func, args, kwargs)

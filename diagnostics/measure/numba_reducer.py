@@ -31,6 +31,11 @@ prefetch): in a hook the tensor comes from memory. Tensors of at least
 :data:`PARALLEL_MIN` entries are split (whole segments) over as many numba threads as torch
 uses.
 
+:func:`summaries` reduces a list of tensors (a probe's parameters and gradients at its exit,
+an attention chunk's causal buffers) in one call into the loops, each exactly as
+:func:`summary` would (the same loops, the same bits): one crossing from Python into numba
+rather than one per tensor.
+
 :func:`available` says whether numba is importable (and ``TINYLM_REDUCER``, see
 :mod:`.reducer_choice`, is ``auto``), and :func:`takes` whether a tensor can be read here; when
 not, ``reduce`` hands it to the compiled reducer or the reference (the tests hold this reducer
@@ -48,7 +53,8 @@ import torch as _torch
 
 from .reducer_choice import chosen
 
-__all__ = ["available", "importable", "takes", "has_memory", "ready", "warm", "summary", "summary_rows", "PARALLEL_MIN", "DTYPES"]
+__all__ = ["available", "importable", "takes", "has_memory", "ready", "warm", "summary", "summary_rows", "summaries",
+           "PARALLEL_MIN", "DTYPES"]
 
 #: Tensors with fewer entries are reduced on the calling thread only.
 PARALLEL_MIN = 1 << 18
@@ -114,7 +120,7 @@ def _build():
 def _cached(k) -> bool:
     """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
     try:
-        return all(os.path.exists(d._cache._cache_file._index_path) for d in (k.serial_at, k.parallel_at))
+        return all(os.path.exists(d._cache._cache_file._index_path) for d in (k.serial_at, k.parallel_at, k.many_at))
     except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
         return True
 
@@ -155,6 +161,38 @@ def warm() -> None:
     summary(x), summary(x, 8), summary(x.softmax(-1), 8, probs=True), summary_rows(x), summary_rows(x, True)
     k = _build()
     k.parallel_at(x.data_ptr(), x.numel(), 0, 0, False, 0, 2)
+    summaries([x, x[0]]), summaries([x, x.softmax(-1)], 8, [False, True])
+
+
+def summaries(xs: list, width: int = 0, probs: list | None = None) -> np.ndarray:
+    """(N, 16) float64: :func:`summary` of each CPU tensor of ``xs`` (as :func:`summary` takes them;
+    ``width`` T > 0: causal T x T matrices; with its panel in columns 10: where ``probs[i]``,
+    else those are 0), bit for bit, from one call into the loops for all those a single thread
+    reduces (fewer than :data:`PARALLEL_MIN` entries, or one torch thread); larger ones one
+    call each, as :func:`summary` splits them over threads."""
+    keep, addrs, ns, big = [], [], [], []
+    threads = _torch.get_num_threads()
+    for i, x in enumerate(xs):
+        if not (type(x) in _PLAIN and x.dtype == _torch.float32 and x.is_cpu and x.layout == _torch.strided
+                and x.is_contiguous() and not x.is_neg()):
+            x = _readable(x)
+        n = x.numel()
+        if n >= PARALLEL_MIN and threads > 1:
+            big.append(i)
+            n = 0  # reduced apart below; zeros here
+        addr = x.data_ptr() if n else 0
+        if n and not addr:
+            raise TypeError("the numba reducer reads a contiguous tensor with memory")
+        keep.append(x)  # alive until the loops have read it
+        addrs.append(addr)
+        ns.append(n)
+    k = _loops or _build()
+    flags = np.zeros(len(xs), dtype=np.bool_) if probs is None else np.array(probs, dtype=np.bool_)
+    out = k.many_at(np.array(addrs, dtype=np.int64), np.array(ns, dtype=np.int64), width, flags & (width > 0))
+    for i in big:
+        vec = summary(keep[i], width or None, probs=bool(flags[i]))
+        out[i, :vec.size] = vec
+    return out
 
 
 def summary(x: np.ndarray | _torch.Tensor, width: int | None = None, probs: bool = False) -> np.ndarray:
@@ -209,14 +247,22 @@ def _run(x: np.ndarray | _torch.Tensor, T: int, D: int, probs: bool, S: int
     """The loops on ``x``'s entries, read in place: a tensor at its data pointer (after
     :func:`_readable`), an array at the address of its C-contiguous float32 flattening.
     (summary, rows' sums of squares, cosine summary): see ``_numba.reduce_serial``."""
-    if isinstance(x, np.ndarray):
+    if isinstance(x, (np.ndarray, np.generic)):  # a 0-d result of numpy arithmetic is a scalar
         x = np.ascontiguousarray(x.reshape(-1))  # kept alive below, for the loops' read
         if x.dtype != np.float32:
             raise TypeError(f"the numba reducer reads float32, got {x.dtype}")
         n, addr = x.size, x.ctypes.data
     else:
-        x = _readable(x)  # kept alive below, for the loops' read
-        n, addr = x.numel(), x.data_ptr()
+        if not (type(x) in _PLAIN and x.dtype == _torch.float32 and x.is_cpu and x.layout == _torch.strided
+                and x.is_contiguous() and not x.is_neg()):  # the common case needs none of _readable's work
+            x = _readable(x)  # kept alive below, for the loops' read
+        n = x.numel()
+        try:
+            addr = x.data_ptr()
+        except RuntimeError:  # a wrapper without storage of its own
+            addr = 0
+        if n and not addr:
+            raise TypeError("the numba reducer reads a contiguous tensor with memory")
     if n == 0:
         return np.zeros(16 if probs else 10), np.zeros(0), np.zeros(0)
     k = _loops or _build()

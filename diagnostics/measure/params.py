@@ -66,19 +66,20 @@ def spectral_stats(w: Tensor) -> tuple[float, float]:
 _DECLARED: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _declared(model: nn.Module) -> dict:
-    """``declare(model, model.config.init)`` ({} without a declared scheme), cached per model
-    while its scheme and parameter shapes stay the same (the declarations depend on nothing else)."""
+def _declared(model: nn.Module, named: list[tuple[str, Tensor]]) -> dict:
+    """{name: (actual std, description)} of ``declare(model, model.config.init)`` ({} without a
+    declared scheme), cached per model while its scheme and parameter shapes (``named``: its
+    parameters) stay the same (the declarations depend on nothing else)."""
     config = getattr(model, "config", None)
     init = getattr(config, "init", None)
     if not isinstance(init, str):
         return {}
-    key = (init, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()))
+    key = (init, tuple((n, tuple(p.shape)) for n, p in named))
     hit = _DECLARED.get(model)
     if hit is not None and hit[0] == key:
         return hit[1]
     try:
-        decl = declare(model, init)
+        decl = {n: (d.actual_std, d.describe()) for n, d in declare(model, init).items()}
     except tinylm.TinyLMError:
         decl = {}
     _DECLARED[model] = (key, decl)
@@ -86,8 +87,8 @@ def _declared(model: nn.Module) -> dict:
 
 
 @torch.no_grad()
-def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tensor | None] | None = None
-                ) -> dict[str, ParamStats]:
+def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tensor | None] | None = None,
+                named: list[tuple[str, Tensor]] | None = None) -> dict[str, ParamStats]:
     """Per-parameter statistics (tied parameters once), with declared std from ``model.config.init``.
 
     std = sqrt(mean((w - mean w)^2)), accumulated in float64 by :func:`reduce` (NaN when
@@ -97,11 +98,13 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
     A sharded parameter (DTensor) is measured from its local shards, all parameters and gradients
     merged over their mesh in one collective (:func:`.sharded.moments`); its spectral figures need
     the full matrix and are not measured (``note`` says so). Every rank must call this alike.
+    ``named``: ``list(model.named_parameters())`` where the caller has it already.
     """
-    decl = _declared(model)
+    named = list(model.named_parameters()) if named is None else named
+    decl = _declared(model, named)
     names, plist, glist = [], [], []
     seen: set[int] = set()
-    for name, p in model.named_parameters():
+    for name, p in named:
         if id(p) in seen:
             continue
         seen.add(id(p))
@@ -140,7 +143,7 @@ def param_stats(model: nn.Module, spectral: bool = False, grads: dict[str, Tenso
         out[name] = ParamStats(
             shape=tuple(p.shape), std=std, grad_std=None if g is None else gstd, frac_nonfinite=nf,
             grad_frac_nonfinite=None if g is None else gnf,
-            declared_std=d.actual_std if d is not None else None, declared=d.describe() if d is not None else "",
+            declared_std=d[0] if d is not None else None, declared=d[1] if d is not None else "",
             spectral_norm=spec, stable_rank=srank,
             note=sharded.NOT_MEASURED_SPECTRAL if spectral and p.dim() == 2 and full is None else "",
         )

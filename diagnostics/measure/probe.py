@@ -50,6 +50,7 @@ from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
+from .reducer_choice import pinned
 from .eager_attention import EagerAttentionWatch
 from .signals import Signals
 from .sites import model_sites
@@ -94,14 +95,20 @@ def _as_lists(*stores: dict) -> list[dict]:
     transfers of a probe's results do not grow with the number of tensors it measured."""
     flat = [(i, k, v) for i, store in enumerate(stores) for k, v in store.items()]
     out: list[dict] = [{} for _ in stores]
-    for device in dict.fromkeys(v.device for _, _, v in flat):
-        part = [(i, k, v) for i, k, v in flat if v.device == device]
-        values = torch.cat([v if v.dim() == 1 and v.dtype == torch.float64 else v.reshape(-1).double()
+    if all(v.is_cpu for _, _, v in flat):  # one group, named without a device object per vector
+        groups = [flat] if flat else []
+    else:
+        groups = [[(i, k, v) for i, k, v in flat if v.device == device]
+                  for device in dict.fromkeys(v.device for _, _, v in flat)]
+    f64 = torch.float64
+    for part in groups:
+        values = torch.cat([v if v.dtype == f64 and v.dim() == 1 else v.reshape(-1).double()
                             for _, _, v in part]).tolist()
         at = 0
         for i, k, v in part:
-            out[i][k] = values[at:at + v.numel()]
-            at += v.numel()
+            n = v.numel()
+            out[i][k] = values[at:at + n]
+            at += n
     return [{k: out[i][k] for k in store} for i, store in enumerate(stores)]
 
 
@@ -248,13 +255,14 @@ class ProbeRun:
         if self._stats is None:
             vec, attn, cos, inv, nb, flat = _as_lists(self._vec, self._attn, self._cos, self._inv, self._normb,
                                                       self._flat)
-            self._stats = ProbeStats(tensors={k: Moments.from_vector(r) for k, r in vec.items()},
+            # positional: FIELDS and ATTN_FIELDS are the records' field order (tests/test_reduction_direct.py)
+            self._stats = ProbeStats(tensors={k: Moments(*r) for k, r in vec.items()},
                                      kinds=dict(self.kinds), order=list(self.order),
-                                     attention={k: AttnMoments.from_vector(r) for k, r in attn.items()},
-                                     cosine={k: Moments.from_vector(r) for k, r in cos.items()},
+                                     attention={k: AttnMoments(*r) for k, r in attn.items()},
+                                     cosine={k: Moments(*r) for k, r in cos.items()},
                                      params=dict(self.params), steps=self.steps,
-                                     inv_ms={k: Moments.from_vector(r) for k, r in inv.items()},
-                                     norm_back={k: Moments.from_vector(r) for k, r in nb.items()}, flat=flat)
+                                     inv_ms={k: Moments(*r) for k, r in inv.items()},
+                                     norm_back={k: Moments(*r) for k, r in nb.items()}, flat=flat)
         return self._stats
 
 
@@ -319,6 +327,9 @@ def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], ob
     return points, sites.blocks, named
 
 
+_SETATTR = nn.Module.__setattr__
+
+
 class _ModelState:
     """What a probe must leave as it found it: every module's ``training``, every parameter's
     ``requires_grad`` and ``.grad`` (the same tensor object, its values restored)."""
@@ -330,6 +341,26 @@ class _ModelState:
         self.requires = {n: p.requires_grad for n, p in entry}
         self.grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
         self.grad_objs = {n: p.grad for n, p in entry}
+        self._now: list[tuple[str, nn.Parameter]] | None = None
+
+    def now(self) -> list[tuple[str, nn.Parameter]]:
+        """The model's named parameters as they are on exit (a parameter may have been replaced),
+        walked once for everything the exit does."""
+        if self._now is None:
+            self._now = list(self.model.named_parameters())
+        return self._now
+
+    def eval(self) -> None:
+        """``model.eval()``: each module's ``training`` set False directly where no module
+        overrides ``train`` or ``__setattr__`` (what ``eval`` does, without a call per module),
+        else ``model.eval()`` itself."""
+        if not any(self.training.values()):
+            return
+        if all(type(m).train is nn.Module.train and type(m).__setattr__ is _SETATTR for m in self.training):
+            for m in self.training:
+                object.__setattr__(m, "training", False)
+        else:
+            self.model.eval()
 
     def grad_deltas(self, params: dict[str, Tensor]) -> dict[str, Tensor | None]:
         """Each parameter's gradient less what it held when the probe began (this pass's share)."""
@@ -340,16 +371,23 @@ class _ModelState:
         return out
 
     def restore(self, grads: bool) -> None:
-        params = dict(self.model.named_parameters())  # as they are now (a parameter may have been replaced)
+        params = dict(self.now())
         for m, flag in self.training.items():
-            m.training = flag
+            if m.training is not flag:  # a write through Module.__setattr__ costs more than the check
+                if type(m).__setattr__ is _SETATTR:
+                    object.__setattr__(m, "training", flag)  # what Module.__setattr__ does with a bool
+                else:
+                    m.training = flag
         for n, flag in self.requires.items():
-            params[n].requires_grad_(flag)
+            p = params[n]
+            if p.requires_grad is not flag:
+                p.requires_grad_(flag)
         if grads:
             for n, p in params.items():
                 saved = self.grads.get(n)
                 if saved is None:
-                    p.grad = None
+                    if p.grad is not None:
+                        p.grad = None
                 else:
                     obj = self.grad_objs[n]
                     with torch.no_grad():
@@ -391,7 +429,8 @@ def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, 
     unwinds). tinylm attention keeps its path under a probe (the fused kernel unless something
     else needs the weights): its scores and weights are measured by an observer, never by hooks
     on its Taps. Returns the observers."""
-    observers = []
+    observers, handles = [], []
+    owner.callback(_remove_all, handles)  # every handle below, each removed whatever the others do
     for attn, want in observed.items():
         observers.append(AttentionObserver(run, attn, want))
         owner.callback(named[attn].register_observer(observers[-1]).remove)
@@ -405,8 +444,20 @@ def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, 
             handle = named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(_heads_hook(run, name, kind))
         else:
             handle = named[name].register_forward_hook(_forward_hook(run, name, kind))
-        owner.callback(handle.remove)
+        handles.append(handle)
     return observers
+
+
+def _remove_all(handles: list) -> None:
+    """Remove every hook handle, last first; the first error raised once all are removed."""
+    error = None
+    for handle in reversed(handles):
+        try:
+            handle.remove()
+        except BaseException as err:  # noqa: BLE001 - the others are removed all the same
+            error = error or err
+    if error is not None:
+        raise error
 
 
 def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
@@ -426,8 +477,9 @@ def _measure_params(run: ProbeRun, state: _ModelState) -> None:
     if not (run.completed and run.options.params):
         return None
     t0 = time.perf_counter()
-    grads = state.grad_deltas(dict(state.model.named_parameters()))
-    run.params = param_stats(state.model, spectral=run.options.spectral, grads=grads)
+    named = state.now()
+    grads = state.grad_deltas(dict(named))
+    run.params = param_stats(state.model, spectral=run.options.spectral, grads=grads, named=named)
     run._stats = None
     run.seconds += time.perf_counter() - t0
     return None
@@ -456,9 +508,10 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         owner.callback(state.restore, options.restore_grads)
         owner.callback(_measure_params, run, state)
         owner.enter_context(eager())  # compiled graphs do not run the hooks: the model runs eagerly while probed
-        observers = _hook_points(run, points, stack, named, observed_attention(model, points), owner)
+        owner.enter_context(pinned())  # TINYLM_REDUCER read once per probe, not once per tensor
+        observers = _hook_points(run, points, stack, named, observed_attention(model, points, named), owner)
         if options.eval_mode:
-            model.eval()
+            state.eval()
         if options.attention and (options.modules is None or options.signals) and stack and not run._tinylm:
             _watch_attention(run, stack, named, owner)
         if run.signals is not None:

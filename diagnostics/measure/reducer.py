@@ -8,7 +8,9 @@
 What each number means is :mod:`.reference` (plain torch, float64). A plain tensor is reduced
 by one dispatched op, ``tinylm::summary`` (:mod:`.reduction`), which computes every part asked
 for (moments, panel, row mean squares, cosines, and the figures a probe site adds) from one
-read: its numba kernel (:mod:`.numba_reducer`) for a CPU tensor of float32, bf16 or fp16; its
+read: its numba kernel (:mod:`.numba_reducer`) for a CPU tensor of float32, bf16 or fp16 (called
+directly, without the op's dispatch, where nothing observes the ops: :func:`.reduction.direct`;
+the same bits); its
 CUDA-structure kernel, the compiled reducer (:mod:`.compiled`, ``torch.compile``), for any other
 (a GPU's; a CPU's where numba is missing, or under ``TINYLM_REDUCER=cuda``); plain torch ops
 inside the same op while numba's cache is being filled or where compilation failed (one
@@ -167,6 +169,13 @@ def reduce(x: Tensor, *, causal: bool = False, probs: bool = False, rows: bool =
     memory cannot be read is measured through its parts or not at all (module docstring:
     ``measured``)."""
     _check(x, causal, probs, rows)
+    if not (rows or cosine or probs and not causal) and inv_eps < 0 and below != below and weight is None \
+            and reduction.lane(x):  # most requests: moments (and a causal panel), one frame
+        return Reduction(*reduction.numba_moments(x, x.shape[-1] if causal else 0, probs))
+    if (causal or not probs) and reduction.lane(x):  # the op's numba kernel without its dispatch
+        mom, panel, ms, cos, inv, under, weighted = reduction.numba_parts(
+            x, x.shape[-1] if causal else 0, probs, rows, cosine, inv_eps, below, weight)
+        return Reduction(mom, panel, ms, cos, inv=inv, below=under, weighted=weighted)
     readable = plain(x)
     if readable is None:
         return _unplain(x, causal, probs, rows, cosine)

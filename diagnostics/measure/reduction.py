@@ -29,6 +29,14 @@ float64 on ``x``'s device, the parts asked for in this order (:func:`sizes`):
 
 row_ms and its products in float32 (as the probe always took them). ``row_ms``: mean(x^2) over
 the last dimension, float32 (float64 for float64 ``x``) with ``rows``, else empty.
+
+The direct lane. On the CPU the op's dispatch (the op's Python entry, its vector cut by a
+``split``) costs more than the numba kernel it runs on a small tensor. Where :func:`lane` holds
+(the tensor goes to :data:`NUMBA` and :func:`direct`: no dispatch mode, no ``torch.compile``
+tracing, no torch-function mode but the probe's own), :func:`.reducer.reduce` calls the same
+kernel from Python (:func:`numba_parts`) and gets its parts uncut: the same bits (tests hold
+them equal). Anything that observes the ops (an op counter, a FakeTensor mode) sees the op, and
+``TINYLM_REDUCER=cuda`` never takes the lane: there the CPU dispatches what a GPU would.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from . import compiled, numba_reducer, reference
 from .reducer_choice import chosen
 from .wrappers import default_stance
 
-__all__ = ["route", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
+__all__ = ["route", "lane", "direct", "numba_parts", "all_numba", "causal_parts", "numba_moments", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
 
 #: the dtypes the op reduces
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -76,16 +84,16 @@ def route(x: Tensor) -> int | None:
     ``TINYLM_REDUCER=reference``; the numba reducer a CPU tensor of its dtypes under ``auto``
     where numba imports; the CUDA structure every other (every tensor off the CPU, and CPU
     tensors under ``TINYLM_REDUCER=cuda``)."""
-    if not (x.ndim > 0 and x.dtype in DTYPES and type(x) in _PLAIN and x.layout == torch.strided
+    if not (type(x) in _PLAIN and x.ndim > 0 and x.dtype in DTYPES and x.layout == torch.strided
             and not x.is_meta and x.numel() > 0):
         return None
     choice = chosen()
-    if choice == "reference" or torch._C._functorch.is_functorch_wrapped_tensor(x):
+    if choice == "reference":
         return None
     if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.importable() \
-            and numba_reducer.has_memory(x):
+            and numba_reducer.has_memory(x):  # a functorch wrapper has no memory of its own: not here
         return NUMBA if numba_reducer.ready() else TORCH
-    return CUDA
+    return None if torch._C._functorch.is_functorch_wrapped_tensor(x) else CUDA
 
 
 def _ms_dtype(x: Tensor) -> torch.dtype:
@@ -103,15 +111,15 @@ def _kernel(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, inv_ep
     autograd wrapper runs around it): the CUDA structure, plain torch or the numba reducer, by ``kernel``."""
     with torch._C.DisableTorchFunction():  # a kernel: what it reads is its own, never a host read of the caller's
         if kernel != NUMBA:
-            parts = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, kernel == CUDA)
-        else:
-            parts = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
-        return _pack(x, *parts)
+            mom, panel, ms, cos, extra = _cuda(x, width, probs, rows, cosine, inv_eps, below, weight, kernel == CUDA)
+            return _pack(x, (mom, panel, cos, extra), ms)
+        mom, ms, cos, inv, under, weighted = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
+        return _pack(x, (mom, cos, inv, under, weighted), ms)
 
 
-def _pack(x: Tensor, mom, panel, ms, cos, extra) -> tuple[Tensor, Tensor]:
-    vec = [v for v in (mom, panel, cos, extra) if v is not None]
-    return (torch.cat(vec) if len(vec) > 1 else mom), (ms if ms is not None else x.new_empty(0, dtype=_ms_dtype(x)))
+def _pack(x: Tensor, vectors, ms) -> tuple[Tensor, Tensor]:
+    vec = [v for v in vectors if v is not None]
+    return (torch.cat(vec) if len(vec) > 1 else vec[0]), (ms if ms is not None else x.new_empty(0, dtype=_ms_dtype(x)))
 
 
 _LIB.impl("summary", _kernel, "CompositeExplicitAutograd")
@@ -134,24 +142,102 @@ def sizes(probs: bool, cosine: bool, inv_eps: float, below: float, weight: Tenso
 
 
 def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
-    """The numba kernel: one read of ``x``; the extras from the rows' sums (CPU tensors)."""
-    ms = cos = panel = None
+    """The numba kernel: one read of ``x``; the extras from the rows' sums (CPU tensors).
+    (moments, with the panel after them when ``probs``; row_ms; cosine; inv; below; weighted),
+    None where not asked."""
+    ms = cos = inv = under = weighted = None
     if not (rows or cosine):
-        v = numba_reducer.summary(x, width if width else None, probs=probs)
-        mom = torch.from_numpy(v)  # with probs, the panel follows the moments: as the op lays them out
-    else:
+        mom = torch.from_numpy(numba_reducer.summary(x, width if width else None, probs=probs))
+    else:  # the per-row work in numpy, float32 as torch would round it (a few us less per op)
         vec, rowsq, cosv = numba_reducer.summary_rows(x, cosine)
         mom = torch.from_numpy(vec)
-        ms = torch.from_numpy(rowsq / x.shape[-1]).float()
+        msn = np.asarray(rowsq / x.shape[-1], dtype=np.float32)  # an array also for 0-d rows
+        ms = torch.from_numpy(msn)
         cos = torch.from_numpy(cosv) if cosine else None
-    extra = []
     if inv_eps >= 0:
-        extra.append(torch.from_numpy(numba_reducer.summary((ms + inv_eps).reciprocal_())))
-    if math.isfinite(below):
-        extra.append(torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64))
+        inv = torch.from_numpy(numba_reducer.summary(np.reciprocal(msn + np.float32(inv_eps))))
+    if below == below and below not in (math.inf, -math.inf):
+        under = torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64)
     if weight is not None:
-        extra.append(torch.from_numpy(numba_reducer.summary(ms * weight.reshape(ms.shape))))
-    return mom, panel, ms if rows else None, cos, torch.cat(extra) if extra else None
+        w = weight.reshape(ms.shape)
+        weighted = torch.from_numpy(numba_reducer.summary(
+            msn * w.numpy() if w.dtype == torch.float32 and w.is_cpu and type(w) in _PLAIN and not w.requires_grad
+            else ms * w))
+    return mom, ms if rows else None, cos, inv, under, weighted
+
+
+def lane(x: Tensor) -> bool:
+    """``route(x) == NUMBA and direct()``, its checks in the order that settles most tensors
+    soonest: whether :func:`numba_parts` may reduce ``x``."""
+    return _numba_route(x) and direct()
+
+
+def _numba_route(x: Tensor) -> bool:
+    """``route(x) == NUMBA``."""
+    return type(x) in _PLAIN and x.is_cpu and x.dtype in numba_reducer.DTYPES and x.ndim > 0 \
+        and x.layout == torch.strided and x.numel() > 0 and chosen() == "auto" and numba_reducer.importable() \
+        and numba_reducer.has_memory(x) and numba_reducer.ready()
+
+
+def all_numba(xs) -> bool:
+    """``all(route(x) == NUMBA for x in xs)``, the choice and numba's readiness asked once."""
+    if not (chosen() == "auto" and numba_reducer.importable() and numba_reducer.ready()):
+        return False
+    dtypes, has_memory = numba_reducer.DTYPES, numba_reducer.has_memory
+    return all(type(x) in _PLAIN and x.is_cpu and x.dtype in dtypes and x.ndim > 0 and x.layout == torch.strided
+               and x.numel() > 0 and has_memory(x) for x in xs)
+
+
+def causal_parts(xs: list[Tensor], probs: list[bool]) -> list[tuple[Tensor, Tensor | None]] | None:
+    """[(moments, panel or None)] of each causal (..., T, T) tensor of ``xs`` (one T), from one
+    call into numba's loops, or None where they do not all take the direct lane (:func:`lane`):
+    what :func:`.reducer.reduce` (``causal``, ``probs``) gives each, bit for bit."""
+    if not (xs and direct() and all_numba(xs)):
+        return None
+    vec = torch.from_numpy(numba_reducer.summaries(xs, xs[0].shape[-1], probs))
+    return [(v[:10], v[10:] if p else None) for v, p in zip(vec, probs)]
+
+
+def direct() -> bool:
+    """Whether a tensor that :func:`route` sends to :data:`NUMBA` may skip the op's dispatch
+    (:func:`numba_parts`: the same kernel, called from Python; the same bits): nothing observes
+    or transforms the ops of this moment. Not while a ``TorchDispatchMode`` is on (an op
+    counter, a FakeTensor mode), while ``torch.compile`` traces, or while a
+    ``TorchFunctionMode`` other than the probe's own attention watchers (a class attribute
+    ``probe_own`` True) is on. Never taken under ``TINYLM_REDUCER=cuda``: route gives
+    :data:`NUMBA` under ``auto`` only."""
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+        return False
+    if torch._C._len_torch_function_stack():
+        from torch.overrides import _get_current_function_mode_stack
+        return all(getattr(m, "probe_own", False) for m in _get_current_function_mode_stack())
+    return True
+
+
+def numba_parts(x: Tensor, width: int, probs: bool, rows: bool, cosine: bool, inv_eps: float, below: float,
+                weight: Optional[Tensor]) -> tuple:
+    """What the op's numba kernel computes, without the op: (moments, panel, row_ms, cosine, inv,
+    below, weighted), None where not asked (row_ms empty without ``rows``, as the op's). The
+    vectors are those the op's output holds (its parts are cut from their concatenation), bit
+    for bit. Call only where :func:`route` gives :data:`NUMBA` and :func:`direct` holds."""
+    mom, ms, cos, inv, under, weighted = _cpu(x, width, probs, rows, cosine, inv_eps, below, weight)
+    panel = mom[10:] if probs else None
+    return (mom[:10] if probs else mom), panel, ms, cos, inv, under, weighted
+
+
+def numba_moments(x: Tensor, width: int, probs: bool) -> tuple[Tensor, Tensor | None]:
+    """(moments, panel or None): :func:`numba_parts` of a request with no rows, cosine or extras
+    (most of a probe's), in one frame: a float32 tensor that one thread reduces goes straight
+    to the loop's entry point (what :func:`.numba_reducer.summary` calls; the same bits). Call
+    only where :func:`lane` holds (and ``probs`` only with ``width``)."""
+    n = x.numel()
+    if x.dtype == torch.float32 and x.is_contiguous() and not x.is_neg() \
+            and (n < numba_reducer.PARALLEL_MIN or torch.get_num_threads() <= 1):
+        k = numba_reducer._loops or numba_reducer._build()
+        mom = torch.from_numpy(k.serial_at(x.data_ptr(), n, width, 0, probs, 0)[0])
+    else:
+        mom = torch.from_numpy(numba_reducer.summary(x, width if width else None, probs=probs))
+    return (mom[:10], mom[10:]) if probs else (mom, None)
 
 
 def _extras(x: Tensor, ms: Tensor, inv_eps: float, below: float, weight: Tensor | None) -> Tensor:
@@ -193,11 +279,15 @@ _LIB.define("summaries(Tensor[] xs, int kernel) -> Tensor")
 
 
 def _many_kernel(xs: list[Tensor], kernel: int) -> Tensor:
-    """(N, 10): the FIELDS vector of every tensor of ``xs``, each by ``kernel``."""
+    """(N, 10): the FIELDS vector of every tensor of ``xs``, by ``kernel``: numba's one loop over
+    them all (:func:`.numba_reducer.summaries`), else one reduction each (the compiled ones in
+    one entry into the default ``torch.compile`` stance)."""
     with torch._C.DisableTorchFunction():
         if kernel == NUMBA:
-            return torch.from_numpy(np.stack([numba_reducer.summary(x) for x in xs]))
-        return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0] for x in xs])
+            return torch.from_numpy(numba_reducer.summaries(xs)[:, :10])
+        with compiling() if kernel == CUDA and compiled.available() else contextlib.nullcontext():
+            return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0]
+                                for x in xs])
 
 
 _LIB.impl("summaries", _many_kernel, "CompositeExplicitAutograd")
@@ -210,10 +300,13 @@ def _(xs, kernel):
 
 def many(xs: list[Tensor]) -> Tensor | None:
     """(N, 10) float64: the moments of every tensor of ``xs`` from one dispatched op,
-    ``tinylm::summaries`` (one kernel call per tensor inside), or None where they do not all
+    ``tinylm::summaries`` (numba: one loop over them all; else one kernel call per tensor
+    inside), or None where they do not all
     take the same kernel on one device (the caller reduces them one by one)."""
     if not xs:
         return None
+    if direct() and all_numba(xs):  # the kernel's own loop, without the op's dispatch
+        return _many_kernel(xs, NUMBA)
     kinds = {route(x) for x in xs}
     if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
         return None

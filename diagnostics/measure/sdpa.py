@@ -40,12 +40,15 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from . import reference
+from . import reduction, reference
 from .reducer import reduce
+from .reducer_choice import chosen
 from .reference import SATURATED_PROB
 
 __all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "masked_additive", "ROWS",
            "SIGNAL"]
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 #: query rows measured per call: all of them up to this many, else this many evenly spaced
 ROWS = 64
@@ -157,7 +160,13 @@ def _(q, k, attn_mask, is_causal, scale, rows, signal):
 def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None,
             signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`row_statistics` of a call's sampled rows (moments, panel, the SIGNAL vector or None)
-    from one dispatched op, ``tinylm::sdpa_summary``, cut by one ``split``."""
+    from one dispatched op, ``tinylm::sdpa_summary``, cut by one ``split``; CPU tensors under
+    ``TINYLM_REDUCER=auto``, where nothing observes the ops (:func:`.reduction.direct`), without
+    the op's dispatch (what its kernel computes, uncut: the same bits)."""
+    if q.is_cpu and chosen() == "auto" and type(q) in _PLAIN and type(k) in _PLAIN and reduction.direct():
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            s, allowed = _logits(q, k, attn_mask, is_causal, None if scale is None else float(scale), ROWS)
+            return row_statistics(s, allowed, signal)
     with torch.no_grad():
         vec = torch.ops.tinylm.sdpa_summary(q, k, attn_mask, is_causal, None if scale is None else float(scale), ROWS,
                                             signal)
@@ -171,7 +180,11 @@ class SDPAWatch(TorchFunctionMode):
     scores' FIELDS vector, the panel) and, given ``signal``, ``signal(name, vector)`` (the
     :data:`SIGNAL` vector; no step then waits for the device); the call
     then runs as it would have. ``where()`` names the caller (None: the call is not reported).
-    The measurement runs with torch functions' overrides off, so no other mode sees its ops."""
+    The measurement runs with torch functions' overrides off, so no other mode sees its ops.
+    ``probe_own``: the mode passes every other function on untouched, so the probe's reductions
+    may skip their op's dispatch while it is on (:func:`.reduction.direct`)."""
+
+    probe_own = True
 
     def __init__(self, record: Callable[[str, Tensor, Tensor], None], where: Callable[[], str | None],
                  signal: Callable[[str, Tensor], None] | None = None):
