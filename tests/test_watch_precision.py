@@ -144,3 +144,56 @@ def test_subsample_keeps_the_largest_rows_and_each_sampled_row_is_exact():
     bare = torch.arange(0, 512, 8)
     miss = gemm_sqnr(x[bare], w, g[bare], recipe("tensorwise"))
     assert sub["fprop"][1] < miss["fprop"][1] - 6 and sub["input_peak"] > 1e4 > miss["input_peak"]
+
+
+@pytest.mark.parametrize("tokens", [16, 0])
+def test_nothing_is_read_on_the_host_inside_forward_and_backward(tokens):
+    """The layers' operands are kept on their device during the step and measured after it; a sampled
+    record still measures every layer. Negative control: a gradient hook that reads one number is seen."""
+    from diagnostics.measure.opcount import OpCount
+
+    def reads_inside(model, watch, extra_hook=False):
+        b = _batch(0)
+        with watch.step(0):
+            with OpCount() as ops:
+                out = model(b[:, :-1])
+                if extra_hook:
+                    out.register_hook(lambda g: float(g.sum()) and None)
+                torch.nn.functional.cross_entropy(out.float().flatten(0, -2), b[:, 1:].flatten()).backward()
+            inside = ops.host_reads
+        watch.record(1.0)
+        return inside
+
+    model = _model()
+    watch = Watch(model, every=1, precision=PrecisionWatch("tensorwise", tokens=tokens))
+    assert reads_inside(model, watch) == 0
+    got = watch.history["records"][0]["precision"]
+    # 128 token rows: every 8th (16) and up to two rows of the largest entries
+    assert (16 <= got["tokens"] <= 18 if tokens else got["tokens"] == 4 * 32) and len(got["modules"]) == 2 * 7 + 1
+    other = _model()
+    control = Watch(other, every=1, precision=PrecisionWatch("tensorwise", tokens=tokens))
+    assert reads_inside(other, control, extra_hook=True) >= 1
+
+
+class _Plain(torch.nn.Module):
+    """A leaf with a 2-D weight whose forward is x W^T, of a class the trend does not know."""
+
+    def __init__(self, n_in, n_out, factor=1.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_out, n_in) / n_in ** 0.5)
+        self.factor = factor
+
+    def forward(self, x):
+        return self.factor * (x @ self.weight.t())
+
+
+def test_a_layer_of_an_unknown_class_is_checked_after_the_step():
+    """x W^T from an unknown class is measured; one whose output is 2 x W^T (negative control) is not."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Plain(16, 32), torch.nn.Tanh(), _Plain(32, 8, factor=2.0))
+    watch = Watch(model, every=1, precision="tensorwise")
+    with watch.step(0):
+        model(torch.randn(4, 16)).square().mean().backward()
+    watch.record(1.0)
+    got = watch.history["records"][0]["precision"]["modules"]
+    assert set(got) == {"0"} and math.isfinite(got["0"]["fprop"]) and got["0"]["fprop"] > 20

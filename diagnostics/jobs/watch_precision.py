@@ -4,13 +4,15 @@
 
 At a recorded step, and only then, a forward hook on every linear layer
 (:func:`diagnostics.jobs.precision.linear_layers`: a leaf module with a 2-D weight whose output is
-x W^T (+ b), checked on the pass but for ``nn.Linear`` and tinylm's ``Linear``) keeps its input x
-and weight W, and a hook on its output's gradient receives g = dL/dy. There, in the step's own
-backward, the layer's three GEMMs (fprop y = x W^T, dgrad dx = g W, wgrad dW = g^T x) are
-measured in the recipe by :func:`gemm_sqnr`: the casts, products and SQNR of
+x W^T (+ b), checked on the pass but for ``nn.Linear`` and tinylm's ``Linear``) keeps its input x,
+and a hook on its output's gradient receives g = dL/dy; there, in the step's own backward, the
+layer's candidate rows of x and g (below) and a copy of its weight W are kept, with no host read
+(the weight is copied because the optimizer may change it before the step ends). After the step
+the layer's three GEMMs (fprop y = x W^T, dgrad dx = g W, wgrad dW = g^T x) are measured in the
+recipe by :func:`gemm_sqnr`: the casts, products and SQNR of
 :func:`diagnostics.jobs.precision.measure_gemms` (equal to the bit on the same operands), without
-its theory and its operands' descriptions. No extra forward or backward runs; the operands are
-dropped once the layer's gradient has been measured. The record gains ``"precision"``::
+its theory and its operands' descriptions. No extra forward or backward runs, and nothing is read
+on the host inside them; the kept operands are dropped once measured. The record gains ``"precision"``::
 
     {"tokens": m, "modules": {module: {"fprop", "dgrad", "wgrad",             # SQNR judged, dB
                                        "fprop_row", "dgrad_row", "wgrad_row", # typical row's, dB
@@ -45,6 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -56,7 +59,7 @@ from ..judge.precision import module_role
 from ..judge.precision_trend import record_modules
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..result import Row
-from .precision import _NAMES, _TRANSPOSED, _Capture, _sqnr_db, gemm_operands, linear_layers
+from .precision import _NAMES, _TRANSPOSED, _Capture, _orientation, _sqnr_db, gemm_operands, linear_layers
 
 __all__ = ["PrecisionWatch", "PrecisionTap", "precision_tap", "precision_rows", "precision_scalars", "GEMM_KEYS",
            "gemm_sqnr", "sample_rows", "peak_ratio"]
@@ -105,38 +108,105 @@ _KNOWN = (nn.Linear, tinylm.Linear)
 
 
 class _Hooks(_Capture):
-    """precision()'s capture with its rows subsampled and theory off; the facts kept per layer."""
+    """precision()'s capture with its rows subsampled and theory off. Nothing is read on the host
+    inside the forward or the backward: a layer's fprop check (for classes not known to be x W^T),
+    its candidate rows and a copy of its weight are kept as tensors when its gradient arrives, and
+    :meth:`measure` chooses the rows and measures the GEMMs after the step (module docstring)."""
 
     def __init__(self, options: PrecisionWatch):
         super().__init__([recipe_of(options.recipe)], theory=False)
         self.tokens = options.tokens
         self.used = 0
+        self._kept: dict[str, tuple] = {}  # name: (x rows, g rows, candidate row indices or None, W copy)
+        self._checks: dict[str, Tensor] = {}  # name: the fprop check's relative difference (a 0-d tensor)
 
-    @staticmethod
-    def _check(mod, orient, x, y) -> str:
-        if type(mod) in _KNOWN and isinstance(x, Tensor) and isinstance(y, Tensor) and x.is_floating_point() \
-                and x.shape[-1] == mod.weight.shape[1] and y.shape[-1] == mod.weight.shape[0]:
-            return ""
-        return _Capture._check(mod, orient, x, y)
+    def forward_hook(self, name: str, module: nn.Module):
+        orient = _orientation(module)
+
+        def hook(mod, args, kwargs, output):
+            if name in self.order or name in self.skipped:
+                return
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            y = output if isinstance(output, Tensor) else None
+            why = _shape_check(mod, orient, x, y)
+            if why or not y.requires_grad:
+                self.skipped[name] = why or "its output needs no gradient (dgrad and wgrad not reached)"
+                return
+            if type(mod) not in _KNOWN:
+                self._checks[name] = _fprop_difference(mod, orient, x, y)
+            self.order.append(name)
+            self.shapes[name] = tuple(y.shape)
+            w = mod.weight.detach() if orient == "out_in" else mod.weight.detach().t()
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            y.register_hook(lambda g, _x=x2, _w=w: self._take(name, _x, _w, g))
+        return hook
 
     def _take(self, name: str, x: Tensor, w: Tensor, g: Tensor) -> None:
-        g = g.reshape(-1, g.shape[-1])
-        if self.tokens and g.shape[0] > self.tokens:
-            rows = sample_rows(x, g, self.tokens)
-            x, g = x.index_select(0, rows), g.index_select(0, rows)
-        self.used = max(self.used, int(g.shape[0]))
+        g = g.detach().reshape(-1, g.shape[-1])
         with torch.no_grad():
-            self.facts[name] = gemm_sqnr(x, w, g, self.recipes[0])
+            if self.tokens and g.shape[0] > self.tokens:
+                cand = candidate_rows(x, g, self.tokens)
+                self._kept[name] = (x.index_select(0, cand), g.index_select(0, cand), cand, w.clone())
+            else:
+                self._kept[name] = (x, g, None, w.clone())
+
+    def measure(self) -> None:
+        """The kept layers' GEMMs measured (after the step: host reads allowed); a layer whose output
+        the fprop check found not to be x W^T (+ b) is skipped with why."""
+        diffs = dict(zip(self._checks, torch.stack(list(self._checks.values())).tolist())) if self._checks else {}
+        for name, (x, g, cand, w) in self._kept.items():
+            if diffs.get(name, 0.0) >= 3e-2:
+                self.skipped[name] = f"its output is not x W^T (+ b) (relative difference {diffs[name]:.2g})"
+                continue
+            if cand is not None:  # the distinct candidate rows, in row order (as sample_rows gives them)
+                _, first = np.unique(cand.cpu().numpy(), return_index=True)
+                at = torch.from_numpy(first).to(x.device)
+                x, g = x.index_select(0, at), g.index_select(0, at)
+            self.used = max(self.used, int(g.shape[0]))
+            with torch.no_grad():
+                self.facts[name] = gemm_sqnr(x, w, g, self.recipes[0])
+        self._kept.clear()
+
+
+def _shape_check(mod: nn.Module, orient: str | None, x: Any, y: Any) -> str:
+    """Why a layer's call cannot be measured from its shapes alone ("" when it can)."""
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor) or not x.is_floating_point():
+        return "its input or output is not one floating tensor"
+    w = mod.weight if orient == "out_in" else mod.weight.t()
+    if x.shape[-1] != w.shape[1] or y.shape[-1] != w.shape[0]:
+        return f"weight {tuple(mod.weight.shape)} does not map its input {tuple(x.shape)} to its output"
+    return ""
+
+
+def _fprop_difference(mod: nn.Module, orient: str | None, x: Tensor, y: Tensor) -> Tensor:
+    """The relative difference of y's first 64 rows from x W^T (+ b), as a tensor (read after the
+    step: precision()'s check, without its host read)."""
+    w = mod.weight if orient == "out_in" else mod.weight.t()
+    with torch.no_grad():
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        ref = x2[:64] @ w.float().t()
+        b = getattr(mod, "bias", None)
+        if isinstance(b, Tensor) and b.shape == (w.shape[0],):
+            ref = ref + b.float()
+        got = y.reshape(-1, y.shape[-1])[:64].float()
+        return (got - ref).norm() / ref.norm().clamp(min=1e-30)
+
+
+def candidate_rows(x: Tensor, g: Tensor, tokens: int) -> Tensor:
+    """The rows :func:`sample_rows` chooses, before duplicates go: every s-th row from row 0, s =
+    ceil(M / tokens), then the rows holding the largest |x| and the largest |g| (no host read)."""
+    m = x.shape[0]
+    stride = -(-m // tokens)
+    top = torch.stack([x.abs().amax(1).argmax(), g.abs().amax(1).argmax()])
+    return torch.cat([torch.arange(0, m, stride, device=x.device), top])
 
 
 def sample_rows(x: Tensor, g: Tensor, tokens: int) -> Tensor:
     """The rows measured of x (M, K) and g (M, N) when M > ``tokens``: every s-th, s = ceil(M /
     tokens), from row 0, and the rows that hold the largest |x| and the largest |g| (so that a
-    scale per tensor is the whole tensor's, and a massive activation is always among them)."""
-    m = x.shape[0]
-    stride = -(-m // tokens)
-    top = torch.stack([x.abs().amax(1).argmax(), g.abs().amax(1).argmax()])
-    return torch.cat([torch.arange(0, m, stride, device=x.device), top]).unique()
+    scale per tensor is the whole tensor's, and a massive activation is always among them), in
+    row order, each once."""
+    return candidate_rows(x, g, tokens).unique()
 
 
 #: entries of an operand whose median |.| is taken for its peak / median (a strided sample beyond)
@@ -224,6 +294,7 @@ class PrecisionTap:
             for name, mod in self.layers:
                 undo.enter_context(mod.register_forward_hook(hooks.forward_hook(name, mod), with_kwargs=True))
             yield
+        hooks.measure()
         self._pending = _entry(hooks)
 
     def take(self) -> dict[str, Any]:
