@@ -229,6 +229,29 @@ def _range_facts(st) -> dict:
             "scale_min_log2": min(s.scale_min_log2 for s in st), "scale_max_log2": max(s.scale_max_log2 for s in st)}
 
 
+def _shape_check(mod: nn.Module, orient: str | None, x: Any, y: Any) -> str:
+    """Why a layer's call cannot be measured from its shapes alone ("" when it can)."""
+    if not isinstance(x, Tensor) or not isinstance(y, Tensor) or not x.is_floating_point():
+        return "its input or output is not one floating tensor"
+    w = mod.weight if orient == "out_in" else mod.weight.t()
+    if x.shape[-1] != w.shape[1] or y.shape[-1] != w.shape[0]:
+        return f"weight {tuple(mod.weight.shape)} does not map its input {tuple(x.shape)} to its output"
+    return ""
+
+
+def _fprop_difference(mod: nn.Module, orient: str | None, x: Tensor, y: Tensor) -> Tensor:
+    """The relative difference of y's first 64 rows from x W^T (+ b), as a 0-d tensor (no host read)."""
+    w = mod.weight if orient == "out_in" else mod.weight.t()
+    with torch.no_grad():
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        ref = x2[:64] @ w.float().t()
+        b = getattr(mod, "bias", None)
+        if isinstance(b, Tensor) and b.shape == (w.shape[0],):
+            ref = ref + b.float()
+        got = y.reshape(-1, y.shape[-1])[:64].float()
+        return (got - ref).norm() / ref.norm().clamp(min=1e-30)
+
+
 class _Capture:
     """The hooks of one pass: per layer, fprop checked and the three GEMMs measured once g arrives."""
 
@@ -264,19 +287,10 @@ class _Capture:
 
     @staticmethod
     def _check(mod, orient, x, y) -> str:
-        if not isinstance(x, Tensor) or not isinstance(y, Tensor) or not x.is_floating_point():
-            return "its input or output is not one floating tensor"
-        w = mod.weight if orient == "out_in" else mod.weight.t()
-        if x.shape[-1] != w.shape[1] or y.shape[-1] != w.shape[0]:
-            return f"weight {tuple(mod.weight.shape)} does not map its input {tuple(x.shape)} to its output"
-        with torch.no_grad():
-            x2 = x.reshape(-1, x.shape[-1]).float()
-            ref = x2[:64] @ w.float().t()
-            b = getattr(mod, "bias", None)
-            if isinstance(b, Tensor) and b.shape == (w.shape[0],):
-                ref = ref + b.float()
-            got = y.reshape(-1, y.shape[-1])[:64].float()
-            err = float((got - ref).norm() / ref.norm().clamp(min=1e-30))
+        why = _shape_check(mod, orient, x, y)
+        if why:
+            return why
+        err = float(_fprop_difference(mod, orient, x, y))
         return "" if err < 3e-2 else f"its output is not x W^T (+ b) (relative difference {err:.2g})"
 
     def _take(self, name: str, x: Tensor, w: Tensor, g: Tensor) -> None:

@@ -59,7 +59,8 @@ from ..judge.precision import module_role
 from ..judge.precision_trend import record_modules
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..result import Row
-from .precision import _NAMES, _TRANSPOSED, _Capture, _orientation, _sqnr_db, gemm_operands, linear_layers
+from .precision import (_NAMES, _TRANSPOSED, _Capture, _fprop_difference, _orientation, _shape_check, _sqnr_db,
+                        gemm_operands, linear_layers)
 
 __all__ = ["PrecisionWatch", "PrecisionTap", "precision_tap", "precision_rows", "precision_scalars", "GEMM_KEYS",
            "gemm_sqnr", "sample_rows", "peak_ratio"]
@@ -166,30 +167,6 @@ class _Hooks(_Capture):
             with torch.no_grad():
                 self.facts[name] = gemm_sqnr(x, w, g, self.recipes[0])
         self._kept.clear()
-
-
-def _shape_check(mod: nn.Module, orient: str | None, x: Any, y: Any) -> str:
-    """Why a layer's call cannot be measured from its shapes alone ("" when it can)."""
-    if not isinstance(x, Tensor) or not isinstance(y, Tensor) or not x.is_floating_point():
-        return "its input or output is not one floating tensor"
-    w = mod.weight if orient == "out_in" else mod.weight.t()
-    if x.shape[-1] != w.shape[1] or y.shape[-1] != w.shape[0]:
-        return f"weight {tuple(mod.weight.shape)} does not map its input {tuple(x.shape)} to its output"
-    return ""
-
-
-def _fprop_difference(mod: nn.Module, orient: str | None, x: Tensor, y: Tensor) -> Tensor:
-    """The relative difference of y's first 64 rows from x W^T (+ b), as a tensor (read after the
-    step: precision()'s check, without its host read)."""
-    w = mod.weight if orient == "out_in" else mod.weight.t()
-    with torch.no_grad():
-        x2 = x.reshape(-1, x.shape[-1]).float()
-        ref = x2[:64] @ w.float().t()
-        b = getattr(mod, "bias", None)
-        if isinstance(b, Tensor) and b.shape == (w.shape[0],):
-            ref = ref + b.float()
-        got = y.reshape(-1, y.shape[-1])[:64].float()
-        return (got - ref).norm() / ref.norm().clamp(min=1e-30)
 
 
 def candidate_rows(x: Tensor, g: Tensor, tokens: int) -> Tensor:
