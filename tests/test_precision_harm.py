@@ -76,3 +76,32 @@ def test_harm_is_absolute_and_counts_e5m2_gradients(results):
     assert tw[m] == pytest.approx(want, rel=1e-12)
     assert worst_operand({"a": {"underflow": 0.5, "typical_relative_noise": 1e-4},
                           "b": {"underflow": 0.0, "typical_relative_noise": 1e-2}})["underflow"] == 0.5
+
+
+def _fprop_sqnr(x, w, name):
+    """fprop's SQNR (dB) of x W^T in recipe ``name``, and the share of x's entries flushed to 0."""
+    import math
+
+    from diagnostics.measure.quant import quantize, recipe
+
+    cx, cw = recipe(name).casts("fprop")
+    qx, _ = quantize(x, cx, stats=False)
+    qw, _ = quantize(w, cw, stats=False)
+    ref = x @ w.t()
+    return 10 * math.log10(float(ref.square().sum() / (qx @ qw.t() - ref).square().sum())), \
+        float(((qx == 0) & (x != 0)).float().mean())
+
+
+def test_an_outlier_feature_of_a_million_fails_every_fp8_recipe_mx_least():
+    """docs/precision.md: a channel x 10^6 (its weights zero) shares a scale with other channels in
+    every recipe's fprop group: tensorwise loses almost all, rowwise most, MXFP8 its 32-channel block.
+    Negative control: the same input without the outlier measures above 25 dB in each."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(256, 64, generator=gen), torch.randn(96, 64, generator=gen) / 8
+    w[:, CHANNEL] = 0
+    clean = {r: _fprop_sqnr(x, w, r) for r in ("tensorwise", "rowwise", "mxfp8")}
+    x[:, CHANNEL] *= 1e6
+    hit = {r: _fprop_sqnr(x, w, r) for r in ("tensorwise", "rowwise", "mxfp8")}
+    assert hit["tensorwise"][0] < hit["rowwise"][0] < hit["mxfp8"][0] < 10
+    assert hit["tensorwise"][1] > 0.95 and 0.5 < hit["rowwise"][1] < 0.95 and 0.3 < hit["mxfp8"][1] < 0.5
+    assert all(sqnr > 25 and flushed == 0 for sqnr, flushed in clean.values())
