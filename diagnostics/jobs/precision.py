@@ -270,7 +270,10 @@ class _Capture:
                 return
             x = args[0] if args else next(iter(kwargs.values()), None)
             y = output if isinstance(output, Tensor) else None
-            why = self._check(mod, orient, x, y)
+            why = _shape_check(mod, orient, x, y)
+            if not why and not y.requires_grad:
+                why = "its output needs no gradient (dgrad and wgrad not reached)"
+            why = why or self._check(name, mod, orient, x, y)
             if why:
                 self.skipped[name] = why
                 return
@@ -278,18 +281,11 @@ class _Capture:
             self.shapes[name] = tuple(y.shape)
             w = mod.weight.detach() if orient == "out_in" else mod.weight.detach().t()
             x2 = x.detach().reshape(-1, x.shape[-1])
-            if y.requires_grad:
-                y.register_hook(lambda g, _x=x2, _w=w: self._take(name, _x, _w, g))
-            else:
-                self.skipped[name] = "its output needs no gradient (dgrad and wgrad not reached)"
-                self.order.remove(name)
+            y.register_hook(lambda g, _x=x2, _w=w: self._take(name, _x, _w, g))
         return hook
 
-    @staticmethod
-    def _check(mod, orient, x, y) -> str:
-        why = _shape_check(mod, orient, x, y)
-        if why:
-            return why
+    def _check(self, name: str, mod: nn.Module, orient: str | None, x: Tensor, y: Tensor) -> str:
+        """Why the layer's output, of the right shape, is not x W^T (+ b) ("" when it is)."""
         err = float(_fprop_difference(mod, orient, x, y))
         return "" if err < 3e-2 else f"its output is not x W^T (+ b) (relative difference {err:.2g})"
 

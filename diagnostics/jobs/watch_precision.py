@@ -59,8 +59,7 @@ from ..judge.precision import module_role
 from ..judge.precision_trend import record_modules
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..result import Row
-from .precision import (_NAMES, _TRANSPOSED, _Capture, _fprop_difference, _orientation, _shape_check, _sqnr_db,
-                        gemm_operands, linear_layers)
+from .precision import _NAMES, _TRANSPOSED, _Capture, _fprop_difference, _sqnr_db, gemm_operands, linear_layers
 
 __all__ = ["PrecisionWatch", "PrecisionTap", "precision_tap", "precision_rows", "precision_scalars", "GEMM_KEYS",
            "gemm_sqnr", "sample_rows", "peak_ratio"]
@@ -121,26 +120,11 @@ class _Hooks(_Capture):
         self._kept: dict[str, tuple] = {}  # name: (x rows, g rows, candidate row indices or None, W copy)
         self._checks: dict[str, Tensor] = {}  # name: the fprop check's relative difference (a 0-d tensor)
 
-    def forward_hook(self, name: str, module: nn.Module):
-        orient = _orientation(module)
-
-        def hook(mod, args, kwargs, output):
-            if name in self.order or name in self.skipped:
-                return
-            x = args[0] if args else next(iter(kwargs.values()), None)
-            y = output if isinstance(output, Tensor) else None
-            why = _shape_check(mod, orient, x, y)
-            if why or not y.requires_grad:
-                self.skipped[name] = why or "its output needs no gradient (dgrad and wgrad not reached)"
-                return
-            if type(mod) not in _KNOWN:
-                self._checks[name] = _fprop_difference(mod, orient, x, y)
-            self.order.append(name)
-            self.shapes[name] = tuple(y.shape)
-            w = mod.weight.detach() if orient == "out_in" else mod.weight.detach().t()
-            x2 = x.detach().reshape(-1, x.shape[-1])
-            y.register_hook(lambda g, _x=x2, _w=w: self._take(name, _x, _w, g))
-        return hook
+    def _check(self, name: str, mod: nn.Module, orient: str | None, x: Tensor, y: Tensor) -> str:
+        """The fprop check kept as a tensor, read by :meth:`measure` (none for classes known to be x W^T)."""
+        if type(mod) not in _KNOWN:
+            self._checks[name] = _fprop_difference(mod, orient, x, y)
+        return ""
 
     def _take(self, name: str, x: Tensor, w: Tensor, g: Tensor) -> None:
         g = g.detach().reshape(-1, g.shape[-1])
