@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench_train import TARGET, arm_order, load_text, pin_malloc, ratio_line
+from bench_train import TARGET, arm_order, load_text, loop_steps, pin_malloc, ratio_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     import tinylm
     from diagnostics import Watch
     from diagnostics.integrations.writers import tensorboard_available
-    from tinylm import functional as F
     from tinylm.data import get_batch, stdlib_corpus
 
     tokens = stdlib_corpus()
@@ -60,27 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         model = tinylm.TransformerLM(config, generator=torch.Generator().manual_seed(0))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(0)
-        per_step = []
         with tempfile.TemporaryDirectory() as d:
             watch = None if every is None else Watch(model, every=every, log_dir=d if log else None)
             c0 = time.process_time()
-            for t in range(steps):
-                s0 = time.process_time()
-                x, y = get_batch(tokens, args.batch_size, config.context_length, gen)
-                if watch is None:
-                    loss = F.cross_entropy(model(x), y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    float(loss.detach())
-                else:
-                    with watch.step(t):
-                        loss = F.cross_entropy(model(x), y)
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad()
-                    watch.record(loss, lr=1e-3)
-                per_step.append((every is not None and (t % every == 0), time.process_time() - s0))
+            each = loop_steps(model, opt, lambda: get_batch(tokens, args.batch_size, config.context_length, gen), steps,
+                              watch)
+            per_step = [(every is not None and t % every == 0, sec) for t, sec in enumerate(each)]
             if watch is not None:
                 watch.close()
             return (time.process_time() - c0) / steps, per_step

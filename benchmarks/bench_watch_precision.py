@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench_train import TARGET, arm_order, load_text, pin_malloc, ratio_line
+from bench_train import TARGET, arm_order, load_text, loop_steps, pin_malloc, ratio_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import tinylm
     from diagnostics import Watch
-    from tinylm import functional as F
     from tinylm.data import get_batch, stdlib_corpus
 
     tokens = stdlib_corpus()
@@ -59,25 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         gen = torch.Generator().manual_seed(0)
         watch = Watch(model, every=args.every, precision=precision) if watched else None
-        per_step = []
         c0 = time.process_time()
-        for t in range(steps):
-            s0 = time.process_time()
-            x, y = get_batch(tokens, args.batch_size, config.context_length, gen)
-            if watch is None:
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                float(loss.detach())
-            else:
-                with watch.step(t):
-                    loss = F.cross_entropy(model(x), y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                watch.record(loss, lr=1e-3)
-            per_step.append(time.process_time() - s0)
+        per_step = loop_steps(model, opt, lambda: get_batch(tokens, args.batch_size, config.context_length, gen), steps,
+                              watch)
         if watch is not None:
             watch.close()
         return (time.process_time() - c0) / steps, per_step
