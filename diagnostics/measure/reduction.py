@@ -90,10 +90,22 @@ def route(x: Tensor) -> int | None:
     choice = chosen()
     if choice == "reference":
         return None
-    if choice == "auto" and x.is_cpu and x.dtype in numba_reducer.DTYPES and numba_reducer.importable() \
-            and numba_reducer.has_memory(x):  # a functorch wrapper has no memory of its own: not here
+    if choice == "auto" and numba_reducer.importable() and _numba_tensor(x):  # a functorch wrapper: no memory
         return NUMBA if numba_reducer.ready() else TORCH
     return None if torch._C._functorch.is_functorch_wrapped_tensor(x) else CUDA
+
+
+def _numba_tensor(x: Tensor) -> bool:
+    """Whether the numba reducer reads ``x``: a non-empty plain strided CPU tensor of its dtypes,
+    at least 1-D, with memory of its own."""
+    return type(x) in _PLAIN and x.is_cpu and x.dtype in numba_reducer.DTYPES and x.ndim > 0 \
+        and x.layout == torch.strided and x.numel() > 0 and numba_reducer.has_memory(x)
+
+
+def _numba_now() -> bool:
+    """Whether :func:`route` sends the tensors that :func:`_numba_tensor` takes to :data:`NUMBA`
+    now: ``TINYLM_REDUCER=auto``, numba imports and its loops are cached."""
+    return chosen() == "auto" and numba_reducer.importable() and numba_reducer.ready()
 
 
 def _ms_dtype(x: Tensor) -> torch.dtype:
@@ -169,23 +181,12 @@ def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
 def lane(x: Tensor) -> bool:
     """``route(x) == NUMBA and direct()``, its checks in the order that settles most tensors
     soonest: whether :func:`numba_parts` may reduce ``x``."""
-    return _numba_route(x) and direct()
-
-
-def _numba_route(x: Tensor) -> bool:
-    """``route(x) == NUMBA``."""
-    return type(x) in _PLAIN and x.is_cpu and x.dtype in numba_reducer.DTYPES and x.ndim > 0 \
-        and x.layout == torch.strided and x.numel() > 0 and chosen() == "auto" and numba_reducer.importable() \
-        and numba_reducer.has_memory(x) and numba_reducer.ready()
+    return _numba_tensor(x) and _numba_now() and direct()
 
 
 def all_numba(xs) -> bool:
     """``all(route(x) == NUMBA for x in xs)``, the choice and numba's readiness asked once."""
-    if not (chosen() == "auto" and numba_reducer.importable() and numba_reducer.ready()):
-        return False
-    dtypes, has_memory = numba_reducer.DTYPES, numba_reducer.has_memory
-    return all(type(x) in _PLAIN and x.is_cpu and x.dtype in dtypes and x.ndim > 0 and x.layout == torch.strided
-               and x.numel() > 0 and has_memory(x) for x in xs)
+    return _numba_now() and all(_numba_tensor(x) for x in xs)
 
 
 def causal_parts(xs: list[Tensor], probs: list[bool]) -> list[tuple[Tensor, Tensor | None]] | None:
