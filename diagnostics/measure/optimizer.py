@@ -155,9 +155,7 @@ class OptimizerSignals:
             if now is None or was is None or g is None or g.is_sparse or not now.shape == was.shape == g.shape:
                 rows.append(None)
                 continue
-            d = now.detach().to(torch.float64, copy=True).sub_(was).reshape(-1)  # Delta W in float64, exactly
-            g = g.detach().double().reshape(-1)
-            rows.append(torch.stack([torch.dot(d, g), torch.dot(d, d), torch.dot(g, g)]) * w)
+            rows.append(update_sums.update_row(now, was, g) * w)
         return self._stack(rows, 3)
 
     def _stack(self, rows: list[Tensor | None], width: int) -> Tensor:

@@ -6,7 +6,7 @@ and ``tinylm::eps_counts``.
 
 Row i is [<Delta W_i, g_i>, ||Delta W_i||^2, ||g_i||^2] with Delta W_i = now_i - was_i taken in
 float64 (the difference of two float32 or narrower values, exact) and g_i in float64, each
-sum a float64 dot product: the figures of :mod:`.optimizer` (about ten ops per parameter
+sum a float64 dot product: the figures of :mod:`.optimizer` (:func:`update_row`: about ten ops per parameter
 taken one by one: two conversions, a subtraction, views, three dot products, a stack). The
 op is registered for ``CompositeExplicitAutograd`` (no autograd wrapper; call it under
 ``no_grad``) with a fake kernel for tracing; its kernel runs those same torch ops, so its
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["sums", "counts", "eps_row"]
+__all__ = ["sums", "counts", "eps_row", "update_row"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -36,12 +36,14 @@ _LIB.define("update_sums(Tensor[] now, Tensor[] was, Tensor[] grads) -> Tensor")
 
 def _kernel(now: list[Tensor], was: list[Tensor], grads: list[Tensor]) -> Tensor:
     with torch._C.DisableTorchFunction():  # a kernel: what it reads is its own
-        rows = []
-        for p, w, g in zip(now, was, grads):
-            d = p.detach().to(torch.float64, copy=True).sub_(w).reshape(-1)  # Delta W in float64, exactly
-            g = g.detach().double().reshape(-1)
-            rows.append(torch.stack([torch.dot(d, g), torch.dot(d, d), torch.dot(g, g)]))
-        return torch.stack(rows)
+        return torch.stack([update_row(*args) for args in zip(now, was, grads)])
+
+
+def update_row(now: Tensor, was: Tensor, grad: Tensor) -> Tensor:
+    """[<Delta W, g>, ||Delta W||^2, ||g||^2] as float64 (3,), Delta W = now - was taken in float64."""
+    d = now.detach().to(torch.float64, copy=True).sub_(was).reshape(-1)  # Delta W in float64, exactly
+    g = grad.detach().double().reshape(-1)
+    return torch.stack([torch.dot(d, g), torch.dot(d, d), torch.dot(g, g)])
 
 
 _LIB.impl("update_sums", _kernel, "CompositeExplicitAutograd")
