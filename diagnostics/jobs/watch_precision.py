@@ -33,8 +33,8 @@ output's SQNR a power-weighted mean over rows, the typical row's a median over t
 rows of a massive activation are always among them. wgrad contracts over the tokens: its SQNR is
 that of the GEMM over the sampled tokens (its signal sums fewer tokens; where they add coherently
 it reads lower than the full GEMM's). The trend compares each GEMM with itself measured the same
-way. ``tokens=0`` measures every row (on the ``tiny`` preset, batch 8 x 16, about 70 ms a record
-against 58 ms at 64 rows: docs/benchmarks.md).
+way. ``tokens=0`` measures every row (a record's cost grows with the rows measured:
+docs/benchmarks.md).
 
 Over several ranks each rank measures its own batch and keeps its own figures (not merged);
 its alerts are its own.
