@@ -143,9 +143,8 @@ class _Hooks(_Capture):
             if diffs.get(name, 0.0) >= 3e-2:
                 self.skipped[name] = f"its output is not x W^T (+ b) (relative difference {diffs[name]:.2g})"
                 continue
-            if cand is not None:  # the distinct candidate rows, in row order (as sample_rows gives them)
-                _, first = np.unique(cand.cpu().numpy(), return_index=True)
-                at = torch.from_numpy(first).to(x.device)
+            if cand is not None:  # the distinct candidate rows, in row order: sample_rows' rows
+                at = distinct(cand)
                 x, g = x.index_select(0, at), g.index_select(0, at)
             self.used = max(self.used, int(g.shape[0]))
             with torch.no_grad():
@@ -167,7 +166,15 @@ def sample_rows(x: Tensor, g: Tensor, tokens: int) -> Tensor:
     tokens), from row 0, and the rows that hold the largest |x| and the largest |g| (so that a
     scale per tensor is the whole tensor's, and a massive activation is always among them), in
     row order, each once."""
-    return candidate_rows(x, g, tokens).unique()
+    cand = candidate_rows(x, g, tokens)
+    return cand.index_select(0, distinct(cand))
+
+
+def distinct(cand: Tensor) -> Tensor:
+    """Positions in ``cand`` (row indices) of each distinct row's first occurrence, in row order
+    (one host read)."""
+    _, first = np.unique(cand.cpu().numpy(), return_index=True)
+    return torch.from_numpy(first).to(cand.device)
 
 
 #: entries of an operand whose median |.| is taken for its peak / median (a strided sample beyond)
