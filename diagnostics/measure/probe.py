@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -49,10 +49,11 @@ import tinylm
 from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
+from .pending import Pending
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .reducer_choice import pinned
 from .eager_attention import EagerAttentionWatch
-from .signals import Signals
+from .signals import PEAK_KINDS, Signals
 from .sites import model_sites
 from .params import param_stats, spectral_stats  # noqa: F401  (public here as before)
 from .wrappers import eager, unwrap
@@ -112,6 +113,19 @@ def _as_lists(*stores: dict) -> list[dict]:
     return [{k: out[i][k] for k in store} for i, store in enumerate(stores)]
 
 
+_NULL = nullcontext()
+
+
+def _quiet():
+    """The context of the probe's own work in a hook: torch functions' overrides off where every
+    mode on is one of the probe's own watchers (``probe_own``: they pass the probe's calls on
+    untouched, and each attribute read of a tensor would be a trip through them), else none."""
+    n = torch._C._len_torch_function_stack()
+    if n and all(getattr(torch._C._get_function_stack_at(i), "probe_own", False) for i in range(n)):
+        return torch._C.DisableTorchFunction()
+    return _NULL
+
+
 class _Reducer(Reducer):
     """The probe's :class:`Reducer` (the op's kernels put the compiled reductions in the default
     ``torch.compile`` stance themselves while the model runs eagerly, :mod:`.reduction`)."""
@@ -137,6 +151,8 @@ class ProbeRun:
                        if isinstance(m, tinylm.SwiGLU) or (isinstance(m, tinylm.MLP) and m.activation == "silu")}
         #: reduces the hooks' tensors; one that reaches two hooks back to back is read once
         self.reducer = _Reducer()
+        #: the plain requests (moments only) waiting to be reduced together (:mod:`.pending`)
+        self.queue = Pending()
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
@@ -165,8 +181,34 @@ class ProbeRun:
         return kind == "norm" and self.options.backward and t.dim() >= 1
 
     def _add(self, store: dict, key, vec: Tensor, merge) -> None:
+        if store is self._vec and key in self.queue:  # earlier vectors of this key wait: merge in turn
+            self.queue.ready(key, vec)
+            return
         store[key] = merge(store[key], vec) if key in store else vec
         self._stats = None
+
+    def _plain(self, kind: str, t: Tensor) -> bool:
+        """Whether the moments of ``t`` (a request for nothing else) may wait in the queue: not
+        attention's (its observer writes those places), not a site whose moments the signals read
+        at once (the residual stream's and the head's peak ratio)."""
+        return kind not in _CAUSAL_KINDS and not (self.signals is not None and kind in PEAK_KINDS) \
+            and self.queue.takes(t)
+
+    def _queue(self, key, t: Tensor) -> None:
+        if self.queue.add(key, t):
+            self.flush()
+
+    def flush(self) -> None:
+        """Reduce the queued tensors and merge them into the stores (before anything reads them)."""
+        if len(self.queue):
+            self.queue.flush(self._vec)
+            self._stats = None
+
+    @property
+    def stale(self) -> int:
+        """Queued measurements not taken because their tensor was changed in place before the
+        queue read it (those sites count no entries for that pass: not measured)."""
+        return self.queue.stale
 
     def _forward(self, name: str, kind: str, out: Tensor) -> None:
         if name not in self.kinds:
@@ -179,6 +221,13 @@ class ProbeRun:
         cosine = rows and kind != "resid_mid" and out.dim() >= 3  # a block's input or output
         probs = kind == "attn_probs" and self.options.attention and out.dim() >= 2
         gate = name in self._gates
+        if not (rows or gate) and self._plain(kind, out):  # moments only: reduced with the others later
+            self._queue((name, "forward"), out)
+            if self.signals is not None:
+                self.signals.forward(name, kind, out, None)
+            if self.options.backward and out.requires_grad:
+                self._targets(out).append((name, kind, None))
+            return
         # one reduction: the moments and every figure this site adds (the inverse row mean
         # squares of a residual point, the gate's flat-region count)
         r = self.reducer(out, causal=causal, probs=probs, rows=rows, cosine=cosine,
@@ -226,32 +275,42 @@ class ProbeRun:
             if not self.active:
                 return None
             t0 = time.perf_counter()
-            weights = {name: inv for name, kind, inv in targets if inv is not None}
-            done = set()  # norms whose weighted figure came with their gradient's reduction
-            for name, kind, inv in targets:
-                if inv is not None:  # the norm's factor: weighed with its per-token mean squares below
-                    if name not in done:
-                        self._add(self._normb, name, self.reducer(grad, rows=True, weight=inv).weighted, merge_vectors)
-                    continue
-                weight = weights.get(name) if kind == "norm" else None
-                r = self.reducer(grad, causal=_causal(kind, grad), rows=self._wants_rows(kind, "backward", grad),
-                                 weight=weight)
-                self._add(self._vec, (name, "backward"), r.moments, merge_vectors)
-                if r.weighted is not None and weight is not None:
-                    self._add(self._normb, name, r.weighted, merge_vectors)
-                    done.add(name)
+            with _quiet():
+                self._gradient(targets, grad)
             self.seconds += time.perf_counter() - t0
             return None
         return hook
 
+    def _gradient(self, targets: list, grad: Tensor) -> None:
+        """Measure ``grad`` for each of ``targets`` (:meth:`_targets`)."""
+        weights = {name: inv for name, kind, inv in targets if inv is not None}
+        done = set()  # norms whose weighted figure came with their gradient's reduction
+        for name, kind, inv in targets:
+            if inv is not None:  # the norm's factor: weighed with its per-token mean squares below
+                if name not in done:
+                    self._add(self._normb, name, self.reducer(grad, rows=True, weight=inv).weighted, merge_vectors)
+                continue
+            weight = weights.get(name) if kind == "norm" else None
+            rows = self._wants_rows(kind, "backward", grad)
+            if weight is None and not rows and self._plain(kind, grad):
+                self._queue((name, "backward"), grad)
+                continue
+            r = self.reducer(grad, causal=_causal(kind, grad), rows=rows, weight=weight)
+            self._add(self._vec, (name, "backward"), r.moments, merge_vectors)
+            if r.weighted is not None and weight is not None:
+                self._add(self._normb, name, r.weighted, merge_vectors)
+                done.add(name)
+
     def vectors(self) -> tuple[dict[tuple[str, str], Tensor], dict[str, Tensor]]:
         """The merged vectors so far, as tensors on the measured tensors' device (no host transfer):
         ({(name, direction): :data:`FIELDS` vector}, {probs name: :data:`ATTN_FIELDS` vector})."""
+        self.flush()
         return dict(self._vec), dict(self._attn)
 
     @property
     def stats(self) -> ProbeStats:
         """Everything measured so far, as Python floats (one device sync for all tensors)."""
+        self.flush()
         if self._stats is None:
             vec, attn, cos, inv, nb, flat = _as_lists(self._vec, self._attn, self._cos, self._inv, self._normb,
                                                       self._flat)
@@ -272,7 +331,8 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
         t = args[0] if args and isinstance(args[0], Tensor) else kwargs.get("hidden_states")
         if run.active and isinstance(t, Tensor) and t.is_floating_point():
             t0 = time.perf_counter()
-            run._forward(name, kind, t)
+            with _quiet():
+                run._forward(name, kind, t)
             run.seconds += time.perf_counter() - t0
         return None
     return pre
@@ -403,10 +463,11 @@ def _forward_hook(run: ProbeRun, name: str, kind: str):
             return None
         t0 = time.perf_counter()
         t = _first_tensor(output)
-        if t is not None and t.is_floating_point():
-            run._forward(name, kind, t)
-            if isinstance(module, tinylm.RMSNorm):
-                run._norm(name, module, inputs, t)
+        with _quiet():
+            if t is not None and t.is_floating_point():
+                run._forward(name, kind, t)
+                if isinstance(module, tinylm.RMSNorm):
+                    run._norm(name, module, inputs, t)
         run.seconds += time.perf_counter() - t0
         return None
     return fwd
@@ -417,7 +478,8 @@ def _heads_hook(run: ProbeRun, name: str, kind: str):
     def pre(module, inputs):
         if run.active and inputs and isinstance(inputs[0], Tensor):
             t0 = time.perf_counter()
-            run._forward(name, kind, inputs[0])
+            with _quiet():
+                run._forward(name, kind, inputs[0])
             run.seconds += time.perf_counter() - t0
         return None
     return pre
@@ -464,6 +526,15 @@ def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
     """The pass is over: hooks go quiet, and forwards whose gradient never came are measured now
     (only when the body completed)."""
     run.active = False
+    if len(run.queue):
+        t0 = time.perf_counter()
+        try:
+            run.flush()
+        except Exception:  # noqa: BLE001 - the body raised: keep its error, not the flush's
+            if run.completed:
+                raise
+            run.queue = Pending()
+        run.seconds += time.perf_counter() - t0
     waiting = [o for o in observers if o.pending] if run.completed else []
     if waiting:
         t0 = time.perf_counter()

@@ -1,0 +1,241 @@
+"""The probe's deferred queue: a pass's plain tensors reduced together, by one call per flush.
+
+    queue = Pending()
+    if queue.takes(x):
+        if queue.add(("layers.0.ln1", "forward"), x):   # True: over a bound, flush now
+            queue.flush(store)
+    ...
+    queue.flush(store)            # store: {key: FIELDS vector}, merged in the order added
+
+Most of what a probe measures is *plain*: the moments of a tensor and nothing else (no row
+mean squares, cosines, attention panel, causal entries or extras). Reduced one at a time in
+its hook, each such tensor costs a crossing into the kernel and, around it, the Python of the
+reducer's memory, its result and its merge; on the CPU that Python costs several times the
+numba loop of a small tensor, and on a GPU each is at least one kernel launch. Here a plain
+request is kept as (key, tensor, the tensor's version) and :meth:`Pending.flush` reduces every
+tensor queued by :func:`.reduction.many`: one call into numba's loop over them all (the same
+loop, the same bits as one call each), or one ``tinylm::summaries`` op on any other path.
+
+Order. The results merge into the store in the order they were added, each key's vectors one
+after the other exactly as the hooks would have merged them (so a probe that spans several
+passes gets the same bits); :meth:`Pending.ready` queues a vector that was reduced at once for
+a key that still has entries waiting, so that it too merges in its turn. On the CPU the merges
+of different keys run as numpy rows (elementwise, the same operations as one merge each).
+
+Read once. A tensor queued again while it waits (a branch is the output of its last
+projection; a gradient passes unchanged to the branch added at a residual point) is read once
+and its moments serve every key it was queued for.
+
+Changed in place. A tensor whose ``_version`` moved between queueing and the flush was written
+over in place: its values are no longer the ones the hook saw. Its entries are not measured
+(a key with nothing else gets the vector of no entries: "not measured", never a wrong figure)
+and :attr:`Pending.stale` counts them.
+
+Bounds. Queued tensors stay alive until the flush. Forward activations mostly are anyway
+(autograd saves them for backward); gradients are not. :data:`MAX_BYTES` (64 MiB) bounds that
+extra memory, and :data:`MAX_COUNT` the entries: past either, :meth:`Pending.add` asks for a
+flush. 64 MiB is small beside any accelerator's memory and well above a launch-bound pass
+(the d_model 64, 24-layer benchmark queues about 10 MiB), where the queue pays off; a pass of
+larger tensors, whose reads cost more than the Python around them, flushes more often at no
+loss. On the numba path a tensor of :data:`~.numba_reducer.PARALLEL_MIN` entries or more is
+not queued: the threads split it (and so it is read as it is today), and its read dwarfs the
+saving.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tinylm.validate import check
+
+from ..options import OptionsError
+from . import numba_reducer, reduction
+from .reducer import merge_vectors, reduce
+
+__all__ = ["Pending", "merge_rows", "MAX_BYTES", "MAX_COUNT"]
+
+#: bytes of queued tensors past which :meth:`Pending.add` asks for a flush (module docstring)
+MAX_BYTES = 64 << 20
+#: entries past which :meth:`Pending.add` asks for a flush
+MAX_COUNT = 4096
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_F32, _STRIDED = torch.float32, torch.strided
+
+
+def merge_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Rows of :data:`~.reference.FIELDS` vectors merged pairwise, ``a[i]`` with ``b[i]``: the
+    operations of :func:`.reducer.merge_vectors` (Chan's rule for count, mean and M2, the larger
+    max |x|, sums elsewhere) on every row at once, each row's result bit for bit that merge's."""
+    out = a + b
+    na, nb = a[:, 1], b[:, 1]
+    total = na + nb
+    delta = b[:, 2] - a[:, 2]
+    some = total > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out[:, 2] = np.where(some, a[:, 2] + delta * nb / total, 0.0)
+        out[:, 3] = a[:, 3] + b[:, 3] + np.where(some, delta * delta * na * nb / total, 0.0)
+    out[:, 4] = np.maximum(a[:, 4], b[:, 4])
+    return out
+
+
+class Pending:
+    """The queue of one probe (module docstring). ``max_count``, ``max_bytes``: the bounds past
+    which :meth:`add` asks for a flush. ``stale``: entries not measured because their tensor
+    changed in place before the flush; ``flushes``: the flushes that reduced something."""
+
+    def __init__(self, max_count: int = MAX_COUNT, max_bytes: int = MAX_BYTES):
+        check("max_count", max_count, lambda v: isinstance(v, int) and v >= 1, "be a positive int (entries queued)",
+              fix=f"e.g. {MAX_COUNT}", error=OptionsError)
+        check("max_bytes", max_bytes, lambda v: isinstance(v, int) and v >= 0, "be an int >= 0 (bytes queued)",
+              fix=f"e.g. {MAX_BYTES}", error=OptionsError)
+        self.max_count, self.max_bytes = max_count, max_bytes
+        #: CPU float32 tensors take the numba loop (TINYLM_REDUCER auto, numba ready), asked once
+        self._numba = reduction.all_numba(())
+        self.stale = 0
+        self.flushes = 0
+        self._clear()
+
+    def _clear(self) -> None:
+        self._xs: list[Tensor] = []  # each tensor once (per version)
+        self._loop = True  # every tensor queued is one the numba loop reads as it is (:meth:`takes`)
+        self._vers: list[int] = []  # its _version when queued
+        self._ids: dict[int, int] = {}  # id(tensor) -> its last index (the queue holds it: ids are unique)
+        self._entries: list[tuple] = []  # (key, index into _xs, or a vector reduced at once)
+        self._keys: set = set()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key) -> bool:
+        """Whether ``key`` has entries waiting (a vector for it must then wait its turn: :meth:`ready`)."""
+        return key in self._keys
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors queued."""
+        return self._bytes
+
+    def takes(self, x: Tensor) -> bool:
+        """Whether ``x`` can wait here: a tensor the op reduces (:func:`.reduction.route`: plain,
+        strided, non-empty, of its dtypes), and on the numba path one that a single thread reads
+        (fewer than :data:`~.numba_reducer.PARALLEL_MIN` entries)."""
+        if type(x) not in _PLAIN:
+            return False
+        if self._numba and x.dtype is _F32 and x.is_cpu and x.layout is _STRIDED and x.is_contiguous() \
+                and not x.is_neg() and 0 < x.numel() < numba_reducer.PARALLEL_MIN and x.ndim:  # most tensors
+            return numba_reducer.has_memory(x)
+        kernel = reduction.route(x)
+        if kernel is None or kernel != reduction.CUDA and x.numel() >= numba_reducer.PARALLEL_MIN:
+            return False
+        self._loop = False
+        return True
+
+    def add(self, key, x: Tensor) -> bool:
+        """Queue the moments of ``x`` (a tensor :meth:`takes`) for ``key``; True when the queue is
+        now past a bound (the caller flushes)."""
+        version = x._version
+        i = self._ids.get(id(x))
+        if i is None or self._vers[i] != version:
+            i = len(self._xs)
+            self._xs.append(x)
+            self._vers.append(version)
+            self._ids[id(x)] = i
+            self._bytes += x.numel() * x.element_size()
+        self._entries.append((key, i))
+        self._keys.add(key)
+        return len(self._entries) >= self.max_count or self._bytes > self.max_bytes
+
+    def ready(self, key, vec: Tensor) -> None:
+        """Queue a vector already reduced for ``key`` (one with entries waiting), to merge in its turn."""
+        self._entries.append((key, vec))
+
+    def flush(self, store: dict) -> int:
+        """Reduce every tensor queued and merge each entry's vector into ``store`` ({key: FIELDS
+        vector}) in the order added; empties the queue. Returns the entries merged."""
+        entries, xs, versions, loop = self._entries, self._xs, self._vers, self._loop
+        self._clear()
+        if not entries:
+            return 0
+        rows = _reduced(xs, versions, loop and self._numba) if xs else []
+        vectors, missing = [], {}
+        for key, what in entries:
+            vec = rows[what] if type(what) is int else what
+            if vec is None:  # changed in place before it was read
+                self.stale += 1
+                missing.setdefault(key, xs[what].device)
+            else:
+                vectors.append((key, vec))
+        _merge_in(store, vectors)
+        for key, device in missing.items():
+            if key not in store:
+                store[key] = torch.zeros(10, dtype=torch.float64, device=device)
+        self.flushes += 1
+        return len(entries)
+
+
+def _loop(xs: list[Tensor]) -> Tensor:
+    """(N, 10): the moments of CPU float32 tensors that the numba loop reads as they are (contiguous,
+    fewer than PARALLEL_MIN entries: :meth:`Pending.takes`) from one call into it, without the
+    per-tensor checks of :func:`.reduction.many` (done when queued): what it gives them, bit for bit."""
+    k = numba_reducer._loops or numba_reducer._build()
+    n = len(xs)
+    addrs = np.fromiter([x.data_ptr() for x in xs], np.int64, n)
+    sizes = np.fromiter([x.numel() for x in xs], np.int64, n)
+    return torch.from_numpy(k.many_at(addrs, sizes, 0, np.zeros(n, dtype=np.bool_))[:, :10])
+
+
+def _reduced(xs: list[Tensor], versions: list[int], loop: bool) -> list[Tensor | None]:
+    """The FIELDS vector of each tensor (None for one changed in place since it was queued): one
+    call for all of them (``loop``: each read as it is by the numba loop, where nothing observes
+    the ops, :func:`.reduction.direct`; else :func:`.reduction.many`) where they take one kernel
+    on one device, else one per (kernel, device) group, else :func:`.reducer.reduce` each."""
+    live = [i for i, (x, v) in enumerate(zip(xs, versions)) if x._version == v]
+    out: list[Tensor | None] = [None] * len(xs)
+    if not live:
+        return out
+    if len(live) == len(xs):
+        got = _loop(xs) if loop and reduction.direct() else reduction.many(xs)
+        if got is not None:
+            return list(got.unbind(0))
+    groups: dict = {}
+    for i in live:
+        groups.setdefault((reduction.route(xs[i]), xs[i].device), []).append(i)
+    for (kernel, _), idx in groups.items():
+        got = reduction.many([xs[i] for i in idx]) if kernel is not None else None
+        vecs = list(got.unbind(0)) if got is not None else [reduce(xs[i]).moments for i in idx]
+        for i, v in zip(idx, vecs):
+            out[i] = v
+    return out
+
+
+def _merge_in(store: dict, vectors: list[tuple]) -> None:
+    """Merge (key, vector) pairs into ``store`` in their order: by rounds (a key's first vector in
+    round 0, its second in round 1, ...), each round's CPU merges as numpy rows at once
+    (:func:`merge_rows`), any other vector by :func:`.reducer.merge_vectors`."""
+    rounds: list[list[tuple]] = []
+    depth: dict = {}
+    for key, vec in vectors:
+        r = depth.get(key, 0)
+        depth[key] = r + 1
+        if r == len(rounds):
+            rounds.append([])
+        rounds[r].append((key, vec))
+    for group in rounds:
+        old = []
+        for key, vec in group:
+            have = store.get(key)
+            if have is None:
+                store[key] = vec
+            elif have.is_cpu and vec.is_cpu:
+                old.append((key, have, vec))
+            else:
+                store[key] = merge_vectors(have, vec)
+        if old:
+            a = np.stack([have.numpy() for _, have, _ in old])
+            b = np.stack([vec.numpy() for _, _, vec in old])
+            for (key, _, _), row in zip(old, torch.from_numpy(merge_rows(a, b)).unbind(0)):
+                store[key] = row
