@@ -278,7 +278,8 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
     backward, the gradient at the block's output is the FFN branch's (and w2's) and the one at
     its mid-point the attention branch's (and output_proj's): 2 + 4 names per block that read
     nothing new. Norm inputs and norm gradients' row mean squares come from reads already made.
-    Negative control: a Reducer that remembers nothing reads once per name and more."""
+    Reads: the Reducer's (requests reduced at once) and the queue's (each tensor once per flush).
+    Negative control: a Reducer and a queue that remember nothing read once per name and more."""
     from diagnostics.measure import reducer as reducer_module
 
     real, calls = reducer_module.reduce, []
@@ -296,8 +297,17 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
         calls.extend({"causal": True} for _ in (xs if got is not None else ()))
         return got
 
+    from diagnostics.measure import pending
+
+    real_queued = pending._reduced
+
+    def counted_queued(xs, versions, loop):  # the queue's plain tensors, each read once at its flush
+        calls.extend({} for _ in xs)
+        return real_queued(xs, versions, loop)
+
     monkeypatch.setattr(reducer_module, "reduce", counted)
     monkeypatch.setattr(reduction, "causal_parts", counted_causal)
+    monkeypatch.setattr(pending, "_reduced", counted_queued)
     model, x = model_of(seed=6), tokens(seed=6)
     with probe(model, ProbeOptions(params=False)) as run:
         step(model, x)
@@ -306,6 +316,12 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
     calls.clear()
     monkeypatch.setattr(reducer_module.Reducer, "__call__",
                         lambda self, t, **kw: reducer_module.reduce(t, **kw))  # remembers nothing
+    real_add = pending.Pending.add
+
+    def forgetful(self, key, t):  # a queue that does not know what it holds
+        self._ids.clear()
+        return real_add(self, key, t)
+    monkeypatch.setattr(pending.Pending, "add", forgetful)
     with probe(model, ProbeOptions(params=False)) as run:
         step(model, x)
     assert len(calls) > names

@@ -37,9 +37,9 @@ extra memory, and :data:`MAX_COUNT` the entries: past either, :meth:`Pending.add
 flush. 64 MiB is small beside any accelerator's memory and well above a launch-bound pass
 (the d_model 64, 24-layer benchmark queues about 10 MiB), where the queue pays off; a pass of
 larger tensors, whose reads cost more than the Python around them, flushes more often at no
-loss. On the numba path a tensor of :data:`~.numba_reducer.PARALLEL_MIN` entries or more is
-not queued: the threads split it (and so it is read as it is today), and its read dwarfs the
-saving.
+loss. A tensor of :data:`~.numba_reducer.PARALLEL_MIN` entries or more is queued too (so the
+ops a probe adds do not depend on the tensors' sizes); on the numba path the threads split it
+at the flush as they would in the hook (the same bits while the thread count is the same).
 """
 
 from __future__ import annotations
@@ -121,17 +121,18 @@ class Pending:
 
     def takes(self, x: Tensor) -> bool:
         """Whether ``x`` can wait here: a tensor the op reduces (:func:`.reduction.route`: plain,
-        strided, non-empty, of its dtypes), and on the numba path one that a single thread reads
-        (fewer than :data:`~.numba_reducer.PARALLEL_MIN` entries)."""
+        strided, non-empty, of its dtypes). Checked first, in a few attribute reads: a CPU float32
+        tensor that numba's loop reads as it is (contiguous, fewer than
+        :data:`~.numba_reducer.PARALLEL_MIN` entries), which a flush of only those reads without
+        checking each again (:func:`_loop`)."""
         if type(x) not in _PLAIN:
             return False
         if self._numba and x.dtype is _F32 and x.is_cpu and x.layout is _STRIDED and x.is_contiguous() \
                 and not x.is_neg() and 0 < x.numel() < numba_reducer.PARALLEL_MIN and x.ndim:  # most tensors
             return numba_reducer.has_memory(x)
-        kernel = reduction.route(x)
-        if kernel is None or kernel != reduction.CUDA and x.numel() >= numba_reducer.PARALLEL_MIN:
+        if reduction.route(x) is None:
             return False
-        self._loop = False
+        self._loop = False  # flushed through reduction.many
         return True
 
     def add(self, key, x: Tensor) -> bool:
