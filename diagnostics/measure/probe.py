@@ -21,7 +21,12 @@ measured on sampled query rows (:mod:`diagnostics.measure.sdpa`, :mod:`.eager_at
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
 the output needs a gradient, puts a hook on that tensor which reduces the
-gradient of the loss w.r.t. it the same way. Nothing else is kept. On exit the
+gradient of the loss w.r.t. it the same way. A request for the moments alone (most of them)
+waits in the run's queue (:mod:`.pending`, ``run.queue``) and the queued tensors are reduced
+together, by one call, at the pass's end, past the queue's bounds, and before anything reads
+what was measured (``stats``, ``vectors()``): the same numbers, bit for bit, as one reduction
+per hook; a tensor changed in place before that read is not measured (``run.stale`` counts
+them). Nothing else is kept. On exit the
 hooks are removed and the model's ``training`` flags, ``requires_grad`` and (by
 default) ``.grad`` are put back as they were on entry; a gradient hook left on a
 graph the caller still holds does nothing once the probe has exited.
@@ -216,10 +221,7 @@ class ProbeRun:
             self.order.append(name)
         if name == self.order[0]:
             self.steps += 1
-        causal = _causal(kind, out)
         rows = self._wants_rows(kind, "forward", out)
-        cosine = rows and kind != "resid_mid" and out.dim() >= 3  # a block's input or output
-        probs = kind == "attn_probs" and self.options.attention and out.dim() >= 2
         gate = name in self._gates
         if not (rows or gate) and self._plain(kind, out):  # moments only: reduced with the others later
             self._queue((name, "forward"), out)
@@ -228,6 +230,9 @@ class ProbeRun:
             if self.options.backward and out.requires_grad:
                 self._targets(out).append((name, kind, None))
             return
+        causal = _causal(kind, out)
+        cosine = rows and kind != "resid_mid" and out.dim() >= 3  # a block's input or output
+        probs = kind == "attn_probs" and self.options.attention and out.dim() >= 2
         # one reduction: the moments and every figure this site adds (the inverse row mean
         # squares of a residual point, the gate's flat-region count)
         r = self.reducer(out, causal=causal, probs=probs, rows=rows, cosine=cosine,
