@@ -2,6 +2,7 @@
 
 * :mod:`.probe` — hooks on any ``nn.Module`` that reduce each tensor at once (forward
   activations, backward gradients, attention panels, parameters) and leave no trace;
+  :mod:`.pending` — its queue: the tensors whose moments alone are asked, reduced together;
 * :mod:`.sites` — which tensors of a model are measured (embeddings, block stack, attention,
   head, the default points), found once for every job by ``model_sites``;
 * :mod:`.reducer` — ``reduce``, the one reduction of a tensor to every statistic the probe
