@@ -76,7 +76,7 @@ def test_the_queue_gives_the_numbers_of_one_reduction_per_hook(make, passes, mon
     model = make()
     run, queued = _run(model, True, passes, monkeypatch=monkeypatch)
     _, now = _run(model, False, passes, monkeypatch=monkeypatch)
-    assert run.queue.flushes >= 1 and run.stale == 0
+    assert run.queue.flushes >= 1 and run.queue.stale == 0
     assert {d for _, d in queued.tensors} == {"forward", "backward"}
     assert _bits(queued) == _bits(now)
     with probe(model) as other:
@@ -120,7 +120,7 @@ class _InPlace(nn.Module):
 
 def test_a_tensor_changed_in_place_while_queued_is_not_measured(monkeypatch):
     """The layer's output is doubled in place after its hook: the queue must not read the doubled
-    values. It is "not measured" (no entries) and counted in ``run.stale``; measured at once it
+    values. It is "not measured" (no entries) and counted in ``run.queue.stale``; measured at once it
     is the true figure. Negative control: a queue that skips the version check reports the
     doubled tensor's variance, 4x the true one."""
     torch.manual_seed(0)
@@ -129,12 +129,12 @@ def test_a_tensor_changed_in_place_while_queued_is_not_measured(monkeypatch):
     with probe(model, opts) as run:
         model(x)
     got = run.stats.tensors[("lin", "forward")]
-    assert run.stale == 1 and got.count == 0
+    assert run.queue.stale == 1 and got.count == 0
     monkeypatch.setattr(ProbeRun, "_plain", lambda self, kind, t: False)
     with probe(model, opts) as now:
         model(x)
     true = now.stats.tensors[("lin", "forward")]
-    assert true.count == 30 and now.stale == 0
+    assert true.count == 30 and now.queue.stale == 0
     monkeypatch.undo()
     real = pending_module._reduced
     monkeypatch.setattr(pending_module, "_reduced", lambda xs, versions, loop: real(xs, [x._version for x in xs], loop))

@@ -31,15 +31,17 @@ over in place: its values are no longer the ones the hook saw. Its entries are n
 (a key with nothing else gets the vector of no entries: "not measured", never a wrong figure)
 and :attr:`Pending.stale` counts them.
 
-Bounds. Queued tensors stay alive until the flush. Forward activations mostly are anyway
-(autograd saves them for backward); gradients are not. :data:`MAX_BYTES` (64 MiB) bounds that
-extra memory, and :data:`MAX_COUNT` the entries: past either, :meth:`Pending.add` asks for a
-flush. 64 MiB is small beside any accelerator's memory and well above a launch-bound pass
-(the d_model 64, 24-layer benchmark queues about 10 MiB), where the queue pays off; a pass of
-larger tensors, whose reads cost more than the Python around them, flushes more often at no
-loss. A tensor of :data:`~.numba_reducer.PARALLEL_MIN` entries or more is queued too (so the
-ops a probe adds do not depend on the tensors' sizes); on the numba path the threads split it
-at the flush as they would in the hook (the same bits while the thread count is the same).
+Bounds. Queued tensors stay alive until the flush. The probe flushes the forward's tensors at
+the first gradient (until then autograd holds most of them anyway, and none is held through the
+backward) and the gradients' at its exit; gradients are not alive otherwise. :data:`MAX_BYTES`
+(64 MiB) bounds that extra memory, and :data:`MAX_COUNT` the entries: past either,
+:meth:`Pending.add` asks for a flush. 64 MiB is small beside any accelerator's memory and above
+a launch-bound pass (the d_model 64, 24-layer benchmark queues 14 MiB forward and 14 MiB of
+gradients, the logits a third of each), where the queue pays off; a pass of larger tensors,
+whose reads cost more than the Python around them, flushes more often at no loss. A tensor of
+:data:`~.numba_reducer.PARALLEL_MIN` entries or more is queued too (so the ops a probe adds do
+not depend on the tensors' sizes); on the numba path the threads split it at the flush as they
+would in the hook (the same bits while the thread count is the same).
 """
 
 from __future__ import annotations

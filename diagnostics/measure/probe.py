@@ -21,15 +21,13 @@ measured on sampled query rows (:mod:`diagnostics.measure.sdpa`, :mod:`.eager_at
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
 the output needs a gradient, puts a hook on that tensor which reduces the
-gradient of the loss w.r.t. it the same way. A request for the moments alone (most of them)
-waits in the run's queue (:mod:`.pending`, ``run.queue``) and the queued tensors are reduced
-together, by one call, at the pass's end, past the queue's bounds, and before anything reads
-what was measured (``stats``, ``vectors()``): the same numbers, bit for bit, as one reduction
-per hook; a tensor changed in place before that read is not measured (``run.stale`` counts
-them). Nothing else is kept. On exit the
-hooks are removed and the model's ``training`` flags, ``requires_grad`` and (by
-default) ``.grad`` are put back as they were on entry; a gradient hook left on a
-graph the caller still holds does nothing once the probe has exited.
+gradient of the loss w.r.t. it the same way. A request for the moments alone (most) waits in
+the run's queue (:mod:`.pending`), reduced with the others by one call at the forward's end,
+the exit, past its bounds and before anything reads the stores: the same bits as one reduction
+per hook (a tensor changed in place meanwhile: not measured, ``run.queue.stale``). Nothing
+else is kept. On exit the hooks are removed and the model's ``training`` flags,
+``requires_grad`` and (by default) ``.grad`` are put back as they were on entry; a gradient
+hook left on a graph the caller still holds does nothing once the probe has exited.
 
 A ``torch.compile``'d or ``DistributedDataParallel`` model is probed through the module inside
 it (:func:`.wrappers.unwrap`; names without ``_orig_mod.`` or ``module.``), and while the probe
@@ -158,6 +156,7 @@ class ProbeRun:
         self.reducer = _Reducer()
         #: the plain requests (moments only) waiting to be reduced together (:mod:`.pending`)
         self.queue = Pending()
+        self._forward_waits = False  # forward tensors queued: flushed at the first gradient
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
         self.kinds: dict[str, str] = {}
         self.order: list[str] = []
@@ -193,27 +192,23 @@ class ProbeRun:
         self._stats = None
 
     def _plain(self, kind: str, t: Tensor) -> bool:
-        """Whether the moments of ``t`` (a request for nothing else) may wait in the queue: not
-        attention's (its observer writes those places), not a site whose moments the signals read
-        at once (the residual stream's and the head's peak ratio)."""
+        """Whether the moments of ``t`` (nothing else asked) may wait in the queue: not attention's (its
+        observer writes those places), nor those the signals read at once (the peak ratio's sites)."""
         return kind not in _CAUSAL_KINDS and not (self.signals is not None and kind in PEAK_KINDS) \
             and self.queue.takes(t)
 
     def _queue(self, key, t: Tensor) -> None:
         if self.queue.add(key, t):
             self.flush()
+        elif key[1] == "forward":
+            self._forward_waits = True
 
     def flush(self) -> None:
         """Reduce the queued tensors and merge them into the stores (before anything reads them)."""
+        self._forward_waits = False
         if len(self.queue):
             self.queue.flush(self._vec)
             self._stats = None
-
-    @property
-    def stale(self) -> int:
-        """Queued measurements not taken because their tensor was changed in place before the
-        queue read it (those sites count no entries for that pass: not measured)."""
-        return self.queue.stale
 
     def _forward(self, name: str, kind: str, out: Tensor) -> None:
         if name not in self.kinds:
@@ -287,7 +282,10 @@ class ProbeRun:
         return hook
 
     def _gradient(self, targets: list, grad: Tensor) -> None:
-        """Measure ``grad`` for each of ``targets`` (:meth:`_targets`)."""
+        """Measure ``grad`` for each of ``targets`` (:meth:`_targets`). The forward's queue is
+        flushed first: its tensors, read now, are not held through the backward."""
+        if self._forward_waits:
+            self.flush()
         weights = {name: inv for name, kind, inv in targets if inv is not None}
         done = set()  # norms whose weighted figure came with their gradient's reduction
         for name, kind, inv in targets:
