@@ -86,22 +86,25 @@ def test_the_queue_gives_the_numbers_of_one_reduction_per_hook(make, passes, mon
 
 
 def test_the_stores_are_flushed_before_they_are_read(monkeypatch):
-    """``stats`` and ``vectors()`` inside the probe see every pass so far (the queue flushed), and the
-    pass after them merges in order: the same bits as no queue. Negative control: the raw store
-    before a flush lacks the queued sites."""
-    model = _tinylm()
+    """The forward's tensors wait until the first gradient, the gradients until a read: ``stats``
+    and ``vectors()`` inside the probe see every pass so far, and the pass after them merges in
+    order: the same bits as no queue. Negative control: the raw store before a flush lacks the
+    queued sites."""
+    model, x = _tinylm(), _tokens(0)
+    fwd, bwd = ("layers.0.attn.q_proj", "forward"), ("layers.0.attn.q_proj", "backward")
     with probe(model) as run:
-        _step(model, _tokens(0))
-        key = ("layers.0.attn.q_proj", "forward")
-        assert key in run.queue and key not in run._vec  # waiting
-        first = run.stats.tensors[key]
+        loss = tinylm.functional.cross_entropy(model(x[:, :-1]), x[:, 1:])
+        assert fwd in run.queue and fwd not in run._vec  # waiting for the forward's end
+        loss.backward()
+        assert fwd in run._vec and bwd in run.queue and bwd not in run._vec
+        first = run.stats.tensors[bwd]
         vec, _ = run.vectors()
-        assert len(run.queue) == 0 and Moments(*vec[key].tolist()) == first
+        assert len(run.queue) == 0 and Moments(*vec[bwd].tolist()) == first and first.count > 0
         _step(model, _tokens(1))
     model.zero_grad(set_to_none=True)
     _, now = _run(model, False, 2, monkeypatch=monkeypatch)
     assert _bits(run.stats) == _bits(now)
-    assert first.count < run.stats.tensors[key].count
+    assert first.count < run.stats.tensors[bwd].count
 
 
 class _InPlace(nn.Module):
