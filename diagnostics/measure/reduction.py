@@ -169,7 +169,9 @@ def _cpu(x, width, probs, rows, cosine, inv_eps, below, weight):
     if inv_eps >= 0:
         inv = torch.from_numpy(numba_reducer.summary(np.reciprocal(msn + np.float32(inv_eps))))
     if below == below and below not in (math.inf, -math.inf):
-        under = torch.tensor([float((x < below).sum()), float(x.numel())], dtype=torch.float64)
+        numpy = x.dtype == torch.float32 and type(x) in _PLAIN and not x.is_neg()  # torch's float32 comparison
+        n = np.count_nonzero(x.detach().numpy() < np.float32(below)) if numpy else int((x < below).sum())
+        under = torch.tensor([float(n), float(x.numel())], dtype=torch.float64)
     if weight is not None:
         w = weight.reshape(ms.shape)
         weighted = torch.from_numpy(numba_reducer.summary(
