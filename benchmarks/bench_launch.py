@@ -1,7 +1,7 @@
 """The probe in the launch-bound regime: a small, deep model where every op costs its dispatch.
 
     python benchmarks/bench_launch.py [--pairs 9] [--threads 1] [--reducer cuda,auto] [--models tinylm,gpt2]
-                                      [--top 12] [--no-watch] [--breakdown N]
+                                      [--top 12] [--no-watch] [--breakdown N] [--queue N]
 
 d_model 64, 24 layers, 4 heads, T 32, batch 4 (vocab 10000), one thread by default: on a
 GPU every model people debug with is in this regime, and on the CPU this shape shows it. Per
@@ -19,7 +19,9 @@ structure CUDA tensors get, ``auto`` the default CPU path), one forward+backward
   also with the optimizer's figures, ``optimizer=``), and the
   same step under the watch's probe alone (``Watch.capture``, nothing recorded): the rest is
   the watch's own work (parameter copies, update ratios, the one transfer, the judging);
-* for tinylm, the bare pass's ops and time against ``BuiltinLM``'s (the same pairs).
+* for tinylm, the bare pass's ops and time against ``BuiltinLM``'s (the same pairs);
+* ``--queue N``: the probe with its queue (:mod:`diagnostics.measure.pending`) against every
+  request reduced in its hook, N interleaved pairs in CPU time.
 """
 
 from __future__ import annotations
@@ -91,12 +93,13 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``) and the tinylm
     attention summaries (``attention.statistics``)."""
     from diagnostics import probe
-    from diagnostics.measure import attention, reduction
+    from diagnostics.measure import attention, pending, reduction
 
     parts: dict[str, list[float]] = {k: [] for k in ("bare", "entry", "hooks", "torch", "exit", "stats")}
-    clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0]}
+    clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0], "queue's reductions": [0.0, 0]}
     timed = [(reduction, "numba_moments", "numba reductions in hooks"),
-             (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics", "attention summaries")]
+             (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics", "attention summaries"),
+             (pending, "_reduced", "queue's reductions")]
     real = [(mod, name, getattr(mod, name)) for mod, name, _ in timed]
 
     def clocked(fn, key):
@@ -135,6 +138,38 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     for key, (secs, calls) in clocks.items():  # means over all passes (the pieces are clocked, so slower)
         out[f"{key} ({calls // (n + 1)} calls)"] = secs * 1e3 / (n + 1)
     return out
+
+
+def queue_pairs(model, tokens, n: int) -> tuple[float, list[float], float, float]:
+    """The probe's queue on against every request reduced in its hook (``ProbeRun._plain`` always
+    False), the same tree and process: (median over ``n`` interleaved pairs of the queue's CPU
+    time / the other's, the ratios, the median CPU ms of each). CPU time of this thread
+    (``time.thread_time``): what preemption on a loaded machine does not move."""
+    from diagnostics import probe
+    from diagnostics.measure.probe import ProbeRun
+
+    real = ProbeRun._plain
+
+    def run(queued: bool) -> float:
+        if not queued:
+            ProbeRun._plain = lambda self, kind, t: False
+        try:
+            c0 = time.thread_time()
+            with probe(model) as r:
+                step(model, tokens)
+            r.stats  # noqa: B018 - the one transfer
+            return time.thread_time() - c0
+        finally:
+            ProbeRun._plain = real
+    run(True), run(False)
+    rng, ratios, times = random.Random(1), [], {True: [], False: []}
+    for _ in range(n):
+        got = {}
+        for queued in ((True, False) if rng.random() < 0.5 else (False, True)):
+            got[queued] = run(queued)
+            times[queued].append(got[queued] * 1e3)
+        ratios.append(got[True] / got[False])
+    return statistics.median(ratios), ratios, statistics.median(times[True]), statistics.median(times[False])
 
 
 def count(fn, *args):
@@ -208,6 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-watch", action="store_true")
     ap.add_argument("--breakdown", type=int, default=0, metavar="N",
                     help="also the probe's own parts (entry, hooks, exit, stats), medians of N passes")
+    ap.add_argument("--queue", type=int, default=0, metavar="N",
+                    help="also N interleaved pairs of the probe with its queue and without (CPU time)")
     args = ap.parse_args(argv)
     import torch
 
@@ -236,6 +273,10 @@ def main(argv=None) -> int:
             med, ratios = pairs(lambda: step(model, tokens), lambda: probed(model, tokens), args.pairs)
             print(f"    time probed/bare: median {med:.2f} over {len(ratios)} pairs "
                   f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+            if args.queue:
+                med, ratios, q, i = queue_pairs(model, tokens, args.queue)
+                print(f"    CPU time with the queue / every request reduced in its hook: median {med:.3f} over "
+                      f"{len(ratios)} pairs (range {min(ratios):.3f}-{max(ratios):.3f}); {q:.1f} / {i:.1f} ms")
             if args.breakdown:
                 b = breakdown(model, tokens, args.breakdown)
                 print("    probe's parts (ms, median of %d): " % args.breakdown

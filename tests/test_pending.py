@@ -204,3 +204,24 @@ def test_rows_merge_as_one_merge_each():
     assert got.tobytes() == want.tobytes()
     flipped = np.stack([merge_vectors(y, x).numpy() for x, y in zip(a, b)])
     assert got.tobytes() != flipped.tobytes()
+
+
+def test_a_vector_reduced_at_once_merges_in_its_turn():
+    """A key with entries waiting that gets a vector reduced at once (``ready``) merges it after
+    them, as the hooks would have: merge(moments(x), v) then merge with moments(y). Negative
+    control: merged first, the result differs in its last bits."""
+    from diagnostics.measure.reducer import reduce
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(64, generator=g) + 3.0, torch.randn(50, generator=g) * 0.1 - 1.0
+    v = reduce(torch.randn(70, generator=g) * 5.0).moments
+    q = Pending()
+    q.add("k", x)
+    q.ready("k", v)
+    q.add("k", y)
+    store: dict = {}
+    q.flush(store)
+    want = merge_vectors(merge_vectors(reduce(x).moments, v), reduce(y).moments)
+    assert store["k"].numpy().tobytes() == want.numpy().tobytes()
+    other = merge_vectors(merge_vectors(v, reduce(x).moments), reduce(y).moments)
+    assert store["k"].numpy().tobytes() != other.numpy().tobytes()
