@@ -34,14 +34,16 @@ and :attr:`Pending.stale` counts them.
 Bounds. Queued tensors stay alive until the flush. The probe flushes the forward's tensors at
 the first gradient (until then autograd holds most of them anyway, and none is held through the
 backward) and the gradients' at its exit; gradients are not alive otherwise. :data:`MAX_BYTES`
-(64 MiB) bounds that extra memory, and :data:`MAX_COUNT` the entries: past either,
-:meth:`Pending.add` asks for a flush. 64 MiB is small beside any accelerator's memory and above
-a launch-bound pass (the d_model 64, 24-layer benchmark queues 14 MiB forward and 14 MiB of
-gradients, the logits a third of each), where the queue pays off; a pass of larger tensors,
-whose reads cost more than the Python around them, flushes more often at no loss. A tensor of
-:data:`~.numba_reducer.PARALLEL_MIN` entries or more is queued too (so the ops a probe adds do
-not depend on the tensors' sizes); on the numba path the threads split it at the flush as they
-would in the hook (the same bits while the thread count is the same).
+(16 MiB) bounds that extra memory, and :data:`MAX_COUNT` the entries: past either,
+:meth:`Pending.add` asks for a flush. 16 MiB holds a launch-bound pass's tensors of each
+direction (the d_model 64, 24-layer benchmark queues 14 MiB forward and 14 MiB of gradients,
+the logits a third of each: one flush each), where the queue pays off; a pass of larger
+tensors flushes every 16 MiB, and one call that reads 16 MiB costs its read, not its dispatch
+(on a GPU, 16 MiB per call is well past the launch-bound size), while the memory a probe adds
+stays small beside the model's. A tensor of :data:`~.numba_reducer.PARALLEL_MIN` entries or more is queued
+too (so the ops a probe adds do not depend on the tensors' sizes); on the numba path the
+threads split it at the flush as they would in the hook (the same bits while the thread count
+is the same).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from .reducer import merge_vectors, reduce
 __all__ = ["Pending", "merge_rows", "MAX_BYTES", "MAX_COUNT"]
 
 #: bytes of queued tensors past which :meth:`Pending.add` asks for a flush (module docstring)
-MAX_BYTES = 64 << 20
+MAX_BYTES = 16 << 20
 #: entries past which :meth:`Pending.add` asks for a flush
 MAX_COUNT = 4096
 
