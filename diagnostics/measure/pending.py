@@ -35,15 +35,14 @@ Bounds. Queued tensors stay alive until the flush. The probe flushes the forward
 the first gradient (until then autograd holds most of them anyway, and none is held through the
 backward) and the gradients' at its exit; gradients are not alive otherwise. :data:`MAX_BYTES`
 (16 MiB) bounds that extra memory, and :data:`MAX_COUNT` the entries: past either,
-:meth:`Pending.add` asks for a flush. 16 MiB holds a launch-bound pass's tensors of each
-direction (the d_model 64, 24-layer benchmark queues 14 MiB forward and 14 MiB of gradients,
-the logits a third of each: one flush each), where the queue pays off; a pass of larger tensors
-flushes every 16 MiB, and one call that reads 16 MiB costs its read, not its dispatch (on a
-GPU, 16 MiB per call is well past the launch-bound size), while the memory a probe adds stays
-small beside the model's. A tensor of :data:`~.numba_reducer.PARALLEL_MIN` entries or more is
-queued too (so the ops a probe adds do not depend on the tensors' sizes); on the numba path the
-threads split it at the flush as they would in the hook (the same bits while the thread count
-is the same).
+:meth:`Pending.add` asks for a flush. 16 MiB holds the tensors of each direction of a launch-
+bound pass (those of the d_model 64, 24-layer, T 32, batch 4 benchmark: one flush each), where
+the queue pays off; a pass of larger tensors flushes every 16 MiB, and one call that reads 16
+MiB costs its read, not its dispatch (on a GPU, 16 MiB per call is well past the launch-bound
+size), while the memory a probe adds stays small beside the model's. A tensor of
+:data:`~.numba_reducer.PARALLEL_MIN` entries or more is queued too (so the ops a probe adds do
+not depend on the tensors' sizes); on the numba path the threads split it at the flush as they
+would in the hook (the same bits while the thread count is the same).
 """
 
 from __future__ import annotations
