@@ -526,8 +526,8 @@ def _remove_all(handles: list) -> None:
 
 
 def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
-    """The pass is over: hooks go quiet, and forwards whose gradient never came are measured now
-    (only when the body completed)."""
+    """The pass is over: hooks go quiet, the queue is reduced (its error never masks the body's),
+    and forwards whose gradient never came are measured now (only when the body completed)."""
     run.active = False
     if len(run.queue):
         t0 = time.perf_counter()
