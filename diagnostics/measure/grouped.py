@@ -1,0 +1,152 @@
+"""The moments of many tensors from a few compiled calls: the CUDA structure of ``tinylm::summaries``.
+
+One compiled call per tensor costs a GPU its host wrapper and a kernel launch each, and a
+probed pass hands the op about a thousand tensors. Here the list is cut into groups of one
+dtype and one number of entries (a pass has few distinct sizes), each group copied into one
+(k, r, w) buffer by one ``cat`` and reduced by one call of one compiled function
+(:func:`rows`), then the groups' (k, 10) results are put back in the list's order by one
+``cat`` and one ``index_select``. The number of calls follows the number of distinct sizes, not
+the number of tensors:
+
+* a tensor of n entries is seen as r rows of w entries, w the largest divisor of n that is at
+  most :data:`WIDTH` (n itself when n <= WIDTH): the first reduction runs over k r rows, not
+  over k, so a group of one large tensor still spreads over the device;
+* :func:`rows` is compiled once per dtype and device, never per shape: its first input of a
+  dtype has its three sizes marked unbacked (``torch._dynamo.decorators.mark_unbacked``), so
+  the graph holds for every k, r and w, 1 included (dynamo would otherwise specialise sizes
+  0 and 1, and inductor's strides add guards of their own: up to eight graphs a dtype);
+* a group whose buffer would exceed :data:`BOUND` bytes is reduced in chunks of at most that
+  many bytes, so the op's extra memory does not grow with the model: above the bound a copy
+  takes far longer than a launch (64 MiB is tens of microseconds at a GPU's bandwidth), so
+  more chunks cost no launch that matters; a tensor larger than the bound alone is reduced in
+  place (a view, a copy only where it is not contiguous);
+* a tensor with no entries gives a row of zeros, as :func:`.reference.moments` does.
+
+The numbers are :func:`.reference.moments`': per row of w entries the float64 partials of
+:func:`.compiled.row_partials` (measured and finite entries, sum d and sum d^2 of d = x - K,
+max |x|, the zero and under/overflow counts), K the tensor's first entry (0 where it is not
+finite), summed over the tensor's r rows, then M2 = sum d^2 - (sum d)^2 / n, as the per-tensor
+compiled reducer forms them (its rows are the tensor's last dimension; here they are w
+entries): counts and max |x| exact, mean and M2 to the rounding of float64 sums.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import compiled
+
+__all__ = ["WIDTH", "BOUND", "rows", "shape_of", "plan", "moments"]
+
+#: most entries in one row of a group's buffer
+WIDTH = 1024
+#: most bytes in one group's buffer (a chunk of a larger group)
+BOUND = 64 << 20
+
+_orders: dict = {}  # (order, device) -> the index that puts the groups' rows back in the list's order
+_ORDERS_KEPT = 16
+
+
+def rows(x: Tensor) -> Tensor:
+    """(k, 10) float64: the FIELDS vector of each x[i] (x: (k, r, w), one tensor of r w entries a slice)."""
+    first = x[:, 0, 0].double()
+    shift = torch.where(torch.isfinite(first), first, 0.0)  # (k,)
+    p = compiled.row_partials(x, None, shift[:, None, None])  # (k, r, 10)
+    t = p.sum(1)  # (k, 10); column 4 (max |x|) is taken by amax below
+    count = t[:, 1].clamp(min=1.0)
+    mean = shift + t[:, 2] / count
+    m2 = (t[:, 3] - t[:, 2] * t[:, 2] / count).clamp(min=0.0)
+    return torch.stack([t[:, 0], t[:, 1], mean, m2, p[:, :, 4].amax(1), t[:, 5], t[:, 6], t[:, 7], t[:, 8], t[:, 9]],
+                       -1)
+
+
+def shape_of(n: int) -> tuple[int, int]:
+    """(r, w): n entries as r rows of w, w the largest divisor of n that is at most :data:`WIDTH`."""
+    if n <= WIDTH:
+        return 1, max(n, 1)
+    w = next(w for w in range(WIDTH, 0, -1) if n % w == 0)
+    return n // w, w
+
+
+def plan(xs: list[Tensor], bound: int = BOUND) -> list[tuple[torch.dtype, int, list[int]]]:
+    """The calls :func:`moments` makes: (dtype, entries, indices into ``xs``) per chunk, groups in
+    the order of their first tensor, each chunk at most ``bound`` bytes (or one tensor)."""
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}
+    for i, x in enumerate(xs):
+        groups.setdefault((x.dtype, x.numel()), []).append(i)
+    out = []
+    for (dtype, n), idx in groups.items():
+        per = max(1, bound // max(1, n * dtype.itemsize)) if n else len(idx)
+        out += [(dtype, n, idx[s:s + per]) for s in range(0, len(idx), per)]
+    return out
+
+
+def _reduce(xs: list[Tensor], n: int) -> Optional[Tensor]:
+    """(k, 10): the moments of ``xs`` (one dtype, ``n`` > 0 entries each) from one compiled call."""
+    r, w = shape_of(n)
+    if len(xs) == 1:
+        buf = xs[0].reshape(1, r, w)  # a view where it is contiguous
+    else:  # one copy of them all (a non-contiguous tensor is made contiguous first)
+        buf = torch._utils._flatten_dense_tensors(xs).view(len(xs), r, w)
+    # detached: no view's base, whose sizes dynamo would guard on too; a new tensor object,
+    # so the marks below never land on the caller's
+    buf = buf.detach()
+    marked = _marked(compiled._function(rows))
+    key = (buf.dtype, buf.device.type)
+    if key not in marked:  # the first call of a dtype: a graph for every size (module docstring)
+        torch._dynamo.decorators.mark_unbacked(buf, [0, 1, 2])
+    out = compiled.call(rows, buf)
+    if out is not None and not torch._C._len_torch_dispatch_stack():  # under a dispatch mode it ran eagerly
+        marked.add(key)
+    return out
+
+
+def _marked(fn) -> set:
+    """The (dtype, device type) whose first input to the compiled ``fn`` was marked: kept on
+    ``fn`` itself, so a function built anew (another backend, a test's fresh state) marks again."""
+    marked = getattr(fn, "tinylm_marked", None)
+    if marked is None:
+        marked = fn.tinylm_marked = set()
+    return marked
+
+
+def _order(order: list[int], device: torch.device) -> Tensor:
+    """The index tensor that takes the groups' rows (in ``order``) back to the list's order, made
+    once per order and device (a copy to the device would wait for it)."""
+    key = (tuple(order), device)
+    idx = _orders.get(key)
+    if idx is None:
+        inverse = [0] * len(order)
+        for pos, i in enumerate(order):
+            inverse[i] = pos
+        if len(_orders) >= _ORDERS_KEPT:
+            _orders.pop(next(iter(_orders)))
+        idx = _orders[key] = torch.tensor(inverse, dtype=torch.long, device=device)
+    return idx
+
+
+def moments(xs: list[Tensor], bound: int = BOUND) -> Optional[Tensor]:
+    """(N, 10) float64 on the tensors' device: the FIELDS vector of every tensor of ``xs`` (one
+    device; :data:`.reduction.DTYPES`, any shape, contiguous or not, empty ones included), in
+    the list's order, from one compiled call per chunk of :func:`plan`; None where compilation
+    or a compiled call failed (:func:`.compiled.call` warned; the caller measures without it)."""
+    if not xs:
+        return None
+    device = xs[0].device
+    order, parts = [], []
+    for _dtype, n, idx in plan(xs, bound):
+        if n == 0:
+            part = torch.zeros(len(idx), 10, dtype=torch.float64, device=device)
+        else:
+            part = _reduce([xs[i] for i in idx], n)
+            if part is None:
+                return None
+        order += idx
+        parts.append(part)
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if order == list(range(len(xs))):
+        return out
+    return out.index_select(0, _order(order, device))
