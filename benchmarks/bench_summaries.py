@@ -14,9 +14,10 @@ process, interleaved pairs (order by a seeded coin) after a warm-up of each:
 * ``grouped``: the op as it stands (:func:`diagnostics.measure.grouped.moments`: one compiled
   call per distinct dtype and size).
 
-Printed: the median time of each and of the within-pair ratio, the compiled calls and the
-aten ops each dispatches outside its compiled code (counted with ``OpCount`` with the compiled
-calls paused; each a kernel launch or a view on a GPU), the groups, and how far the two
+Printed, for the activations, the parameters and gradients, and all of them: the median time
+of each and of the within-pair ratio, the compiled calls and the aten ops each dispatches
+outside its compiled code (counted with ``OpCount``, the compiled calls run outside its mode;
+each a kernel launch or a view on a GPU), the groups, and how far the two
 results are apart (counts and max |x| must be equal; mean and M2 relative).
 """
 
@@ -128,21 +129,29 @@ def main(argv=None) -> int:
         for what, lst in (("activations", acts), ("parameters+gradients", pg), ("all", xs)):
             calls, ops = counted(fn, lst)
             print(f"  {name:8s} {what:22s}: compiled calls {calls:5d}, aten ops outside them {ops:5d}")
+    for what, lst in (("activations", acts), ("parameters+gradients", pg), ("all", xs)):
+        ta, tb, ratios = timed(each, group, lst, args.pairs)
+        print(f"  time, {what} ({len(lst)} tensors; median of {args.pairs} pairs): each {statistics.median(ta) * 1e3:.1f} ms, "
+              f"grouped {statistics.median(tb) * 1e3:.1f} ms; each / grouped median {statistics.median(ratios):.2f} "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(f"load {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+def timed(a, b, xs, pairs: int):
+    """Times of ``a(xs)`` and ``b(xs)`` and their ratios a / b, in ``pairs`` interleaved pairs
+    (order by a seeded coin)."""
     rng, ta, tb, ratios = random.Random(0), [], [], []
-    for _ in range(args.pairs):
+    for _ in range(pairs):
         times = {}
         for which in (("a", "b") if rng.random() < 0.5 else ("b", "a")):
             t0 = time.perf_counter()
-            (each if which == "a" else group)(xs)
+            (a if which == "a" else b)(xs)
             times[which] = time.perf_counter() - t0
         ta.append(times["a"])
         tb.append(times["b"])
         ratios.append(times["a"] / times["b"])
-    print(f"time per call of the op on the {len(xs)} tensors (median of {args.pairs} pairs): each "
-          f"{statistics.median(ta) * 1e3:.1f} ms, grouped {statistics.median(tb) * 1e3:.1f} ms; "
-          f"each / grouped median {statistics.median(ratios):.1f} (range {min(ratios):.1f}-{max(ratios):.1f}); "
-          f"load {os.getloadavg()[0]:.1f}")
-    return 0
+    return ta, tb, ratios
 
 
 def _rel(a, b) -> float:

@@ -44,7 +44,8 @@ def uncompiled(monkeypatch):
     def call(fn, *args):
         calls.append(args[0].shape)
         return fn(*args)
-    monkeypatch.setattr(compiled, "call", call)
+    monkeypatch.setattr(compiled, "call", call)  # the per-tensor reducer's way in
+    monkeypatch.setattr(compiled, "_function", lambda fn: lambda *args: call(fn, *args))  # the grouped one's
     return calls
 
 
@@ -160,22 +161,26 @@ def test_traced_whole_once_and_never_per_size(traced):
     assert counters["stats"]["unique_graphs"] - before == 2
 
 
-def test_failed_compilation_falls_back_to_the_reference_with_one_warning(monkeypatch):
+def test_a_failed_build_falls_back_to_one_call_per_tensor_with_one_warning(uncompiled, monkeypatch):
     def broken(fn):
         def run(*args):
             raise RuntimeError("no compiler here")
         return run
 
-    monkeypatch.setattr(compiled, "_function", broken)  # what a backend's failure raises, without a trace
-    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setattr(compiled, "_function", broken)  # what a backend's failure raises; compiled.call runs
+    monkeypatch.setattr(grouped, "_failed", False)
     monkeypatch.setenv("TINYLM_REDUCER", "cuda")
-    xs = [torch.randn(6, 5, generator=torch.Generator().manual_seed(3)), torch.zeros(0)]
+    xs = [torch.randn(6, 5, generator=torch.Generator().manual_seed(3)), torch.zeros(0), torch.randn(7)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():
-            got = torch.ops.tinylm.summaries(xs, reduction.CUDA)
-    assert [str(w.message).split(" (")[0] for w in caught] == ["torch.compile could not build the probe's reductions"]
-    assert torch.equal(got, torch.stack([reference.moments(x) for x in xs])) and not compiled.available()
+            got = [torch.ops.tinylm.summaries(xs, reduction.CUDA) for _ in range(2)]
+    assert [str(w.message).split(" (")[0] for w in caught] == [
+        "torch.compile could not build the grouped reduction of many tensors"]
+    assert "no compiler here" in str(caught[0].message)
+    assert len(uncompiled) == 4 and grouped._failed  # twice the two non-empty tensors, one by one
+    for out in got:
+        _check(out, xs)
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ entries): counts and max |x| exact, mean and M2 to the rounding of float64 sums.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -46,6 +47,7 @@ WIDTH = 1024
 #: most bytes in one group's buffer (a chunk of a larger group)
 BOUND = 64 << 20
 
+_failed = False  # compiling or running :func:`rows` failed in this process
 _orders: dict = {}  # (order, device) -> the index that puts the groups' rows back in the list's order
 _ORDERS_KEPT = 16
 
@@ -87,9 +89,12 @@ def plan(xs: list[Tensor], bound: int = BOUND) -> list[tuple[torch.dtype, int, l
 def _reduce(xs: list[Tensor], n: int) -> Optional[Tensor]:
     """(k, 10): the moments of ``xs`` (one dtype, ``n`` > 0 entries each) from one compiled call."""
     r, w = shape_of(n)
+    shape = xs[0].shape
     if len(xs) == 1:
         buf = xs[0].reshape(1, r, w)  # a view where it is contiguous
-    else:  # one copy of them all (a non-contiguous tensor is made contiguous first)
+    elif len(shape) and all(x.shape == shape for x in xs):  # one copy of them all, one op
+        buf = torch.cat(xs).view(len(xs), r, w)
+    else:  # one copy too, after a flat view of each (a non-contiguous tensor made contiguous first)
         buf = torch._utils._flatten_dense_tensors(xs).view(len(xs), r, w)
     # detached: no view's base, whose sizes dynamo would guard on too; a new tensor object,
     # so the marks below never land on the caller's
@@ -98,10 +103,23 @@ def _reduce(xs: list[Tensor], n: int) -> Optional[Tensor]:
     key = (buf.dtype, buf.device.type)
     if key not in marked:  # the first call of a dtype: a graph for every size (module docstring)
         torch._dynamo.decorators.mark_unbacked(buf, [0, 1, 2])
-    out = compiled.call(rows, buf)
-    if out is not None and not torch._C._len_torch_dispatch_stack():  # under a dispatch mode it ran eagerly
+    try:
+        out = compiled._function(rows)(buf)
+    except Exception as err:  # noqa: BLE001 - any failure to compile or run: the list one tensor at a time
+        _give_up(err)
+        return None
+    if not torch._C._len_torch_dispatch_stack():  # under a dispatch mode it ran eagerly
         marked.add(key)
     return out
+
+
+def _give_up(err: BaseException) -> None:
+    global _failed
+    _failed = True
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    warnings.warn(f"torch.compile could not build the grouped reduction of many tensors ({type(err).__name__}: "
+                  f"{first}); they are reduced one compiled call per tensor for the rest of this process "
+                  "(same numbers, more launches)", RuntimeWarning, stacklevel=4)
 
 
 def _marked(fn) -> set:
@@ -132,8 +150,9 @@ def moments(xs: list[Tensor], bound: int = BOUND) -> Optional[Tensor]:
     """(N, 10) float64 on the tensors' device: the FIELDS vector of every tensor of ``xs`` (one
     device; :data:`.reduction.DTYPES`, any shape, contiguous or not, empty ones included), in
     the list's order, from one compiled call per chunk of :func:`plan`; None where compilation
-    or a compiled call failed (:func:`.compiled.call` warned; the caller measures without it)."""
-    if not xs:
+    or a compiled call failed, now (warned once) or before in this process: the caller reduces
+    them one by one (the per-tensor compiled reducer is a separate build that may still work)."""
+    if not xs or _failed:
         return None
     device = xs[0].device
     order, parts = [], []
