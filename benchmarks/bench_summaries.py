@@ -70,21 +70,26 @@ def counted(fn, xs):
     sees a registered op once, not what its kernel dispatches)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from diagnostics.measure import compiled
+    from diagnostics.measure import compiled, grouped
     from diagnostics.measure.opcount import OpCount
 
-    real, calls = compiled.call, [0]
+    real, calls = compiled._function, [0]
 
-    def call(f, *args):  # outside the counter's mode: compiled code, as inside the op's kernel
-        calls[0] += 1
-        with _disable_current_modes():
-            return real(f, *args)
-    compiled.call = call
+    def function(fn):  # every compiled call of both paths, run outside the counter's mode (compiled
+        built = real(fn)  # code, as inside the op's kernel, where no mode is on)
+
+        def run(*args):
+            calls[0] += 1
+            with _disable_current_modes():
+                return built(*args)
+        return run
+    observed = grouped._observed
+    compiled._function, grouped._observed = function, lambda: False  # its calls leave the mode
     try:
         with OpCount() as ops:
             fn(xs)
     finally:
-        compiled.call = real
+        compiled._function, grouped._observed = real, observed
     return calls[0], ops.total
 
 

@@ -3,7 +3,7 @@
 One compiled call per tensor costs a GPU its host wrapper and a kernel launch each, and a
 probed pass hands the op about a thousand tensors. Here the list is cut into groups of one
 dtype and one number of entries (a pass has few distinct sizes), each group copied into one
-(k, r, w) buffer by one ``cat`` and reduced by one call of one compiled function
+(k, r, w) buffer (one ``cat`` per shape in the group) and reduced by one call of one compiled function
 (:func:`rows`), then the groups' (k, 10) results are put back in the list's order by one
 ``cat`` and one ``index_select``. The number of calls follows the number of distinct sizes, not
 the number of tensors:
@@ -20,7 +20,9 @@ the number of tensors:
   takes far longer than a launch (64 MiB is tens of microseconds at a GPU's bandwidth), so
   more chunks cost no launch that matters; a tensor larger than the bound alone is reduced in
   place (a view, a copy only where it is not contiguous);
-* a tensor with no entries gives a row of zeros, as :func:`.reference.moments` does.
+* a tensor with no entries gives a row of zeros, as :func:`.reference.moments` does;
+* a group's copy is one ``cat`` per shape in it (a group of one shape: one ``cat``), each
+  written into its place in the buffer; a group's tensors of one shape are taken together.
 
 The numbers are :func:`.reference.moments`': per row of w entries the float64 partials of
 :func:`.compiled.row_partials` (measured and finite entries, sum d and sum d^2 of d = x - K,
@@ -76,29 +78,50 @@ def shape_of(n: int) -> tuple[int, int]:
 def plan(xs: list[Tensor], bound: int = BOUND) -> list[tuple[torch.dtype, int, list[int]]]:
     """The calls :func:`moments` makes: (dtype, entries, indices into ``xs``) per chunk, groups in
     the order of their first tensor, each chunk at most ``bound`` bytes (or one tensor)."""
-    groups: dict[tuple[torch.dtype, int], list[int]] = {}
-    for i, x in enumerate(xs):
-        groups.setdefault((x.dtype, x.numel()), []).append(i)
+    groups: dict[tuple[torch.dtype, int], dict[tuple, list[int]]] = {}
+    for i, x in enumerate(xs):  # in a group, the tensors of one shape together (one copy each run)
+        groups.setdefault((x.dtype, x.numel()), {}).setdefault(tuple(x.shape), []).append(i)
     out = []
-    for (dtype, n), idx in groups.items():
+    for (dtype, n), shapes in groups.items():
+        idx = [i for run in shapes.values() for i in run]
         per = max(1, bound // max(1, n * dtype.itemsize)) if n else len(idx)
         out += [(dtype, n, idx[s:s + per]) for s in range(0, len(idx), per)]
     return out
 
 
+def _stacked(xs: list[Tensor], n: int) -> Tensor:
+    """(len(xs) n,): the entries of ``xs`` (n each; one dtype, at least two tensors) one after
+    the other, in one buffer: one ``cat`` per run of one shape, written in place (no flat view
+    of each tensor: a view is an op too; non-contiguous tensors are read as they are)."""
+    runs, start = [], 0
+    for i in range(1, len(xs) + 1):
+        if i == len(xs) or xs[i].shape != xs[start].shape:
+            runs.append((start, i))
+            start = i
+    if len(runs) == 1 and xs[0].dim():
+        return torch.cat(xs).view(-1)
+    buf = xs[0].new_empty(len(xs) * n)
+    for a, b in runs:
+        shape, dst = xs[a].shape, buf[a * n:b * n]
+        if len(shape):
+            torch.cat(xs[a:b], out=dst.view(-1, *shape[1:]))
+        else:  # 0-d tensors
+            torch.stack(xs[a:b], out=dst)
+    return buf
+
+
 def _reduce(xs: list[Tensor], n: int) -> Optional[Tensor]:
     """(k, 10): the moments of ``xs`` (one dtype, ``n`` > 0 entries each) from one compiled call."""
     r, w = shape_of(n)
-    shape = xs[0].shape
-    if len(xs) == 1:
-        buf = xs[0].reshape(1, r, w)  # a view where it is contiguous
-    elif len(shape) and all(x.shape == shape for x in xs):  # one copy of them all, one op
-        buf = torch.cat(xs).view(len(xs), r, w)
-    else:  # one copy too, after a flat view of each (a non-contiguous tensor made contiguous first)
-        buf = torch._utils._flatten_dense_tensors(xs).view(len(xs), r, w)
+    if len(xs) == 1:  # a view where it is contiguous; flat first, so its strides are the standard ones
+        buf = xs[0].contiguous().view(-1).view(1, r, w)  # (dynamo guards on strides: another graph for others)
+    else:
+        buf = _stacked(xs, n).view(len(xs), r, w)
     # detached: no view's base, whose sizes dynamo would guard on too; a new tensor object,
     # so the marks below never land on the caller's
     buf = buf.detach()
+    if _observed():  # a dispatch mode sees every op: the formulas, op by op
+        return rows(buf)
     marked = _marked(compiled._function(rows))
     key = (buf.dtype, buf.device.type)
     if key not in marked:  # the first call of a dtype: a graph for every size (module docstring)
@@ -108,8 +131,7 @@ def _reduce(xs: list[Tensor], n: int) -> Optional[Tensor]:
     except Exception as err:  # noqa: BLE001 - any failure to compile or run: the list one tensor at a time
         _give_up(err)
         return None
-    if not torch._C._len_torch_dispatch_stack():  # under a dispatch mode it ran eagerly
-        marked.add(key)
+    marked.add(key)
     return out
 
 
@@ -120,6 +142,11 @@ def _give_up(err: BaseException) -> None:
     warnings.warn(f"torch.compile could not build the grouped reduction of many tensors ({type(err).__name__}: "
                   f"{first}); they are reduced one compiled call per tensor for the rest of this process "
                   "(same numbers, more launches)", RuntimeWarning, stacklevel=4)
+
+
+def _observed() -> bool:
+    """Whether a ``TorchDispatchMode`` is on (dynamo does not compile under one)."""
+    return bool(torch._C._len_torch_dispatch_stack())
 
 
 def _marked(fn) -> set:
@@ -154,6 +181,11 @@ def moments(xs: list[Tensor], bound: int = BOUND) -> Optional[Tensor]:
     them one by one (the per-tensor compiled reducer is a separate build that may still work)."""
     if not xs or _failed:
         return None
+    with torch.no_grad():  # the copies write into a buffer (out=): no autograd
+        return _moments(xs, bound)
+
+
+def _moments(xs: list[Tensor], bound: int) -> Optional[Tensor]:
     device = xs[0].device
     order, parts = [], []
     for _dtype, n, idx in plan(xs, bound):
