@@ -113,8 +113,9 @@ def _stacked(xs: list[Tensor], n: int) -> Tensor:
 def _reduce(xs: list[Tensor], n: int) -> Optional[Tensor]:
     """(k, 10): the moments of ``xs`` (one dtype, ``n`` > 0 entries each) from one compiled call."""
     r, w = shape_of(n)
-    if len(xs) == 1:  # a view where it is contiguous; flat first, so its strides are the standard ones
-        buf = xs[0].contiguous().view(-1).view(1, r, w)  # (dynamo guards on strides: another graph for others)
+    if len(xs) == 1:  # a view where it is contiguous, with the standard strides (dynamo guards on
+        x = xs[0] if xs[0].is_contiguous() else xs[0].contiguous()  # strides, size-1 dims' included)
+        buf = x.as_strided((1, r, w), (r * w, w, 1))
     else:
         buf = _stacked(xs, n).view(len(xs), r, w)
     # detached: no view's base, whose sizes dynamo would guard on too; a new tensor object,
