@@ -15,7 +15,9 @@ process, interleaved pairs (order by a seeded coin) after a warm-up of each:
   call per distinct dtype and size).
 
 Printed, for the activations, the parameters and gradients, and all of them: the median time
-of each and of the within-pair ratio, the compiled calls and the aten ops each dispatches
+of each and of the within-pair ratio, in wall and in CPU time (and for all of them with each tensor cut to its first
+1/1000 entries, at least one: the same calls and distinct sizes with almost no arithmetic, the
+host cost a launch-bound GPU pass pays), the compiled calls and the aten ops each dispatches
 outside its compiled code (counted with ``OpCount``, the compiled calls run outside its mode;
 each a kernel launch or a view on a GPU), the groups, and how far the two
 results are apart (counts and max |x| must be equal; mean and M2 relative).
@@ -134,29 +136,34 @@ def main(argv=None) -> int:
         for what, lst in (("activations", acts), ("parameters+gradients", pg), ("all", xs)):
             calls, ops = counted(fn, lst)
             print(f"  {name:8s} {what:22s}: compiled calls {calls:5d}, aten ops outside them {ops:5d}")
-    for what, lst in (("activations", acts), ("parameters+gradients", pg), ("all", xs)):
-        ta, tb, ratios = timed(each, group, lst, args.pairs)
-        print(f"  time, {what} ({len(lst)} tensors; median of {args.pairs} pairs): each {statistics.median(ta) * 1e3:.1f} ms, "
-              f"grouped {statistics.median(tb) * 1e3:.1f} ms; each / grouped median {statistics.median(ratios):.2f} "
-              f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    cut = [x.reshape(-1)[:max(1, x.numel() // 1000)] for x in xs]  # the same sizes, distinct as they were
+    for what, lst in (("activations", acts), ("parameters+gradients", pg), ("all", xs),
+                      ("all, each cut to 1/1000 of its entries", cut)):
+        ta, tb, ratios, cpu = timed(each, group, lst, args.pairs)
+        print(f"  time, {what} ({len(lst)} tensors; median of {args.pairs} pairs): each {statistics.median(ta) * 1e3:.2f} ms, "
+              f"grouped {statistics.median(tb) * 1e3:.2f} ms; each / grouped median {statistics.median(ratios):.2f} "
+              f"(range {min(ratios):.2f}-{max(ratios):.2f}), in CPU time {statistics.median(cpu):.2f} "
+              f"(range {min(cpu):.2f}-{max(cpu):.2f})")
     print(f"load {os.getloadavg()[0]:.1f}")
     return 0
 
 
 def timed(a, b, xs, pairs: int):
-    """Times of ``a(xs)`` and ``b(xs)`` and their ratios a / b, in ``pairs`` interleaved pairs
-    (order by a seeded coin)."""
-    rng, ta, tb, ratios = random.Random(0), [], [], []
+    """Wall times of ``a(xs)`` and ``b(xs)`` and the ratios a / b of their wall and of their CPU
+    (thread) times, in ``pairs`` interleaved pairs (order by a seeded coin). The CPU time
+    counts what this thread ran, not what other jobs on the machine took from it."""
+    rng, ta, tb, ratios, cpu = random.Random(0), [], [], [], []
     for _ in range(pairs):
         times = {}
         for which in (("a", "b") if rng.random() < 0.5 else ("b", "a")):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             (a if which == "a" else b)(xs)
-            times[which] = time.perf_counter() - t0
-        ta.append(times["a"])
-        tb.append(times["b"])
-        ratios.append(times["a"] / times["b"])
-    return ta, tb, ratios
+            times[which] = time.perf_counter() - t0, time.thread_time() - c0
+        ta.append(times["a"][0])
+        tb.append(times["b"][0])
+        ratios.append(times["a"][0] / times["b"][0])
+        cpu.append(times["a"][1] / times["b"][1])
+    return ta, tb, ratios, cpu
 
 
 def _rel(a, b) -> float:

@@ -1,12 +1,12 @@
 """The moments of many tensors from a few compiled calls: the CUDA structure of ``tinylm::summaries``.
 
 One compiled call per tensor costs a GPU its host wrapper and a kernel launch each, and a
-probed pass hands the op about a thousand tensors. Here the list is cut into groups of one
-dtype and one number of entries (a pass has few distinct sizes), each group copied into one
-(k, r, w) buffer (one ``cat`` per shape in the group) and reduced by one call of one compiled function
-(:func:`rows`), then the groups' (k, 10) results are put back in the list's order by one
-``cat`` and one ``index_select``. The number of calls follows the number of distinct sizes, not
-the number of tensors:
+probed pass can hand the op about a thousand tensors. Here the list is cut into groups of one
+dtype and one number of entries (a pass has few distinct sizes: six for the launch-bound
+tinylm pass's 1,020 tensors), each group copied into one (k, r, w) buffer and reduced by one
+call of one compiled function (:func:`rows`); the groups' (k, 10) results are put back in the
+list's order by one ``cat`` and one ``index_select``. The calls follow the distinct sizes, not
+the tensors:
 
 * a tensor of n entries is seen as r rows of w entries, w the largest divisor of n that is at
   most :data:`WIDTH` (n itself when n <= WIDTH): the first reduction runs over k r rows, not
@@ -14,15 +14,18 @@ the number of tensors:
 * :func:`rows` is compiled once per dtype and device, never per shape: its first input of a
   dtype has its three sizes marked unbacked (``torch._dynamo.decorators.mark_unbacked``), so
   the graph holds for every k, r and w, 1 included (dynamo would otherwise specialise sizes
-  0 and 1, and inductor's strides add guards of their own: up to eight graphs a dtype);
+  0 and 1, and inductor's strides add guards of their own: up to eight graphs a dtype, past
+  dynamo's recompile limit); every input has the standard strides of a fresh (k, r, w) tensor
+  and no view base (dynamo guards on both);
+* a group's copy is one ``cat`` per shape in it, each written into its place in the buffer
+  (a group's tensors of one shape are taken together; a group of one shape: one ``cat``); a
+  group of one tensor is not copied (a view; a copy only where it is not contiguous);
 * a group whose buffer would exceed :data:`BOUND` bytes is reduced in chunks of at most that
-  many bytes, so the op's extra memory does not grow with the model: above the bound a copy
-  takes far longer than a launch (64 MiB is tens of microseconds at a GPU's bandwidth), so
-  more chunks cost no launch that matters; a tensor larger than the bound alone is reduced in
-  place (a view, a copy only where it is not contiguous);
-* a tensor with no entries gives a row of zeros, as :func:`.reference.moments` does;
-* a group's copy is one ``cat`` per shape in it (a group of one shape: one ``cat``), each
-  written into its place in the buffer; a group's tensors of one shape are taken together.
+  many bytes, so the op's extra memory does not grow with the model: a copy of that size
+  takes tens of microseconds at a GPU's few TB/s, far more than a launch, so more chunks
+  add no launch that matters;
+* a tensor with no entries gives a row of zeros, as :func:`.reference.moments` does; under a
+  ``TorchDispatchMode`` (which dynamo does not compile under) the formula runs op by op.
 
 The numbers are :func:`.reference.moments`': per row of w entries the float64 partials of
 :func:`.compiled.row_partials` (measured and finite entries, sum d and sum d^2 of d = x - K,
