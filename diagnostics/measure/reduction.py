@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from . import compiled, grouped, numba_reducer, reference
-from .reducer_choice import chosen
+from .reducer_choice import chosen, pinned
 from .wrappers import default_stance
 
 __all__ = ["route", "lane", "direct", "numba_parts", "all_numba", "causal_parts", "numba_moments", "sizes", "many", "each", "DTYPES", "NUMBA", "CUDA", "TORCH"]
@@ -320,7 +320,8 @@ def many(xs: list[Tensor]) -> Tensor | None:
         return None
     if direct() and all_numba(xs):  # the kernel's own loop, without the op's dispatch
         return _many_kernel(xs, NUMBA)
-    kinds = {route(x) for x in xs}
+    with pinned():  # the choice read once for the list, not once per tensor
+        kinds = {route(x) for x in xs}
     if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
         return None
     with torch.no_grad():
