@@ -170,6 +170,11 @@ def test_traced_whole_once_and_never_per_size(traced):
         for x in (xs, [torch.stack([x, x], -1)[..., 0] for x in xs]):  # and each non-contiguous
             _check(grouped.moments(x), x)
     assert counters["stats"]["unique_graphs"] - before == 1 and not compiled._failed
+    torch._dynamo.reset()  # dynamo's caches emptied: the next build is marked again
+    before = counters["stats"]["unique_graphs"]
+    for shapes in ([(64, 64)] * 3, [(77,)], [(1, 5)]):
+        grouped.moments([torch.randn(*s, generator=g) for s in shapes])
+    assert counters["stats"]["unique_graphs"] - before == 1
     control = torch.compile(lambda x: grouped.rows(x), backend="eager", dynamic=True, fullgraph=True)
     before = counters["stats"]["unique_graphs"]
     for shape in [(3, 4, 64), (5, 2, 32), (1, 4, 64)]:

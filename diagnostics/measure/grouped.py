@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from . import compiled
 
@@ -155,10 +156,14 @@ def _observed() -> bool:
 
 def _marked(fn) -> set:
     """The (dtype, device type) whose first input to the compiled ``fn`` was marked: kept on
-    ``fn`` itself, so a function built anew (another backend, a test's fresh state) marks again."""
+    ``fn`` itself, so a function built anew (another backend, a test's fresh state) marks again;
+    emptied where dynamo holds fewer graphs of :func:`rows` than it has marked (its caches were
+    reset since: ``torch._dynamo.reset()``), so the next build is marked too."""
     marked = getattr(fn, "tinylm_marked", None)
     if marked is None:
         marked = fn.tinylm_marked = set()
+    elif len(marked) > len(_debug_get_cache_entry_list(rows.__code__)):
+        marked.clear()
     return marked
 
 
