@@ -49,11 +49,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import compiled, numba_reducer, reference
-from .reducer_choice import chosen
+from . import compiled, grouped, numba_reducer, reference
+from .reducer_choice import chosen, pinned
 from .wrappers import default_stance
 
-__all__ = ["route", "lane", "direct", "numba_parts", "all_numba", "causal_parts", "numba_moments", "sizes", "many", "DTYPES", "NUMBA", "CUDA", "TORCH"]
+__all__ = ["route", "lane", "direct", "numba_parts", "all_numba", "causal_parts", "numba_moments", "sizes", "many", "each", "DTYPES", "NUMBA", "CUDA", "TORCH"]
 
 #: the dtypes the op reduces
 DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16, torch.float64))
@@ -283,14 +283,26 @@ _LIB.define("summaries(Tensor[] xs, int kernel) -> Tensor")
 
 def _many_kernel(xs: list[Tensor], kernel: int) -> Tensor:
     """(N, 10): the FIELDS vector of every tensor of ``xs``, by ``kernel``: numba's one loop over
-    them all (:func:`.numba_reducer.summaries`), else one reduction each (the compiled ones in
-    one entry into the default ``torch.compile`` stance)."""
+    them all (:func:`.numba_reducer.summaries`); the CUDA structure's few compiled calls, one
+    per distinct dtype and size (:func:`.grouped.moments`, in one entry into the default
+    ``torch.compile`` stance); plain torch one tensor at a time (:func:`each`)."""
     with torch._C.DisableTorchFunction():
         if kernel == NUMBA:
             return torch.from_numpy(numba_reducer.summaries(xs)[:, :10])
-        with compiling() if kernel == CUDA and compiled.available() else contextlib.nullcontext():
-            return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0]
-                                for x in xs])
+        if kernel == CUDA and compiled.available():
+            with compiling():
+                out = grouped.moments(xs)
+            if out is not None:
+                return out
+        return each(xs, kernel)
+
+
+def each(xs: list[Tensor], kernel: int) -> Tensor:
+    """(N, 10): :func:`_many_kernel`'s result from one reduction per tensor (``kernel`` CUDA:
+    one compiled call each; the plain-torch formulas where it is TORCH or compilation failed)."""
+    with compiling() if kernel == CUDA and compiled.available() else contextlib.nullcontext():
+        return torch.stack([_cuda(x, 0, False, False, False, -1.0, math.nan, None, kernel == CUDA)[0]
+                            if x.numel() else reference.moments(x) for x in xs])
 
 
 _LIB.impl("summaries", _many_kernel, "CompositeExplicitAutograd")
@@ -303,14 +315,15 @@ def _(xs, kernel):
 
 def many(xs: list[Tensor]) -> Tensor | None:
     """(N, 10) float64: the moments of every tensor of ``xs`` from one dispatched op,
-    ``tinylm::summaries`` (numba: one loop over them all; else one kernel call per tensor
-    inside), or None where they do not all
+    ``tinylm::summaries`` (numba: one loop over them all; the CUDA structure: one compiled call
+    per distinct dtype and size inside), or None where they do not all
     take the same kernel on one device (the caller reduces them one by one)."""
     if not xs:
         return None
     if direct() and all_numba(xs):  # the kernel's own loop, without the op's dispatch
         return _many_kernel(xs, NUMBA)
-    kinds = {route(x) for x in xs}
+    with pinned():  # the choice read once for the list, not once per tensor
+        kinds = {route(x) for x in xs}
     if len(kinds) != 1 or None in kinds or len({x.device for x in xs}) != 1:
         return None
     with torch.no_grad():
