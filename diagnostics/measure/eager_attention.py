@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .sdpa import ROWS, SDPAWatch, masked_additive, row_statistics, sample_rows
+from .sdpa import ROWS, SDPAWatch, masked_additive, rows_of, sample_rows
 
 __all__ = ["EagerAttentionWatch", "eager_rows", "is_attention_softmax", "SOFTMAX"]
 
@@ -64,7 +64,7 @@ def eager_rows(x: Tensor, rows: int = ROWS, signal: bool = True) -> tuple[Tensor
     idx = sample_rows(x.shape[-2], rows).to(x.device)
     s = x.detach().index_select(-2, idx)  # (B, H, R, S)
     allowed = ~masked_additive(s)
-    return row_statistics(s.to(torch.promote_types(s.dtype, torch.float32)), allowed, signal)
+    return rows_of(s.to(torch.promote_types(s.dtype, torch.float32)), allowed, signal)
 
 
 class EagerAttentionWatch(SDPAWatch):

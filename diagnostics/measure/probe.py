@@ -52,8 +52,9 @@ from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .reducer_choice import pinned
 from .eager_attention import EagerAttentionWatch
+from .hooks import Hooks
 from .signals import Signals
-from .sites import model_sites
+from .sites import model_sites, model_walk
 from .params import param_stats, spectral_stats  # noqa: F401  (public here as before)
 from .wrappers import eager, unwrap
 
@@ -278,21 +279,26 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
     return pre
 
 
-def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
-    """Enter into ``owner`` an :class:`EagerAttentionWatch` (SDPA calls and eager softmax)
-    (not for a tinylm attention: its own observer measures it) whose calls, named by the innermost running
-    block or block child (hooks owned by ``owner``), add ``{name}.scores`` moments and ``{name}.probs``."""
-    running: list[str] = []
+def _watched(stack, named: dict[str, nn.Module]) -> list[str]:
+    """The modules during whose run the attention watch is on: in each block its attention
+    children (a class name ending in ``Attention``, as :mod:`.sites` finds attention), else the
+    block and its children (the innermost running one names a call)."""
+    out: list[str] = []
     for block in stack.names:
-        for name in (block, *(f"{block}.{c}" for c, _ in named[block].named_children())):
-            def push(module, args, _name=name):
-                running.append(_name)
+        children = [f"{block}.{c}" for c, _ in named[block].named_children()]
+        attention = [n for n in children if type(named[n]).__name__.endswith("Attention")]
+        out += attention or [block, *children]
+    return out
 
-            def pop(module, args, output, _name=name):
-                if running and running[-1] == _name:
-                    running.pop()
-            owner.callback(named[name].register_forward_pre_hook(push).remove)
-            owner.callback(named[name].register_forward_hook(pop).remove)
+
+def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
+    """An :class:`EagerAttentionWatch` (SDPA calls and eager softmax) that is on only while one of
+    the :func:`_watched` modules runs (entered by the outermost one's pre-hook, left by its
+    always-called hook; hooks owned by ``owner``, which also leaves the watch if a run never
+    returned), so the rest of the pass pays no interception. Its calls, named by the innermost
+    running watched module (not a tinylm attention: its own observer measures it), add
+    ``{name}.scores`` moments and ``{name}.probs``."""
+    running: list[str] = []
 
     def record(name: str, moments: Tensor, panel: Tensor) -> None:
         t0 = time.perf_counter()
@@ -309,22 +315,49 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
     def where() -> str | None:
         return running[-1] if running and run.active and running[-1] not in own else None
 
-    signal = run.signals.attention if run.signals is not None else None
-    owner.enter_context(EagerAttentionWatch(record, where, signal))  # SDPA calls and eager softmax, one mode
+    watch = EagerAttentionWatch(record, where, run.signals.attention if run.signals is not None else None)
+    on = [False]
+
+    def push(module, args, _name):
+        if not running and run.active:
+            watch.__enter__()
+            on[0] = True
+        running.append(_name)
+
+    def pop(module, args, output, _name):
+        if running and running[-1] == _name:
+            running.pop()
+        if on[0] and not running:
+            on[0] = False
+            watch.__exit__(None, None, None)
+
+    def leave() -> None:  # a run that raised before its hooks: the watch is left all the same
+        running.clear()
+        if on[0]:
+            on[0] = False
+            watch.__exit__(None, None, None)
+
+    hooks = Hooks()
+    owner.callback(hooks.remove)
+    owner.callback(leave)
+    for name in _watched(stack, named):
+        hooks.pre(named[name], lambda m, a, _name=name: push(m, a, _name))
+        hooks.forward(named[name], lambda m, a, o, _name=name: pop(m, a, o, _name), always_call=True)
 
 
-def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module]]:
-    """(name -> kind of every point measured, the block stack or None, the named modules): the
-    model's sites (:func:`~diagnostics.measure.sites.model_sites`), or ``options.modules``."""
-    sites = model_sites(model)
-    points, named = dict(sites.points), dict(model.named_modules())
+def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module], list]:
+    """(name -> kind of every point measured, the block stack or None, the named modules, the
+    named parameters): the model's sites, or ``options.modules``, from one walk of the model
+    (:func:`~diagnostics.measure.sites.model_walk`, kept while its structure stays the same)."""
+    sites, named, params = model_walk(model)
+    points = dict(sites.points)
     if options.modules is not None:
         missing = [m for m in options.modules if m not in named and m not in points]
         if missing:
             raise OptionsError(f"modules={missing!r}: no such module in the model; names look like "
                                f"{', '.join(list(points)[:3])}")
         points = {m: points.get(m, "module") for m in options.modules}
-    return points, sites.blocks, named
+    return points, sites.blocks, named, params
 
 
 _SETATTR = nn.Module.__setattr__
@@ -334,10 +367,10 @@ class _ModelState:
     """What a probe must leave as it found it: every module's ``training``, every parameter's
     ``requires_grad`` and ``.grad`` (the same tensor object, its values restored)."""
 
-    def __init__(self, model: nn.Module, named: dict[str, nn.Module]):
+    def __init__(self, model: nn.Module, named: dict[str, nn.Module], params: list[tuple[str, nn.Parameter]]):
         self.model = model
         self.training = {m: m.training for m in named.values()}
-        entry = list(model.named_parameters())
+        entry = params  # list(model.named_parameters()), from the probe's one walk
         self.requires = {n: p.requires_grad for n, p in entry}
         self.grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
         self.grad_objs = {n: p.grad for n, p in entry}
@@ -429,22 +462,24 @@ def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, 
     unwinds). tinylm attention keeps its path under a probe (the fused kernel unless something
     else needs the weights): its scores and weights are measured by an observer, never by hooks
     on its Taps. Returns the observers."""
-    observers, handles = [], []
+    observers, handles, hooks = [], [], Hooks()
     owner.callback(_remove_all, handles)  # every handle below, each removed whatever the others do
+    owner.callback(hooks.remove)
     for attn, want in observed.items():
         observers.append(AttentionObserver(run, attn, want))
         owner.callback(named[attn].register_observer(observers[-1]).remove)
+    start = stack.input if stack is not None else None
     for name, kind in points.items():
         parent, _, leaf = name.rpartition(".")
         if leaf in observed.get(parent, ()):
             continue  # measured by the attention's observer
-        if stack is not None and name == stack.input:  # not a module: block 0's input
-            handle = named[stack.names[0]].register_forward_pre_hook(_stream_in(run, name, kind), with_kwargs=True)
+        if name == start:  # not a module: block 0's input
+            handles.append(named[stack.names[0]].register_forward_pre_hook(_stream_in(run, name, kind),
+                                                                           with_kwargs=True))
         elif kind == "attn_heads":  # not a module: the input of the attention's output_proj
-            handle = named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(_heads_hook(run, name, kind))
+            hooks.pre(named[parent + ".output_proj"], _heads_hook(run, name, kind))
         else:
-            handle = named[name].register_forward_hook(_forward_hook(run, name, kind))
-        handles.append(handle)
+            hooks.forward(named[name], _forward_hook(run, name, kind))
     return observers
 
 
@@ -501,9 +536,9 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         raise OptionsError(f"model={type(model).__name__}: probe needs a torch.nn.Module")
     model = unwrap(model)
     options = options or ProbeOptions()
-    points, stack, named = _points(model, options)
+    points, stack, named, params = _points(model, options)
     run = ProbeRun(model, options, named)
-    state = _ModelState(model, named)
+    state = _ModelState(model, named, params)
     with ExitStack() as owner:  # unwinds last-in first-out: the restore below runs last
         owner.callback(state.restore, options.restore_grads)
         owner.callback(_measure_params, run, state)
