@@ -15,8 +15,8 @@ embedding output is block 0's input) and the attention and FFN branches before t
 ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model: each block of
 its block stack (its output, the residual stream) and block 0's input (``{stack}.input``);
 with ``attention`` and the default points (``modules`` None) or ``signals``, each
-``F.scaled_dot_product_attention`` call and each eager softmax over 4-D logits inside a block is
-measured on sampled query rows (:mod:`diagnostics.measure.sdpa`, :mod:`.eager_attention`) as
+``F.scaled_dot_product_attention`` call and each eager softmax over 4-D logits inside a block's
+attention child (a block without one: anywhere in the block) is measured on sampled query rows (:mod:`diagnostics.measure.sdpa`, :mod:`.eager_attention`) as
 ``{module}.scores`` and the ``{module}.probs`` panel.
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when

@@ -27,7 +27,9 @@ The sites of a model are found once and kept (weakly: they never keep the model 
 its structure stays the same: the same module objects under the same names, each holding the
 same parameter objects of the same shapes, and (tinylm) the same config object. Any change
 to these (a module added, removed or replaced, a parameter replaced or re-tied) finds them
-again at the next call.
+again at the next call. :func:`model_walk` gives with them the model's modules and parameters
+by name (what ``named_modules()`` and ``named_parameters()`` return), checked against what was
+recorded in one pass over the modules: a probe's set-up walks the model once.
 """
 
 from __future__ import annotations
@@ -211,10 +213,9 @@ _FOUND: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionar
 
 def _structure(model: nn.Module) -> tuple:
     """What the sites depend on, held by weak reference: per module in module order (its name,
-    the module, its type, its children by key, its parameters by key with their shapes); the
-    model's named parameters; the config of a tinylm model."""
-    mods = [(n, weakref.ref(m), type(m),
-             [(k, None if c is None else weakref.ref(c)) for k, c in m._modules.items()],
+    the module, its type, its children's keys and ids, its parameters by key with their shapes);
+    the model's named parameters; the config of a tinylm model."""
+    mods = [(n, weakref.ref(m), type(m), list(m._modules), [id(c) for c in m._modules.values()],
              [(k, weakref.ref(p), tuple(p.shape)) for k, p in m._parameters.items() if p is not None])
             for n, m in model.named_modules()]
     params = [(n, weakref.ref(p)) for n, p in model.named_parameters()]
@@ -223,31 +224,32 @@ def _structure(model: nn.Module) -> tuple:
 
 def _unchanged(model: nn.Module, known: tuple) -> tuple[dict[str, nn.Module], list] | None:
     """({name: module}, [(name, parameter)]) of ``model`` when its structure is still the one
-    :func:`_structure` recorded in ``known``, else None. Every module recorded still has the same
-    children under the same keys and the same parameters of the same shapes, so the modules
-    reachable from the model, their names and order, are those recorded (one pass over the
-    recorded modules, no walk of names)."""
+    :func:`_structure` recorded in ``known``, else None. Every module recorded is alive and still
+    has the same children (by id: a child that replaced one is either another id, or at the id
+    of one that died, whose own record then fails) under the same keys and the same parameters
+    of the same shapes, so the modules reachable from the model, their names and order, are
+    those recorded (one pass over the recorded modules, no walk of names)."""
     mods, params, config = known
     if (getattr(model, "config", None) if _is_tinylm(model) else None) is not config:
         return None
     if not mods or mods[0][1]() is not model:
         return None
     named: dict[str, nn.Module] = {}
-    for name, ref, kind, children, own in mods:
+    for name, ref, kind, keys, ids, own in mods:
         m = ref()
         if m is None or type(m) is not kind:
             return None
         now = m._modules
-        if len(now) != len(children):
+        if list(now) != keys or [id(c) for c in now.values()] != ids:
             return None
-        for (k, r), (key, child) in zip(children, now.items()):
-            if k != key or (None if r is None else r()) is not child:
+        held = m._parameters
+        if own or held:
+            now_held = [(k, p) for k, p in held.items() if p is not None]
+            if len(now_held) != len(own):
                 return None
-        if own or m._parameters:
-            held = [(k, p) for k, p in m._parameters.items() if p is not None]
-            if len(held) != len(own) or any(k != key or r() is not p or shape != p.shape
-                                             for (k, r, shape), (key, p) in zip(own, held)):
-                return None
+            for (k, r, shape), (key, p) in zip(own, now_held):
+                if k != key or r() is not p or p.shape != shape:
+                    return None
         named[name] = m
     return named, [(n, r()) for n, r in params]
 
