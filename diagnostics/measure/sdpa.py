@@ -110,19 +110,42 @@ def rows_of(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, T
             and numba_reducer.ready()):
         return row_statistics(s, allowed, signal)
     S = s.shape[-1]
-    lead = allowed.shape[:-2] if allowed.dim() > 2 else ()
-    a = allowed.expand(s.shape) if any(d != 1 for d in lead) else allowed.expand(s.shape[-2:])
-    a = a.reshape(-1, S).contiguous()  # (A, S): row m of the logits reads row m % A
+    if allowed.dim() != 2 or not allowed.is_contiguous():  # (A, S): row m of the logits reads row m % A
+        lead = allowed.shape[:-2] if allowed.dim() > 2 else ()
+        a = allowed.expand(s.shape) if any(d != 1 for d in lead) else allowed.expand(s.shape[-2:])
+        allowed = a.reshape(-1, S).contiguous()
     out = np.zeros(19)
-    with torch.no_grad():
-        flat = s.detach().reshape(-1, a.shape[0], S).contiguous()
-        p = torch.softmax(flat.masked_fill(~a, -math.inf), -1)  # the rows' weights, one vectorised op
-        numba_reducer.rows_loop()(flat.reshape(-1, S).numpy(), p.reshape(-1, S).numpy(), a.numpy(), out)
+    flat = s.detach().reshape(-1, allowed.shape[0], S).contiguous()  # no gradient flows through here
+    p = torch.softmax(torch.where(allowed, flat, -math.inf), -1)  # the rows' weights, one vectorised op
+    numba_reducer.rows_loop()(flat.view(-1, S).numpy(), p.view(-1, S).numpy(), allowed.numpy(), out)
     vec = torch.from_numpy(out)
     return vec[:10], vec[10:16], vec[16:] if signal else None
 
 
 _ROW_DTYPES = (torch.float32, torch.float64)
+
+
+_KEYS: dict = {}
+
+
+def _rows_and_keys(T: int, S: int, rows: int, is_causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(the sampled rows of T, the (R, S) keys each may attend to before any mask: all, or with
+    ``is_causal`` those up to the row), made once per shape and device (read only: never written
+    in place; at most 64 shapes kept), afresh under a dispatch mode (a FakeTensor mode would make
+    them fake)."""
+    key = (T, S, rows, is_causal, device)
+    got = _KEYS.get(key)
+    if got is None:
+        idx = sample_rows(T, rows).to(device)
+        allowed = torch.ones(len(idx), S, dtype=torch.bool, device=device)
+        if is_causal:
+            allowed = torch.arange(S, device=device)[None, :] <= idx[:, None]
+        got = (idx, allowed)
+        if not torch._C._len_torch_dispatch_stack():
+            if len(_KEYS) >= 64:  # lengths that keep changing (a growing cache of keys) keep a few
+                _KEYS.clear()
+            _KEYS[key] = got
+    return got
 
 
 def _logits(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None, rows: int
@@ -132,13 +155,10 @@ def _logits(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     T, S = q.shape[-2], k.shape[-2]
-    idx = sample_rows(T, rows).to(q.device)
+    idx, allowed = _rows_and_keys(T, S, rows, is_causal, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     wide = torch.promote_types(q.dtype, torch.float32)
     s = (q.index_select(-2, idx).to(wide) @ k.to(wide).transpose(-1, -2)) * scale  # (..., H, R, S)
-    allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
-    if is_causal:
-        allowed = torch.arange(S, device=s.device)[None, :] <= idx[:, None]
     if attn_mask is not None:
         m = attn_mask if attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 else attn_mask.index_select(-2, idx)
         if m.dtype == torch.bool:
