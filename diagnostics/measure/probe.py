@@ -38,11 +38,12 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import _pop_mode_temporarily
 
 import tinylm
 
@@ -434,6 +435,12 @@ def _forward_hook(run: ProbeRun, name: str, kind: str):
     def fwd(module, inputs, output):
         if not run.active:
             return None
+        if torch._C._len_torch_function_stack():  # maybe inside an attention module: pass its watch by
+            with _past_watch():
+                return measure(module, inputs, output)
+        return measure(module, inputs, output)
+
+    def measure(module, inputs, output):
         t0 = time.perf_counter()
         t = _first_tensor(output)
         if t is not None and t.is_floating_point():
@@ -450,10 +457,21 @@ def _heads_hook(run: ProbeRun, name: str, kind: str):
     def pre(module, inputs):
         if run.active and inputs and isinstance(inputs[0], Tensor):
             t0 = time.perf_counter()
-            run._forward(name, kind, inputs[0])
+            with _past_watch():
+                run._forward(name, kind, inputs[0])
             run.seconds += time.perf_counter() - t0
         return None
     return pre
+
+
+def _past_watch():
+    """A context in which the probe's own work does not go through its attention watch (the torch
+    calls of a reduction in a module inside an attention module): the watch taken off the mode
+    stack for the while when it is the innermost mode, else nothing."""
+    n = torch._C._len_torch_function_stack()
+    if n and getattr(torch._C._get_function_stack_at(n - 1), "probe_own", False):
+        return _pop_mode_temporarily()
+    return nullcontext()
 
 
 def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, nn.Module],
