@@ -26,32 +26,39 @@ OUT = 19
 def scan(row, ok, acc):
     """Add row's allowed entries to ``acc`` (count, sum, max finite |x|, zeros, |x| < 2^-14,
     finite |x| >= 2^16, |x| < 2^-126, finite |x| >= 2^127, max |x| over all, NaN seen); returns
-    (allowed keys, the largest allowed logit, whether one is NaN)."""
-    keys = 0
+    (allowed keys, the largest allowed logit, whether one is NaN). Sums in locals, added once."""
+    keys = n = zeros = h16u = h16o = b16u = b16o = 0
+    total = big = largest = 0.0
     top = -np.inf
     bad = False
     for j in range(row.size):
         if not ok[j]:
             continue
         keys += 1
-        x = row[j]
-        if x != x:
-            bad = True
-        elif x > top:
-            top = x
-        a = abs(np.float64(x))
-        acc[8] = max(acc[8], a)
+        x = np.float64(row[j])
+        a = abs(x)
         if a < np.inf:
-            acc[0] += 1
-            acc[1] += np.float64(x)
-            acc[2] = max(acc[2], a)
-            if x == 0:
-                acc[3] += 1
-            else:
-                acc[4] += a < 2.0 ** -14
-                acc[6] += a < 2.0 ** -126
-            acc[5] += a >= 2.0 ** 16
-            acc[7] += a >= 2.0 ** 127
+            n += 1
+            total += x
+            big = max(big, a)
+            zeros += x == 0
+            h16u += (a < 2.0 ** -14) & (x != 0)
+            b16u += (a < 2.0 ** -126) & (x != 0)
+            h16o += a >= 2.0 ** 16
+            b16o += a >= 2.0 ** 127
+        elif x != x:
+            bad = True
+        largest = max(largest, a)
+        top = max(top, x)
+    acc[0] += n
+    acc[1] += total
+    acc[2] = max(acc[2], big)
+    acc[3] += zeros
+    acc[4] += h16u
+    acc[5] += h16o
+    acc[6] += b16u
+    acc[7] += b16o
+    acc[8] = max(acc[8], largest)
     if bad:
         acc[9] = 1
     return keys, top, bad
