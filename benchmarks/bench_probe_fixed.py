@@ -15,6 +15,8 @@ within-pair ratios and the medians of each, in ms:
 * ``watch``: a probed GPT-2 forward+backward with the attention watch (``attention=True``, on
   only inside the attention modules) against one without it (``attention=False``): the watch's
   whole cost per pass, SDPA statistics included;
+* ``scope``: that probed pass against the same under a pass-through ``TorchFunctionMode`` over
+  the whole step (what a watch on for the whole pass would intercept besides);
 * ``entry``, ``exit``: entering and leaving ``probe`` around a pass, tinylm and GPT-2, and a
   bare pass beside them (medians, ms).
 """
@@ -120,6 +122,19 @@ def main(argv=None) -> int:
         return run
     show("watch, GPT-2 probed pass without -> with the attention watch",
          pair(probed(ProbeOptions(attention=False)), probed(ProbeOptions()), max(9, n // 4)))
+    from torch.overrides import TorchFunctionMode
+
+    class PassThrough(TorchFunctionMode):  # what a watch on for the whole pass intercepts
+        probe_own = True
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **kwargs) if kwargs else func(*args)
+
+    def whole():
+        with probe(gpt2), PassThrough():
+            bl.step(gpt2, tokens)
+    show("scope, GPT-2 probed pass -> with a pass-through mode over the whole step",
+         pair(probed(ProbeOptions()), whole, max(9, n // 4)))
     return 0
 
 
