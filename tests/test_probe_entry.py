@@ -84,7 +84,8 @@ def test_the_attention_rows_from_numba_are_the_torch_formulas(monkeypatch):
     if not numba_reducer.ready():
         pytest.skip("numba's cache is still being filled")
     for s, allowed in _rows_cases():
-        for signal in (False, True):
+        # float64 logits without the signal would send the reference's moments to the compiled reducer
+        for signal in ((True,) if s.dtype == torch.float64 else (False, True)):
             want, got = sdpa.row_statistics(s, allowed, signal), sdpa.rows_of(s, allowed, signal)
             for a, b in zip(want, got):
                 assert (a is None) == (b is None)
@@ -95,4 +96,74 @@ def test_the_attention_rows_from_numba_are_the_torch_formulas(monkeypatch):
     want = sdpa.row_statistics(s, allowed)[1]
     assert not torch.allclose(sdpa.rows_of(s * 1.001, allowed)[1], want, rtol=1e-5, atol=1e-9)
     monkeypatch.setenv("TINYLM_REDUCER", "cuda")  # the CUDA structure: the torch formulas themselves
-    assert all(torch.equal(a, b) for a, b in zip(sdpa.rows_of(s, allowed)[:2], sdpa.row_statistics(s, allowed)[:2]))
+    assert all(torch.equal(a, b) for a, b in zip(sdpa.rows_of(s, allowed, True), sdpa.row_statistics(s, allowed, True)))
+
+
+class _Mix(nn.Module):
+    """Eager causal attention over 2 heads (the class name decides whether it counts as attention)."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, 2, d // 2).permute(2, 0, 3, 1, 4)  # each (B, 2, T, d/2)
+        s = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(B, T, d)
+
+
+class MixAttention(_Mix):
+    pass
+
+
+class _Gate(nn.Module):
+    """A softmax over a 4-D tensor's last dimension that sits beside the attention (not in it)."""
+
+    def forward(self, x):
+        return x * x.view(*x.shape[:2], 2, -1).softmax(-1).reshape(x.shape)  # (B, T, 2, d/2)
+
+
+class _Block(nn.Module):
+    def __init__(self, mix: type, gate: bool):
+        super().__init__()
+        self.mix, self.ff = mix(), nn.Linear(8, 8)
+        self.gate = _Gate() if gate else None
+
+    def forward(self, x):
+        x = x + self.mix(x)
+        return x + self.ff(self.gate(x) if self.gate is not None else x)
+
+
+class _Net(nn.Module):
+    def __init__(self, mix: type, gate: bool = False):
+        super().__init__()
+        self.emb, self.blocks, self.head = nn.Embedding(20, 8), nn.ModuleList(_Block(mix, gate) for _ in range(2)), \
+            nn.Linear(8, 20)
+
+    def forward(self, t):
+        x = self.emb(t)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_the_watch_is_on_in_attention_children_else_in_the_whole_block():
+    from diagnostics import probe
+
+    tokens = torch.randint(0, 20, (2, 6), generator=torch.Generator().manual_seed(0))
+    got = {}
+    for label, net in (("named", _Net(MixAttention, gate=True)), ("unnamed", _Net(_Mix))):
+        torch.manual_seed(0)
+        with probe(net) as run:
+            net(tokens).sum().backward()
+        got[label] = sorted(k for k in run.stats.attention)
+    # an attention child: its calls, not the gate's beside it (a 4-D softmax outside attention)
+    assert got["named"] == ["blocks.0.mix.probs", "blocks.1.mix.probs"]
+    # no attention child: the block and its children are watched, the innermost one names the call
+    assert got["unnamed"] == ["blocks.0.mix.probs", "blocks.1.mix.probs"]
+    net = _Net(_Mix, gate=True)
+    with probe(net) as run:  # the control: a block watched whole sees the gate's softmax too
+        net(tokens).sum().backward()
+    assert sorted(run.stats.attention) == ["blocks.0.gate.probs", "blocks.0.mix.probs", "blocks.1.gate.probs",
+                                           "blocks.1.mix.probs"]
