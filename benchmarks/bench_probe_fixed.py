@@ -16,7 +16,8 @@ within-pair ratios and the medians of each, in ms:
   only inside the attention modules) against one without it (``attention=False``): the watch's
   whole cost per pass, SDPA statistics included;
 * ``scope``: that probed pass against the same under a pass-through ``TorchFunctionMode`` over
-  the whole step (what a watch on for the whole pass would intercept besides);
+  the whole step (what a watch on for the whole pass would intercept besides), and the calls
+  each intercepts in one probed pass;
 * ``entry``, ``exit``: entering and leaving ``probe`` around a pass, tinylm and GPT-2, and a
   bare pass beside them (medians, ms).
 """
@@ -124,11 +125,29 @@ def main(argv=None) -> int:
          pair(probed(ProbeOptions(attention=False)), probed(ProbeOptions()), max(9, n // 4)))
     from torch.overrides import TorchFunctionMode
 
+    calls = {"watch": 0, "whole": 0}
+
     class PassThrough(TorchFunctionMode):  # what a watch on for the whole pass intercepts
         probe_own = True
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls["whole"] += 1
             return func(*args, **kwargs) if kwargs else func(*args)
+
+    from diagnostics.measure.eager_attention import EagerAttentionWatch
+    seen = EagerAttentionWatch.__torch_function__
+
+    def counted(self, *a, **k):
+        calls["watch"] += 1
+        return seen(self, *a, **k)
+    EagerAttentionWatch.__torch_function__ = counted
+    with probe(gpt2):
+        bl.step(gpt2, tokens)
+    EagerAttentionWatch.__torch_function__ = seen
+    with probe(gpt2), PassThrough():
+        bl.step(gpt2, tokens)
+    print(f"  calls intercepted per GPT-2 probed pass: the watch {calls['watch']}, "
+          f"a mode over the whole step {calls['whole']}")
 
     def whole():
         with probe(gpt2), PassThrough():
