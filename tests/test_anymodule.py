@@ -261,11 +261,22 @@ def test_a_probe_of_an_hf_model_leaves_no_hook_and_no_mode_behind_even_when_the_
     model = gpt2(2)
     before = {n: t.clone() for n, t in model.state_dict().items()}
     depth = torch._C._len_torch_function_stack()
+    inside = []  # the modes on while an attention module runs
+    seen = model.transformer.h[0].attn.c_attn.register_forward_hook(
+        lambda m, a, o: inside.append(torch._C._len_torch_function_stack()))
+    proj = model.transformer.h[1].attn.c_proj
+
+    def boom(*args):
+        raise RuntimeError("boom")
     with pytest.raises(RuntimeError, match="boom"):
         with probe(model) as run:
             model(torch.randint(0, V, (1, 8)))
-            assert torch._C._len_torch_function_stack() == depth + 1  # one mode sees SDPA calls and eager softmax
-            raise RuntimeError("boom")
+            # one mode sees SDPA calls and eager softmax, only while an attention module runs
+            assert inside == [depth + 1] and torch._C._len_torch_function_stack() == depth
+            proj.forward = boom
+            model(torch.randint(0, V, (1, 8)))  # raises inside an attention module: its mode is left all the same
+    seen.remove()
+    del proj.forward
     assert sorted(run.stats.attention) == ["transformer.h.0.attn.probs", "transformer.h.1.attn.probs"]
     assert torch._C._len_torch_function_stack() == depth
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

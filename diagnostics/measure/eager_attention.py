@@ -9,20 +9,22 @@ Under a probe with ``signals`` on, :class:`EagerAttentionWatch` (a ``TorchFuncti
 sees every call of ``torch.softmax``, ``torch.nn.functional.softmax``, ``torch.special.softmax``
 and ``Tensor.softmax`` and takes one as attention when it is
 
-    over the last dimension of a 4-D floating tensor (B, H, T, S), called while a block
-    (or a block's child) runs.
+    over the last dimension of a 4-D floating tensor (B, H, T, S), called while the probe's
+    watch is on: while a block's attention child runs (a child whose class name ends in
+    ``Attention``), or, in a block without one, while the block runs.
 
 Its input rows are the logits with the scale and mask applied. An entry that is -inf, or
 <= finfo(dtype).min / 2 (Hugging Face adds finfo.min to the masked entries), is masked: not a
 score. The rows of :func:`diagnostics.measure.sdpa.sample_rows` (every row up to 64, else 64
 evenly spaced, the first and the last included) are measured by
-:func:`diagnostics.measure.sdpa.row_statistics` in float32 at least, so the cost is B x H x
+:func:`diagnostics.measure.sdpa.row_statistics`' figures (:func:`~diagnostics.measure.sdpa.rows_of`: one numba
+call on a CPU) in float32 at least, so the cost is B x H x
 64 x S whatever T is: the moments of the unmasked scores, the attention panel (entropy per
 row, the saturated fraction) and the signal vector [max |s| over the unmasked entries,
 sum over the rows of ln(unmasked keys), rows]. The call then runs as it would have.
 
 A softmax of another shape or over another dimension (a router's, a classifier's) is not
-attention and is passed on unmeasured; so is one outside every block.
+attention and is passed on unmeasured; the watch does not see a call made elsewhere.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .sdpa import ROWS, SDPAWatch, masked_additive, row_statistics, sample_rows
+from .sdpa import ROWS, SDPAWatch, masked_additive, rows_of, sample_rows
 
 __all__ = ["EagerAttentionWatch", "eager_rows", "is_attention_softmax", "SOFTMAX"]
 
@@ -64,7 +66,7 @@ def eager_rows(x: Tensor, rows: int = ROWS, signal: bool = True) -> tuple[Tensor
     idx = sample_rows(x.shape[-2], rows).to(x.device)
     s = x.detach().index_select(-2, idx)  # (B, H, R, S)
     allowed = ~masked_additive(s)
-    return row_statistics(s.to(torch.promote_types(s.dtype, torch.float32)), allowed, signal)
+    return rows_of(s.to(torch.promote_types(s.dtype, torch.float32)), allowed, signal)
 
 
 class EagerAttentionWatch(SDPAWatch):

@@ -66,6 +66,7 @@ DTYPES = frozenset((_torch.float32, _torch.bfloat16, _torch.float16))
 _PLAIN = (_torch.Tensor, _torch.nn.Parameter)
 
 _loops = None
+_rows = None  # the attention rows' loop (:func:`rows_loop`)
 _checked: bool | None = None
 _ready = False
 _warming = None  # the process filling numba's cache while this one measures with torch ops
@@ -117,10 +118,20 @@ def _build():
     return _loops
 
 
+def rows_loop():
+    """The loop of sampled attention rows (:mod:`._numba_rows`), imported once per process."""
+    global _rows
+    if _rows is None:
+        from ._numba_rows import rows
+        _rows = rows
+    return _rows
+
+
 def _cached(k) -> bool:
     """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
     try:
-        return all(os.path.exists(d._cache._cache_file._index_path) for d in (k.serial_at, k.parallel_at, k.many_at))
+        return all(os.path.exists(d._cache._cache_file._index_path)
+                   for d in (k.serial_at, k.parallel_at, k.many_at, rows_loop()))
     except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
         return True
 
@@ -162,6 +173,9 @@ def warm() -> None:
     k = _build()
     k.parallel_at(x.data_ptr(), x.numel(), 0, 0, False, 0, 2)
     summaries([x, x[0]]), summaries([x, x.softmax(-1)], 8, [False, True])
+    for dtype in (np.float32, np.float64):  # the attention rows' loop, for both widths of logits
+        z = np.zeros((2, 8), dtype=dtype)
+        rows_loop()(z, z, np.ones((2, 8), dtype=np.bool_), np.zeros(19))
 
 
 def summaries(xs: list, width: int = 0, probs: list | None = None) -> np.ndarray:

@@ -15,8 +15,8 @@ embedding output is block 0's input) and the attention and FFN branches before t
 ``output_proj`` (``layers.i.attn.heads``, that module's input). Any other model: each block of
 its block stack (its output, the residual stream) and block 0's input (``{stack}.input``);
 with ``attention`` and the default points (``modules`` None) or ``signals``, each
-``F.scaled_dot_product_attention`` call and each eager softmax over 4-D logits inside a block is
-measured on sampled query rows (:mod:`diagnostics.measure.sdpa`, :mod:`.eager_attention`) as
+``F.scaled_dot_product_attention`` call and each eager softmax over 4-D logits inside a block's
+attention child (a block without one: anywhere in the block) is measured on sampled query rows (:mod:`diagnostics.measure.sdpa`, :mod:`.eager_attention`) as
 ``{module}.scores`` and the ``{module}.probs`` panel.
 
 The forward hook reduces the output under ``no_grad`` to float64 moments and, when
@@ -56,8 +56,10 @@ from .pending import Pending
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .reducer_choice import pinned
 from .eager_attention import EagerAttentionWatch
+from .hooks import Hooks
+from .model_state import ModelState
 from .signals import PEAK_KINDS, Signals
-from .sites import model_sites
+from .sites import model_sites, model_walk
 from .params import param_stats, spectral_stats  # noqa: F401  (public here as before)
 from .wrappers import eager, unwrap
 
@@ -341,21 +343,26 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
     return pre
 
 
-def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
-    """Enter into ``owner`` an :class:`EagerAttentionWatch` (SDPA calls and eager softmax)
-    (not for a tinylm attention: its own observer measures it) whose calls, named by the innermost running
-    block or block child (hooks owned by ``owner``), add ``{name}.scores`` moments and ``{name}.probs``."""
-    running: list[str] = []
+def _watched(stack, named: dict[str, nn.Module]) -> list[str]:
+    """The modules during whose run the attention watch is on: in each block its attention
+    children (a class name ending in ``Attention``, as :mod:`.sites` finds attention), else the
+    block and its children (the innermost running one names a call)."""
+    out: list[str] = []
     for block in stack.names:
-        for name in (block, *(f"{block}.{c}" for c, _ in named[block].named_children())):
-            def push(module, args, _name=name):
-                running.append(_name)
+        children = [f"{block}.{c}" for c, _ in named[block].named_children()]
+        attention = [n for n in children if type(named[n]).__name__.endswith("Attention")]
+        out += attention or [block, *children]
+    return out
 
-            def pop(module, args, output, _name=name):
-                if running and running[-1] == _name:
-                    running.pop()
-            owner.callback(named[name].register_forward_pre_hook(push).remove)
-            owner.callback(named[name].register_forward_hook(pop).remove)
+
+def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
+    """An :class:`EagerAttentionWatch` (SDPA calls and eager softmax) that is on only while one of
+    the :func:`_watched` modules runs (entered by the outermost one's pre-hook, left by its
+    always-called hook; hooks owned by ``owner``, which also leaves the watch if a run never
+    returned), so the rest of the pass pays no interception. Its calls, named by the innermost
+    running watched module (not a tinylm attention: its own observer measures it), add
+    ``{name}.scores`` moments and ``{name}.probs``."""
+    running: list[str] = []
 
     def record(name: str, moments: Tensor, panel: Tensor) -> None:
         t0 = time.perf_counter()
@@ -372,90 +379,49 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
     def where() -> str | None:
         return running[-1] if running and run.active and running[-1] not in own else None
 
-    signal = run.signals.attention if run.signals is not None else None
-    owner.enter_context(EagerAttentionWatch(record, where, signal))  # SDPA calls and eager softmax, one mode
+    watch = EagerAttentionWatch(record, where, run.signals.attention if run.signals is not None else None)
+    on = [False]
+
+    def push(module, args, _name):
+        if not running and run.active:
+            watch.__enter__()
+            on[0] = True
+        running.append(_name)
+
+    def pop(module, args, output, _name):
+        if running and running[-1] == _name:
+            running.pop()
+        if on[0] and not running:
+            on[0] = False
+            watch.__exit__(None, None, None)
+
+    def leave() -> None:  # a run that raised before its hooks: the watch is left all the same
+        running.clear()
+        if on[0]:
+            on[0] = False
+            watch.__exit__(None, None, None)
+
+    hooks = Hooks()
+    owner.callback(hooks.remove)
+    owner.callback(leave)
+    for name in _watched(stack, named):
+        hooks.pre(named[name], lambda m, a, _name=name: push(m, a, _name))
+        hooks.forward(named[name], lambda m, a, o, _name=name: pop(m, a, o, _name), always_call=True)
 
 
-def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module]]:
-    """(name -> kind of every point measured, the block stack or None, the named modules): the
-    model's sites (:func:`~diagnostics.measure.sites.model_sites`), or ``options.modules``."""
-    sites = model_sites(model)
-    points, named = dict(sites.points), dict(model.named_modules())
+def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module], list]:
+    """(name -> kind of every point measured, the block stack or None, the named modules, the
+    named parameters): the model's sites, or ``options.modules``, from one walk of the model
+    (:func:`~diagnostics.measure.sites.model_walk`, kept while its structure stays the same)."""
+    sites, named, params = model_walk(model)
+    points = dict(sites.points)
     if options.modules is not None:
         missing = [m for m in options.modules if m not in named and m not in points]
         if missing:
             raise OptionsError(f"modules={missing!r}: no such module in the model; names look like "
                                f"{', '.join(list(points)[:3])}")
         points = {m: points.get(m, "module") for m in options.modules}
-    return points, sites.blocks, named
-
-
-_SETATTR = nn.Module.__setattr__
-
-
-class _ModelState:
-    """What a probe must leave as it found it: every module's ``training``, every parameter's
-    ``requires_grad`` and ``.grad`` (the same tensor object, its values restored)."""
-
-    def __init__(self, model: nn.Module, named: dict[str, nn.Module]):
-        self.model = model
-        self.training = {m: m.training for m in named.values()}
-        entry = list(model.named_parameters())
-        self.requires = {n: p.requires_grad for n, p in entry}
-        self.grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in entry}
-        self.grad_objs = {n: p.grad for n, p in entry}
-        self._now: list[tuple[str, nn.Parameter]] | None = None
-
-    def now(self) -> list[tuple[str, nn.Parameter]]:
-        """The model's named parameters as they are on exit (a parameter may have been replaced),
-        walked once for everything the exit does."""
-        if self._now is None:
-            self._now = list(self.model.named_parameters())
-        return self._now
-
-    def eval(self) -> None:
-        """``model.eval()``: each module's ``training`` set False directly where no module
-        overrides ``train`` or ``__setattr__`` (what ``eval`` does, without a call per module),
-        else ``model.eval()`` itself."""
-        if not any(self.training.values()):
-            return
-        if all(type(m).train is nn.Module.train and type(m).__setattr__ is _SETATTR for m in self.training):
-            for m in self.training:
-                object.__setattr__(m, "training", False)
-        else:
-            self.model.eval()
-
-    def grad_deltas(self, params: dict[str, Tensor]) -> dict[str, Tensor | None]:
-        """Each parameter's gradient less what it held when the probe began (this pass's share)."""
-        out = {}
-        for n, p in params.items():
-            g, before = p.grad, self.grads.get(n)
-            out[n] = g if (g is None or before is None) else g.detach() - before
-        return out
-
-    def restore(self, grads: bool) -> None:
-        params = dict(self.now())
-        for m, flag in self.training.items():
-            if m.training is not flag:  # a write through Module.__setattr__ costs more than the check
-                if type(m).__setattr__ is _SETATTR:
-                    object.__setattr__(m, "training", flag)  # what Module.__setattr__ does with a bool
-                else:
-                    m.training = flag
-        for n, flag in self.requires.items():
-            p = params[n]
-            if p.requires_grad is not flag:
-                p.requires_grad_(flag)
-        if grads:
-            for n, p in params.items():
-                saved = self.grads.get(n)
-                if saved is None:
-                    if p.grad is not None:
-                        p.grad = None
-                else:
-                    obj = self.grad_objs[n]
-                    with torch.no_grad():
-                        obj.copy_(saved)
-                    p.grad = obj
+    return points, sites.blocks, named, params
 
 
 def _forward_hook(run: ProbeRun, name: str, kind: str):
@@ -494,22 +460,24 @@ def _hook_points(run: ProbeRun, points: dict[str, str], stack, named: dict[str, 
     unwinds). tinylm attention keeps its path under a probe (the fused kernel unless something
     else needs the weights): its scores and weights are measured by an observer, never by hooks
     on its Taps. Returns the observers."""
-    observers, handles = [], []
+    observers, handles, hooks = [], [], Hooks()
     owner.callback(_remove_all, handles)  # every handle below, each removed whatever the others do
+    owner.callback(hooks.remove)
     for attn, want in observed.items():
         observers.append(AttentionObserver(run, attn, want))
         owner.callback(named[attn].register_observer(observers[-1]).remove)
+    start = stack.input if stack is not None else None
     for name, kind in points.items():
         parent, _, leaf = name.rpartition(".")
         if leaf in observed.get(parent, ()):
             continue  # measured by the attention's observer
-        if stack is not None and name == stack.input:  # not a module: block 0's input
-            handle = named[stack.names[0]].register_forward_pre_hook(_stream_in(run, name, kind), with_kwargs=True)
+        if name == start:  # not a module: block 0's input
+            handles.append(named[stack.names[0]].register_forward_pre_hook(_stream_in(run, name, kind),
+                                                                           with_kwargs=True))
         elif kind == "attn_heads":  # not a module: the input of the attention's output_proj
-            handle = named[name.rsplit(".", 1)[0] + ".output_proj"].register_forward_pre_hook(_heads_hook(run, name, kind))
+            hooks.pre(named[parent + ".output_proj"], _heads_hook(run, name, kind))
         else:
-            handle = named[name].register_forward_hook(_forward_hook(run, name, kind))
-        handles.append(handle)
+            hooks.forward(named[name], _forward_hook(run, name, kind))
     return observers
 
 
@@ -546,7 +514,7 @@ def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
         run.seconds += time.perf_counter() - t0
 
 
-def _measure_params(run: ProbeRun, state: _ModelState) -> None:
+def _measure_params(run: ProbeRun, state: ModelState) -> None:
     """Parameter and gradient statistics (``options.params``) of a pass that completed."""
     if not (run.completed and run.options.params):
         return None
@@ -575,9 +543,9 @@ def probe(model: nn.Module, options: ProbeOptions | None = None) -> Iterator[Pro
         raise OptionsError(f"model={type(model).__name__}: probe needs a torch.nn.Module")
     model = unwrap(model)
     options = options or ProbeOptions()
-    points, stack, named = _points(model, options)
+    points, stack, named, params = _points(model, options)
     run = ProbeRun(model, options, named)
-    state = _ModelState(model, named)
+    state = ModelState(model, named, params)
     with ExitStack() as owner:  # unwinds last-in first-out: the restore below runs last
         owner.callback(state.restore, options.restore_grads)
         owner.callback(_measure_params, run, state)

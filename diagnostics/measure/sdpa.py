@@ -35,17 +35,18 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from . import reduction, reference
+from . import numba_reducer, reduction, reference
 from .reducer import reduce
 from .reducer_choice import chosen
 from .reference import SATURATED_PROB
 
-__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "masked_additive", "ROWS",
+__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "rows_of", "masked_additive", "ROWS",
            "SIGNAL"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -100,6 +101,53 @@ def row_statistics(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Te
     return moments, panel, vec
 
 
+def rows_of(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`row_statistics`: for CPU logits under ``TINYLM_REDUCER=auto`` once numba's cache holds
+    its loop, the rows' softmax (one op) and one call into that loop (:mod:`._numba_rows`; the
+    same figures to the rounding of the logarithms and the order of the sums), else the torch
+    formulas."""
+    if not (s.is_cpu and s.dtype in _ROW_DTYPES and type(s) in _PLAIN and s.numel() and numba_reducer.available()
+            and numba_reducer.ready()):
+        return row_statistics(s, allowed, signal)
+    S = s.shape[-1]
+    if allowed.dim() != 2 or not allowed.is_contiguous():  # (A, S): row m of the logits reads row m % A
+        lead = allowed.shape[:-2] if allowed.dim() > 2 else ()
+        a = allowed.expand(s.shape) if any(d != 1 for d in lead) else allowed.expand(s.shape[-2:])
+        allowed = a.reshape(-1, S).contiguous()
+    out = np.zeros(19)
+    flat = s.detach().reshape(-1, allowed.shape[0], S).contiguous()  # no gradient flows through here
+    p = torch.softmax(torch.where(allowed, flat, -math.inf), -1)  # the rows' weights, one vectorised op
+    numba_reducer.rows_loop()(flat.view(-1, S).numpy(), p.view(-1, S).numpy(), allowed.numpy(), out)
+    vec = torch.from_numpy(out)
+    return vec[:10], vec[10:16], vec[16:] if signal else None
+
+
+_ROW_DTYPES = (torch.float32, torch.float64)
+
+
+_KEYS: dict = {}
+
+
+def _rows_and_keys(T: int, S: int, rows: int, is_causal: bool, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(the sampled rows of T, the (R, S) keys each may attend to before any mask: all, or with
+    ``is_causal`` those up to the row), made once per shape and device (read only: never written
+    in place; at most 64 shapes kept), afresh under a dispatch mode (a FakeTensor mode would make
+    them fake)."""
+    key = (T, S, rows, is_causal, device)
+    got = _KEYS.get(key)
+    if got is None:
+        idx = sample_rows(T, rows).to(device)
+        allowed = torch.ones(len(idx), S, dtype=torch.bool, device=device)
+        if is_causal:
+            allowed = torch.arange(S, device=device)[None, :] <= idx[:, None]
+        got = (idx, allowed)
+        if not torch._C._len_torch_dispatch_stack():
+            if len(_KEYS) >= 64:  # lengths that keep changing (a growing cache of keys) keep a few
+                _KEYS.clear()
+            _KEYS[key] = got
+    return got
+
+
 def _logits(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float | None, rows: int
             ) -> tuple[Tensor, Tensor]:
     """(s, allowed) of the sampled query rows of a call (see :func:`sampled_attention`)."""
@@ -107,13 +155,10 @@ def _logits(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     T, S = q.shape[-2], k.shape[-2]
-    idx = sample_rows(T, rows).to(q.device)
+    idx, allowed = _rows_and_keys(T, S, rows, is_causal, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     wide = torch.promote_types(q.dtype, torch.float32)
     s = (q.index_select(-2, idx).to(wide) @ k.to(wide).transpose(-1, -2)) * scale  # (..., H, R, S)
-    allowed = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device)
-    if is_causal:
-        allowed = torch.arange(S, device=s.device)[None, :] <= idx[:, None]
     if attn_mask is not None:
         m = attn_mask if attn_mask.dim() < 2 or attn_mask.shape[-2] == 1 else attn_mask.index_select(-2, idx)
         if m.dtype == torch.bool:
@@ -146,7 +191,7 @@ def _summary_kernel(q, k, attn_mask, is_causal, scale, rows, signal):
     """[moments, panel, signal vector] of :func:`row_statistics` of a call's sampled rows, in one vector."""
     with torch._C.DisableTorchFunction():
         s, allowed = _logits(q, k, attn_mask, is_causal, scale, rows)
-        return torch.cat([v for v in row_statistics(s, allowed, signal) if v is not None])
+        return torch.cat([v for v in rows_of(s, allowed, signal) if v is not None])
 
 
 _LIB.impl("sdpa_summary", _summary_kernel, "CompositeExplicitAutograd")
@@ -166,7 +211,7 @@ def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
     if q.is_cpu and chosen() == "auto" and type(q) in _PLAIN and type(k) in _PLAIN and reduction.direct():
         with torch.no_grad(), torch._C.DisableTorchFunction():
             s, allowed = _logits(q, k, attn_mask, is_causal, None if scale is None else float(scale), ROWS)
-            return row_statistics(s, allowed, signal)
+            return rows_of(s, allowed, signal)
     with torch.no_grad():
         vec = torch.ops.tinylm.sdpa_summary(q, k, attn_mask, is_causal, None if scale is None else float(scale), ROWS,
                                             signal)

@@ -43,12 +43,17 @@ __all__ = ["is_dtensor", "local_part", "whole", "gather", "merge_ranks", "moment
 NOT_MEASURED_SPECTRAL = "spectral norm, stable rank not measured: needs the full matrix under sharding"
 
 
+_DTENSOR: list = []  # [DTensor or None], looked up once per process
+
+
 def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - a torch without torch.distributed
-        return None
-    return DTensor
+    if not _DTENSOR:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - a torch without torch.distributed
+            DTensor = None
+        _DTENSOR.append(DTensor)
+    return _DTENSOR[0]
 
 
 def is_dtensor(t: object) -> bool:

@@ -27,7 +27,9 @@ The sites of a model are found once and kept (weakly: they never keep the model 
 its structure stays the same: the same module objects under the same names, each holding the
 same parameter objects of the same shapes, and (tinylm) the same config object. Any change
 to these (a module added, removed or replaced, a parameter replaced or re-tied) finds them
-again at the next call.
+again at the next call. :func:`model_walk` gives with them the model's modules and parameters
+by name (what ``named_modules()`` and ``named_parameters()`` return), checked against what was
+recorded in one pass over the modules: a probe's set-up walks the model once.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from torch import Tensor, nn
 
@@ -43,7 +45,7 @@ import tinylm
 
 from .blocks import BlockStack, find_blocks
 
-__all__ = ["Sites", "model_sites"]
+__all__ = ["Sites", "Walk", "model_sites", "model_walk"]
 
 _EMBEDDINGS = (nn.Embedding, tinylm.Embedding)
 _LINEARS = (nn.Linear, tinylm.Linear)
@@ -196,32 +198,73 @@ def _watch(plan: tinylm.plan.ModelPlan | None, names: set[str], embeddings: tupl
     return tuple(dict.fromkeys(s for s in sites if s is not None and s in names))
 
 
-_FOUND: "weakref.WeakKeyDictionary[nn.Module, tuple[list, Sites]]" = weakref.WeakKeyDictionary()
+class Walk(NamedTuple):
+    """One walk of a model's modules, shared by everything a probe sets up: its :class:`Sites`,
+    ``named`` (``dict(model.named_modules())``) and ``params`` (``list(model.named_parameters())``),
+    each a new container per call."""
+
+    sites: Sites
+    named: dict[str, nn.Module]
+    params: list[tuple[str, nn.Parameter]]
 
 
-def _structure(model: nn.Module) -> list:
-    """What the sites depend on, held by weak reference: per module (name, module, its parameters
-    with their shapes), then the config of a tinylm model."""
-    out: list = [(n, weakref.ref(m), type(m), [(weakref.ref(p), tuple(p.shape)) for p in m._parameters.values()
-                                               if p is not None]) for n, m in model.named_modules()]
-    out.append(getattr(model, "config", None) if _is_tinylm(model) else None)
-    return out
+_FOUND: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _unchanged(model: nn.Module, known: list) -> bool:
-    """Whether ``model``'s structure is still the one :func:`_structure` recorded in ``known``."""
-    i = -1
-    for i, (name, mod) in enumerate(model.named_modules()):
-        if i >= len(known) - 1:
-            return False
-        n, ref, kind, params = known[i]
-        if n != name or ref() is not mod or type(mod) is not kind:
-            return False
-        now = [p for p in mod._parameters.values() if p is not None]
-        if len(now) != len(params) or any(r() is not p or shape != p.shape for p, (r, shape) in zip(now, params)):
-            return False
-    config = getattr(model, "config", None) if _is_tinylm(model) else None
-    return i == len(known) - 2 and known[-1] is config
+def _structure(model: nn.Module) -> tuple:
+    """What the sites depend on, held by weak reference: per module in module order (its name,
+    the module, its type, its children's keys and ids, its parameters by key with their shapes);
+    the model's named parameters; the config of a tinylm model."""
+    mods = [(n, weakref.ref(m), type(m), list(m._modules), [id(c) for c in m._modules.values()],
+             [(k, weakref.ref(p), tuple(p.shape)) for k, p in m._parameters.items() if p is not None])
+            for n, m in model.named_modules()]
+    params = [(n, weakref.ref(p)) for n, p in model.named_parameters()]
+    return mods, params, getattr(model, "config", None) if _is_tinylm(model) else None
+
+
+def _unchanged(model: nn.Module, known: tuple) -> tuple[dict[str, nn.Module], list] | None:
+    """({name: module}, [(name, parameter)]) of ``model`` when its structure is still the one
+    :func:`_structure` recorded in ``known``, else None. Every module recorded is alive and still
+    has the same children (by id: a child that replaced one is either another id, or at the id
+    of one that died, whose own record then fails) under the same keys and the same parameters
+    of the same shapes, so the modules reachable from the model, their names and order, are
+    those recorded (one pass over the recorded modules, no walk of names)."""
+    mods, params, config = known
+    if (getattr(model, "config", None) if _is_tinylm(model) else None) is not config:
+        return None
+    if not mods or mods[0][1]() is not model:
+        return None
+    named: dict[str, nn.Module] = {}
+    for name, ref, kind, keys, ids, own in mods:
+        m = ref()
+        if m is None or type(m) is not kind:
+            return None
+        now = m._modules
+        if list(now) != keys or [id(c) for c in now.values()] != ids:
+            return None
+        held = m._parameters
+        if own or held:
+            now_held = [(k, p) for k, p in held.items() if p is not None]
+            if len(now_held) != len(own):
+                return None
+            for (k, r, shape), (key, p) in zip(own, now_held):
+                if k != key or r() is not p or p.shape != shape:
+                    return None
+        named[name] = m
+    return named, [(n, r()) for n, r in params]
+
+
+def model_walk(model: nn.Module) -> Walk:
+    """The sites, modules and parameters of ``model`` (:class:`Walk`), found again only when its
+    structure changed (module docstring); else from one pass over what was recorded."""
+    known = _FOUND.get(model)
+    if known is not None:
+        now = _unchanged(model, known[0])
+        if now is not None:
+            return Walk(known[1], *now)
+    sites = _find(model)
+    _FOUND[model] = (_structure(model), sites)
+    return Walk(sites, dict(model.named_modules()), list(model.named_parameters()))
 
 
 def model_sites(model: nn.Module) -> Sites:
@@ -232,12 +275,7 @@ def model_sites(model: nn.Module) -> Sites:
         A :class:`Sites`; a model without embeddings, blocks or a head has those fields empty
         or None (nothing is measured there), never an error.
     """
-    known = _FOUND.get(model)
-    if known is not None and _unchanged(model, known[0]):
-        return known[1]
-    sites = _find(model)
-    _FOUND[model] = (_structure(model), sites)
-    return sites
+    return model_walk(model).sites
 
 
 def _find(model: nn.Module) -> Sites:
