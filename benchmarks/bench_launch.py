@@ -12,6 +12,8 @@ structure CUDA tensors get, ``auto`` the default CPU path), one forward+backward
 * dispatched aten ops, bare and under ``probe`` (the whole ``with`` block: its exit, the
   parameter statistics and the one transfer of its results, included), counted by
   :class:`diagnostics.measure.opcount.OpCount`, and the ops the probe adds, by name (``--top``);
+* the compiled graphs a probed pass runs (:func:`compiled_calls`: under ``cuda``, the kernel
+  launches a GPU pays for, which the CPU's time hides behind the float64 arithmetic);
 * host reads (``.item()``, ``.tolist()``, ``.cpu()`` and kin) inside forward and backward;
 * time probed / bare: ``--pairs`` interleaved pairs (order by a seeded coin) after a warm-up
   of each, the median of the within-pair ratios (the machine is shared: pairs, not means);
@@ -172,6 +174,27 @@ def queue_pairs(model, tokens, n: int) -> tuple[float, list[float], float, float
     return statistics.median(ratios), ratios, statistics.median(times[True]), statistics.median(times[False])
 
 
+def compiled_calls(fn, *args) -> int:
+    """How many compiled graphs one ``fn(*args)`` runs (inductor's ``CompiledFxGraph`` calls): on a
+    GPU each is a host-side wrapper and one or a few kernel launches, whatever the arithmetic, so
+    under ``TINYLM_REDUCER=cuda`` this count is the launch-bound cost the CPU's time cannot show
+    (the CPU runs the compiled float64 reductions' arithmetic, which a GPU does in microseconds)."""
+    from torch._inductor import output_code
+
+    cls, calls = output_code.CompiledFxGraph, [0]
+    real = cls.__call__
+
+    def call(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+    cls.__call__ = call
+    try:
+        fn(*args)
+    finally:
+        cls.__call__ = real
+    return calls[0]
+
+
 def count(fn, *args):
     from diagnostics.measure.opcount import OpCount
 
@@ -270,6 +293,7 @@ def main(argv=None) -> int:
                   f"host reads inside forward+backward {sum(inside.values())} {inside or ''}; "
                   f"all host reads {ops.host_reads}")
             print("    added: " + ", ".join(f"{k} {v}" for k, v in added.most_common(args.top)))
+            print(f"    compiled calls per probed pass: {compiled_calls(probed, model, tokens)}")
             med, ratios = pairs(lambda: step(model, tokens), lambda: probed(model, tokens), args.pairs)
             print(f"    time probed/bare: median {med:.2f} over {len(ratios)} pairs "
                   f"(range {min(ratios):.2f}-{max(ratios):.2f})")
