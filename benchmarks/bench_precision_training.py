@@ -38,6 +38,7 @@ with the largest dB lost to the format's ideal (the verdicts' yardstick) for com
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import multiprocessing as mp
 import statistics
@@ -51,20 +52,23 @@ from torch import nn  # noqa: E402
 
 CHANNEL = 5
 BATCH, SEQ = 8, 64
+GEMMS = ("fprop", "dgrad", "wgrad")
 
 
 class TorchaoLinear(nn.Module):
-    """A Linear whose three GEMMs run through torchao's emulated recipe (shares the weight)."""
+    """A Linear whose GEMMs run through torchao's emulated recipe (shares the weight); ``gemms`` names
+    those cast (the others stay in high precision: torchao's cast configs of both operands of a GEMM
+    set to ``ScalingType.DISABLED``, which its Float8LinearConfig allows GEMM by GEMM)."""
 
-    def __init__(self, weight: nn.Parameter, recipe: str):
+    def __init__(self, weight: nn.Parameter, recipe: str, gemms=GEMMS):
         super().__init__()
         self.weight, self.recipe = weight, recipe
+        if recipe == "mxfp8" and tuple(gemms) != GEMMS:
+            raise SystemExit("mxfp8 runs its three GEMMs in one op here: one GEMM at a time needs tensorwise or rowwise")
         if recipe != "mxfp8":
-            from torchao.float8.config import Float8LinearConfig
+            self.config = _float8_config(recipe, gemms)
             from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
-            base = Float8LinearConfig.from_recipe_name(recipe)
-            self.config = Float8LinearConfig(**{**base.__dict__, "emulate": True})
             self.mm = LinearMMConfig(*(ScaledMMConfig(True, fast, False, False) for fast in (True, False, False)))
 
     def forward(self, x):
@@ -79,13 +83,31 @@ class TorchaoLinear(nn.Module):
         return matmul_with_hp_or_float8_args.apply(x, self.weight.t(), self.mm, self.config)
 
 
-def convert(model: nn.Module, recipe: str, names, keep=()) -> nn.Module:
-    """The linear layers named in ``names``, except ``keep``, through the recipe, in place."""
+def _float8_config(recipe: str, gemms):
+    """torchao's recipe, emulated, with the cast configs of the GEMMs not in ``gemms`` disabled."""
+    import dataclasses
+
+    from torchao.float8.config import CastConfig, Float8LinearConfig, ScalingType
+
+    base = Float8LinearConfig.from_recipe_name(recipe)
+    fields = {"fprop": ("cast_config_input", "cast_config_weight"),
+              "dgrad": ("cast_config_grad_output", "cast_config_weight_for_grad_input"),
+              "wgrad": ("cast_config_input_for_grad_weight", "cast_config_grad_output_for_grad_weight")}
+    kw = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    for gm, names in fields.items():
+        if gm not in gemms:
+            for n in names:  # same dtype as the operand's other use (torchao checks it), no cast
+                kw[n] = CastConfig(ScalingType.DISABLED, target_dtype=kw[n].target_dtype)
+    return Float8LinearConfig(**{**kw, "emulate": True})
+
+
+def convert(model: nn.Module, recipe: str, names, keep=(), gemms=GEMMS) -> nn.Module:
+    """The linear layers named in ``names``, except ``keep``, through the recipe (``gemms`` of each), in place."""
     for name, mod in list(model.named_modules()):
         for cname, child in list(mod.named_children()):
             full = f"{name}.{cname}" if name else cname
             if full in names and full not in keep:
-                setattr(mod, cname, TorchaoLinear(child.weight, recipe))
+                setattr(mod, cname, TorchaoLinear(child.weight, recipe, gemms))
     return model
 
 
@@ -159,15 +181,15 @@ def _data():
 
 
 def train(job: tuple) -> float:
-    """One run: (kind, case, recipe or None, names converted, keep, seed, steps, lr) -> final loss."""
-    kind, case, recipe, names, keep, seed, steps, lr = job
+    """One run: (kind, case, recipe or None, names converted, keep, seed, steps, lr, gemms) -> final loss."""
+    kind, case, recipe, names, keep, seed, steps, lr, gemms = job
     torch.set_num_threads(1)
     from tinylm.data import get_batch
 
     data = _DATA if _DATA is not None else _data()
     model = build(kind, case)
     if recipe is not None:
-        convert(model, recipe, set(names), set(keep))
+        convert(model, recipe, set(names), set(keep), gemms)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     losses = []
@@ -215,6 +237,88 @@ def _mean_se(v) -> tuple[float, float]:
     return m, (statistics.stdev(v) / len(v) ** 0.5 if len(v) > 1 else float("nan"))
 
 
+def _jobs(args, names, keep) -> list[tuple[dict, tuple]]:
+    """(label, job) of every run, seed-major for the ablations (a stopped run leaves whole seeds)."""
+    common, tail = (args.model, args.case), (args.steps, args.lr)
+    out = [({"arm": "float32", "seed": s}, (*common, None, names, (), s, *tail, GEMMS)) for s in range(args.seeds)]
+    if not args.only_ablate:
+        out += [({"arm": "everywhere", "seed": s}, (*common, args.recipe, names, (), s, *tail, GEMMS))
+                for s in range(args.seeds)]
+        out += [({"arm": "kept", "seed": s}, (*common, args.recipe, names, keep, s, *tail, GEMMS))
+                for s in range(args.seeds)]
+    for s in range(args.ablate_seeds):
+        for n in names:
+            if args.ablate:
+                out.append(({"arm": "module", "module": n, "gemm": "all", "seed": s},
+                            (*common, args.recipe, (n,), (), s, *tail, GEMMS)))
+            for gm in GEMMS if args.ablate_gemms else ():
+                out.append(({"arm": "gemm", "module": n, "gemm": gm, "seed": s},
+                            (*common, args.recipe, (n,), (), s, *tail, (gm,))))
+    return out
+
+
+def _run_all(args, names, keep) -> list[dict]:
+    jobs = _jobs(args, names, keep)
+    records = []
+    sink = open(args.save, "a") if args.save else None
+    with mp.get_context("fork").Pool(args.workers, initializer=_init_worker) as pool:
+        for (label, _), loss in zip(jobs, pool.imap(train, [j for _, j in jobs], chunksize=1)):
+            records.append({**label, "loss": loss, "steps": args.steps, "model": args.model, "case": args.case,
+                            "recipe": args.recipe, "lr": args.lr})
+            if sink is not None:
+                sink.write(json.dumps(records[-1]) + "\n")
+                sink.flush()
+    if sink is not None:
+        sink.close()
+    return records
+
+
+def _arms(records, recipe: str, keep) -> dict[int, float]:
+    base = {r["seed"]: r["loss"] for r in records if r["arm"] == "float32"}
+    vals = list(base.values())
+    spread = statistics.stdev(vals) if len(vals) > 1 else float("nan")
+    print(f"  high precision (float32) final loss {statistics.fmean(vals):.4f}, spread over seeds (sd) {spread:.4f}")
+    for arm, what in (("everywhere", f"{recipe} everywhere"), ("kept", f"{recipe}, {len(keep)} kept")):
+        runs = {r["seed"]: r["loss"] for r in records if r["arm"] == arm}
+        if runs:
+            m, se = _mean_se([runs[s] - base[s] for s in runs])
+            print(f"  {what:26s} final loss {statistics.fmean(runs.values()):.4f}, gap paired by seed {m:+.4f} "
+                  f"+- {se:.4f} (se); |gap| = {abs(m) / spread:.2f}x the spread")
+    return base
+
+
+def _increases(records, base, arm: str) -> dict[tuple[str, str], list[float]]:
+    """(module, gemm) -> the loss increase over float32 of the same seed, per seed measured."""
+    out: dict[tuple[str, str], list[float]] = {}
+    for r in records:
+        if r["arm"] == arm and r["seed"] in base:
+            out.setdefault((r["module"], r["gemm"]), []).append(r["loss"] - base[r["seed"]])
+    return out
+
+
+def ablation_report(result, records, base, recipe: str) -> None:
+    """Per ablated unit the loss increase (mean +- se over seeds) and the Spearman correlations."""
+    harm, lost = result.harm(recipe), {}
+    for r in result.rows:
+        lost[r.module] = max(lost.get(r.module, -math.inf), r.loss_db)
+    for arm in ("module", "gemm"):
+        rise = _increases(records, base, arm)
+        if not rise:
+            continue
+        ses = []
+        for (n, gm), d in rise.items():
+            m, se = _mean_se(d)
+            ses.append(se)
+            print(f"    {n:28s} {gm:5s} harm {harm[n]:9.3g}  dB lost {lost[n]:6.2f}  loss increase {m:+.4f} +- {se:.4f}")
+        keys = list(rise)
+        seeds = min(len(d) for d in rise.values())
+        print(f"  {arm} at a time: {len(keys)} units, {seeds} seeds; median standard error {statistics.median(ses):.4f}")
+        mean = [statistics.fmean(rise[k]) for k in keys]
+        for label, pred in (("harm (noise power)", harm), ("largest dB lost", lost)):
+            rho = spearman([pred[n] for n, _ in keys], mean)
+            print(f"  Spearman({label}, loss increase) = {rho:.2f}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("tinylm", "llama"), default="tinylm")
@@ -223,9 +327,13 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--recipe", default="tensorwise")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--ablate", action="store_true")
+    p.add_argument("--ablate", action="store_true", help="one module (its three GEMMs) at a time")
+    p.add_argument("--ablate-gemms", action="store_true", help="one GEMM of one module at a time")
     p.add_argument("--ablate-seeds", type=int, default=3)
+    p.add_argument("--only-ablate", action="store_true", help="float32 and the ablations only")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--save", default=None, help="append each run's final loss to this JSONL file")
+    p.add_argument("--load", default=None, help="read the runs from this JSONL file instead of training")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from diagnostics import PrecisionOptions, precision
@@ -234,41 +342,17 @@ def main(argv=None) -> None:
                        options=PrecisionOptions(recipes=(args.recipe,), batch_size=BATCH, seq_len=SEQ))
     names, keep = tuple(result.modules), tuple(result.keep_in_bf16(args.recipe))
     print(f"precision ({args.model}, case {args.case}, {args.recipe}): {result}")
-    print(f"1 thread per run, {args.workers} workers, {args.steps} steps, lr {args.lr:g}, seeds 0..{args.seeds - 1}",
-          flush=True)
-    common = (args.model, args.case)
-    jobs = [(*common, None, names, (), s, args.steps, args.lr) for s in range(args.seeds)]
-    jobs += [(*common, args.recipe, names, (), s, args.steps, args.lr) for s in range(args.seeds)]
-    jobs += [(*common, args.recipe, names, keep, s, args.steps, args.lr) for s in range(args.seeds)]
-    abl = names if args.ablate else ()
-    jobs += [(*common, args.recipe, (n,), (), s, args.steps, args.lr) for n in abl for s in range(args.ablate_seeds)]
-    with mp.get_context("fork").Pool(args.workers, initializer=_init_worker) as pool:
-        out = pool.map(train, jobs, chunksize=1)
-    k = args.seeds
-    base, full, kept, rest = out[:k], out[k:2 * k], out[2 * k:3 * k], out[3 * k:]
-    spread = statistics.stdev(base) if k > 1 else float("nan")
-    print(f"  high precision (float32) final loss {statistics.fmean(base):.4f}, spread over seeds (sd) {spread:.4f}")
-    print("  per seed: float32 " + " ".join(f"{v:.4f}" for v in base) + f"; {args.recipe} everywhere "
-          + " ".join(f"{v:.4f}" for v in full) + "; kept " + " ".join(f"{v:.4f}" for v in kept))
-    for what, runs in ((f"{args.recipe} everywhere", full), (f"{args.recipe}, {len(keep)} kept", kept)):
-        m, se = _mean_se([a - b for a, b in zip(runs, base)])
-        print(f"  {what:26s} final loss {statistics.fmean(runs):.4f}, gap paired by seed {m:+.4f} +- {se:.4f} (se); "
-              f"|gap| = {abs(m) / spread:.2f}x the spread")
-    if not args.ablate:
-        return
-    harm, lost = result.harm(args.recipe), {}
-    for r in result.rows:
-        lost[r.module] = max(lost.get(r.module, -math.inf), r.loss_db)
-    rise, ses = {}, []
-    for i, n in enumerate(names):
-        d = [rest[i * args.ablate_seeds + s] - base[s] for s in range(args.ablate_seeds)]
-        rise[n], se = _mean_se(d)
-        ses.append(se)
-        print(f"    {n:28s} harm {harm[n]:9.3g}  dB lost {lost[n]:6.2f}  loss increase {rise[n]:+.4f} +- {se:.4f}")
-    print(f"  median standard error of a loss increase {statistics.median(ses):.4f} ({args.ablate_seeds} seeds)")
-    for label, pred in (("harm (noise power)", harm), ("largest dB lost", lost)):
-        rho = spearman([pred[n] for n in names], [rise[n] for n in names])
-        print(f"  Spearman({label}, loss increase) = {rho:.2f} over {len(names)} modules")
+    if args.load:
+        with open(args.load) as f:
+            records = [r for r in map(json.loads, f) if r["model"] == args.model and r["case"] == args.case
+                       and r["recipe"] == args.recipe and r["steps"] == args.steps]
+        print(f"{len(records)} runs read from {args.load}")
+    else:
+        print(f"1 thread per run, {args.workers} workers, {args.steps} steps, lr {args.lr:g}, "
+              f"seeds 0..{args.seeds - 1}", flush=True)
+        records = _run_all(args, names, keep)
+    base = _arms(records, args.recipe, keep)
+    ablation_report(result, records, base, args.recipe)
 
 
 if __name__ == "__main__":
