@@ -296,27 +296,63 @@ def _increases(records, base, arm: str) -> dict[tuple[str, str], list[float]]:
     return out
 
 
+def _predictors(result, recipe: str, arm: str) -> dict[str, dict[tuple[str, str], float]]:
+    """Per ablated unit ((module, "all") or (module, gemm)) each predictor's figure."""
+    rows = [r for r in result.rows if r.recipe == recipe]
+    noise = {(r.module, r.gemm): 10.0 ** (-min(r.sqnr_db, r.row_sqnr_db) / 10) for r in rows}
+    lost = {(r.module, r.gemm): r.loss_db for r in rows}
+    loss = {(r.module, r.gemm): r.predicted_loss for r in rows}
+    if arm == "gemm":
+        return {"predicted_loss": loss, "noise power": noise, "dB lost": lost}
+    by_loss, by_noise = result.harm(recipe, by="loss"), result.harm(recipe)
+    worst = {}
+    for (m, _), v in lost.items():
+        worst[m] = max(worst.get(m, -math.inf), v)
+    return {"predicted_loss": {(m, "all"): v for m, v in by_loss.items()},
+            "noise power (harm)": {(m, "all"): v for m, v in by_noise.items()},
+            "largest dB lost": {(m, "all"): v for m, v in worst.items()}}
+
+
+def _bootstrap(pred, rise, keys, draws: int = 2000) -> tuple[float, float]:
+    """95% interval of Spearman over units resampled with replacement (each unit's mean over seeds)."""
+    import random
+
+    gen, out = random.Random(0), []
+    for _ in range(draws):
+        pick = [keys[gen.randrange(len(keys))] for _ in keys]
+        a, b = [pred[k] for k in pick], [statistics.fmean(rise[k]) for k in pick]
+        if len(set(a)) > 1 and len(set(b)) > 1:
+            out.append(spearman(a, b))
+    out.sort()
+    return out[int(0.025 * len(out))], out[int(0.975 * len(out)) - 1]
+
+
 def ablation_report(result, records, base, recipe: str) -> None:
-    """Per ablated unit the loss increase (mean +- se over seeds) and the Spearman correlations."""
-    harm, lost = result.harm(recipe), {}
-    for r in result.rows:
-        lost[r.module] = max(lost.get(r.module, -math.inf), r.loss_db)
+    """Per ablated unit the loss increase (mean +- se over seeds), and per predictor the Spearman
+    correlation with it: over the seeds' mean (95% bootstrap interval over units) and per seed."""
     for arm in ("module", "gemm"):
         rise = _increases(records, base, arm)
         if not rise:
             continue
+        preds = _predictors(result, recipe, arm)
+        seeds = sorted({r["seed"] for r in records if r["arm"] == arm})
+        keys = [k for k in rise if len(rise[k]) == len(seeds)]
         ses = []
-        for (n, gm), d in rise.items():
-            m, se = _mean_se(d)
+        for k in keys:
+            m, se = _mean_se(rise[k])
             ses.append(se)
-            print(f"    {n:28s} {gm:5s} harm {harm[n]:9.3g}  dB lost {lost[n]:6.2f}  loss increase {m:+.4f} +- {se:.4f}")
-        keys = list(rise)
-        seeds = min(len(d) for d in rise.values())
-        print(f"  {arm} at a time: {len(keys)} units, {seeds} seeds; median standard error {statistics.median(ses):.4f}")
+            print(f"    {k[0]:28s} {k[1]:5s} predicted {preds['predicted_loss'][k]:9.3g}  "
+                  f"noise {preds[list(preds)[1]][k]:9.3g}  dB lost {preds[list(preds)[2]][k]:6.2f}  "
+                  f"loss increase {m:+.4f} +- {se:.4f}")
+        print(f"  {arm} at a time: {len(keys)} units, seeds {seeds}; median standard error of an increase "
+              f"{statistics.median(ses):.4f}")
         mean = [statistics.fmean(rise[k]) for k in keys]
-        for label, pred in (("harm (noise power)", harm), ("largest dB lost", lost)):
-            rho = spearman([pred[n] for n, _ in keys], mean)
-            print(f"  Spearman({label}, loss increase) = {rho:.2f}")
+        for label, pred in preds.items():
+            rho = spearman([pred[k] for k in keys], mean)
+            lo, hi = _bootstrap(pred, rise, keys)
+            per = " ".join(f"seed {s}: {spearman([pred[k] for k in keys], [rise[k][i] for k in keys]):.2f}"
+                           for i, s in enumerate(seeds))
+            print(f"  Spearman({label}, loss increase) = {rho:.2f} (95% bootstrap over units {lo:.2f}..{hi:.2f}); {per}")
 
 
 def main(argv=None) -> None:

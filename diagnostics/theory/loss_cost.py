@@ -16,32 +16,34 @@ own gradients (the empirical Fisher) is
 
 For e = -y this is the layer's Taylor importance, fisher(y): the loss the layer's output carries.
 
-dgrad and wgrad change no loss at the step; they change the update. Over steps an unbiased rounding
-error is one more gradient noise, small beside the minibatch's own (E5M2's 24.5 dB is 0.35% of the
-gradient's power), so it is taken as free; a systematic part removes descent. What a step can
-gain along an entry of the gradient is G^2 / (2 F), F the curvature there (a Newton step; a plain
-first-order view is wrong here: an outlier channel's gradient is large, and so is its curvature,
-so it buys no more than the others); arriving as G_q it gains G_q G / F to first order. The share
-lost is
+dgrad and wgrad change no loss at the step; they change the update, and what a gradient G buys is
+descent. Along an entry a step can gain G^2 / (2 F), F the curvature there (a Newton step; the plain
+first-order view, every entry weighed 1, is wrong here: an outlier channel's gradient is large and
+so is its curvature, so it buys no more than the others); arriving as G_q it gains G_q G / F to
+first order. The share lost is
 
     lost(G_q, G) = clip(1 - sum G_q G / F / sum G^2 / F, 0, 1)
 
 with F the factored empirical Fisher of the measured gradient (Adafactor's factoring of the second
-moment: the entry's row mean square times its column's, over the whole's) for wgrad's dW (rows:
-output features, columns: input features), and per input channel (column) for dgrad's dx, whose
-rows are tokens that the upstream weight gradients sum over. Where a group's inputs flush to zero,
-its columns arrive as 0 and their share is lost whatever their size.
+moment: the entry's row mean square times its column's) for wgrad's dW (rows: output features,
+columns: input features), and per input channel (column) for dgrad's dx, whose rows are tokens that
+the upstream weight gradients sum over. Two regimes follow. Rounding to nearest leaves an error
+uncorrelated with the rounded value (within a bin e = c - x, so E[x e] = -E[e^2]): a gradient
+arrives shrunk by its relative noise power rho, and lost ~ rho (E5M2's 24.5 dB: 0.35%); the noise
+besides is small beside the minibatch's own and is not priced. Where a group's inputs flush to zero
+their columns arrive as 0 and their whole share is lost, whatever their size.
 
-and what it costs is that share of what the gradient trains: wgrad trains the layer's weight, whose
-output carries fisher(y); dgrad trains everything upstream through the layer's input x, which
-carries fisher(x) = 1/2 (1/B) sum_b (B sum_{t in b} dx_t . x_t)^2. So
+What the lost share costs is that share of what the gradient trains: wgrad trains the layer's
+weight, whose output carries fisher(y); dgrad trains everything upstream through the layer's input
+x, which carries fisher(x) = 1/2 (1/B) sum_b (B sum_{t in b} dx_t . x_t)^2. So
 
     fprop: fisher(e)      dgrad: lost(dx_q, dx) * fisher(x)      wgrad: lost(dW_q, dW) * fisher(y)
 
 and a module's predicted increase is the sum over its three GEMMs. Assumptions, stated so the
 measurement can contradict them: the second-order, Gauss-Newton view of the loss at the step
-measured (the model measured at its initial weights predicts a run's cost); a layer that loses its
-descent costs what its output carries; gradient noise free beside the minibatch's.
+measured (a model at its initial weights predicting a whole run's cost, in rank if not in size);
+a layer that loses its descent costs what its output carries; gradient noise free beside the
+minibatch's.
 """
 
 from __future__ import annotations
