@@ -73,10 +73,10 @@ def descent_lost(q: Tensor, ref: Tensor, per_row: bool = True) -> float:
     empirical Fisher (its row's mean square times its column's, over the whole's; its column's alone
     with ``per_row`` False). 0 where ``ref`` is 0; 1 where ``q`` is not finite."""
     r = ref.float()
-    inv = _inverse(r.square().mean(0))[None, :]
+    sq = r.square()
+    rw = r * _inverse(sq.mean(0))[None, :]
     if per_row:
-        inv = inv * _inverse(r.square().mean(1))[:, None]
-    rw = r * inv
+        rw.mul_(_inverse(sq.mean(1))[:, None])
     power = float(torch.dot(r.reshape(-1), rw.reshape(-1)))
     if power == 0:
         return 0.0
