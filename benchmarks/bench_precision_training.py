@@ -355,6 +355,27 @@ def ablation_report(result, records, base, recipe: str) -> None:
             print(f"  Spearman({label}, loss increase) = {rho:.2f} (95% bootstrap over units {lo:.2f}..{hi:.2f}); {per}")
 
 
+def keep_report(result, records, base, recipe: str) -> None:
+    """The keep list against the module ablation, and the modules' increases against their GEMMs' sum."""
+    rise = {k[0]: statistics.fmean(v) for k, v in _increases(records, base, "module").items()}
+    if not rise:
+        return
+    keep = set(result.keep_in_bf16(recipe))
+    kept, rest = [v for m, v in rise.items() if m in keep], [v for m, v in rise.items() if m not in keep]
+    total = sum(rise.values())
+    pairs = [a > b for a in kept for b in rest]
+    print(f"  the {len(kept)} kept carry {sum(kept) / total:.0%} of the summed single-module increases (mean "
+          f"{statistics.fmean(kept):+.4f} against {statistics.fmean(rest):+.4f}); a kept module's increase exceeds "
+          f"an unkept one's in {sum(pairs) / max(len(pairs), 1):.0%} of pairs")
+    per_gemm = _increases(records, base, "gemm")
+    summed = {m: sum(statistics.fmean(v) for (n, _), v in per_gemm.items() if n == m) for m in rise}
+    both = [m for m in rise if sum(1 for n, _ in per_gemm if n == m) == 3]
+    if len(both) > 2:
+        print(f"  module increase against the sum of its three GEMMs' (additivity): Spearman "
+              f"{spearman([rise[m] for m in both], [summed[m] for m in both]):.2f}, slope "
+              f"{sum(rise[m] for m in both) / sum(summed[m] for m in both):.2f} over {len(both)} modules")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("tinylm", "llama"), default="tinylm")
@@ -389,6 +410,7 @@ def main(argv=None) -> None:
         records = _run_all(args, names, keep)
     base = _arms(records, args.recipe, keep)
     ablation_report(result, records, base, args.recipe)
+    keep_report(result, records, base, args.recipe)
 
 
 if __name__ == "__main__":
