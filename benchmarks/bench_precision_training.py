@@ -1,8 +1,9 @@
 """Does ``precision`` predict training? Small runs with torchao's emulated recipes on the CPU.
 
     python benchmarks/bench_precision_training.py [--model tinylm|llama] [--case outlier|massive|none]
-        [--steps 300] [--seeds 3] [--recipe tensorwise] [--lr 3e-3] [--ablate] [--ablate-seeds 3]
-        [--workers 2]
+        [--steps 300] [--seeds 3] [--recipe tensorwise] [--lr 3e-3] [--ablate] [--ablate-gemms]
+        [--ablate-seeds 3] [--first-seed 0] [--only-ablate] [--workers 2] [--save runs.jsonl]
+        [--load runs.jsonl]
 
 The models: a tinylm and a Hugging Face Llama built from a config (no download), both d_model 64,
 4 layers, 4 heads, d_ff 192, byte vocabulary, trained on the bytes of the standard library's
@@ -28,11 +29,17 @@ initial model). Printed: the final loss (mean of the last 20 steps) of each arm,
 baseline paired by seed (mean ± standard error over seeds) and the baseline's spread (standard
 deviation over seeds).
 
---ablate: one Linear at a time through the recipe (the rest in high precision) over
---ablate-seeds seeds; its loss increase against the baseline of the same seed (mean ± standard
-error), and the Spearman rank correlation with the harm ``precision`` predicts for the module
-(``PrecisionResult.harm``: the noise power its three GEMMs inject, relative to their outputs'), and
-with the largest dB lost to the format's ideal (the verdicts' yardstick) for comparison.
+--ablate: one Linear at a time through the recipe (its three GEMMs; the rest in high precision);
+--ablate-gemms: one GEMM of one Linear at a time (the other two GEMMs kept in high precision by
+torchao's own per-operand cast configs, ``ScalingType.DISABLED``; tensorwise and rowwise); both over
+--ablate-seeds seeds from --first-seed, seed-major. Each unit's loss increase against float32 of the
+same seed (mean +- standard error over seeds) and, per predictor, the Spearman rank correlation
+with it (over the seeds' mean, with a 95% bootstrap interval over units, and per seed): the
+predicted training-loss increase (``predicted_loss``, summed per module: ``harm(recipe,
+by="loss")``), the noise power (``harm(recipe)``: 10^(-SQNR/10) summed) and the dB lost to the
+format's ideal (the verdicts' yardstick). --save appends each run's final loss to a JSONL file as
+it finishes; --load reads such a file and reports without training (``precision`` is recomputed:
+it is deterministic). --only-ablate skips the everywhere and kept arms.
 """
 
 from __future__ import annotations
@@ -246,7 +253,7 @@ def _jobs(args, names, keep) -> list[tuple[dict, tuple]]:
                 for s in range(args.seeds)]
         out += [({"arm": "kept", "seed": s}, (*common, args.recipe, names, keep, s, *tail, GEMMS))
                 for s in range(args.seeds)]
-    for s in range(args.ablate_seeds):
+    for s in range(args.first_seed, args.first_seed + args.ablate_seeds):
         for n in names:
             if args.ablate:
                 out.append(({"arm": "module", "module": n, "gemm": "all", "seed": s},
@@ -387,6 +394,7 @@ def main(argv=None) -> None:
     p.add_argument("--ablate", action="store_true", help="one module (its three GEMMs) at a time")
     p.add_argument("--ablate-gemms", action="store_true", help="one GEMM of one module at a time")
     p.add_argument("--ablate-seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="the ablations' seeds start here")
     p.add_argument("--only-ablate", action="store_true", help="float32 and the ablations only")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--save", default=None, help="append each run's final loss to this JSONL file")
