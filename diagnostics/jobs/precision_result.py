@@ -102,13 +102,14 @@ class PrecisionResult:
                                                for r in self.rows)]
 
     def harm(self, recipe: str, by: str = "noise") -> dict[str, float]:
-        """Per module, a ranking of what converting it costs. ``by="loss"``: the predicted training-loss
-        increase, summed over its three GEMMs (``predicted_loss``; diagnostics.theory.loss_cost).
-        ``by="noise"`` (the default): the noise power its three GEMMs inject in ``recipe``, each relative to its own
-        output's power: the sum of 10^(-SQNR/10) over fprop, dgrad and wgrad, each GEMM's SQNR the
-        lower of the output's and its typical row's (inf where an output is not finite). Absolute,
-        not against the format's ideal: a recipe's uniform cost (E5M2 gradients) counts too. A
-        ranking of which modules cost the most to convert."""
+        """Per module, a ranking of what converting it in ``recipe`` costs.
+
+        ``by="loss"``: the predicted training-loss increase, the sum of its three GEMMs'
+        ``predicted_loss`` (diagnostics.theory.loss_cost). ``by="noise"`` (the default): the noise
+        power its three GEMMs inject, each relative to its own output's power: the sum of
+        10^(-SQNR/10) over fprop, dgrad and wgrad, each GEMM's SQNR the lower of the output's and its
+        typical row's (inf where an output is not finite); absolute, not against the format's ideal,
+        so a recipe's uniform cost (E5M2 gradients) counts too."""
         if by not in ("noise", "loss"):
             raise ValueError(f"by={by!r}: must be 'noise' or 'loss'; pass by='loss' for the predicted loss increase")
         out: dict[str, float] = {}
