@@ -82,7 +82,7 @@ def test_result_api(outlier_result):
         assert col in frame.columns
     assert len(frame) == len(outlier_result.modules) * 3 * 3
     data = json.loads(outlier_result.to_json())
-    assert data["schema_version"] == "1" and data["keep_in_bf16"]["tensorwise"]
+    assert data["schema_version"] == "2" and data["keep_in_bf16"]["tensorwise"]
     assert ("token_embeddings", "its input or output is not one floating tensor") in outlier_result.skipped
 
 

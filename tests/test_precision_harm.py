@@ -105,3 +105,25 @@ def test_an_outlier_feature_of_a_million_fails_every_fp8_recipe_mx_least():
     assert hit["tensorwise"][0] < hit["rowwise"][0] < hit["mxfp8"][0] < 10
     assert hit["tensorwise"][1] > 0.95 and 0.5 < hit["rowwise"][1] < 0.95 and 0.3 < hit["mxfp8"][1] < 0.5
     assert all(sqnr > 25 and flushed == 0 for sqnr, flushed in clean.values())
+
+
+def test_predicted_loss_prices_a_lost_output_at_what_it_carries(results):
+    """A layer whose input flushes loses its output (fprop: e = -y) and its weight's descent (wgrad,
+    every column but the outlier's 0): both are priced at fisher(y), what the output carries for the
+    loss, so the two agree to a few percent (the flushed share is nearly 1; the outlier channel's
+    weights are zero, so y is the other channels' alone); dgrad, unhurt, costs 1e-3 of that. The hit
+    modules top ``harm(by="loss")``. Negative control: without the outlier the same modules' fprop
+    costs under 1% of it (rounding noise at ~28 dB, not a lost output)."""
+    hit, plain = results
+    cost = {(r.module, r.gemm): r.predicted_loss for r in hit.rows if r.recipe == "tensorwise"}
+    for m in HIT:
+        assert cost[(m, "wgrad")] == pytest.approx(cost[(m, "fprop")], rel=0.05)
+        assert cost[(m, "dgrad")] < 1e-2 * cost[(m, "fprop")]
+    by_loss = hit.harm("tensorwise", by="loss")
+    assert set(sorted(by_loss, key=by_loss.get)[-3:]) == set(HIT)
+    assert by_loss[HIT[0]] == pytest.approx(sum(cost[(HIT[0], g)] for g in ("fprop", "dgrad", "wgrad")), rel=1e-12)
+    clean = {(r.module, r.gemm): r.predicted_loss for r in plain.rows if r.recipe == "tensorwise"}
+    assert all(clean[(m, "fprop")] < 1e-2 * cost[(m, "fprop")] for m in HIT)
+    assert "predicted_loss" in hit.to_frame().columns
+    with pytest.raises(ValueError, match="by='loss'"):
+        hit.harm("tensorwise", by="nope")

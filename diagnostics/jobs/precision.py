@@ -37,6 +37,7 @@ from ..measure.blocks import find_blocks
 from ..measure.outputs import read_output
 from ..measure.quant import GEMMS, RECIPES, Recipe, quantize, recipe as recipe_of
 from ..options import OptionsError
+from ..theory.loss_cost import descent_lost, fisher, gemm_loss_costs
 from ..theory.quant import GemmTheory, describe_operand, element_noise, noise_sums, unit_ideal_noise
 from .fingerprint import batch_of
 from .precision_result import PrecisionResult, PrecisionRow
@@ -165,9 +166,11 @@ class _Operands:
                                     (self.unit[nl][int(fl)], self.unit[nr][int(fr)]))
 
 
-def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory: bool = True) -> list[dict]:
+def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory: bool = True,
+                  sequences: int = 1) -> list[dict]:
     """Each GEMM of one layer in each recipe: the measured and predicted facts (a dict per GEMM and
-    recipe), from x (M, K), W (N, K) and g (M, N) in any float dtype."""
+    recipe), from x (M, K), W (N, K) and g (M, N) in any float dtype; the M rows are ``sequences``
+    sequences of equal length, in order (for the predicted loss increase, diagnostics.theory.loss_cost)."""
     x, w, g = (t.detach().to(torch.float32) for t in (x, w, g))
     ops = gemm_operands(x, w, g)
     facts = _Operands(x, w, g, theory)
@@ -176,15 +179,19 @@ def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory
     refs = {gm: left @ right.t() for gm, (left, right) in ops.items()}
     signal = {gm: r.square().sum(1).double() for gm, r in refs.items()}
     theories = {gm: facts.theory(gm, float(signal[gm].sum())) for gm in GEMMS} if theory else {}
+    carries = gemm_loss_costs(x, g, refs, sequences)
     out = []
     for rc in recipes:
         cache: dict = {}
         for gm in GEMMS:
             casts = rc.casts(gm)
             q = [_cast(cache, facts, gm, side, ops[gm][side], c, theory) for side, c in enumerate(casts)]
-            sqnr, row_sqnr = _sqnr_db(signal[gm], refs[gm], q[0][0] @ q[1][0].t())
+            product = q[0][0] @ q[1][0].t()
+            cost = _loss_cost(gm, product, refs[gm], g, carries, sequences)
+            sqnr, row_sqnr = _sqnr_db(signal[gm], refs[gm], product)
             st = [s for _, s, _ in q]
-            fact = {"recipe": rc.name, "gemm": gm, "sqnr_db": sqnr, "row_sqnr_db": row_sqnr, "m": x.shape[0],
+            fact = {"recipe": rc.name, "gemm": gm, "sqnr_db": sqnr, "row_sqnr_db": row_sqnr, "predicted_loss": cost,
+                    "m": x.shape[0],
                     "n": w.shape[0], "k": x.shape[1], **_range_facts(st)}
             fact["operands"] = {nm: {**described[nm], "name": nm, "format": c.format.name if c.format else "hp",
                                      "granularity": c.granularity, "underflow": s.underflow / max(s.nonzero, 1),
@@ -201,6 +208,14 @@ def measure_gemms(x: Tensor, w: Tensor, g: Tensor, recipes: list[Recipe], theory
                             why_invalid="theory not asked for")
             out.append(fact)
     return out
+
+
+def _loss_cost(gm: str, product: Tensor, ref: Tensor, g: Tensor, carries: dict, sequences: int) -> float:
+    """The GEMM's predicted loss increase (diagnostics.theory.loss_cost): fprop the Fisher term of its
+    output's error; dgrad and wgrad the share of their gradient's descent lost times what it trains."""
+    if gm == "fprop":
+        return fisher(g, product - ref, sequences)
+    return descent_lost(product, ref, per_row=gm == "wgrad") * carries["x" if gm == "dgrad" else "y"]
 
 
 def _cast(cache: dict, facts: _Operands, gm: str, side: int, t: Tensor, c, theory: bool) -> tuple:
@@ -291,7 +306,8 @@ class _Capture:
 
     def _take(self, name: str, x: Tensor, w: Tensor, g: Tensor) -> None:
         with torch.no_grad():
-            self.facts[name] = measure_gemms(x, w, g.reshape(-1, g.shape[-1]), self.recipes, self.theory)
+            seqs = g.shape[0] if g.dim() >= 3 else 1
+            self.facts[name] = measure_gemms(x, w, g.reshape(-1, g.shape[-1]), self.recipes, self.theory, seqs)
 
 
 @contextlib.contextmanager
@@ -374,7 +390,7 @@ def _assemble(model, capture: _Capture, recipes, options, logits_shape, loss, ba
                                      f["ideal_sqnr_db"], f["valid"], f["why_invalid"], f["underflow"], f["overflow"],
                                      f["scale_min_log2"], f["scale_max_log2"], worst["name"], worst["peak_to_median"],
                                      worst["channel_ratio"], role, block, depth, f["m"], f["n"], f["k"], verdict,
-                                     cause, fix))
+                                     cause, fix, f["predicted_loss"]))
     meta = {"model": type(model).__name__, "batch_size": int(batch.shape[0]), "seq_len": int(batch.shape[1] - 1),
             "seed": options.seed, "loss": loss, "thresholds": thresholds.to_dict(), "torch": torch.__version__,
             "recipes": {r.name: r.description for r in recipes}}

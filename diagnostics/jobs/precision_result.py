@@ -11,7 +11,7 @@ from typing import Callable
 
 __all__ = ["PrecisionRow", "PrecisionResult", "PRECISION_COLUMNS", "PRECISION_SCHEMA_VERSION"]
 
-PRECISION_SCHEMA_VERSION = "1"
+PRECISION_SCHEMA_VERSION = "2"
 
 
 @dataclass
@@ -27,7 +27,9 @@ class PrecisionRow:
     range of the scales applied; ``worst_operand`` the operand that brings most of the error
     (diagnostics.judge.precision.worst_operand) and its ``peak_to_median`` and ``channel_ratio``;
     ``role`` head / swiglu_product / router / linear; ``block`` its block (None outside), ``depth``
-    its order among the measured modules."""
+    its order among the measured modules; ``predicted_loss`` the training-loss increase predicted for
+    casting this GEMM alone (diagnostics.theory.loss_cost: fprop the Fisher term of its output's
+    error, dgrad / wgrad the share of their gradient's descent lost times what it trains)."""
 
     module: str
     gemm: str
@@ -54,6 +56,7 @@ class PrecisionRow:
     verdict: str
     cause: str
     fix: str
+    predicted_loss: float = math.nan
 
     @property
     def loss_db(self) -> float:
@@ -98,15 +101,23 @@ class PrecisionResult:
         return [m for m in self.modules if any(r.module == m and r.recipe == recipe and r.verdict == "fail"
                                                for r in self.rows)]
 
-    def harm(self, recipe: str) -> dict[str, float]:
-        """Per module, the noise power its three GEMMs inject in ``recipe``, each relative to its own
-        output's power: the sum of 10^(-SQNR/10) over fprop, dgrad and wgrad, each GEMM's SQNR the
-        lower of the output's and its typical row's (inf where an output is not finite). Absolute,
-        not against the format's ideal: a recipe's uniform cost (E5M2 gradients) counts too. A
-        ranking of which modules cost the most to convert."""
+    def harm(self, recipe: str, by: str = "noise") -> dict[str, float]:
+        """Per module, a ranking of what converting it in ``recipe`` costs.
+
+        ``by="loss"``: the predicted training-loss increase, the sum of its three GEMMs'
+        ``predicted_loss`` (diagnostics.theory.loss_cost). ``by="noise"`` (the default): the noise
+        power its three GEMMs inject, each relative to its own output's power: the sum of
+        10^(-SQNR/10) over fprop, dgrad and wgrad, each GEMM's SQNR the lower of the output's and its
+        typical row's (inf where an output is not finite); absolute, not against the format's ideal,
+        so a recipe's uniform cost (E5M2 gradients) counts too."""
+        if by not in ("noise", "loss"):
+            raise ValueError(f"by={by!r}: must be 'noise' or 'loss'; pass by='loss' for the predicted loss increase")
         out: dict[str, float] = {}
         for r in self.rows:
             if r.recipe != recipe:
+                continue
+            if by == "loss":
+                out[r.module] = out.get(r.module, 0.0) + r.predicted_loss
                 continue
             db = min(r.sqnr_db, r.row_sqnr_db) if math.isfinite(r.row_sqnr_db) else r.sqnr_db
             out[r.module] = out.get(r.module, 0.0) + (10.0 ** (-db / 10) if not math.isnan(db) else 0.0)
