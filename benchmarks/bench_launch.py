@@ -242,10 +242,11 @@ def watch_pair(model, tokens, figures: bool = False):
     return plain, watched, watch
 
 
-def pairs(a, b, n: int, seed: int = 0) -> tuple[float, list[float]]:
-    """Median of b/a over ``n`` interleaved pairs (order by a seeded coin), after one warm-up each."""
+def timed_pairs(a, b, n: int, seed: int = 0) -> tuple[list[float], list[float], list[float]]:
+    """(b/a ratios, a's seconds, b's seconds) of ``n`` interleaved pairs (order by a seeded coin),
+    after one warm-up each."""
     a(), b()
-    rng, ratios = random.Random(seed), []
+    rng, ratios, ta, tb = random.Random(seed), [], [], []
     for _ in range(n):
         times = {}
         for which in (("a", "b") if rng.random() < 0.5 else ("b", "a")):
@@ -253,6 +254,14 @@ def pairs(a, b, n: int, seed: int = 0) -> tuple[float, list[float]]:
             (a if which == "a" else b)()
             times[which] = time.perf_counter() - t0
         ratios.append(times["b"] / times["a"])
+        ta.append(times["a"])
+        tb.append(times["b"])
+    return ratios, ta, tb
+
+
+def pairs(a, b, n: int, seed: int = 0) -> tuple[float, list[float]]:
+    """Median of b/a over ``n`` interleaved pairs (:func:`timed_pairs`), and the ratios."""
+    ratios = timed_pairs(a, b, n, seed)[0]
     return statistics.median(ratios), ratios
 
 

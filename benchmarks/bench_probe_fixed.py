@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import sys
 import time
@@ -36,18 +35,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def pair(a, b, n: int, seed: int = 0) -> tuple[float, float, float]:
     """(median of b/a, median a in ms, median b in ms) over ``n`` interleaved pairs, after a warm-up."""
-    a(), b()
-    rng, ratios, ta, tb = random.Random(seed), [], [], []
-    for _ in range(n):
-        times = {}
-        for which in (("a", "b") if rng.random() < 0.5 else ("b", "a")):
-            t0 = time.perf_counter()
-            (a if which == "a" else b)()
-            times[which] = time.perf_counter() - t0
-        ratios.append(times["b"] / times["a"])
-        ta.append(times["a"] * 1e3)
-        tb.append(times["b"] * 1e3)
-    return statistics.median(ratios), statistics.median(ta), statistics.median(tb)
+    from bench_launch import timed_pairs
+
+    ratios, ta, tb = timed_pairs(a, b, n, seed)
+    return statistics.median(ratios), statistics.median(ta) * 1e3, statistics.median(tb) * 1e3
 
 
 def main(argv=None) -> int:
