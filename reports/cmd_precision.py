@@ -71,16 +71,21 @@ def _db(v: float) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
 
 
+def _loss(v: float) -> str:
+    """The predicted training-loss increase, or "-" where none was predicted."""
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1e}"
+
+
 def _worst_table(result, top: int):
     from rich.table import Table
 
     t = Table(title=f"worst GEMMs (of {len(result.rows)})", title_justify="left", expand=False)
-    for col in ("module", "gemm", "recipe", "SQNR dB", "row dB", "theory dB", "verdict", "cause -> fix"):
+    for col in ("module", "gemm", "recipe", "SQNR dB", "row dB", "theory dB", "loss +", "verdict", "cause -> fix"):
         t.add_column(col, overflow="fold")
     for r in result.worst()[:top]:
         theory = _db(r.predicted_sqnr_db) + ("" if r.valid else " *")
         text = r.cause if r.verdict == "ok" else f"{r.cause.split(': ', 1)[-1]} -> {r.fix}"
-        t.add_row(r.module, r.gemm, r.recipe, _db(r.sqnr_db), _db(r.row_sqnr_db), theory,
+        t.add_row(r.module, r.gemm, r.recipe, _db(r.sqnr_db), _db(r.row_sqnr_db), theory, _loss(r.predicted_loss),
                   f"[{_STYLE[r.verdict]}]{r.verdict}[/]", text)
     return t
 

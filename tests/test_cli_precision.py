@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 
 import pytest
 import torch
@@ -47,6 +48,8 @@ def test_check_exits_1_on_a_fail_and_exports(outlier_checkpoint, tmp_path):
                           "--plot", str(tmp_path / "r.png"))
     assert code == 1, out + err
     assert "tensorwise: keep 1 of 15 in bf16 (layers.0.ffn.w2)" in out and "Smooth-SwiGLU" in out and "┃" in out
+    # the predicted training-loss increase beside the SQNR: a column, with figures in it
+    assert "loss +" in out and re.search(r"\d\.\de[-+]\d\d", out), out
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["keep_in_bf16"] == {"tensorwise": ["layers.0.ffn.w2"], "mxfp8": []}
     assert (tmp_path / "r.csv").read_text().startswith("module,gemm,recipe,sqnr_db")
