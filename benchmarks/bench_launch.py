@@ -154,7 +154,7 @@ def queue_pairs(model, tokens, n: int) -> tuple[float, list[float], float, float
 
     def run(queued: bool) -> float:
         if not queued:
-            ProbeRun._plain = lambda self, kind, t: False
+            ProbeRun._plain = lambda self, kind, t, key: False
         try:
             c0 = time.thread_time()
             with probe(model) as r:

@@ -14,7 +14,7 @@ from diagnostics import ProbeOptions, probe
 from diagnostics.measure import pending as pending_module
 from diagnostics.measure.moments import Moments
 from diagnostics.measure.pending import Pending, merge_rows
-from diagnostics.measure.probe import ProbeRun
+from diagnostics.measure.probe import _IN_PLACE, ProbeRun
 from diagnostics.measure.reducer import merge_vectors
 
 CFG = tinylm.ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=2, d_ff=64)
@@ -47,7 +47,7 @@ def _step(model, x):
 def _run(model, queued: bool, passes: int, options=None, monkeypatch=None):
     """(run, stats) of ``passes`` probed passes, the queue on or every request reduced at once."""
     if not queued:
-        monkeypatch.setattr(ProbeRun, "_plain", lambda self, kind, t: False)
+        monkeypatch.setattr(ProbeRun, "_plain", lambda self, kind, t, key: False)
     with probe(model, options) as run:
         for p in range(passes):
             _step(model, _tokens(p))
@@ -133,11 +133,18 @@ def test_a_tensor_changed_in_place_while_queued_is_not_measured(monkeypatch):
         model(x)
     got = run.stats.tensors[("lin", "forward")]
     assert run.queue.stale == 1 and got.count == 0
-    monkeypatch.setattr(ProbeRun, "_plain", lambda self, kind, t: False)
+    # the model's next probe reduces that site in its hook: measured, the true figure
+    with probe(model, opts) as again:
+        model(x)
+    later = again.stats.tensors[("lin", "forward")]
+    assert again.queue.stale == 0 and later.count == 30
+    _IN_PLACE.pop(model)  # forget it: the controls below queue the site again
+    monkeypatch.setattr(ProbeRun, "_plain", lambda self, kind, t, key: False)
     with probe(model, opts) as now:
         model(x)
     true = now.stats.tensors[("lin", "forward")]
-    assert true.count == 30 and now.queue.stale == 0
+    assert true.count == 30 and now.queue.stale == 0 and later.var == true.var
+    _IN_PLACE.pop(model, None)
     monkeypatch.undo()
     real = pending_module._reduced
     monkeypatch.setattr(pending_module, "_reduced", lambda xs, versions, loop: real(xs, [x._version for x in xs], loop))

@@ -29,7 +29,8 @@ and its moments serve every key it was queued for.
 Changed in place. A tensor whose ``_version`` moved between queueing and the flush was written
 over in place: its values are no longer the ones the hook saw. Its entries are not measured
 (a key with nothing else gets the vector of no entries: "not measured", never a wrong figure)
-and :attr:`Pending.stale` counts them.
+and :attr:`Pending.stale` counts them (:attr:`Pending.stale_keys`: the probe reduces those sites
+of the model in their hooks from then on, so only the pass that found them loses them).
 
 Bounds. Queued tensors stay alive until the flush. The probe flushes the forward's tensors at
 the first gradient (until then autograd holds most of them anyway, and none is held through the
@@ -98,6 +99,8 @@ class Pending:
         #: CPU float32 tensors take the numba loop (TINYLM_REDUCER auto, numba ready), asked once
         self._numba = reduction.all_numba(())
         self.stale = 0
+        #: the keys of the entries not measured (``stale``)
+        self.stale_keys: set = set()
         self.flushes = 0
         self._clear()
 
@@ -170,6 +173,7 @@ class Pending:
             vec = rows[what] if type(what) is int else what
             if vec is None:  # changed in place before it was read
                 self.stale += 1
+                self.stale_keys.add(key)
                 missing.setdefault(key, xs[what].device)
             else:
                 vectors.append((key, vec))

@@ -24,7 +24,8 @@ the output needs a gradient, puts a hook on that tensor which reduces the
 gradient of the loss w.r.t. it the same way. A request for the moments alone (most) waits in
 the run's queue (:mod:`.pending`), reduced with the others by one call at the forward's end,
 the exit, past its bounds and before anything reads the stores: the same bits as one reduction
-per hook (a tensor changed in place meanwhile: not measured, ``run.queue.stale``). Nothing
+per hook (a tensor changed in place meanwhile: not measured, ``run.queue.stale``; that site
+of the model is reduced in its hook by every later probe of it). Nothing
 else is kept. On exit the hooks are removed and the model's ``training`` flags,
 ``requires_grad`` and (by default) ``.grad`` are put back as they were on entry; a gradient
 hook left on a graph the caller still holds does nothing once the probe has exited.
@@ -120,6 +121,10 @@ def _as_lists(*stores: dict) -> list[dict]:
 
 _NULL = nullcontext()
 
+#: per model, the sites (name, direction) whose tensor was changed in place while it waited in a
+#: probe's queue (that pass: not measured): later probes of the model reduce them in their hook
+_IN_PLACE: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+
 
 def _quiet():
     """The context of the probe's own work in a hook: torch functions' overrides off where every
@@ -158,6 +163,7 @@ class ProbeRun:
         self.reducer = _Reducer()
         #: the plain requests (moments only) waiting to be reduced together (:mod:`.pending`)
         self.queue = Pending()
+        self._in_place = _IN_PLACE.setdefault(model, set())  # this model's sites that may not wait
         self._forward_waits = False  # forward tensors queued: flushed at the first gradient
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
         self.kinds: dict[str, str] = {}
@@ -193,11 +199,13 @@ class ProbeRun:
         store[key] = merge(store[key], vec) if key in store else vec
         self._stats = None
 
-    def _plain(self, kind: str, t: Tensor) -> bool:
+    def _plain(self, kind: str, t: Tensor, key) -> bool:
         """Whether the moments of ``t`` (nothing else asked) may wait in the queue: not attention's (its
-        observer writes those places), nor those the signals read at once (the peak ratio's sites)."""
+        observer writes those places), nor those the signals read at once (the peak ratio's sites),
+        nor a site of this model whose tensor was once changed in place while it waited (``key``
+        in :data:`_IN_PLACE`: reduced in its hook from then on)."""
         return kind not in _CAUSAL_KINDS and not (self.signals is not None and kind in PEAK_KINDS) \
-            and self.queue.takes(t)
+            and key not in self._in_place and self.queue.takes(t)
 
     def _queue(self, key, t: Tensor) -> None:
         if self.queue.add(key, t):
@@ -210,6 +218,7 @@ class ProbeRun:
         self._forward_waits = False
         if len(self.queue):
             self.queue.flush(self._vec)
+            self._in_place.update(self.queue.stale_keys)
             self._stats = None
 
     def _forward(self, name: str, kind: str, out: Tensor) -> None:
@@ -220,7 +229,7 @@ class ProbeRun:
             self.steps += 1
         rows = self._wants_rows(kind, "forward", out)
         gate = name in self._gates
-        if not (rows or gate) and self._plain(kind, out):  # moments only: reduced with the others later
+        if not (rows or gate) and self._plain(kind, out, (name, "forward")):  # moments only: reduced with the others later
             self._queue((name, "forward"), out)
             if self.signals is not None:
                 self.signals.forward(name, kind, out, None)
@@ -297,7 +306,7 @@ class ProbeRun:
                 continue
             weight = weights.get(name) if kind == "norm" else None
             rows = self._wants_rows(kind, "backward", grad)
-            if weight is None and not rows and self._plain(kind, grad):
+            if weight is None and not rows and self._plain(kind, grad, (name, "backward")):
                 self._queue((name, "backward"), grad)
                 continue
             r = self.reducer(grad, causal=_causal(kind, grad), rows=rows, weight=weight)
