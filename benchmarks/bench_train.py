@@ -91,6 +91,19 @@ def load_text() -> str:
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f}"
 
 
+def rounds(names: list[str], run, n: int, seed: int, line) -> dict[str, list]:
+    """``n`` rounds of every arm, in :func:`arm_order` (a coin seeded with ``seed``): {name: [run(name)
+    of each round]}; after each round one line, ``"round k"`` + ``line(results, order)`` and the load."""
+    out: dict[str, list] = {k: [] for k in names}
+    coin, order = random.Random(seed), list(names)
+    for k in range(n):
+        order = arm_order(order, k, coin)
+        for name in order:
+            out[name].append(run(name))
+        print(f"round {k + 1}{line(out, order)}; {load_text()}", flush=True)
+    return out
+
+
 def loop_steps(model, opt, batch, steps: int, watch=None) -> list[float]:
     """A hand-written training loop (cross-entropy, ``opt``; ``batch()`` gives (x, y)) of ``steps``
     steps, under ``watch`` when given (its step context and one record per step, lr 1e-3): each
@@ -167,16 +180,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} CPUs, allocator: {allocator}; at the start: {load_text()}", flush=True)
     for every in arms.values():  # warm-up, untimed: every kind of arm once, records included
         arm(every, max(every, 1) + 1)
-    runs: dict[str, list[dict]] = {k: [] for k in arms}
-    coin = random.Random(args.seed)
-    order = list(arms)
-    for k in range(args.rounds):
-        order = arm_order(order, k, coin)
-        for name in order:
-            runs[name].append(arm(arms[name], args.steps))
-        print(f"round {k + 1} ({' > '.join(order)}): " + ", ".join(
-            f"{name} {runs[name][-1]['cpu']:.2f} CPU-s ({runs[name][-1]['tokens'] / runs[name][-1]['wall']:,.0f} tok/s)"
-            for name in arms) + f"; {load_text()}", flush=True)
+    runs = rounds(list(arms), lambda name: arm(arms[name], args.steps), args.rounds, args.seed,
+                  lambda got, order: f" ({' > '.join(order)}): " + ", ".join(
+                      f"{name} {got[name][-1]['cpu']:.2f} CPU-s ({got[name][-1]['tokens'] / got[name][-1]['wall']:,.0f} tok/s)"
+                      for name in got))
 
     print(f"at the end: {load_text()}")
     for name in arms:

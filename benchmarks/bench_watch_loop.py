@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import tempfile
 import time
 
 import torch
 
-from bench_train import TARGET, arm_order, load_text, loop_steps, pin_malloc, ratio_line
+from bench_train import TARGET, load_text, loop_steps, pin_malloc, ratio_line, rounds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,18 +77,10 @@ def main(argv: list[str] | None = None) -> int:
           f"at the start: {load_text()}", flush=True)
     for every, log in arms.values():  # warm-up, untimed: every arm once, records included
         arm(every, log, (every or 1) + 1)
-    times: dict[str, list[float]] = {k: [] for k in arms}
-    steps: dict[str, list[list[tuple[bool, float]]]] = {k: [] for k in arms}
-    coin = random.Random(args.seed)
-    order = list(arms)
-    for r in range(args.rounds):
-        order = arm_order(order, r, coin)
-        for name in order:
-            per, each = arm(*arms[name], args.steps)
-            times[name].append(per)
-            steps[name].append(each)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items())
-              + f"; {load_text()}", flush=True)
+    got = rounds(list(arms), lambda name: arm(*arms[name], args.steps), args.rounds, args.seed,
+                 lambda res, order: ": " + ", ".join(f"{k} {v[-1][0] * 1e3:.1f} ms" for k, v in res.items()))
+    times = {k: [per for per, _ in v] for k, v in got.items()}
+    steps = {k: [each for _, each in v] for k, v in got.items()}
     print(f"at the end: {load_text()}")
     base = times["no watch"]
     for name, v in times.items():
