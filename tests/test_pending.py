@@ -13,9 +13,9 @@ import tinylm
 from diagnostics import ProbeOptions, probe
 from diagnostics.measure import pending as pending_module
 from diagnostics.measure.moments import Moments
-from diagnostics.measure.pending import Pending, merge_rows
+from diagnostics.measure.pending import Pending
 from diagnostics.measure.probe import _IN_PLACE, ProbeRun
-from diagnostics.measure.reducer import merge_vectors
+from diagnostics.measure.reducer import _merge_torch, merge_np, merge_vectors
 
 CFG = tinylm.ModelConfig(vocab_size=64, context_length=8, d_model=32, num_layers=2, num_heads=2, d_ff=64)
 
@@ -199,16 +199,19 @@ def test_a_tensor_queued_twice_is_read_once():
 
 
 def test_rows_merge_as_one_merge_each():
-    """merge_rows: each row bit for bit merge_vectors of that pair, counts of zero included.
-    Negative control: the pairs merged the other way round differ in the mean's last bits."""
+    """merge_np on rows: each row bit for bit merge_vectors of that pair, and the torch formula's
+    (the merge on other devices), counts of zero included. Negative control: the pairs merged
+    the other way round differ in the mean's last bits."""
     g = torch.Generator().manual_seed(0)
     a = torch.rand(6, 10, generator=g, dtype=torch.float64) * 100
     b = torch.rand(6, 10, generator=g, dtype=torch.float64) * 3
     a[:, 1] = torch.tensor([5.0, 0.0, 7.0, 1e6, 3.0, 0.0])
     b[:, 1] = torch.tensor([2.0, 4.0, 0.0, 1.0, 1e7, 0.0])
-    got = merge_rows(a.numpy(), b.numpy())
+    got = merge_np(a.numpy(), b.numpy())
     want = np.stack([merge_vectors(x, y).numpy() for x, y in zip(a, b)])
     assert got.tobytes() == want.tobytes()
+    torch_rule = np.stack([_merge_torch(x, y, 1, 4, True).numpy() for x, y in zip(a, b)])
+    assert got.tobytes() == torch_rule.tobytes()
     flipped = np.stack([merge_vectors(y, x).numpy() for x, y in zip(a, b)])
     assert got.tobytes() != flipped.tobytes()
 

@@ -92,14 +92,20 @@ def row_partials(x: Tensor, measured: Tensor | None, shift: Tensor, probs: bool 
     return torch.stack([t.double() for t in parts], -1)
 
 
+def finish(total: Tensor, top: Tensor, shift: Tensor) -> Tensor:
+    """:data:`.reference.FIELDS` vectors (..., 10) from the :func:`row_partials` summed over a
+    tensor's rows (``total``, (..., 10+)), the largest |x| (``top``) and the shift the sums were
+    taken from: the mean and M2 from the shifted sums, the rest as summed."""
+    count = total[..., 1].clamp(min=1.0)
+    mean = shift + total[..., 2] / count
+    m2 = (total[..., 3] - total[..., 2] * total[..., 2] / count).clamp(min=0.0)
+    return torch.stack([total[..., 0], total[..., 1], mean, m2, top, *total[..., 5:10].unbind(-1)], -1)
+
+
 def moments(partials: Tensor, shift: Tensor) -> Tensor:
     """The :data:`.reference.FIELDS` vector from :func:`row_partials` of every row (..., 10+)."""
     s = partials.reshape(-1, partials.shape[-1])
-    total = s[:, :10].sum(0)
-    count = total[1].clamp(min=1.0)
-    mean = shift + total[2] / count
-    m2 = (total[3] - total[2] * total[2] / count).clamp(min=0.0)
-    return torch.stack([total[0], total[1], mean, m2, s[:, 4].amax(), *total[5:10]])
+    return finish(s[:, :10].sum(0), s[:, 4].amax(), shift)
 
 
 def _panel(partials: Tensor) -> Tensor:

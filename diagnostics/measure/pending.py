@@ -56,9 +56,9 @@ from tinylm.validate import check
 
 from ..options import OptionsError
 from . import numba_reducer, reduction
-from .reducer import merge_vectors, reduce
+from .reducer import merge_np, merge_vectors, reduce
 
-__all__ = ["Pending", "merge_rows", "MAX_BYTES", "MAX_COUNT"]
+__all__ = ["Pending", "MAX_BYTES", "MAX_COUNT"]
 
 #: bytes of queued tensors past which :meth:`Pending.add` asks for a flush (module docstring)
 MAX_BYTES = 16 << 20
@@ -67,22 +67,6 @@ MAX_COUNT = 4096
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 _F32, _STRIDED = torch.float32, torch.strided
-
-
-def merge_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Rows of :data:`~.reference.FIELDS` vectors merged pairwise, ``a[i]`` with ``b[i]``: the
-    operations of :func:`.reducer.merge_vectors` (Chan's rule for count, mean and M2, the larger
-    max |x|, sums elsewhere) on every row at once, each row's result bit for bit that merge's."""
-    out = a + b
-    na, nb = a[:, 1], b[:, 1]
-    total = na + nb
-    delta = b[:, 2] - a[:, 2]
-    some = total > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        out[:, 2] = np.where(some, a[:, 2] + delta * nb / total, 0.0)
-        out[:, 3] = a[:, 3] + b[:, 3] + np.where(some, delta * delta * na * nb / total, 0.0)
-    out[:, 4] = np.maximum(a[:, 4], b[:, 4])
-    return out
 
 
 class Pending:
@@ -223,7 +207,7 @@ def _reduced(xs: list[Tensor], versions: list[int], loop: bool) -> list[Tensor |
 def _merge_in(store: dict, vectors: list[tuple]) -> None:
     """Merge (key, vector) pairs into ``store`` in their order: by rounds (a key's first vector in
     round 0, its second in round 1, ...), each round's CPU merges as numpy rows at once
-    (:func:`merge_rows`), any other vector by :func:`.reducer.merge_vectors`."""
+    (:func:`.reducer.merge_np`), any other vector by :func:`.reducer.merge_vectors`."""
     rounds: list[list[tuple]] = []
     depth: dict = {}
     for key, vec in vectors:
@@ -245,5 +229,5 @@ def _merge_in(store: dict, vectors: list[tuple]) -> None:
         if old:
             a = np.stack([have.numpy() for _, have, _ in old])
             b = np.stack([vec.numpy() for _, _, vec in old])
-            for (key, _, _), row in zip(old, torch.from_numpy(merge_rows(a, b)).unbind(0)):
+            for (key, _, _), row in zip(old, torch.from_numpy(merge_np(a, b)).unbind(0)):
                 store[key] = row

@@ -231,21 +231,22 @@ class ProbeRun:
         gate = name in self._gates
         if not (rows or gate) and self._plain(kind, out, (name, "forward")):  # moments only: reduced with the others later
             self._queue((name, "forward"), out)
-            if self.signals is not None:
-                self.signals.forward(name, kind, out, None)
-            if self.options.backward and out.requires_grad:
-                self._targets(out).append((name, kind, None))
-            return
-        causal = _causal(kind, out)
+            moments = None
+        else:
+            moments = self._reduce_site(name, kind, out, rows, gate)
+        if self.signals is not None:
+            self.signals.forward(name, kind, out, moments)
+        if self.options.backward and out.requires_grad:
+            self._targets(out).append((name, kind, None))
+
+    def _reduce_site(self, name: str, kind: str, out: Tensor, rows: bool, gate: bool) -> Tensor:
+        """One reduction of a forward site: the moments (returned) and every figure this site adds
+        (the inverse row mean squares of a residual point, the gate's flat-region count, a panel)."""
         cosine = rows and kind != "resid_mid" and out.dim() >= 3  # a block's input or output
         probs = kind == "attn_probs" and self.options.attention and out.dim() >= 2
-        # one reduction: the moments and every figure this site adds (the inverse row mean
-        # squares of a residual point, the gate's flat-region count)
-        r = self.reducer(out, causal=causal, probs=probs, rows=rows, cosine=cosine,
+        r = self.reducer(out, causal=_causal(kind, out), probs=probs, rows=rows, cosine=cosine,
                          inv_eps=float(self.model.config.eps) if rows else -1.0, below=FLAT_EDGE if gate else math.nan)
         self._add(self._vec, (name, "forward"), r.moments, merge_vectors)
-        if self.signals is not None:
-            self.signals.forward(name, kind, out, r.moments)
         if probs:
             self._add(self._attn, name, r.panel, merge_attention_vectors)
         if gate:
@@ -254,8 +255,7 @@ class ProbeRun:
             self._add(self._cos, name, r.cosine, merge_vectors)
         if rows:
             self._add(self._inv, name, r.inv, merge_vectors)
-        if self.options.backward and out.requires_grad:
-            self._targets(out).append((name, kind, None))
+        return r.moments
 
     def _norm(self, name: str, module: nn.Module, inputs, out: Tensor) -> None:
         """RMSNorm: keep each token's 1/(mean x^2 + eps) of its input (B*T floats, not the

@@ -250,14 +250,19 @@ class Reducer:
         return r
 
 
-def _merge_np(a: np.ndarray, b: np.ndarray, n: int, ext: int, largest: bool) -> np.ndarray:
+def merge_np(a: np.ndarray, b: np.ndarray, n: int = 1, ext: int = 4, largest: bool = True) -> np.ndarray:
+    """:func:`_merge`'s rule in numpy on the last axis: two vectors, or rows of them merged pairwise
+    (``a[i]`` with ``b[i]``), each row bit for bit the merge of its two vectors. The defaults are
+    :data:`FIELDS`' layout (:func:`merge_vectors`)."""
     out = a + b
-    na, nb = a[n], b[n]
+    na, nb = a[..., n], b[..., n]
     total = na + nb
-    delta = b[n + 1] - a[n + 1]
-    out[n + 1] = a[n + 1] + delta * nb / total if total > 0 else 0.0
-    out[n + 2] = a[n + 2] + b[n + 2] + (delta * delta * na * nb / total if total > 0 else 0.0)
-    out[ext] = (np.maximum if largest else np.minimum)(a[ext], b[ext])
+    some = total > 0
+    safe = np.where(some, total, 1.0)
+    delta = b[..., n + 1] - a[..., n + 1]
+    out[..., n + 1] = np.where(some, a[..., n + 1] + delta * nb / safe, 0.0)
+    out[..., n + 2] = a[..., n + 2] + b[..., n + 2] + np.where(some, delta * delta * na * nb / safe, 0.0)
+    out[..., ext] = (np.maximum if largest else np.minimum)(a[..., ext], b[..., ext])
     return out
 
 
@@ -281,7 +286,7 @@ def _merge(a: Tensor, b: Tensor, n: int, ext: int, largest: bool) -> Tensor:
     one pass where :mod:`.compiled` is available. numpy and torch ops give the same bits;
     compiled code may round a multiply-add once instead of twice."""
     if a.is_cpu and b.is_cpu:
-        return torch.from_numpy(_merge_np(a.numpy(), b.numpy(), n, ext, largest))
+        return torch.from_numpy(merge_np(a.numpy(), b.numpy(), n, ext, largest))
     if compiled.available():
         with reduction.compiling():  # the default stance, where a probe runs the model eagerly
             out = compiled.call(_merge_torch, a, b.to(a.device), n, ext, largest)
