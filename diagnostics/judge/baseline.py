@@ -37,7 +37,7 @@ from typing import Any
 
 from .thresholds import Thresholds
 
-__all__ = ["zero_alerts", "growth_alerts", "DENSE_KINDS", "GROWTH", "FLOOR", "PERSIST", "LOW_PRECISION"]
+__all__ = ["zero_alerts", "growth_alerts", "dense_zeros", "series_of", "DENSE_KINDS", "GROWTH", "FLOOR", "PERSIST", "LOW_PRECISION"]
 
 #: the largest finite value of each low-precision format a site may run in
 LOW_PRECISION = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
@@ -81,8 +81,10 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def _dense_zeros(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
-    """{site: grad_zero} of the record's dense sites (:data:`DENSE_KINDS`) outside float16/bfloat16."""
+def dense_zeros(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
+    """{site: grad_zero} of the record's dense sites (:data:`DENSE_KINDS`) outside float16/bfloat16:
+    what the zero_gradient rule reads of a record (computed once per record, with the signals'
+    values: :func:`diagnostics.judge.precursors.signal_values`)."""
     kinds, dtypes = h.get("kinds") or {}, rec.get("dtypes") or {}
     out = {}
     for site, st in (rec.get("stats") or {}).items():
@@ -92,31 +94,44 @@ def _dense_zeros(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _zero_excess(records: list[dict[str, Any]], h: dict[str, Any]) -> dict[str, list[tuple[float, float] | None]]:
-    """{site: [(share, baseline) or None per record of ``records``]} (module docstring)."""
-    shares = [_dense_zeros(r, h) for r in records]
+def series_of(values: list[dict[str, dict[str, float]]], name: str) -> dict[str, list[float | None]]:
+    """{site: [its value of ``name`` at each of ``values``' records, None where absent]} for the
+    sites measured at the last record: every series of a signal from one pass over the records."""
+    cols: dict[str, list[float | None]] = {site: [None] * len(values) for site in values[-1].get(name, ())}
+    for j, v in enumerate(values):
+        for site, x in v.get(name, {}).items():
+            col = cols.get(site)
+            if col is not None:
+                col[j] = x
+    return cols
+
+
+def _zero_excess(shares: list[dict[str, float]]) -> dict[str, list[tuple[float, float] | None]]:
+    """{site: [(share, baseline) or None per record]} (module docstring) from each record's
+    :func:`dense_zeros`, for the sites whose share at the last record is past any baseline
+    (share > 0: a site at 0 is never above its baseline)."""
+    lows = [min(got.values(), default=math.inf) for got in shares]  # each record's lowest dense share
     out: dict[str, list[tuple[float, float] | None]] = {}
-    for site in shares[-1]:
-        own = math.inf
-        series: list[tuple[float, float] | None] = []
-        for got in shares:
-            z = got.get(site)
-            if z is None:
-                series.append(None)
-                continue
-            series.append((z, min(min(got.values()), own)))
-            own = min(own, z)
-        out[site] = series
+    for site, series in series_of([{"z": got} for got in shares], "z").items():
+        if not series[-1] > 0.0:
+            continue
+        own, pairs = math.inf, []
+        for z, low in zip(series, lows):
+            pairs.append(None if z is None else (z, min(low, own)))
+            own = own if z is None else min(own, z)
+        out[site] = pairs
     return out
 
 
-def zero_alerts(history: dict[str, Any], k: int, th: Thresholds, lo: int) -> list[dict[str, Any]]:
+def zero_alerts(history: dict[str, Any], k: int, th: Thresholds, lo: int,
+                values: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
     """The zero_gradient alerts first due at record k (records ``lo``..k looked back on), each as
-    the fields of a :class:`diagnostics.judge.precursors.Alert`."""
+    the fields of a :class:`diagnostics.judge.precursors.Alert`; ``values``: the
+    :func:`~diagnostics.judge.precursors.signal_values` of records 0..k (their "zero_gradient")."""
     records = history["records"][lo:k + 1]
     limit = float(th.underflow_share)
     out = []
-    for site, series in _zero_excess(records, history).items():
+    for site, series in _zero_excess([v.get("zero_gradient", {}) for v in values[lo:k + 1]]).items():
         past = [s is not None and s[0] - s[1] > limit for s in series]
         fail = [s is not None and s[0] - s[1] > (limit + 1.0) / 2.0 for s in series]
         if not past[-1]:
@@ -166,8 +181,8 @@ def growth_alerts(history: dict[str, Any], k: int, th: Thresholds, lo: int,
     out = []
     for name, factor in GROWTH.items():
         p = PERSIST[name]
-        for site, now in values[k].get(name, {}).items():
-            series = [v.get(name, {}).get(site) for v in values[lo:k + 1]]
+        for site, series in series_of(values[lo:k + 1], name).items():
+            now = series[-1]
             past = [b is not None and a is not None and a > 0 and b > FLOOR[name] and b >= factor * a
                     for a, b in zip([None, *series[:-1]], series)]
             run = next((j for j in range(len(past) - 1, -1, -1) if not past[j]), -1) + 1

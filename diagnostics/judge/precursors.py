@@ -56,7 +56,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from .baseline import LOW_PRECISION, growth_alerts, zero_alerts
+from .baseline import LOW_PRECISION, dense_zeros, growth_alerts, series_of, zero_alerts
 from .precision_trend import precision_alerts
 from .thresholds import Thresholds
 
@@ -339,13 +339,18 @@ def _past(sig: Signal, value: float | None, limit: float) -> bool:
 
 
 def signal_values(history: dict[str, Any], k: int) -> dict[str, dict[str, float]]:
-    """{signal: {site: value}} at record k (signals not measured there are absent)."""
+    """{signal: {site: value}} at record k (signals not measured there are absent), and under
+    "zero_gradient" the exact-zero shares the baseline rule reads (:func:`.baseline.dense_zeros`):
+    everything the rules read of a record, computed once per record."""
     rec = history["records"][k]
     out = {}
     for name, sig in SIGNALS.items():
         got = sig.read(rec, history)
         if got:
             out[name] = got
+    zeros = dense_zeros(rec, history)
+    if zeros:
+        out["zero_gradient"] = zeros
     return out
 
 
@@ -425,12 +430,11 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
     if stall is not None and not _stalled_before(history, values, k, th):
         out.append(stall)
     for name, sig in SIGNALS.items():
-        for site in values[k].get(name, {}):
-            series = [v.get(name, {}).get(site) for v in values[lo:k + 1]]
+        for site, series in series_of(values[lo:k + 1], name).items():
             due = _judge_site(sig, series, th)
             if due is not None:
                 out.append(_alert(history, sig, site, series, steps, due, th, values[k]))
-    out += [Alert(**a) for a in zero_alerts(history, k, th, lo) + growth_alerts(history, k, th, lo, values)]
+    out += [Alert(**a) for a in zero_alerts(history, k, th, lo, values) + growth_alerts(history, k, th, lo, values)]
     out += [Alert(**a) for a in precision_alerts(history, k)]  # a GEMM's SQNR against its own first record
     return sorted(out, key=lambda a: a.severity != "fail")
 

@@ -122,3 +122,62 @@ def rows(s, p, allowed, out):
     out[10], out[11], out[12], out[13], out[14], out[15] = M, hmean, hm2, lowest, (keys > 1).sum(), saturated
     out[16] = np.nan if acc[9] else acc[8]
     out[17], out[18] = ceiling, M
+
+
+#: bits of the radix select's digit (a table of 2^11 counts: small enough to clear at each pass)
+_DIGIT = 11
+
+
+@njit(cache=True)
+def _select(bits, k, width):
+    """The k-th smallest (0-based) of ``bits``, unsigned integers of ``width`` bits (the bit
+    patterns of non-negative floats, which order as the floats do), as a uint64: a radix select,
+    :data:`_DIGIT` bits a pass from the top, each pass counting the entries that share the
+    prefix found so far."""
+    count = np.zeros(1 << _DIGIT, dtype=np.int64)
+    prefix = np.uint64(0)
+    left = np.int64(k)
+    hi = width
+    while hi > 0:
+        lo = max(hi - _DIGIT, 0)
+        nb = hi - lo
+        mask = np.uint64((1 << nb) - 1)
+        count[:] = 0
+        for i in range(bits.size):
+            b = np.uint64(bits[i])
+            if hi == width or (b >> np.uint64(hi)) == prefix:
+                count[np.int64((b >> np.uint64(lo)) & mask)] += 1
+        digit = 0
+        while left >= count[digit]:
+            left -= count[digit]
+            digit += 1
+        prefix = (prefix << np.uint64(nb)) | np.uint64(digit)
+        hi = lo
+    return prefix
+
+
+@njit(cache=True)
+def peak(a, idx, top):
+    """max |x| / median |x| of :func:`diagnostics.measure.signals.peak_ratio` from ``a`` (N, d),
+    float32 or float64, its sampled rows ``idx`` (int64) and ``top`` = max |x| over every finite
+    entry: the median torch's (the lower of the two middle values) of the finite |x| of those
+    rows, an entry of them (selected exactly: :func:`_select`), so the ratio has the torch
+    formula's bits. NaN when that median is 0 or no entry is finite."""
+    buf = np.empty(idx.size * a.shape[1], dtype=a.dtype)
+    m = 0
+    for r in idx:
+        row = a[r]
+        for j in range(row.size):
+            v = abs(row[j])
+            if v < np.inf:
+                buf[m] = v
+                m += 1
+    if m == 0:
+        return np.nan
+    k = (m - 1) // 2
+    if a.itemsize == 4:  # float32
+        got = np.array([_select(buf[:m].view(np.uint32), k, 32)], dtype=np.uint64).astype(np.uint32)
+        median = np.float64(got.view(np.float32)[0])
+    else:
+        median = np.array([_select(buf[:m].view(np.uint64), k, 64)], dtype=np.uint64).view(np.float64)[0]
+    return top / median if median > 0 else np.nan

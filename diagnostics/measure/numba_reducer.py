@@ -67,6 +67,8 @@ _PLAIN = (_torch.Tensor, _torch.nn.Parameter)
 
 _loops = None
 _rows = None  # the attention rows' loop (:func:`rows_loop`)
+_peak = None  # the peak ratio's loop (:func:`peak_loop`)
+_update = None  # the update ratios' loop (:func:`update_loop`)
 _checked: bool | None = None
 _ready = False
 _warming = None  # the process filling numba's cache while this one measures with torch ops
@@ -127,11 +129,29 @@ def rows_loop():
     return _rows
 
 
+def peak_loop():
+    """The peak ratio's loop over sampled rows (:func:`._numba_rows.peak`), imported once per process."""
+    global _peak
+    if _peak is None:
+        from ._numba_rows import peak
+        _peak = peak
+    return _peak
+
+
+def update_loop():
+    """The update ratios' loop (:func:`._numba_update.ratios`), imported once per process."""
+    global _update
+    if _update is None:
+        from ._numba_update import ratios
+        _update = ratios
+    return _update
+
+
 def _cached(k) -> bool:
     """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
     try:
         return all(os.path.exists(d._cache._cache_file._index_path)
-                   for d in (k.serial_at, k.parallel_at, k.many_at, rows_loop()))
+                   for d in (k.serial_at, k.parallel_at, k.many_at, rows_loop(), peak_loop(), update_loop()))
     except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
         return True
 
@@ -176,6 +196,9 @@ def warm() -> None:
     for dtype in (np.float32, np.float64):  # the attention rows' loop, for both widths of logits
         z = np.zeros((2, 8), dtype=dtype)
         rows_loop()(z, z, np.ones((2, 8), dtype=np.bool_), np.zeros(19))
+        peak_loop()(z, np.arange(2), 1.0)
+    addr = np.array([x.data_ptr()], dtype=np.int64)
+    update_loop()(addr, addr, np.array([x.numel()], dtype=np.int64), np.zeros(1))
 
 
 def summaries(xs: list, width: int = 0, probs: list | None = None) -> np.ndarray:

@@ -33,8 +33,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from . import numba_reducer, reduction
+from .reducer_choice import chosen
 
 __all__ = ["is_dtensor", "local_part", "whole", "gather", "merge_ranks", "moments", "update_ratio_vector",
            "update_ratios", "NOT_MEASURED_SPECTRAL"]
@@ -43,6 +47,8 @@ __all__ = ["is_dtensor", "local_part", "whole", "gather", "merge_ranks", "moment
 NOT_MEASURED_SPECTRAL = "spectral norm, stable rank not measured: needs the full matrix under sharding"
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+_F32 = torch.float32
 _DTENSOR: list = []  # [DTensor or None], looked up once per process
 
 
@@ -162,6 +168,17 @@ def moments(tensors: list[Tensor], vector: Callable[[Tensor], Tensor]) -> list[T
     return out
 
 
+def _loop_reads(now: list[Tensor], was: list[Tensor]) -> bool:
+    """Whether :func:`_plain_ratios` takes numba's loop: every tensor a plain contiguous CPU float32
+    one, the two of a pair alike in size, under ``TINYLM_REDUCER=auto`` where nothing observes the
+    ops (:func:`.reduction.direct`) and the loop is compiled (:func:`.numba_reducer.ready`)."""
+    if not (chosen() == "auto" and numba_reducer.available() and reduction.direct() and numba_reducer.ready()):
+        return False
+    return all(type(a) in _PLAIN and type(b) in _PLAIN and a.dtype is _F32 and b.dtype is _F32 and a.is_cpu
+               and b.is_cpu and a.is_contiguous() and b.is_contiguous() and a.numel() == b.numel()
+               for a, b in zip(now, was))
+
+
 def _sum_squares(t: Tensor) -> Tensor:
     return t.detach().double().square().sum()
 
@@ -169,7 +186,14 @@ def _sum_squares(t: Tensor) -> Tensor:
 @torch.no_grad()
 def _plain_ratios(now: list[Tensor], was: list[Tensor]) -> Tensor:
     """The ratios of plain tensors in a fixed number of ops, whatever their number: the
-    differences and both norms (float64 sums) by ``torch._foreach_*``, one stack each."""
+    differences and both norms (float64 sums) by ``torch._foreach_*``, one stack each; or, for
+    CPU float32 tensors on the default path, one call into numba's loop
+    (:mod:`._numba_update`: each pair read once, no differences kept)."""
+    if _loop_reads(now, was):
+        out = np.zeros(len(now))
+        addr = [np.fromiter([t.data_ptr() for t in ts], np.int64, len(ts)) for ts in (now, was)]
+        numba_reducer.update_loop()(addr[0], addr[1], np.fromiter([t.numel() for t in now], np.int64, len(now)), out)
+        return torch.from_numpy(out)
     num = torch.stack(torch._foreach_norm(torch._foreach_sub(now, was), 2, dtype=torch.float64))
     den = torch.stack(torch._foreach_norm(was, 2, dtype=torch.float64))
     return torch.where(den > 0, num / den, torch.where(num > 0, torch.inf, 0.0))

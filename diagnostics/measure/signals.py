@@ -22,7 +22,8 @@ figures.
   middle values) over the finite entries of a sample of rows: x as (N, d) rows of its last
   dimension, the rows of :func:`.sdpa.sample_rows` (every row up to 64, else 64 evenly
   spaced) x all d features. NaN when that median is 0 or there is no finite entry. Several
-  passes and ranks merge as the largest ratio.
+  passes and ranks merge as the largest ratio. On the CPU's default path one numba call gives
+  it (:func:`._numba_rows.peak`: the median selected exactly from the bits, the same figure).
 
 Merges: max_logit and the peak ratio by the largest value (NaN ignored unless every value is
 NaN), the ceiling's sums by addition, log Z's moments by Chan's update.
@@ -30,17 +31,21 @@ NaN), the ceiling's sums by addition, log Z's moments by Chan's update.
 
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import ExitStack
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 import tinylm
 
+from . import numba_reducer, reduction
 from .moments import Moments
 from .reducer import merge_vectors, reduce
+from .reducer_choice import chosen
 from .sdpa import ROWS, sample_rows
 
 __all__ = ["Signals", "peak_ratio", "log_partition", "causal_ceiling", "init_drift", "PEAK_KINDS"]
@@ -53,11 +58,36 @@ def _wide(t: Tensor) -> Tensor:
     return t.detach().to(torch.promote_types(t.dtype, torch.float32))
 
 
+_LOOP_DTYPES = (torch.float32, torch.float64)
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _loop_reads(a: Tensor, max_abs: Tensor) -> bool:
+    """Whether :func:`peak_ratio` of the rows ``a`` takes numba's loop: CPU float32/float64
+    contiguous plain tensors (and a CPU ``max_abs``) under ``TINYLM_REDUCER=auto``, where nothing
+    observes the ops (:func:`.reduction.direct`) and the loop is compiled (:func:`.numba_reducer.ready`)."""
+    return a.is_cpu and max_abs.is_cpu and a.dtype in _LOOP_DTYPES and type(a) in _PLAIN and a.is_contiguous() \
+        and a.numel() > 0 and chosen() == "auto" and numba_reducer.available() and reduction.direct() \
+        and numba_reducer.ready()
+
+
+@functools.lru_cache(maxsize=64)
+def _sampled(n: int, rows: int) -> np.ndarray:
+    """:func:`.sdpa.sample_rows` as int64 numpy, made once per (rows of x, rows sampled)."""
+    got = sample_rows(n, rows).numpy()
+    got.flags.writeable = False
+    return got
+
+
 @torch.no_grad()
 def peak_ratio(x: Tensor, max_abs: Tensor | None = None, rows: int = ROWS) -> Tensor:
     """(1,) float64: max|x| / median|x| (module docstring); ``max_abs``: max |x| over the finite
     entries when already known (a 0-d or (1,) tensor), else taken here."""
     a = x.detach().reshape(-1, x.shape[-1]) if x.dim() else x.detach().reshape(1, 1)
+    if max_abs is not None and _loop_reads(a, max_abs):  # one call, the same bits
+        top = float(max_abs.reshape(-1)[0])
+        idx = _sampled(a.shape[0], rows)
+        return torch.tensor([numba_reducer.peak_loop()(a.numpy(), idx, top)], dtype=torch.float64)
     if max_abs is None:
         full = _wide(a).abs()
         max_abs = torch.where(torch.isfinite(full), full, 0.0).amax() if full.numel() else full.new_zeros(())
