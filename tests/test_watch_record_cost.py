@@ -12,8 +12,8 @@ earlier record once.
   float32 squares: the order moves them by ~1e-14), and exactly where a norm is 0 or not
   finite. Negative control: the ratio taken against the weights after the step (the wrong
   denominator) is off by far more than that tolerance.
-* The judge's per-signal series (:func:`diagnostics.judge.baseline.series_of`) and the
-  zero-gradient baseline equal the per-site formulas they replace, on random histories.
+* The judge's per-signal series, kept as the records come (:class:`diagnostics.judge.baseline.Window`),
+  and the zero-gradient baseline equal the per-site formulas, on random histories.
 """
 
 from __future__ import annotations
@@ -163,14 +163,31 @@ def _random_values(rng: random.Random, records: int, sites: list[str]) -> list[d
     return out
 
 
-def test_series_of_equals_the_per_site_lists():
+def test_window_series_equal_the_per_site_lists():
+    """Kept record by record, each window's series are the lists read afresh from its records."""
     rng = random.Random(5)
-    for _ in range(50):
-        values = _random_values(rng, rng.randint(1, 12), [f"s{i}" for i in range(rng.randint(1, 9))])
-        for name in ("massive", "zero_gradient", "absent"):
-            want = {site: [v.get(name, {}).get(site) for v in values] for site in values[-1].get(name, {})}
-            assert baseline.series_of(values, name) == want
-    assert baseline.series_of([{"a": {"x": 1.0}}, {}], "a") == {}  # not at the last record: not judged
+    for _ in range(40):
+        size = rng.randint(1, 6)
+        values = _random_values(rng, rng.randint(1, 15), [f"s{i}" for i in range(rng.randint(1, 9))])
+        window = baseline.Window(size)
+        for k, v in enumerate(values):
+            window.add(v)
+            last = values[max(0, k + 1 - size):k + 1]
+            for name in ("massive", "zero_gradient", "absent"):
+                want = {site: [u.get(name, {}).get(site) for u in last] for site in v.get(name, {})}
+                assert window.series(name) == want
+                assert baseline.Window.of(values[:k + 1], size).series(name) == want
+    assert baseline.Window.of([{"a": {"x": 1.0}}, {}], 4).series("a") == {}  # not at the last record: not judged
+
+
+def test_window_drops_a_site_absent_for_its_length():
+    window = baseline.Window(3)
+    window.add({"a": {"x": 1.0, "y": 2.0}})
+    for _ in range(3):
+        window.add({"a": {"y": 2.0}})
+    assert set(window._cols["a"]) == {"y"}  # x last seen 3 records ago: out of the window
+    window.add({"a": {"x": 5.0}})
+    assert window.series("a") == {"x": [None, None, 5.0]}
 
 
 def _naive_zero_excess(shares: list[dict]) -> dict:
@@ -195,6 +212,7 @@ def test_zero_alerts_equal_the_rule_site_by_site():
         shares = [v.get("zero_gradient", {}) for v in values]
         if not shares[-1]:
             continue
-        fast, naive = baseline._zero_excess(shares), _naive_zero_excess(shares)
+        by_site = baseline.Window.of([{"z": g} for g in shares], len(shares)).series("z")
+        fast, naive = baseline._zero_excess(shares, by_site), _naive_zero_excess(shares)
         past = {s for s, ser in naive.items() if ser[-1][0] - ser[-1][1] > limit}
         assert past <= set(fast) and all(fast[s] == naive[s] for s in fast)

@@ -18,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
-from ..judge.precursors import Alert, precursor_alerts, signal_values, verdict_alert
+from ..judge.baseline import Window
+from ..judge.precursors import LOOKBACK, Alert, precursor_alerts, signal_values, verdict_alert
 from ..judge.thresholds import Thresholds
 
 __all__ = ["WatchEvent", "WatchFailure", "WatchReport", "WatchStop", "AlertBook", "failure_of", "grouped"]
@@ -132,6 +133,7 @@ class AlertBook:
         self.alerts: list[Alert] = []
         self._new: list[Alert] = []
         self._values = [signal_values(history, k) for k in range(len(history["records"]))]
+        self._window = Window.of(self._values, LOOKBACK)  # each series kept as the records come
         self._open: set[tuple[str, str]] = set()  # (site, verdict) not ok at the last record
         #: the last ten forensics reports
         self.reports: deque[dict[str, Any]] = deque(maxlen=10)
@@ -153,7 +155,8 @@ class AlertBook:
                   for a in [verdict_alert(self.history, rec, r, self.thresholds)] if a is not None]
         self._open = {(r["site"], r["verdict"]) for r in judged}
         self._values.append(signal_values(self.history, len(self.history["records"]) - 1))
-        found = precursor_alerts(self.history, len(self._values) - 1, self.thresholds, self._values)
+        self._window.add(self._values[-1])
+        found = precursor_alerts(self.history, len(self._values) - 1, self.thresholds, self._values, self._window)
         for a in grouped(alerts + found):
             self.emit(a, writers)
         return [WatchFailure(a.step, a.signal, a.site, a.signal, a.value, a.threshold, a.message)

@@ -33,11 +33,12 @@ the factors, floors and persistence sit above the healthy runs' fastest growth i
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 from .thresholds import Thresholds
 
-__all__ = ["zero_alerts", "growth_alerts", "dense_zeros", "series_of", "DENSE_KINDS", "GROWTH", "FLOOR", "PERSIST", "LOW_PRECISION"]
+__all__ = ["zero_alerts", "growth_alerts", "dense_zeros", "Window", "DENSE_KINDS", "GROWTH", "FLOOR", "PERSIST", "LOW_PRECISION"]
 
 #: the largest finite value of each low-precision format a site may run in
 LOW_PRECISION = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38}
@@ -94,25 +95,63 @@ def dense_zeros(rec: dict[str, Any], h: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def series_of(values: list[dict[str, dict[str, float]]], name: str) -> dict[str, list[float | None]]:
-    """{site: [its value of ``name`` at each of ``values``' records, None where absent]} for the
-    sites measured at the last record: every series of a signal from one pass over the records."""
-    cols: dict[str, list[float | None]] = {site: [None] * len(values) for site in values[-1].get(name, ())}
-    for j, v in enumerate(values):
-        for site, x in v.get(name, {}).items():
-            col = cols.get(site)
-            if col is not None:
-                col[j] = x
-    return cols
+class Window:
+    """The values of the last ``size`` records by signal and site, each site's series kept as the
+    records come (:meth:`add`: the cost of one record, whatever the window's length), so that
+    judging a record reads each series once rather than every earlier record again.
+    :meth:`series` gives the series of the sites measured at the newest record; a site absent
+    from ``size`` records in a row is dropped."""
+
+    def __init__(self, size: int):
+        self.size, self.count = size, 0
+        self._cols: dict[str, dict[str, deque]] = {}
+        self._seen: dict[tuple[str, str], int] = {}  # (signal, site) -> the record it was last measured at
+        self._last: dict[str, dict[str, float]] = {}
+
+    @classmethod
+    def of(cls, values: list[dict[str, dict[str, float]]], size: int) -> "Window":
+        """The window after the last ``size`` of ``values``."""
+        w = cls(size)
+        for v in values[-size:] if size else ():
+            w.add(v)
+        return w
+
+    def add(self, v: dict[str, dict[str, float]]) -> None:
+        """The values of the next record ({signal: {site: value}}, :func:`~.precursors.signal_values`)."""
+        pad = min(self.count, self.size)
+        for name, got in v.items():
+            cols = self._cols.setdefault(name, {})
+            for site in got:
+                if site not in cols:
+                    cols[site] = deque([None] * pad, maxlen=self.size)
+                self._seen[(name, site)] = self.count
+        gone = []
+        for name, cols in self._cols.items():
+            got = v.get(name, {})
+            for site, col in cols.items():
+                col.append(got.get(site))
+                if self.count - self._seen[(name, site)] >= self.size:
+                    gone.append((name, site))
+        for name, site in gone:
+            del self._cols[name][site], self._seen[(name, site)]
+        self.count += 1
+        self._last = v
+
+    def series(self, name: str) -> dict[str, list[float | None]]:
+        """{site: its value of ``name`` at each record of the window, None where absent} for the
+        sites measured at the newest record."""
+        cols = self._cols.get(name, {})
+        return {site: list(cols[site]) for site in self._last.get(name, ())}
 
 
-def _zero_excess(shares: list[dict[str, float]]) -> dict[str, list[tuple[float, float] | None]]:
+def _zero_excess(shares: list[dict[str, float]], by_site: dict[str, list[float | None]]
+                 ) -> dict[str, list[tuple[float, float] | None]]:
     """{site: [(share, baseline) or None per record]} (module docstring) from each record's
-    :func:`dense_zeros`, for the sites whose share at the last record is past any baseline
-    (share > 0: a site at 0 is never above its baseline)."""
+    :func:`dense_zeros` (``shares``; ``by_site``: the same as each site's series), for the sites
+    whose share at the last record is past any baseline (share > 0: a site at 0 never is)."""
     lows = [min(got.values(), default=math.inf) for got in shares]  # each record's lowest dense share
     out: dict[str, list[tuple[float, float] | None]] = {}
-    for site, series in series_of([{"z": got} for got in shares], "z").items():
+    for site, series in by_site.items():
         if not series[-1] > 0.0:
             continue
         own, pairs = math.inf, []
@@ -124,14 +163,16 @@ def _zero_excess(shares: list[dict[str, float]]) -> dict[str, list[tuple[float, 
 
 
 def zero_alerts(history: dict[str, Any], k: int, th: Thresholds, lo: int,
-                values: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
+                values: list[dict[str, dict[str, float]]], window: Window) -> list[dict[str, Any]]:
     """The zero_gradient alerts first due at record k (records ``lo``..k looked back on), each as
     the fields of a :class:`diagnostics.judge.precursors.Alert`; ``values``: the
-    :func:`~diagnostics.judge.precursors.signal_values` of records 0..k (their "zero_gradient")."""
+    :func:`~diagnostics.judge.precursors.signal_values` of records 0..k (their "zero_gradient"),
+    ``window``: their :class:`Window` over ``lo``..k."""
     records = history["records"][lo:k + 1]
     limit = float(th.underflow_share)
     out = []
-    for site, series in _zero_excess([v.get("zero_gradient", {}) for v in values[lo:k + 1]]).items():
+    for site, series in _zero_excess([v.get("zero_gradient", {}) for v in values[lo:k + 1]],
+                                     window.series("zero_gradient")).items():
         past = [s is not None and s[0] - s[1] > limit for s in series]
         fail = [s is not None and s[0] - s[1] > (limit + 1.0) / 2.0 for s in series]
         if not past[-1]:
@@ -173,15 +214,14 @@ def _zero_alert(records: list[dict[str, Any]], site: str, share: float, base: fl
                 ruled_out="", message=message)
 
 
-def growth_alerts(history: dict[str, Any], k: int, th: Thresholds, lo: int,
-                  values: list[dict[str, dict[str, float]]]) -> list[dict[str, Any]]:
+def growth_alerts(history: dict[str, Any], k: int, th: Thresholds, lo: int, window: Window) -> list[dict[str, Any]]:
     """The growth alerts first due at record k (module docstring), as the fields of an Alert;
-    ``values``: the :func:`~diagnostics.judge.precursors.signal_values` of records 0..k."""
+    ``window``: the :class:`Window` of records ``lo``..k."""
     records = history["records"]
     out = []
     for name, factor in GROWTH.items():
         p = PERSIST[name]
-        for site, series in series_of(values[lo:k + 1], name).items():
+        for site, series in window.series(name).items():
             now = series[-1]
             past = [b is not None and a is not None and a > 0 and b > FLOOR[name] and b >= factor * a
                     for a, b in zip([None, *series[:-1]], series)]

@@ -56,7 +56,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-from .baseline import LOW_PRECISION, dense_zeros, growth_alerts, series_of, zero_alerts
+from .baseline import LOW_PRECISION, Window, dense_zeros, growth_alerts, zero_alerts
 from .precision_trend import precision_alerts
 from .thresholds import Thresholds
 
@@ -406,7 +406,8 @@ def _judge_site(sig: Signal, series: list[float | None], th: Thresholds) -> tupl
 
 
 def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | None = None,
-                     values: list[dict[str, dict[str, float]]] | None = None) -> list[Alert]:
+                     values: list[dict[str, dict[str, float]]] | None = None, window: Window | None = None
+                     ) -> list[Alert]:
     """The precursor alerts first due at record k of ``history``.
 
     Args:
@@ -415,6 +416,8 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
         thresholds: the thresholds (None: the history's own, else the defaults).
         values: :func:`signal_values` of records 0..k (or more) when already computed (None:
             computed here); only the last :data:`LOOKBACK` up to k are read.
+        window: their :class:`~diagnostics.judge.baseline.Window` of :data:`LOOKBACK` records
+            ending at k, where the caller keeps one as the records come (None: made here).
 
     Returns:
         The alerts of record k, most severe first, then in :data:`SIGNALS` order.
@@ -424,17 +427,19 @@ def precursor_alerts(history: dict[str, Any], k: int, thresholds: Thresholds | N
     th = thresholds_of(history, thresholds)
     values = values if values is not None else [signal_values(history, j) for j in range(k + 1)]
     lo = max(0, k + 1 - LOOKBACK)
+    window = window if window is not None else Window.of(values[lo:k + 1], LOOKBACK)
     steps = [int(r["step"]) for r in history["records"][lo:k + 1]]
     out: list[Alert] = []
     stall = _stalled(history, values[k], steps[-1], th)
     if stall is not None and not _stalled_before(history, values, k, th):
         out.append(stall)
     for name, sig in SIGNALS.items():
-        for site, series in series_of(values[lo:k + 1], name).items():
+        for site, series in window.series(name).items():
             due = _judge_site(sig, series, th)
             if due is not None:
                 out.append(_alert(history, sig, site, series, steps, due, th, values[k]))
-    out += [Alert(**a) for a in zero_alerts(history, k, th, lo, values) + growth_alerts(history, k, th, lo, values)]
+    out += [Alert(**a) for a in zero_alerts(history, k, th, lo, values, window)
+            + growth_alerts(history, k, th, lo, window)]
     out += [Alert(**a) for a in precision_alerts(history, k)]  # a GEMM's SQNR against its own first record
     return sorted(out, key=lambda a: a.severity != "fail")
 
@@ -470,8 +475,10 @@ def all_precursor_alerts(history: dict[str, Any], thresholds: Thresholds | None 
     records = history.get("records") or []
     values = [signal_values(history, j) for j in range(len(records))]
     out: list[Alert] = []
+    window = Window(LOOKBACK)
     for k in range(len(records)):
-        out += precursor_alerts(history, k, thresholds, values)
+        window.add(values[k])
+        out += precursor_alerts(history, k, thresholds, values, window)
     return out
 
 
