@@ -168,7 +168,7 @@ def test_under_an_observer_or_the_cuda_structure_nothing_with_rows_waits(monkeyp
 
 def test_the_cold_start_check_covers_the_rows_loop(monkeypatch):
     k = numba_reducer._build()
-    rows_at = numba_reducer._build_batch().rows_at
+    rows_at = k.rows_at
     assert numba_reducer._cached(k) or not hasattr(rows_at, "_cache")
     for fn, expect in ((rows_at, False), (pending_rows, True)):  # a module has no cache (control)
         if hasattr(fn, "_cache"):

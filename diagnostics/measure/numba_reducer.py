@@ -67,7 +67,6 @@ _PLAIN = (_torch.Tensor, _torch.nn.Parameter)
 
 _loops = None
 _rows = None  # the attention rows' loop (:func:`rows_loop`)
-_batch = None  # the loop of the queue's requests with rows (:mod:`._numba_batch`)
 _checked: bool | None = None
 _ready = False
 _warming = None  # the process filling numba's cache while this one measures with torch ops
@@ -119,15 +118,6 @@ def _build():
     return _loops
 
 
-def _build_batch():
-    """The loop of the probe's queued requests with rows (:mod:`._numba_batch`), imported once per process."""
-    global _batch
-    if _batch is None:
-        from . import _numba_batch
-        _batch = _numba_batch
-    return _batch
-
-
 def rows_loop():
     """The loop of sampled attention rows (:mod:`._numba_rows`), imported once per process."""
     global _rows
@@ -141,7 +131,7 @@ def _cached(k) -> bool:
     """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
     try:
         return all(os.path.exists(d._cache._cache_file._index_path)
-                   for d in (k.serial_at, k.parallel_at, k.many_at, rows_loop(), _build_batch().rows_at))
+                   for d in (k.serial_at, k.parallel_at, k.many_at, rows_loop(), k.rows_at))
     except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
         return True
 
@@ -184,8 +174,8 @@ def warm() -> None:
     k.parallel_at(x.data_ptr(), x.numel(), 0, 0, False, 0, 2)
     summaries([x, x[0]]), summaries([x, x.softmax(-1)], 8, [False, True])
     i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731  (the queue's rows loop: a tensor, two vectors)
-    _build_batch().rows_at(i64(x.data_ptr()), i64(x.numel()), i64(8), i64(8), np.array([0.0]), i64(0, 0),
-                           np.array([1e-5, -1.0]), i64(0, 0), np.ones(16, dtype=np.float32))
+    k.rows_at(i64(x.data_ptr()), i64(x.numel()), i64(8), i64(8), np.array([0.0]), i64(0, 0), np.array([1e-5, -1.0]),
+              i64(0, 0), np.ones(16, dtype=np.float32))
     for dtype in (np.float32, np.float64):  # the attention rows' loop, for both widths of logits
         z = np.zeros((2, 8), dtype=dtype)
         rows_loop()(z, z, np.ones((2, 8), dtype=np.bool_), np.zeros(19))

@@ -6,6 +6,7 @@
             queue.flush(store)
     ...
     queue.flush(store)            # store: {key: FIELDS vector}, merged in the order added
+    queue.flush(store, {"cos": cos, "flat": flat})   # and the entries of other stores
 
 Most of what a probe measures is *plain*: the moments of a tensor and nothing else (no row
 mean squares, cosines, attention panel, causal entries or extras). Reduced one at a time in
@@ -15,6 +16,15 @@ numba loop of a small tensor, and on a GPU each is at least one kernel launch. H
 request is kept as (key, tensor, the tensor's version) and :meth:`Pending.flush` reduces every
 tensor queued by :func:`.reduction.many`: one call into numba's loop over them all (the same
 loop, the same bits as one call each), or one ``tinylm::summaries`` op on any other path.
+
+With rows. A request that asks for more than the moments (a residual point's cosine and inverse
+row mean squares, a gate's count below an edge, a norm's per-token factor and its gradient's
+weighted figure) waits here too where the numba loop reads its tensor as it is
+(:meth:`Pending.takes_rows`): :meth:`Pending.add_rows` keeps it in a :class:`.pending_rows.Rows`,
+whose every tensor and per-token vector the flush makes by one more call
+(:mod:`.pending_rows`), and each part it asked for is an entry of the store it goes to (tags:
+None the moments', ``"cos"``, ``"inv"``, ``"flat"``, ``"normb"``; ``"later"`` a norm's factor,
+kept in a :class:`.pending_rows.Later` and merged nowhere).
 
 Order. The results merge into the store in the order they were added, each key's vectors one
 after the other exactly as the hooks would have merged them (so a probe that spans several

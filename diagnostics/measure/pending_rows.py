@@ -12,7 +12,7 @@ inverse row mean squares, a gate's count below the flat edge, a norm's per-token
 gradient's weighted figure) costs, reduced in its hook, the Python around the kernel (the
 reducer, its result, the merges) several times over the kernel itself. Here such a request is
 kept as (tensor, its version, what is asked) and :meth:`Rows.reduce` reduces every tensor and
-makes every per-token vector in one call into :func:`._numba_batch.rows_at`: each tensor as
+makes every per-token vector in one call into :func:`._numba.rows_at`: each tensor as
 :func:`.reduction.numba_parts` reduces it alone (the same loops, the same bits), each vector in
 float32 as that function makes it. :class:`.pending.Pending` holds one :class:`Rows` beside its
 plain requests and merges their vectors in the order the requests came.
@@ -142,7 +142,7 @@ class Rows:
         given = [weights[j] for j in jobs if weights[j] is not None]
         sizes = [0 if weights[j] is None else weights[j].size for j in jobs]
         wat = np.cumsum([0] + sizes[:-1], dtype=np.int64) if jobs else np.zeros(0, np.int64)
-        k = numba_reducer._batch or numba_reducer._build_batch()
+        k = numba_reducer._loops or numba_reducer._build()
         mom, cos, under, res, vals, start = k.rows_at(
             addrs, ns, np.array(self._ds, np.int64), np.array(self._ss, np.int64), np.array(self._edges),
             np.array([self._src[j] for j in jobs], np.int64), np.array([self._eps[j] for j in jobs]), wat,

@@ -23,7 +23,10 @@ The forward hook reduces the output under ``no_grad`` to float64 moments and, wh
 the output needs a gradient, puts a hook on that tensor which reduces the
 gradient of the loss w.r.t. it the same way. A request for the moments alone (most) waits in
 the run's queue (:mod:`.pending`), reduced with the others by one call at the forward's end,
-the exit, past its bounds and before anything reads the stores: the same bits as one reduction
+the exit, past its bounds and before anything reads the stores; on the default CPU path so does
+one with rows (a residual point's cosine and inverse row mean squares, a gate's count, a norm's
+per-token factor, made at the forward's flush, and its gradient's weighted figure:
+:mod:`.pending_rows`, one more call per flush): the same bits as one reduction
 per hook (a tensor changed in place meanwhile: not measured, ``run.queue.stale``; that site
 of the model is reduced in its hook by every later probe of it). Nothing
 else is kept. On exit the hooks are removed and the model's ``training`` flags,
