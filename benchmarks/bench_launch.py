@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queue", type=int, default=0, metavar="N",
                     help="also N interleaved pairs of the probe with its queue and without (CPU time)")
     ap.add_argument("--rows", type=int, default=0, metavar="N",
-                    help="also N interleaved pairs of the requests with rows queued and reduced in their hooks (CPU time)")
+                    help="also N interleaved pairs of the requests with rows queued and in their hooks (CPU time)")
     args = ap.parse_args(argv)
     import torch
 

@@ -334,7 +334,7 @@ def many_at(addrs, ns, T, probs):
 
 @njit(cache=True)
 def below_count(xb, edge):
-    """How many of the float32 entries (bits ``xb``) compare below ``edge`` (NaN: none)."""
+    """How many of the float32 entries (bits ``xb``) compare below the float32 ``edge``."""
     c = 0
     for i in range(xb.size):
         c += as_f32(xb[i]) < edge
@@ -368,7 +368,7 @@ def rows_at(addrs, ns, ds, ss, edges, src, eps, wat, w32):
             cos[i] = cs
         rowsq[rowat[i]:rowat[i + 1]] = rsq
         if edges[i] == edges[i]:
-            under[i] = below_count(xb, edges[i])
+            under[i] = below_count(xb, np.float32(edges[i]))  # compared in float32, as numpy and torch compare
     m = src.size
     start = np.zeros(m + 1, np.int64)
     for j in range(m):

@@ -149,7 +149,8 @@ class Rows:
             np.concatenate(given) if given else np.zeros(0, np.float32))
         moms = torch.from_numpy(mom).unbind(0)
         coss = _rows_of(cos, [i for i in range(n) if self._ss[i]])
-        belows = _rows_of(np.stack([under, ns.astype(np.float64)], 1), [i for i in range(n) if self._edges[i] == self._edges[i]])
+        counted = [i for i in range(n) if self._edges[i] == self._edges[i]]  # an edge asked (not NaN)
+        belows = _rows_of(np.stack([under, ns.astype(np.float64)], 1), counted)
         parts = [(moms[i], coss.get(i), belows.get(i)) if live[i] else None for i in range(n)]
         summaries: list = [None] * len(self._src)
         for j, vec in zip(jobs, torch.from_numpy(res).unbind(0) if jobs else ()):
