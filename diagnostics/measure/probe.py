@@ -230,7 +230,7 @@ class ProbeRun(Queued):
         if not (rows or gate) and self._plain(kind, out, (name, "forward")):  # moments only: reduced with the others later
             self._queue((name, "forward"), out)
             moments = None
-        elif self.queue.takes_rows(out) and self._plain(kind, out, (name, "forward")):  # with its rows, later
+        elif (rows or gate) and self.queue.takes_rows(out) and self._plain(kind, out, (name, "forward")):  # later
             self._queue_site(name, kind, out, rows, gate)
             moments = None
         else:
