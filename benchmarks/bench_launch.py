@@ -1,7 +1,7 @@
 """The probe in the launch-bound regime: a small, deep model where every op costs its dispatch.
 
     python benchmarks/bench_launch.py [--pairs 9] [--threads 1] [--reducer cuda,auto] [--models tinylm,gpt2]
-                                      [--top 12] [--no-watch] [--breakdown N] [--queue N]
+                                      [--top 12] [--no-watch] [--breakdown N] [--queue N] [--rows N]
 
 d_model 64, 24 layers, 4 heads, T 32, batch 4 (vocab 10000), one thread by default: on a
 GPU every model people debug with is in this regime, and on the CPU this shape shows it. Per
@@ -23,7 +23,10 @@ structure CUDA tensors get, ``auto`` the default CPU path), one forward+backward
   the watch's own work (parameter copies, update ratios, the one transfer, the judging);
 * for tinylm, the bare pass's ops and time against ``BuiltinLM``'s (the same pairs);
 * ``--queue N``: the probe with its queue (:mod:`diagnostics.measure.pending`) against every
-  request reduced in its hook, N interleaved pairs in CPU time.
+  request reduced in its hook, N interleaved pairs in CPU time;
+* ``--rows N``: the queue's requests with rows (cosine, inverse row mean squares, a gate's count,
+  a norm's factor and its gradient's weighted figure) against those reduced in their hooks, N
+  interleaved pairs in CPU time.
 """
 
 from __future__ import annotations
@@ -91,17 +94,26 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     and backward), ``torch`` (the pass less its hooks), ``exit`` (leaving the ``with``: the
     parameters' and gradients' moments, the hooks removed, the model restored), ``stats`` (the
     one transfer of the results to Python); and ``bare`` (one unprobed pass, interleaved). Inside
-    the hooks, the mean time per pass of two pieces (clocked, so slightly slower): the direct
-    lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``) and the tinylm
-    attention summaries (``attention.statistics``)."""
+    the hooks and the exit, the mean time per pass of some pieces (clocked, so slightly slower):
+    the direct lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``), the tinylm
+    attention summaries (``attention.statistics``) and the queue's flushes (its plain requests,
+    ``pending._reduced``; those with rows, ``pending_rows.Rows.reduce``)."""
+    import importlib
+
     from diagnostics import probe
     from diagnostics.measure import attention, pending, reduction
 
     parts: dict[str, list[float]] = {k: [] for k in ("bare", "entry", "hooks", "torch", "exit", "stats")}
-    clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0], "queue's reductions": [0.0, 0]}
+    clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0], "queue's reductions": [0.0, 0],
+              "queue's reductions with rows": [0.0, 0]}
     timed = [(reduction, "numba_moments", "numba reductions in hooks"),
              (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics", "attention summaries"),
              (pending, "_reduced", "queue's reductions")]
+    try:  # a tree whose queue also takes the requests with rows
+        timed.append((importlib.import_module("diagnostics.measure.pending_rows").Rows, "reduce",
+                      "queue's reductions with rows"))
+    except ImportError:
+        del clocks["queue's reductions with rows"]
     real = [(mod, name, getattr(mod, name)) for mod, name, _ in timed]
 
     def clocked(fn, key):
@@ -120,17 +132,17 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
         run = cm.__enter__()
         t2 = time.perf_counter()
         s0 = run.seconds
-        for (mod, name, fn), (_, _, key) in zip(real, timed):  # inside the hooks only (clocks the pieces)
+        for (mod, name, fn), (_, _, key) in zip(real, timed):  # the hooks and the exit (clocks the pieces)
             setattr(mod, name, clocked(fn, key))
         try:
             step(model, tokens)
+            t3 = time.perf_counter()
+            hooks = run.seconds - s0
+            cm.__exit__(None, None, None)
+            t4 = time.perf_counter()
         finally:
             for mod, name, fn in real:
                 setattr(mod, name, fn)
-        t3 = time.perf_counter()
-        hooks = run.seconds - s0
-        cm.__exit__(None, None, None)
-        t4 = time.perf_counter()
         run.stats  # noqa: B018 - the one transfer
         t5 = time.perf_counter()
         for k, v in (("bare", t1 - t0), ("entry", t2 - t1), ("hooks", hooks), ("torch", t3 - t2 - hooks),
@@ -172,6 +184,39 @@ def queue_pairs(model, tokens, n: int) -> tuple[float, list[float], float, float
             times[queued].append(got[queued] * 1e3)
         ratios.append(got[True] / got[False])
     return statistics.median(ratios), ratios, statistics.median(times[True]), statistics.median(times[False])
+
+
+def rows_pairs(model, tokens, n: int) -> tuple[float, float, float]:
+    """The queue's requests with rows (:mod:`diagnostics.measure.pending_rows`) against those
+    requests reduced in their hooks (``Pending.takes_rows`` always False: the probe before the
+    queue took them), the same tree and process: (median over ``n`` interleaved pairs of the
+    difference in CPU ms per probed pass, the queued's / the other's CPU time, the other's ms)."""
+    from diagnostics import probe
+    from diagnostics.measure.pending import Pending
+
+    real = Pending.takes_rows
+
+    def run(queued: bool) -> float:
+        if not queued:
+            Pending.takes_rows = lambda self, x: False
+        try:
+            c0 = time.thread_time()
+            with probe(model) as r:
+                step(model, tokens)
+            r.stats  # noqa: B018 - the one transfer
+            return time.thread_time() - c0
+        finally:
+            Pending.takes_rows = real
+    run(True), run(False)
+    rng, diffs, ratios, hooked = random.Random(2), [], [], []
+    for _ in range(n):
+        got = {}
+        for queued in ((True, False) if rng.random() < 0.5 else (False, True)):
+            got[queued] = run(queued)
+        diffs.append((got[False] - got[True]) * 1e3)
+        ratios.append(got[True] / got[False])
+        hooked.append(got[False] * 1e3)
+    return statistics.median(diffs), statistics.median(ratios), statistics.median(hooked)
 
 
 def compiled_calls(fn, *args) -> int:
@@ -277,6 +322,8 @@ def main(argv=None) -> int:
                     help="also the probe's own parts (entry, hooks, exit, stats), medians of N passes")
     ap.add_argument("--queue", type=int, default=0, metavar="N",
                     help="also N interleaved pairs of the probe with its queue and without (CPU time)")
+    ap.add_argument("--rows", type=int, default=0, metavar="N",
+                    help="also N interleaved pairs of the requests with rows queued and in their hooks (CPU time)")
     args = ap.parse_args(argv)
     import torch
 
@@ -310,6 +357,10 @@ def main(argv=None) -> int:
                 med, ratios, q, i = queue_pairs(model, tokens, args.queue)
                 print(f"    CPU time with the queue / every request reduced in its hook: median {med:.3f} over "
                       f"{len(ratios)} pairs (range {min(ratios):.3f}-{max(ratios):.3f}); {q:.1f} / {i:.1f} ms")
+            if args.rows:
+                saved, ratio, hooked = rows_pairs(model, tokens, args.rows)
+                print(f"    CPU time with the requests with rows queued / reduced in their hooks: median {ratio:.3f} "
+                      f"over {args.rows} pairs; {saved:.2f} ms less per pass (of {hooked:.1f} ms)")
             if args.breakdown:
                 b = breakdown(model, tokens, args.breakdown)
                 print("    probe's parts (ms, median of %d): " % args.breakdown

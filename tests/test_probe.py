@@ -278,7 +278,8 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
     backward, the gradient at the block's output is the FFN branch's (and w2's) and the one at
     its mid-point the attention branch's (and output_proj's): 2 + 4 names per block that read
     nothing new. Norm inputs and norm gradients' row mean squares come from reads already made.
-    Reads: the Reducer's (requests reduced at once) and the queue's (each tensor once per flush).
+    Reads: the Reducer's (requests reduced at once) and the queue's (each tensor once per flush, its
+    plain requests and those with rows).
     Negative control: a Reducer and a queue that remember nothing read once per name and more."""
     from diagnostics.measure import reducer as reducer_module
 
@@ -305,9 +306,18 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
         calls.extend({} for _ in xs)
         return real_queued(xs, versions, loop)
 
+    from diagnostics.measure import pending_rows
+
+    real_rows = pending_rows.Rows.reduce
+
+    def counted_rows(self):  # the queue's tensors with rows, each read once at its flush
+        calls.extend({"rows": True} for _ in self.xs)
+        return real_rows(self)
+
     monkeypatch.setattr(reducer_module, "reduce", counted)
     monkeypatch.setattr(reduction, "causal_parts", counted_causal)
     monkeypatch.setattr(pending, "_reduced", counted_queued)
+    monkeypatch.setattr(pending_rows.Rows, "reduce", counted_rows)
     model, x = model_of(seed=6), tokens(seed=6)
     with probe(model, ProbeOptions(params=False)) as run:
         step(model, x)
@@ -322,6 +332,12 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
         self._ids.clear()
         return real_add(self, key, t)
     monkeypatch.setattr(pending.Pending, "add", forgetful)
+    real_tensor = pending_rows.Rows.tensor
+
+    def forgetful_rows(self, t, *a):
+        self._ids.clear()
+        return real_tensor(self, t, *a)
+    monkeypatch.setattr(pending_rows.Rows, "tensor", forgetful_rows)
     with probe(model, ProbeOptions(params=False)) as run:
         step(model, x)
     assert len(calls) > names

@@ -151,7 +151,7 @@ def _cached(k) -> bool:
     """Whether numba's on-disk cache holds the loops the reducer enters by (their index files)."""
     try:
         return all(os.path.exists(d._cache._cache_file._index_path)
-                   for d in (k.serial_at, k.parallel_at, k.many_at, rows_loop(), peak_loop(), update_loop()))
+                   for d in (k.serial_at, k.parallel_at, k.many_at, k.rows_at, rows_loop(), peak_loop(), update_loop()))
     except AttributeError:  # pragma: no cover - another numba's cache layout: take it as cached
         return True
 
@@ -193,6 +193,9 @@ def warm() -> None:
     k = _build()
     k.parallel_at(x.data_ptr(), x.numel(), 0, 0, False, 0, 2)
     summaries([x, x[0]]), summaries([x, x.softmax(-1)], 8, [False, True])
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731  (the queue's rows loop: a tensor, two vectors)
+    k.rows_at(i64(x.data_ptr()), i64(x.numel()), i64(8), i64(8), np.array([0.0]), i64(0, 0), np.array([1e-5, -1.0]),
+              i64(0, 0), np.ones(16, dtype=np.float32))
     for dtype in (np.float32, np.float64):  # the attention rows' loop, for both widths of logits
         z = np.zeros((2, 8), dtype=dtype)
         rows_loop()(z, z, np.ones((2, 8), dtype=np.bool_), np.zeros(19))

@@ -6,6 +6,7 @@
             queue.flush(store)
     ...
     queue.flush(store)            # store: {key: FIELDS vector}, merged in the order added
+    queue.flush(store, {"cos": cos, "flat": flat})   # and the entries of other stores
 
 Most of what a probe measures is *plain*: the moments of a tensor and nothing else (no row
 mean squares, cosines, attention panel, causal entries or extras). Reduced one at a time in
@@ -15,6 +16,15 @@ numba loop of a small tensor, and on a GPU each is at least one kernel launch. H
 request is kept as (key, tensor, the tensor's version) and :meth:`Pending.flush` reduces every
 tensor queued by :func:`.reduction.many`: one call into numba's loop over them all (the same
 loop, the same bits as one call each), or one ``tinylm::summaries`` op on any other path.
+
+With rows. A request that asks for more than the moments (a residual point's cosine and inverse
+row mean squares, a gate's count below an edge, a norm's per-token factor and its gradient's
+weighted figure) waits here too where the numba loop reads its tensor as it is
+(:meth:`Pending.takes_rows`): :meth:`Pending.add_rows` keeps it in a :class:`.pending_rows.Rows`,
+whose every tensor and per-token vector the flush makes by one more call
+(:mod:`.pending_rows`), and each part it asked for is an entry of the store it goes to (tags:
+None the moments', ``"cos"``, ``"inv"``, ``"flat"``, ``"normb"``; ``"later"`` a norm's factor,
+kept in a :class:`.pending_rows.Later` and merged nowhere).
 
 Order. The results merge into the store in the order they were added, each key's vectors one
 after the other exactly as the hooks would have merged them (so a probe that spans several
@@ -48,6 +58,8 @@ would in the hook (the same bits while the thread count is the same).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -56,9 +68,10 @@ from tinylm.validate import check
 
 from ..options import OptionsError
 from . import numba_reducer, reduction
+from .pending_rows import Later, Rows
 from .reducer import merge_np, merge_vectors, reduce
 
-__all__ = ["Pending", "MAX_BYTES", "MAX_COUNT"]
+__all__ = ["Pending", "Later", "MAX_BYTES", "MAX_COUNT"]
 
 #: bytes of queued tensors past which :meth:`Pending.add` asks for a flush (module docstring)
 MAX_BYTES = 16 << 20
@@ -93,9 +106,10 @@ class Pending:
         self._loop = True  # every tensor queued is one the numba loop reads as it is (:meth:`takes`)
         self._vers: list[int] = []  # its _version when queued
         self._ids: dict[int, int] = {}  # id(tensor) -> its last index (the queue holds it: ids are unique)
-        self._entries: list[tuple] = []  # (key, index into _xs, or a vector reduced at once)
-        self._keys: set = set()
+        self._entries: list[tuple] = []  # (tag, key, index into _xs, a vector reduced at once, or a rows part)
+        self._keys: set = set()  # keys of the moments' store; (tag, key) of the others'
         self._bytes = 0
+        self._rows = Rows()  # the requests with rows (:mod:`.pending_rows`)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -103,6 +117,10 @@ class Pending:
     def __contains__(self, key) -> bool:
         """Whether ``key`` has entries waiting (a vector for it must then wait its turn: :meth:`ready`)."""
         return key in self._keys
+
+    def waits(self, tag, key) -> bool:
+        """Whether ``key`` of the store ``tag`` (None: the moments') has entries waiting."""
+        return (key if tag is None else (tag, key)) in self._keys
 
     @property
     def nbytes(self) -> int:
@@ -136,37 +154,94 @@ class Pending:
             self._vers.append(version)
             self._ids[id(x)] = i
             self._bytes += x.numel() * x.element_size()
-        self._entries.append((key, i))
+        self._entries.append((None, key, i))
         self._keys.add(key)
         return len(self._entries) >= self.max_count or self._bytes > self.max_bytes
 
-    def ready(self, key, vec: Tensor) -> None:
-        """Queue a vector already reduced for ``key`` (one with entries waiting), to merge in its turn."""
-        self._entries.append((key, vec))
+    def takes_rows(self, x: Tensor) -> bool:
+        """Whether a request with rows (or a count below an edge) of ``x`` can wait here
+        (:meth:`.pending_rows.Rows.takes`, on the numba path)."""
+        return self._numba and Rows.takes(x)
 
-    def flush(self, store: dict) -> int:
+    def add_rows(self, x: Tensor, parts: list[tuple], rows: bool = False, cosine: bool = False,
+                 below: float = math.nan, eps: float = -1.0, weight=None) -> tuple[bool, Later | None]:
+        """Queue a request with rows of ``x`` (a tensor :meth:`takes_rows`): ``parts``, each
+        (tag, key, part), merges that part into the store ``tag`` (None: the moments') under
+        ``key``: ``"moments"``, ``"cosine"``, ``"below"`` ([entries below ``below``, entries]),
+        ``"vector"`` (the FIELDS of 1 / (row_ms + ``eps``), or of row_ms * ``weight``: a
+        :class:`Later` or a float32 tensor), ``"later"`` (that vector kept for later: tag
+        ``"later"``, merged nowhere). Returns (past a bound: the caller flushes, the
+        :class:`Later` of a ``"later"`` part, else None)."""
+        before = self._rows.nbytes
+        i = self._rows.tensor(x, rows, cosine, below)
+        self._bytes += self._rows.nbytes - before
+        j, later = None, None
+        for tag, key, part in parts:
+            if part in ("vector", "later") and j is None:
+                keep = any(p == "later" for _, _, p in parts)
+                j = self._rows.vector(i, eps, weight, keep)
+                later = self._rows.laters[j]
+            what = ("v", j) if part in ("vector", "later") else (part, i)
+            self._entries.append((tag, key, what))
+            self._keys.add(key if tag is None else (tag, key))
+        return len(self._entries) >= self.max_count or self._bytes > self.max_bytes, later
+
+    def ready(self, key, vec: Tensor, tag=None) -> None:
+        """Queue a vector already reduced for ``key`` (one with entries waiting) of the store
+        ``tag`` (None: the moments'), to merge in its turn."""
+        self._entries.append((tag, key, vec))
+
+    def flush(self, store: dict, others: dict | None = None) -> int:
         """Reduce every tensor queued and merge each entry's vector into ``store`` ({key: FIELDS
-        vector}) in the order added; empties the queue. Returns the entries merged."""
-        entries, xs, versions, loop = self._entries, self._xs, self._vers, self._loop
+        vector}), or into ``others[tag]`` for an entry of another store (``"flat"``: summed, the
+        others merged as FIELDS), in the order added; empties the queue. Returns the entries merged."""
+        entries, xs, versions, loop, requests = self._entries, self._xs, self._vers, self._loop, self._rows
         self._clear()
         if not entries:
             return 0
         rows = _reduced(xs, versions, loop and self._numba) if xs else []
+        parts, summaries = requests.reduce() if len(requests) else ([], [])
         vectors, missing = [], {}
-        for key, what in entries:
-            vec = rows[what] if type(what) is int else what
-            if vec is None:  # changed in place before it was read
-                self.stale += 1
-                self.stale_keys.add(key)
-                missing.setdefault(key, xs[what].device)
+        for tag, key, what in entries:
+            if type(what) is int:
+                vec, stale = rows[what], rows[what] is None
+            elif type(what) is tuple:
+                vec, stale = _part(parts, summaries, requests, what)
             else:
-                vectors.append((key, vec))
-        _merge_in(store, vectors)
+                vec, stale = what, False
+            if stale:  # changed in place before it was read
+                self.stale += 1
+                self.stale_keys.add(_site(tag, key))
+                if tag is None:
+                    missing.setdefault(key, "cpu" if type(what) is tuple else xs[what].device)
+            elif vec is not None and tag != "later":
+                vectors.append((tag, key, vec))
+        _merge_in({None: store, **(others or {})}, vectors)
         for key, device in missing.items():
             if key not in store:
                 store[key] = torch.zeros(10, dtype=torch.float64, device=device)
         self.flushes += 1
         return len(entries)
+
+
+#: the direction of a site whose figure a store other than the moments' holds (keyed by name)
+_DIRECTION = {"cos": "forward", "inv": "forward", "flat": "forward", "normb": "backward", "later": "norm"}
+
+
+def _site(tag, key):
+    """The (name, direction) of an entry's site (what :attr:`Pending.stale_keys` holds)."""
+    return key if tag is None else (key, _DIRECTION.get(tag, tag))
+
+
+def _part(parts: list, summaries: list, requests: Rows, what: tuple) -> tuple[Tensor | None, bool]:
+    """(the vector of a rows entry or None, whether its tensor changed in place before the flush)."""
+    code, i = what
+    if code == "v":
+        return summaries[i], parts[requests.source(i)] is None
+    got = parts[i]
+    if got is None:
+        return None, True
+    return got[("moments", "cosine", "below").index(code)], False
 
 
 def _loop(xs: list[Tensor]) -> Tensor:
@@ -204,30 +279,32 @@ def _reduced(xs: list[Tensor], versions: list[int], loop: bool) -> list[Tensor |
     return out
 
 
-def _merge_in(store: dict, vectors: list[tuple]) -> None:
-    """Merge (key, vector) pairs into ``store`` in their order: by rounds (a key's first vector in
-    round 0, its second in round 1, ...), each round's CPU merges as numpy rows at once
-    (:func:`.reducer.merge_np`), any other vector by :func:`.reducer.merge_vectors`."""
+def _merge_in(stores: dict, vectors: list[tuple]) -> None:
+    """Merge (tag, key, vector) triples into ``stores[tag]`` in their order: by rounds (a key's
+    first vector in round 0, its second in round 1, ...), each round's CPU merges as numpy rows at
+    once (:func:`.reducer.merge_np`; the ``"flat"`` store's counts summed), any other vector by
+    :func:`.reducer.merge_vectors` (or ``torch.add``)."""
     rounds: list[list[tuple]] = []
     depth: dict = {}
-    for key, vec in vectors:
-        r = depth.get(key, 0)
-        depth[key] = r + 1
+    for tag, key, vec in vectors:
+        r = depth.get((tag, key), 0)
+        depth[(tag, key)] = r + 1
         if r == len(rounds):
             rounds.append([])
-        rounds[r].append((key, vec))
+        rounds[r].append((tag, key, vec))
     for group in rounds:
-        old = []
-        for key, vec in group:
+        old: dict = {}
+        for tag, key, vec in group:
+            store = stores[tag]
             have = store.get(key)
             if have is None:
                 store[key] = vec
             elif have.is_cpu and vec.is_cpu:
-                old.append((key, have, vec))
+                old.setdefault(tag == "flat", []).append((store, key, have, vec))
             else:
-                store[key] = merge_vectors(have, vec)
-        if old:
-            a = np.stack([have.numpy() for _, have, _ in old])
-            b = np.stack([vec.numpy() for _, _, vec in old])
-            for (key, _, _), row in zip(old, torch.from_numpy(merge_np(a, b)).unbind(0)):
+                store[key] = torch.add(have, vec) if tag == "flat" else merge_vectors(have, vec)
+        for flat, merges in old.items():
+            a = np.stack([have.numpy() for _, _, have, _ in merges])
+            b = np.stack([vec.numpy() for _, _, _, vec in merges])
+            for (store, key, _, _), row in zip(merges, torch.from_numpy(a + b if flat else merge_np(a, b)).unbind(0)):
                 store[key] = row

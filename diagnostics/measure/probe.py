@@ -23,7 +23,10 @@ The forward hook reduces the output under ``no_grad`` to float64 moments and, wh
 the output needs a gradient, puts a hook on that tensor which reduces the
 gradient of the loss w.r.t. it the same way. A request for the moments alone (most) waits in
 the run's queue (:mod:`.pending`), reduced with the others by one call at the forward's end,
-the exit, past its bounds and before anything reads the stores: the same bits as one reduction
+the exit, past its bounds and before anything reads the stores; on the default CPU path so does
+one with rows (a residual point's cosine and inverse row mean squares, a gate's count, a norm's
+per-token factor, made at the forward's flush, and its gradient's weighted figure:
+:mod:`.pending_rows`, one more call per flush): the same bits as one reduction
 per hook (a tensor changed in place meanwhile: not measured, ``run.queue.stale``; that site
 of the model is reduced in its hook by every later probe of it). Nothing
 else is kept. On exit the hooks are removed and the model's ``training`` flags,
@@ -54,6 +57,7 @@ from ..options import OptionsError, ProbeOptions
 from .attention import AttentionObserver, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .pending import Pending
+from .probe_queue import FLAT_EDGE, Queued
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .reducer_choice import pinned
 from .eager_attention import EagerAttentionWatch
@@ -66,10 +70,6 @@ from .wrappers import eager, unwrap
 
 __all__ = ["probe", "ProbeRun", "instrument_points", "block_index", "param_stats", "FLAT_EDGE"]
 
-#: SiLU's flat region: inputs x < FLAT_EDGE, where silu(x) = x sigmoid(x) passes under 0.25% of x
-#: and its slope |silu'(x)| is under 1.3% of the linear side's 1. A tinylm FFN's gate input (the
-#: output of its ``w1``) is counted there; a unit whose inputs all sit there is dead.
-FLAT_EDGE = -6.0
 
 _CAUSAL_KINDS = ("attn_scores", "attn_probs")
 
@@ -141,7 +141,7 @@ class _Reducer(Reducer):
     ``torch.compile`` stance themselves while the model runs eagerly, :mod:`.reduction`)."""
 
 
-class ProbeRun:
+class ProbeRun(Queued):
     """The live state of one probe; ``stats`` converts the accumulated vectors once and caches."""
 
     def __init__(self, model: nn.Module, options: ProbeOptions, named: dict[str, nn.Module] | None = None):
@@ -155,6 +155,9 @@ class ProbeRun:
         self._inv: dict[str, Tensor] = {}
         self._normb: dict[str, Tensor] = {}
         self._flat: dict[str, Tensor] = {}
+        #: the stores the queue merges into, by its tags (None: the moments'), and each store's tag
+        self._stores = {None: self._vec, "cos": self._cos, "inv": self._inv, "flat": self._flat, "normb": self._normb}
+        self._tags = {id(v): k for k, v in self._stores.items()}
         self._tinylm = _is_tinylm(model)
         #: the SiLU gate inputs (``w1`` of each tinylm SwiGLU / SiLU MLP), counted in the flat region
         self._gates = {f"{n}.w1" for n, m in (named or dict(model.named_modules())).items()
@@ -193,8 +196,9 @@ class ProbeRun:
         return kind == "norm" and self.options.backward and t.dim() >= 1
 
     def _add(self, store: dict, key, vec: Tensor, merge) -> None:
-        if store is self._vec and key in self.queue:  # earlier vectors of this key wait: merge in turn
-            self.queue.ready(key, vec)
+        tag = self._tags.get(id(store), 0)
+        if tag != 0 and self.queue.waits(tag, key):  # earlier vectors of this key wait: merge in turn
+            self.queue.ready(key, vec, tag)
             return
         store[key] = merge(store[key], vec) if key in store else vec
         self._stats = None
@@ -207,17 +211,11 @@ class ProbeRun:
         return kind not in _CAUSAL_KINDS and not (self.signals is not None and kind in PEAK_KINDS) \
             and key not in self._in_place and self.queue.takes(t)
 
-    def _queue(self, key, t: Tensor) -> None:
-        if self.queue.add(key, t):
-            self.flush()
-        elif key[1] == "forward":
-            self._forward_waits = True
-
     def flush(self) -> None:
         """Reduce the queued tensors and merge them into the stores (before anything reads them)."""
         self._forward_waits = False
         if len(self.queue):
-            self.queue.flush(self._vec)
+            self.queue.flush(self._vec, self._stores)
             self._in_place.update(self.queue.stale_keys)
             self._stats = None
 
@@ -231,6 +229,9 @@ class ProbeRun:
         gate = name in self._gates
         if not (rows or gate) and self._plain(kind, out, (name, "forward")):  # moments only: reduced with the others later
             self._queue((name, "forward"), out)
+            moments = None
+        elif (rows or gate) and self.queue.takes_rows(out) and self._plain(kind, out, (name, "forward")):  # later
+            self._queue_site(name, kind, out, rows, gate)
             moments = None
         else:
             moments = self._reduce_site(name, kind, out, rows, gate)
@@ -262,8 +263,13 @@ class ProbeRun:
         activation) until the output's gradient arrives, and reduce the per-token product."""
         if not (self.options.backward and out.requires_grad and inputs and isinstance(inputs[0], Tensor)):
             return
-        with torch.no_grad():
-            inv = (self._row_ms(inputs[0]) + float(getattr(module, "eps", 0.0))).reciprocal_()
+        x, eps = inputs[0], float(getattr(module, "eps", 0.0))
+        if self.queue.takes_rows(x) and self._plain("norm_input", x, (name, "norm")):  # made at the flush
+            over, inv = self.queue.add_rows(x, [("later", name, "later")], rows=True, eps=eps)
+            self._queued(over, True)
+        else:
+            with torch.no_grad():
+                inv = (self._row_ms(x) + eps).reciprocal_()
         self._targets(out).append((name, "norm", inv))
 
     def _targets(self, t: Tensor) -> list:
@@ -301,13 +307,21 @@ class ProbeRun:
         done = set()  # norms whose weighted figure came with their gradient's reduction
         for name, kind, inv in targets:
             if inv is not None:  # the norm's factor: weighed with its per-token mean squares below
-                if name not in done:
-                    self._add(self._normb, name, self.reducer(grad, rows=True, weight=inv).weighted, merge_vectors)
+                if name not in done and self._factor(inv) is not None:
+                    self._add(self._normb, name, self.reducer(grad, rows=True, weight=self._factor(inv)).weighted,
+                              merge_vectors)
                 continue
-            weight = weights.get(name) if kind == "norm" else None
+            factor = weights.get(name) if kind == "norm" else None
+            weight = self._factor(factor)  # None: no factor, or not measured
             rows = self._wants_rows(kind, "backward", grad)
-            if weight is None and not rows and self._plain(kind, grad, (name, "backward")):
-                self._queue((name, "backward"), grad)
+            key = (name, "backward")
+            if weight is None and not rows and self._plain(kind, grad, key):
+                self._queue(key, grad)
+                continue
+            if rows and self.queue.takes_rows(grad) and self._plain(kind, grad, key):  # with its rows, later
+                parts = [(None, key, "moments")] + ([("normb", name, "vector")] if weight is not None else [])
+                self._queued(self.queue.add_rows(grad, parts, rows=True, weight=factor)[0], False)
+                done.update([name] if weight is not None else [])
                 continue
             r = self.reducer(grad, causal=_causal(kind, grad), rows=rows, weight=weight)
             self._add(self._vec, (name, "backward"), r.moments, merge_vectors)
