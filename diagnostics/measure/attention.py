@@ -30,20 +30,16 @@ reductions read only the causal entries. Nothing outlives the call.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
-from torch import Tensor, nn
-
-import tinylm
+from torch import Tensor
 
 from . import reducer, reduction
 from .reducer import merge_attention_vectors, merge_vectors
 from .reducer_choice import chosen
-from .reference import FIELDS
 
-__all__ = ["statistics", "forward_statistics", "backward_statistics", "AttentionObserver", "observed_attention",
-           "CHUNK", "CHUNK_DEVICE", "BLOCK", "KINDS"]
+__all__ = ["statistics", "statistics_many", "summaries", "forward_statistics", "backward_statistics", "CHUNK",
+           "CHUNK_DEVICE", "GROUP", "GROUP_DEVICE", "BLOCK", "KINDS"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -54,6 +50,10 @@ KINDS = {"scores": "attn_scores", "probs": "attn_probs"}
 #: (fewer, larger launches); one whole T x T matrix where T^2 is larger
 CHUNK = 1 << 18
 CHUNK_DEVICE = 1 << 26
+#: entries of the buffers :func:`statistics_many` joins several chunks into, at most, on the CPU
+#: and elsewhere (a larger chunk alone)
+GROUP = 1 << 18
+GROUP_DEVICE = 1 << 24
 #: query rows per block on the CPU; on other devices a block is the whole matrix (fewer launches)
 BLOCK = 64
 
@@ -81,15 +81,23 @@ def _blocks(T: int, device: torch.device, block: int | None) -> list[tuple[int, 
     return [(r0, min(r0 + size, T)) for r0 in range(0, T, size)]
 
 
-def _scores(S: Tensor, r0: int, r1: int, above: Tensor) -> Tensor:
+def _scores(S: Tensor, r0: int, r1: int, above) -> Tensor:
     """S of rows r0..r1-1 against keys 0..r1-1, a view of the chunk's products ``S`` (n, T, T), with
-    the keys after each row (in the diagonal block) set to -inf."""
+    the keys after each row (in the diagonal block) set to -inf. ``above``: :func:`_above`'s
+    mask, or :func:`_above_bits`' pair (the same -inf written by two bitwise ops)."""
     s = S[:, r0:r1, :r1]
-    s[:, :, r0:].masked_fill_(above[:r1 - r0, :r1 - r0], -math.inf)  # the diagonal block: keys after the row
+    w = r1 - r0
+    if isinstance(above, tuple):  # the diagonal block's bits: kept below, those of -inf after the row
+        keep, fill = above
+        s[:, :, r0:].view(keep.dtype).bitwise_and_(keep[:w, :w]).bitwise_or_(fill[:w, :w])
+    else:
+        s[:, :, r0:].masked_fill_(above[:w, :w], -math.inf)  # the diagonal block: keys after the row
     return s
 
 
 _ABOVE: dict = {}
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}
 
 
 def _above(T: int, device: torch.device) -> Tensor:
@@ -101,6 +109,23 @@ def _above(T: int, device: torch.device) -> Tensor:
         got = torch.ones(T, T, dtype=torch.bool, device=device).triu_(1)
         if not torch._C._len_torch_dispatch_stack():
             _ABOVE[(T, device)] = got
+    return got
+
+
+def _above_bits(T: int, device: torch.device, dtype: torch.dtype):
+    """:func:`_above` as (keep, fill), integer (T, T) tensors of ``dtype``'s width: x & keep | fill
+    is x's bits on and below the diagonal, -inf's above (what masked_fill_ writes, bit for bit;
+    on the CPU two vectorized ops cost a fraction of one masked fill). None for another dtype."""
+    bits = _BITS.get(dtype)
+    if bits is None:
+        return None
+    got = _ABOVE.get((T, device, dtype))
+    if got is None:
+        mask = _above(T, device)
+        ninf = torch.tensor(-math.inf, dtype=dtype, device=device).view(bits)
+        got = ((~mask).to(bits) * -1, mask.to(bits) * ninf)  # keep: all ones (-1) below; fill: -inf above
+        if not torch._C._len_torch_dispatch_stack():
+            _ABOVE[(T, device, dtype)] = got
     return got
 
 
@@ -162,39 +187,109 @@ def statistics(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | Non
     = grad v^T and dS = P (dP - rowsum(dP P)) as in the module docstring (the softmax and its
     backward in float32 at least; P and dS rounded to the model's dtype). ``block``: query rows
     per block (None: :data:`BLOCK` on the CPU, the whole matrix elsewhere)."""
-    backward = grad is not None and (scores or probs)
-    want = {"scores": forward and scores, "probs": forward and probs, "panel": forward and probs and panel,
+    return statistics_many([(q, k, v, grad)], scores=scores, probs=probs, panel=panel, forward=forward,
+                           block=block)[0]
+
+
+def _wanted(backward: bool, scores: bool, probs: bool, panel: bool, forward: bool) -> dict[str, bool]:
+    backward = backward and (scores or probs)
+    return {"scores": forward and scores, "probs": forward and probs, "panel": forward and probs and panel,
             "scores_grad": backward and scores, "probs_grad": backward and probs}
-    out: dict[str, Tensor | None] = dict.fromkeys(want)
+
+
+def _pieces(items: list, backward: bool, T: int, dev: torch.device) -> list[tuple]:
+    """Each item's chunks, in order: (item index, n, (q, k, v, grad)), n matrices of each item's
+    own :func:`_chunk` (v and grad None without ``backward``): an item of one chunk as it is,
+    (..., T, d); the chunks of another as (n, T, d) slices of its flattening."""
+    out = []
+    for i, (q, k, v, grad) in enumerate(items):
+        N = math.prod(q.shape[:-2])
+        n = _chunk(N, T, dev)
+        if n == N:
+            out.append((i, N, (q, k, v, grad) if backward else (q, k, None, None)))
+            continue
+        flat = [_flat(t) for t in ((q, k, v, grad) if backward else (q, k))]
+        flat += [None] * (4 - len(flat))
+        for c in range(0, N, n):
+            out.append((i, n, tuple(t[c:c + n] if t is not None else None for t in flat)))
+    return out
+
+
+def _groups(pieces: list[tuple], most: int) -> list[list[tuple]]:
+    """Consecutive pieces together, at most ``most`` matrices a group (a larger piece alone)."""
+    groups: list[list[tuple]] = []
+    size = most
+    for piece in pieces:
+        if size + piece[1] > most:
+            groups.append([])
+            size = 0
+        groups[-1].append(piece)
+        size += piece[1]
+    return groups
+
+
+def _joined(group: list[tuple], at: int, T: int) -> Tensor:
+    """Part ``at`` (0 q, 1 k, 2 v, 3 grad) of the group's pieces as one (m, T, d) tensor, detached
+    (a piece alone: a view where its layout allows, as :func:`_flat`; else one copy into a new
+    contiguous tensor)."""
+    parts = [p[2][at] for p in group]
+    d = parts[0].shape[-1]
+    if len(parts) == 1:
+        return _flat(parts[0])
+    if all(t.shape[1:] == parts[0].shape[1:] for t in parts):
+        return torch.cat(parts).view(-1, T, d)  # one copy, whatever each part's layout (no_grad: no graph)
+    return torch.cat([t.reshape(-1, T, d) for t in parts])
+
+
+@torch.no_grad()
+def statistics_many(items: list[tuple], *, scores: bool = True, probs: bool = True, panel: bool = True,
+                    forward: bool = True, block: int | None = None) -> list[dict[str, Tensor | None]]:
+    """:func:`statistics` of each (q, k, v, grad) of ``items`` (one T, d_k, dtype and device; v and
+    grad given for all or for none), the same bits, from one pass over them all: each item cut
+    in its own chunks (:func:`_chunk`), consecutive chunks of any items joined into groups of
+    at most :data:`GROUP` entries (:data:`GROUP_DEVICE` off the CPU), every op of the products,
+    the softmax and its backward run once per group on the joined matrices (the same
+    arithmetic on each matrix as alone), and the causal entries of every chunk reduced in one
+    call (:func:`.reduction.causal_parts`), each chunk's vectors merged into its item's as
+    :func:`statistics` merges them."""
+    backward = items[0][3] is not None and items[0][2] is not None
+    want = _wanted(backward, scores, probs, panel, forward)
+    outs: list[dict[str, Tensor | None]] = [dict.fromkeys(want) for _ in items]
     if not any(want.values()):
-        return out
-    T, dev, dtype = q.shape[-2], q.device, q.dtype
-    qf, kf = _flat(q), _flat(k)
-    vf, gf = (_flat(v), _flat(grad)) if backward else (None, None)
-    N = qf.shape[0]
-    n = _chunk(N, T, dev)
-    above = _above(T, dev)
+        return outs
+    backward = want["scores_grad"] or want["probs_grad"]
+    q0 = items[0][0]
+    T, dev, dtype, d = q0.shape[-2], q0.device, q0.dtype, q0.shape[-1]
+    pieces = _pieces(items, backward, T, dev)
+    most = max(max(p[1] for p in pieces), (GROUP if _cpu_structure(dev) else GROUP_DEVICE) // max(T * T, 1))
+    groups = _groups(pieces, most)
+    m = max(sum(p[1] for p in g) for g in groups)
+    above = (_cpu_structure(dev) and _above_bits(T, dev, dtype)) or _above(T, dev)
     wide = _wide(dtype)
     need_p = want["probs"] or want["scores_grad"]
-    S = torch.empty(n, T, T, dtype=dtype, device=dev)
-    P = torch.empty(n, T, T, dtype=wide, device=dev) if need_p else None  # the softmax's own precision
+    S = torch.empty(m, T, T, dtype=dtype, device=dev)
+    P = torch.empty(m, T, T, dtype=wide, device=dev) if need_p else None  # the softmax's own precision
     Pm = P if not want["probs"] or dtype == wide else torch.empty_like(S)  # the weights, rounded as the model's
-    G = torch.empty(n, T, T, dtype=grad.dtype, device=dev) if backward else None
+    G = torch.empty(m, T, T, dtype=items[0][3].dtype, device=dev) if backward else None
     D = torch.empty_like(G) if want["scores_grad"] else None
-    for c in range(0, N, n):
-        qs = qf[c:c + n] / math.sqrt(q.shape[-1])  # scale the smaller tensor, as attention_scores does
-        torch.matmul(qs, kf[c:c + n].transpose(-2, -1), out=S)  # the whole products: one GEMM per matrix
+    blocks = _blocks(T, dev, block)
+    rounded = want["probs"] and Pm is not P
+    for group in groups:
+        n = sum(p[1] for p in group)
+        s_, p_, pm_, g_, d_ = (b[:n] if b is not None and n < m else b for b in (S, P, Pm, G, D))
+        qs = _joined(group, 0, T) / math.sqrt(d)  # scale the smaller tensor, as attention_scores does
+        torch.matmul(qs, _joined(group, 1, T).transpose(-2, -1), out=s_)  # the whole products: one GEMM per matrix
         if backward:
-            torch.matmul(gf[c:c + n], vf[c:c + n].transpose(-2, -1), out=G)  # dP = dO v^T
-        for r0, r1 in _blocks(T, dev, block):
-            s = _scores(S, r0, r1, above)
-            p = _softmax(s, P[:, r0:r1, :r1]) if need_p else None
-            if want["probs"] and Pm is not P:
-                Pm[:, r0:r1, :r1] = p
-            if D is not None:
-                _score_grad(G[:, r0:r1, :r1], p, D[:, r0:r1, :r1])
-        _add(out, want, S, Pm, G, D)
-    return out
+            torch.matmul(_joined(group, 3, T), _joined(group, 2, T).transpose(-2, -1), out=g_)  # dP = dO v^T
+        for r0, r1 in blocks:
+            s = _scores(s_, r0, r1, above)
+            p = _softmax(s, p_[:, r0:r1, :r1]) if need_p else None
+            if rounded:
+                pm_[:, r0:r1, :r1] = p
+            if d_ is not None:
+                _score_grad(g_[:, r0:r1, :r1], p, d_[:, r0:r1, :r1])
+        _add(outs, want, group, s_, pm_, g_, d_)
+    return outs
 
 
 def _score_grad(g: Tensor, p: Tensor, out: Tensor) -> None:
@@ -211,27 +306,30 @@ def _score_grad(g: Tensor, p: Tensor, out: Tensor) -> None:
         out.copy_((gw - rowsum).mul_(p))
 
 
-def _add(out: dict, want: dict, S: Tensor, P: Tensor | None, G: Tensor | None, D: Tensor | None) -> None:
-    """Reduce one chunk's buffers (causal entries) into ``out``, merging with the chunks before:
-    all of them in one call into numba's loops where they take its direct lane."""
-    asked = [(key, t, False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)) if want[key]]
-    if want["probs"]:
-        asked.append(("probs", P, want["panel"]))
-    got = reduction.causal_parts([t for _, t, _ in asked], [p for _, _, p in asked])
-    if got is not None:
-        for (key, _, _), (mom, panel) in zip(asked, got):
-            out[key] = _merge(out[key], mom, merge_vectors)
-            if panel is not None:
-                out["panel"] = _merge(out["panel"], panel, merge_attention_vectors)
-        return
-    for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)):
-        if want[key]:
-            out[key] = _merge(out[key], reducer.reduce(t, causal=True).moments, merge_vectors)
-    if want["probs"]:
-        r = reducer.reduce(P, causal=True, probs=want["panel"])
-        out["probs"] = _merge(out["probs"], r.moments, merge_vectors)
-        if want["panel"]:
-            out["panel"] = _merge(out["panel"], r.panel, merge_attention_vectors)
+def _add(outs: list[dict], want: dict, group: list[tuple], S: Tensor, P: Tensor | None, G: Tensor | None,
+         D: Tensor | None) -> None:
+    """Reduce one group's buffers (causal entries), each piece's rows apart, into its item's dict
+    of ``outs``, merging with the item's chunks before: all of them in one call into numba's
+    loops where they take its direct lane."""
+    asked, at = [], 0
+    for i, n, _ in group:
+        cut = slice(at, at + n)
+        at += n
+        asked += [(i, key, t[cut], False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G))
+                  if want[key]]
+        if want["probs"]:
+            asked.append((i, "probs", P[cut], want["panel"]))
+    got = reduction.causal_parts([t for _, _, t, _ in asked], [p for *_, p in asked])
+    if got is None:
+        got = []
+        for _, key, t, panel in asked:
+            r = reducer.reduce(t, causal=True, probs=panel)
+            got.append((r.moments, r.panel if panel else None))
+    for (i, key, _, _), (mom, panel) in zip(asked, got):
+        out = outs[i]
+        out[key] = _merge(out[key], mom, merge_vectors)
+        if panel is not None:
+            out["panel"] = _merge(out["panel"], panel, merge_attention_vectors)
 
 
 #: the parts of :func:`statistics` in the order the op ``tinylm::attention_summary`` lays them out
@@ -285,142 +383,50 @@ def summary(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | None =
     return out
 
 
-_HELD: dict = {}
+_LIB.define("attention_summaries(Tensor[] q, Tensor[] k, Tensor[] v, Tensor[] grad, bool scores, bool probs, "
+            "bool panel, bool forward) -> Tensor")
 
 
-def _held(device: torch.device) -> tuple[Tensor, Tensor]:
-    """(FIELDS of no entries, ATTN_FIELDS of no rows) on ``device``: made once per device and
-    shared by every place held (never changed in place: a merge makes a new vector)."""
-    got = _HELD.get(device)
-    if got is None:
-        none = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
-        no_rows = torch.zeros(6, dtype=torch.float64, device=device)
-        no_rows[3] = math.inf  # a fill on the device, no host copy
-        got = _HELD[device] = (none, no_rows)
-    return got
+def _summaries_kernel(q, k, v, grad, scores, probs, panel, forward):
+    """:func:`statistics_many` as one (L, parts) matrix, row i item i's :func:`_summary_kernel` vector."""
+    with torch._C.DisableTorchFunction():
+        items = [(a, b, v[i] if v else None, grad[i] if grad else None) for i, (a, b) in enumerate(zip(q, k))]
+        got = statistics_many(items, scores=scores, probs=probs, panel=panel, forward=forward)
+        keys = [key for key, _ in PARTS if got[0][key] is not None]
+        return torch.stack([torch.cat([g[key] for key in keys]) for g in got])
 
 
-class AttentionObserver:
-    """The observer (:meth:`tinylm.MultiHeadSelfAttention.register_observer`) that measures the
-    tinylm attention ``name``'s ``{name}.scores`` and ``{name}.probs`` (the leaves in ``want``).
-
-    Weights the explicit path formed are measured as a Tap's output is. On the fused path the
-    same figures come from q, k, v and the heads' gradient
-    (:func:`statistics`). When that gradient will come, the forward's
-    figures wait for it and both are taken from one pass over the blocks; the forward's place
-    among the run's records is held until then by a record of no entries, which the first
-    figures replace. A forward still pending at the next forward of the same attention, or on
-    exit (:meth:`flush`), is measured then; the gradient of a forward measured early is
-    measured alone."""
-
-    def __init__(self, run, name: str, want: frozenset[str]):
-        self.run, self.name = run, name
-        self.scores, self.probs = "scores" in want, "probs" in want
-        self.pending: list[dict] = []  # at most one forward whose figures wait for its gradient
-        self.held: set = set()  # (store, key) of places held by a record of no entries
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, heads: Tensor, weights) -> None:
-        run = self.run
-        if not run.active:
-            return None
-        t0 = time.perf_counter()
-        if weights is not None:
-            allowed = self._window_mask(weights[0])
-            for leaf, t in zip(("scores", "probs"), weights):
-                if getattr(self, leaf) and t.is_floating_point():
-                    if leaf == "scores" and allowed is not None:  # the entries a window masks are not scores
-                        t = t.detach().masked_select(allowed)
-                    run._forward(f"{self.name}.{leaf}", KINDS[leaf], t)
-        else:
-            self.flush()
-            later = run.options.backward and heads.requires_grad
-            for leaf in ("scores", "probs"):
-                if getattr(self, leaf):
-                    self._register(leaf, q.device, later)
-            # kept as they are until the gradient comes (the graph holds them until then anyway)
-            entry = {"q": q, "k": k, "v": v, "forward": True}
-            if later:
-                self.pending.append(entry)
-                heads.register_hook(self._hook(entry))
-            else:
-                self._measure(entry, None)
-        run.seconds += time.perf_counter() - t0
-        return None
-
-    def _window_mask(self, scores: Tensor) -> Tensor | None:
-        """The (T, T) mask of the entries a sliding-window attention may attend to (None without a
-        window: the causal entries are the reducer's own)."""
-        module = self.run.model.get_submodule(self.name)
-        if getattr(module, "sliding_window", None) is None:
-            return None
-        return module.mask(scores.shape[-1], scores.device)
-
-    def flush(self) -> None:
-        """Measure the forward still waiting for its gradient, if any."""
-        while self.pending:
-            entry = self.pending.pop()
-            if entry.get("forward"):
-                self._measure(entry, None)
-
-    def _register(self, leaf: str, device: torch.device, hold: bool) -> None:
-        run, key = self.run, f"{self.name}.{leaf}"
-        if key not in run.kinds:
-            run.kinds[key] = KINDS[leaf]
-            run.order.append(key)
-        if key == run.order[0]:
-            run.steps += 1
-        if hold and (key, "forward") not in run._vec:
-            none, no_rows = _held(device)
-            run._vec[(key, "forward")] = none
-            self.held.add(("vec", (key, "forward")))
-            if leaf == "probs" and run.options.attention and key not in run._attn:
-                run._attn[key] = no_rows
-                self.held.add(("attn", key))
-
-    def _record(self, which: str, key, vec: Tensor | None) -> None:
-        if vec is None:
-            return
-        store, merge = (self.run._vec, merge_vectors) if which == "vec" else (self.run._attn, merge_attention_vectors)
-        if (which, key) in self.held:  # the place held in order: the first figures replace it
-            self.held.discard((which, key))
-            store[key] = vec
-            self.run._stats = None
-        else:
-            self.run._add(store, key, vec, merge)
-
-    def _measure(self, entry: dict, grad: Tensor | None) -> None:
-        got = summary(entry["q"], entry["k"], entry["v"], grad, scores=self.scores, probs=self.probs,
-                      panel=self.run.options.attention, forward=entry.pop("forward", False))
-        s, p = f"{self.name}.scores", f"{self.name}.probs"
-        self._record("vec", (s, "forward"), got["scores"])
-        self._record("vec", (p, "forward"), got["probs"])
-        self._record("attn", p, got["panel"])
-        self._record("vec", (p, "backward"), got["probs_grad"])  # in the order autograd reaches them
-        self._record("vec", (s, "backward"), got["scores_grad"])
-
-    def _hook(self, entry: dict):
-        def hook(grad: Tensor) -> None:
-            if not self.run.active:
-                return None
-            t0 = time.perf_counter()
-            self.pending = [e for e in self.pending if e is not entry]
-            self._measure(entry, grad)
-            self.run.seconds += time.perf_counter() - t0
-            return None
-        return hook
+_LIB.impl("attention_summaries", _summaries_kernel, "CompositeExplicitAutograd")
 
 
-def observed_attention(model: nn.Module, points: dict[str, str], named: dict[str, nn.Module] | None = None
-                       ) -> dict[str, frozenset[str]]:
-    """{tinylm attention name: the leaves of ``scores``/``probs`` among ``points``}: those Taps are
-    measured through the attention's observer rather than hooked (a hook would force the explicit
-    path). A subclass with a forward of its own calls no observer: its Taps are hooked.
-    ``named``: ``dict(model.named_modules())`` where the caller has it."""
-    found: dict[str, set[str]] = {}
-    for name, mod in (named if named is not None else dict(model.named_modules())).items():
-        attention = tinylm.MultiHeadSelfAttention
-        if isinstance(mod, attention) and type(mod).forward is attention.forward:
-            for leaf in ("scores", "probs"):
-                if f"{name}.{leaf}" in points and type(getattr(mod, leaf)) is tinylm.Tap:
-                    found.setdefault(name, set()).add(leaf)
-    return {n: frozenset(w) for n, w in found.items()}
+@torch.library.register_fake("tinylm::attention_summaries", lib=_LIB)
+def _(q, k, v, grad, scores, probs, panel, forward):
+    width = sum(n for key, n in PARTS if _asked(key, bool(grad), scores, probs, panel, forward))
+    return q[0].new_empty((len(q), width), dtype=torch.float64)
+
+
+def summaries(items: list[tuple], *, scores: bool = True, probs: bool = True, panel: bool = True,
+              forward: bool = True) -> list[dict[str, Tensor | None]]:
+    """:func:`summary` of each (q, k, v, grad) of ``items`` (as :func:`statistics_many` takes them:
+    one T, d_k, dtype and device; v and grad for all or none), the same bits, from one
+    dispatched op, ``tinylm::attention_summaries`` (its matrix cut by one ``split`` and one
+    ``unbind`` per part), or, for CPU tensors on the direct lane (as :func:`summary`), from
+    :func:`statistics_many` itself."""
+    q0, k0 = items[0][0], items[0][1]
+    if q0.is_cpu and chosen() == "auto" and reduction.direct() and type(q0) in _PLAIN and type(k0) in _PLAIN:
+        with torch._C.DisableTorchFunction():  # as inside the op's kernel
+            return statistics_many(items, scores=scores, probs=probs, panel=panel, forward=forward)
+    if len(items) == 1:
+        return [summary(*items[0], scores=scores, probs=probs, panel=panel, forward=forward)]
+    backward = items[0][2] is not None and items[0][3] is not None
+    q, k = [it[0] for it in items], [it[1] for it in items]
+    v, g = ([it[2] for it in items], [it[3] for it in items]) if backward else ([], [])
+    with torch.no_grad():
+        mat = torch.ops.tinylm.attention_summaries(q, k, v, g, scores, probs, panel, forward)
+    keys = [(key, n) for key, n in PARTS if _asked(key, backward, scores, probs, panel, forward)]
+    out: list[dict[str, Tensor | None]] = [{key: None for key, _ in PARTS} for _ in items]
+    cols = mat.split_with_sizes([n for _, n in keys], dim=1) if len(keys) > 1 else [mat]
+    for (key, _), col in zip(keys, cols):
+        for got, row in zip(out, col.unbind(0)):
+            got[key] = row
+    return out
