@@ -93,14 +93,14 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     one transfer of the results to Python); and ``bare`` (one unprobed pass, interleaved). Inside
     the hooks, the mean time per pass of two pieces (clocked, so slightly slower): the direct
     lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``) and the tinylm
-    attention summaries (``attention.statistics``)."""
+    attention summaries (``attention.statistics_many``: all the layers of a flush in one call)."""
     from diagnostics import probe
     from diagnostics.measure import attention, pending, reduction
 
     parts: dict[str, list[float]] = {k: [] for k in ("bare", "entry", "hooks", "torch", "exit", "stats")}
     clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0], "queue's reductions": [0.0, 0]}
     timed = [(reduction, "numba_moments", "numba reductions in hooks"),
-             (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics", "attention summaries"),
+             (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics_many", "attention summaries"),
              (pending, "_reduced", "queue's reductions")]
     real = [(mod, name, getattr(mod, name)) for mod, name, _ in timed]
 

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from . import reducer, reduction
+from . import numba_reducer, reducer, reduction
 from .reducer import merge_attention_vectors, merge_vectors
 from .reducer_choice import chosen
 
@@ -52,7 +53,7 @@ CHUNK = 1 << 18
 CHUNK_DEVICE = 1 << 26
 #: entries of the buffers :func:`statistics_many` joins several chunks into, at most, on the CPU
 #: and elsewhere (a larger chunk alone)
-GROUP = 1 << 18
+GROUP = 1 << 17
 GROUP_DEVICE = 1 << 24
 #: query rows per block on the CPU; on other devices a block is the whole matrix (fewer launches)
 BLOCK = 64
@@ -72,6 +73,8 @@ def _cpu_structure(device: torch.device) -> bool:
 def _chunk(N: int, T: int, device: torch.device = torch.device("cpu")) -> int:
     """The largest divisor n of N with n T^2 <= CHUNK (CHUNK_DEVICE off the CPU), at least 1."""
     most = max(1, (CHUNK if _cpu_structure(device) else CHUNK_DEVICE) // max(T * T, 1))
+    if N <= most:
+        return N
     return max(n for n in range(1, min(N, most) + 1) if N % n == 0)
 
 
@@ -311,25 +314,51 @@ def _add(outs: list[dict], want: dict, group: list[tuple], S: Tensor, P: Tensor 
     """Reduce one group's buffers (causal entries), each piece's rows apart, into its item's dict
     of ``outs``, merging with the item's chunks before: all of them in one call into numba's
     loops where they take its direct lane."""
-    asked, at = [], 0
+    asked, at = [], 0  # (item, key, buffer, first matrix, matrices, panel)
     for i, n, _ in group:
-        cut = slice(at, at + n)
-        at += n
-        asked += [(i, key, t[cut], False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G))
+        asked += [(i, key, t, at, n, False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G))
                   if want[key]]
         if want["probs"]:
-            asked.append((i, "probs", P[cut], want["panel"]))
-    got = reduction.causal_parts([t for _, _, t, _ in asked], [p for *_, p in asked])
+            asked.append((i, "probs", P, at, n, want["panel"]))
+        at += n
+    got = _loop(asked)
+    if got is None:
+        views = [t[a:a + n] for _, _, t, a, n, _ in asked]
+        got = reduction.causal_parts(views, [p for *_, p in asked])
     if got is None:
         got = []
-        for _, key, t, panel in asked:
-            r = reducer.reduce(t, causal=True, probs=panel)
+        for view, (*_, panel) in zip(views, asked):
+            r = reducer.reduce(view, causal=True, probs=panel)
             got.append((r.moments, r.panel if panel else None))
-    for (i, key, _, _), (mom, panel) in zip(asked, got):
+    for (i, key, *_), (mom, panel) in zip(asked, got):
         out = outs[i]
         out[key] = _merge(out[key], mom, merge_vectors)
         if panel is not None:
             out["panel"] = _merge(out["panel"], panel, merge_attention_vectors)
+
+
+def _loop(asked: list[tuple]) -> list[tuple] | None:
+    """[(moments, panel or None)] of each (.., buffer, first matrix, matrices, panel) of ``asked``
+    from one call into numba's loop at the matrices' addresses (no views made: what
+    :func:`.reduction.causal_parts` gives their views, bit for bit), or None where they do not
+    all take that lane: float32 CPU buffers on the direct lane, each read by one thread."""
+    if not (asked and reduction.direct() and reduction.all_numba(())):
+        return None
+    buf = asked[0][2]
+    T = buf.shape[-1]
+    one = torch.get_num_threads() <= 1
+    for _, _, t, _, n, _ in asked:
+        if not (t.dtype == torch.float32 and t.is_cpu and type(t) in _PLAIN and t.is_contiguous() and not t.is_neg()
+                and (one or n * T * T < numba_reducer.PARALLEL_MIN)):
+            return None
+    size = T * T * 4
+    addrs = np.array([t.data_ptr() + a * size for _, _, t, a, _, _ in asked], dtype=np.int64)
+    ns = np.array([n * T * T for *_, n, _ in asked], dtype=np.int64)
+    flags = np.array([p for *_, p in asked], dtype=np.bool_)
+    out = (numba_reducer._loops or numba_reducer._build()).many_at(addrs, ns, T, flags)
+    moms = torch.from_numpy(np.ascontiguousarray(out[:, :10])).unbind(0)
+    panels = iter(torch.from_numpy(out[flags, 10:]).unbind(0))  # a copy: the rows asked, contiguous
+    return [(m, next(panels) if p else None) for m, p in zip(moms, flags.tolist())]
 
 
 #: the parts of :func:`statistics` in the order the op ``tinylm::attention_summary`` lays them out
