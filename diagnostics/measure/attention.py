@@ -25,6 +25,18 @@ softmax and its backward then run in blocks of ``block`` query rows against the 
 the block's last row, into the buffers of P and dS, whose entries above the diagonal blocks
 are never written: about (1 + 1/b) / 2 of the explicit path's exponentials for b blocks. The
 reductions read only the causal entries. Nothing outlives the call.
+
+Several layers at once. :func:`statistics_many` takes a list of layers' (q, k, v, grad): each
+layer is cut into its own chunks as above, consecutive chunks (of any layers) are joined into
+groups of at most :data:`GROUP` entries, and every op above runs once per group on the joined
+matrices, the causal reductions of all the group's chunks in one call. Each matrix goes through
+the same arithmetic as alone (the products and the softmax work matrix by matrix and row by
+row), and each chunk is reduced and merged as alone: every layer's vectors are bit for bit those
+:func:`statistics` gives it (tests/test_attention_batch.py). On the CPU the causal mask is
+written by two bitwise ops on the scores' bits (the bits masked_fill_ writes, at a fraction of
+its cost). The probe's :class:`~.attention_observer.AttentionQueue` calls it, by way of
+:func:`summaries`, once per flush: at a launch-bound shape one call for all the layers of a
+pass, rather than about twenty ops per layer.
 """
 
 from __future__ import annotations
@@ -231,17 +243,24 @@ def _groups(pieces: list[tuple], most: int) -> list[list[tuple]]:
     return groups
 
 
-def _joined(group: list[tuple], at: int, T: int) -> Tensor:
-    """Part ``at`` (0 q, 1 k, 2 v, 3 grad) of the group's pieces as one (m, T, d) tensor, detached
-    (a piece alone: a view where its layout allows, as :func:`_flat`; else one copy into a new
-    contiguous tensor)."""
-    parts = [p[2][at] for p in group]
-    d = parts[0].shape[-1]
+def _joined(group: list[tuple], at: int, T: int, room: dict) -> tuple[Tensor, bool]:
+    """(part ``at`` (0 q, 1 k, 2 v, 3 grad) of the group's pieces as one (m, T, d) tensor, whether
+    it is a copy of the caller's own): a piece alone as :func:`_flat` gives it (a view where its
+    layout allows); several copied into one buffer of ``room`` ({part: tensor}, made at the
+    first group that joins and reused by the next: no fresh memory per group)."""
+    parts = [p[2][at].detach() for p in group]
     if len(parts) == 1:
-        return _flat(parts[0])
-    if all(t.shape[1:] == parts[0].shape[1:] for t in parts):
-        return torch.cat(parts).view(-1, T, d)  # one copy, whatever each part's layout (no_grad: no graph)
-    return torch.cat([t.reshape(-1, T, d) for t in parts])
+        return _flat(parts[0]), False
+    n, d = sum(p[1] for p in group), parts[0].shape[-1]
+    buf = room.get(at)
+    if buf is None or buf.shape[0] < n:
+        buf = room[at] = torch.empty(room["most"], T, d, dtype=parts[0].dtype, device=parts[0].device)
+    out = buf[:n]
+    if all(t.shape[1:] == parts[0].shape[1:] for t in parts):  # one copy, whatever each part's layout
+        torch.cat(parts, out=out.view(-1, *parts[0].shape[1:]))
+    else:
+        torch.cat([t.reshape(-1, T, d) for t in parts], out=out)
+    return out, True
 
 
 @torch.no_grad()
@@ -277,13 +296,15 @@ def statistics_many(items: list[tuple], *, scores: bool = True, probs: bool = Tr
     D = torch.empty_like(G) if want["scores_grad"] else None
     blocks = _blocks(T, dev, block)
     rounded = want["probs"] and Pm is not P
+    room = {"most": m}  # the joined q, k, v and grad of a group, made once
     for group in groups:
         n = sum(p[1] for p in group)
         s_, p_, pm_, g_, d_ = (b[:n] if b is not None and n < m else b for b in (S, P, Pm, G, D))
-        qs = _joined(group, 0, T) / math.sqrt(d)  # scale the smaller tensor, as attention_scores does
-        torch.matmul(qs, _joined(group, 1, T).transpose(-2, -1), out=s_)  # the whole products: one GEMM per matrix
+        qj, own = _joined(group, 0, T, room)
+        qs = qj.div_(math.sqrt(d)) if own else qj / math.sqrt(d)  # scale the smaller tensor, as attention_scores does
+        torch.matmul(qs, _joined(group, 1, T, room)[0].transpose(-2, -1), out=s_)  # the whole products
         if backward:
-            torch.matmul(_joined(group, 3, T), _joined(group, 2, T).transpose(-2, -1), out=g_)  # dP = dO v^T
+            torch.matmul(_joined(group, 3, T, room)[0], _joined(group, 2, T, room)[0].transpose(-2, -1), out=g_)
         for r0, r1 in blocks:
             s = _scores(s_, r0, r1, above)
             p = _softmax(s, p_[:, r0:r1, :r1]) if need_p else None
