@@ -163,3 +163,42 @@ def test_a_layer_changed_in_place_while_queued_is_not_measured(model_and_tokens)
     assert run.attention_queue.stale == 1
     assert run.stats.tensors[("layers.0.attn.scores", "forward")].vector() == \
         clean.tensors[("layers.0.attn.scores", "forward")].vector()
+
+
+@pytest.fixture
+def cuda_structure(monkeypatch):
+    """The CUDA structure on the CPU, dynamo's captured graphs run as they are (no code generation)."""
+    from diagnostics.measure import compiled
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    monkeypatch.setattr(compiled, "_failed", False)
+    monkeypatch.setenv("TINYLM_REDUCER", "cuda")
+    yield monkeypatch
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_the_cuda_structure_reduces_a_groups_layers_in_one_compiled_call_per_buffer(cuda_structure):
+    """Under ``TINYLM_REDUCER=cuda`` the joined layers' four causal buffers take one compiled call
+    each, not one per layer (the negative control: one layer at a time, four per layer), with
+    the per-layer figures: counts, max |x| and the panel's row counts equal, mean, M2 and the
+    entropies to float64 rounding."""
+    from diagnostics.measure import compiled
+    items = _items([(2, 4, 16, 8)] * 5, torch.float32)
+    calls: list[str] = []
+    real = compiled.call
+
+    def counting(fn, *args):
+        calls.append(fn.__name__)
+        return real(fn, *args)
+    cuda_structure.setattr(compiled, "call", counting)
+    many = attention.statistics_many(items)
+    together, calls[:] = len(calls), []
+    alone = [attention.statistics(*it) for it in items]
+    assert together == 4 and len(calls) == 4 * len(items)
+    exact = {"panel": [0, 3, 4, 5]}
+    for a, b in zip(many, alone):
+        for key, vec in a.items():
+            keep = exact.get(key, [0, 1, 4, 5, 6, 7, 8, 9])
+            assert torch.equal(vec[keep], b[key][keep]), key
+            assert torch.allclose(vec, b[key], rtol=1e-12, atol=0.0), key

@@ -47,9 +47,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import numba_reducer, reducer, reduction
+from . import compiled, numba_reducer, reducer, reduction, reference
 from .reducer import merge_attention_vectors, merge_vectors
 from .reducer_choice import chosen
+from .reference import SATURATED_PROB
 
 __all__ = ["statistics", "statistics_many", "summaries", "forward_statistics", "backward_statistics", "CHUNK",
            "CHUNK_DEVICE", "GROUP", "GROUP_DEVICE", "BLOCK", "KINDS"]
@@ -343,9 +344,10 @@ def _add(outs: list[dict], want: dict, group: list[tuple], S: Tensor, P: Tensor 
             asked.append((i, "probs", P, at, n, want["panel"]))
         at += n
     got = _loop(asked)
+    views = None
     if got is None:
         views = [t[a:a + n] for _, _, t, a, n, _ in asked]
-        got = reduction.causal_parts(views, [p for *_, p in asked])
+        got = reduction.causal_parts(views, [p for *_, p in asked]) or _compiled_parts(group, asked)
     if got is None:
         got = []
         for view, (*_, panel) in zip(views, asked):
@@ -380,6 +382,66 @@ def _loop(asked: list[tuple]) -> list[tuple] | None:
     moms = torch.from_numpy(np.ascontiguousarray(out[:, :10])).unbind(0)
     panels = iter(torch.from_numpy(out[flags, 10:]).unbind(0))  # a copy: the rows asked, contiguous
     return [(m, next(panels) if p else None) for m, p in zip(moms, flags.tolist())]
+
+
+def _compiled_parts(group: list[tuple], asked: list[tuple]) -> list[tuple] | None:
+    """[(moments, panel or None)] of ``asked`` (as :func:`_loop` takes it) on the CUDA structure
+    with one compiled call per buffer for all the group's pieces (:func:`_causal_layers`,
+    :func:`_causal_probs_layers`) rather than one per piece, or None where that does not apply
+    (pieces of different sizes, the CPU's own structure, a buffer another kernel reduces,
+    compilation failed, a dispatch mode on): the same formulas as the compiled reducer's, each piece's rows summed apart
+    (counts and max |x| exact, mean and M2 to the rounding of float64 sums)."""
+    if len(group) < 2 or len({n for _, n, _ in group}) != 1 or torch._C._len_torch_dispatch_stack() \
+            or _cpu_structure(asked[0][2].device):
+        return None
+    L, n = len(group), group[0][1]
+    bufs: dict[str, tuple] = {}
+    for _, key, t, _, _, panel in asked:
+        bufs.setdefault(key, (t, panel))
+    if not all(reduction.route(t) == reduction.CUDA for t, _ in bufs.values()) or not compiled.available():
+        return None
+    T = asked[0][2].shape[-1]
+    rows: dict[str, tuple] = {}
+    with reduction.compiling():
+        for key, (t, panel) in bufs.items():
+            x = t[:L * n].view(L, n, T, T)
+            out = compiled.call(_causal_probs_layers if panel else _causal_layers, x)
+            if out is None:
+                return None
+            mom, pan = out if panel else (out, None)
+            rows[key] = (mom.unbind(0), pan.unbind(0) if pan is not None else None)
+    got = []
+    for at, (_, key, _, _, _, panel) in enumerate(asked):  # each piece asks every key, in one order
+        mom, pan = rows[key]
+        got.append((mom[at // len(bufs)], pan[at // len(bufs)] if panel else None))
+    return got
+
+
+def _layer_partials(x: Tensor, probs: bool) -> tuple[Tensor, Tensor]:
+    """(row partials (L, n, T, 10 or 12), each layer's shift (L,)) of causal matrices x (L, n, T, T)."""
+    first = x.reshape(x.shape[0], -1)[:, 0].double()
+    shift = torch.where(torch.isfinite(first), first, 0.0)
+    mask = reference.causal_mask(x.shape[-1], x.device)
+    return compiled.row_partials(x, mask, shift.view(-1, 1, 1, 1), probs=probs), shift
+
+
+def _causal_layers(x: Tensor) -> Tensor:  # x (L, n, T, T) -> (L, 10)
+    parts, shift = _layer_partials(x, False)
+    s = parts.reshape(x.shape[0], -1, parts.shape[-1])
+    return compiled.finish(s[..., :10].sum(1), s[..., 4].amax(1), shift)
+
+
+def _causal_probs_layers(x: Tensor) -> tuple[Tensor, Tensor]:  # x (L, n, T, T) -> (L, 10), (L, 6)
+    parts, shift = _layer_partials(x, True)
+    s = parts.reshape(x.shape[0], -1, parts.shape[-1])
+    mom = compiled.finish(s[..., :10].sum(1), s[..., 4].amax(1), shift)
+    h, top = parts[..., 10], parts[..., 11]  # (L, n, T)
+    later, top = h[..., 1:], top[..., 1:]  # rows t >= 1
+    mean = h.mean((1, 2))
+    lowest = later.amin((1, 2)) if later.numel() else torch.full_like(mean, float("inf"))
+    panel = torch.stack([torch.ones_like(h).sum((1, 2)), mean, (h - mean.view(-1, 1, 1)).square().sum((1, 2)),
+                         lowest, torch.ones_like(later).sum((1, 2)), (top > SATURATED_PROB).sum((1, 2)).double()], -1)
+    return mom, panel
 
 
 #: the parts of :func:`statistics` in the order the op ``tinylm::attention_summary`` lays them out
