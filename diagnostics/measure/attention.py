@@ -524,8 +524,8 @@ def summaries(items: list[tuple], *, scores: bool = True, probs: bool = True, pa
     dispatched op, ``tinylm::attention_summaries`` (its matrix cut by one ``split`` and one
     ``unbind`` per part), or, for CPU tensors on the direct lane (as :func:`summary`), from
     :func:`statistics_many` itself."""
-    q0, k0 = items[0][0], items[0][1]
-    if q0.is_cpu and chosen() == "auto" and reduction.direct() and type(q0) in _PLAIN and type(k0) in _PLAIN:
+    if items[0][0].is_cpu and chosen() == "auto" and reduction.direct() \
+            and all(type(q) in _PLAIN and type(k) in _PLAIN for q, k, _, _ in items):
         with torch._C.DisableTorchFunction():  # as inside the op's kernel
             return statistics_many(items, scores=scores, probs=probs, panel=panel, forward=forward)
     if len(items) == 1:

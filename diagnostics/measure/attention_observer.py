@@ -109,7 +109,7 @@ class AttentionQueue:
             groups.setdefault(key, []).append(i)
         got: list = [None] * len(entries)
         for key, idx in groups.items():
-            items = [entries[i][1] if key[6] else entries[i][1][:2] + (None, None) for i in idx]
+            items = [entries[i][1] for i in idx]
             for i, figures in zip(idx, summaries(items, scores=key[8], probs=key[9], panel=key[10],
                                                  forward=key[5])):
                 got[i] = figures
@@ -184,8 +184,10 @@ class AttentionObserver:
         queue = self.run.attention_queue
         forward = entry["forward"]
         entry["forward"] = False  # a later gradient of the same forward is measured alone
-        tensors = entry["tensors"] + (grad,)
-        versions = entry["versions"] + (None if grad is None else grad._version,)
+        if grad is None:  # the forward's figures alone: q and k (v is not read)
+            tensors, versions = entry["tensors"][:2] + (None, None), entry["versions"][:2] + (None, None)
+        else:
+            tensors, versions = entry["tensors"] + (grad,), entry["versions"] + (grad._version,)
         if grad is not None:
             self._hold_backward(grad.device)
         if queue.add(self, tensors, versions, forward) or self.at_once:
