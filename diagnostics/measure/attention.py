@@ -367,12 +367,11 @@ def _loop(asked: list[tuple]) -> list[tuple] | None:
     all take that lane: float32 CPU buffers on the direct lane, each read by one thread."""
     if not (asked and reduction.direct() and reduction.all_numba(())):
         return None
-    buf = asked[0][2]
-    T = buf.shape[-1]
-    one = torch.get_num_threads() <= 1
-    for _, _, t, _, n, _ in asked:
-        if not (t.dtype == torch.float32 and t.is_cpu and type(t) in _PLAIN and t.is_contiguous() and not t.is_neg()
-                and (one or n * T * T < numba_reducer.PARALLEL_MIN)):
+    T = asked[0][2].shape[-1]
+    if torch.get_num_threads() > 1 and max(n for *_, n, _ in asked) * T * T >= numba_reducer.PARALLEL_MIN:
+        return None  # one the threads would split
+    for t in {id(t): t for _, _, t, _, _, _ in asked}.values():  # each buffer once
+        if not (t.dtype == torch.float32 and t.is_cpu and type(t) in _PLAIN and t.is_contiguous() and not t.is_neg()):
             return None
     size = T * T * 4
     addrs = np.array([t.data_ptr() + a * size for _, _, t, a, _, _ in asked], dtype=np.int64)
