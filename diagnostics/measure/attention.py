@@ -236,7 +236,7 @@ def _groups(pieces: list[tuple], most: int) -> list[list[tuple]]:
     groups: list[list[tuple]] = []
     size = most
     for piece in pieces:
-        if size + piece[1] > most:
+        if size + piece[1] > most or not groups:
             groups.append([])
             size = 0
         groups[-1].append(piece)

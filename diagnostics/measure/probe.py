@@ -507,7 +507,7 @@ def _remove_all(handles: list) -> None:
 
 
 def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
-    """The pass is over: hooks go quiet, the queues are reduced (its error never masks the body's),
+    """The pass is over: hooks go quiet, the queues are reduced (their errors never mask the body's),
     and forwards whose gradient never came are measured now (only when the body completed)."""
     run.active = False
     for observer in observers if run.completed else ():
