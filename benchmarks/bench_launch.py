@@ -96,8 +96,9 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     one transfer of the results to Python); and ``bare`` (one unprobed pass, interleaved). Inside
     the hooks and the exit, the mean time per pass of some pieces (clocked, so slightly slower):
     the direct lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``), the tinylm
-    attention summaries (``attention.statistics``) and the queue's flushes (its plain requests,
-    ``pending._reduced``; those with rows, ``pending_rows.Rows.reduce``)."""
+    attention summaries (``attention.statistics_many``: all the layers of a flush in one call) and
+    the queue's flushes (its plain requests, ``pending._reduced``; those with rows,
+    ``pending_rows.Rows.reduce``)."""
     import importlib
 
     from diagnostics import probe
@@ -107,7 +108,7 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0], "queue's reductions": [0.0, 0],
               "queue's reductions with rows": [0.0, 0]}
     timed = [(reduction, "numba_moments", "numba reductions in hooks"),
-             (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics", "attention summaries"),
+             (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics_many", "attention summaries"),
              (pending, "_reduced", "queue's reductions")]
     try:  # a tree whose queue also takes the requests with rows
         timed.append((importlib.import_module("diagnostics.measure.pending_rows").Rows, "reduce",

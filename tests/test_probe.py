@@ -278,8 +278,9 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
     backward, the gradient at the block's output is the FFN branch's (and w2's) and the one at
     its mid-point the attention branch's (and output_proj's): 2 + 4 names per block that read
     nothing new. Norm inputs and norm gradients' row mean squares come from reads already made.
-    Reads: the Reducer's (requests reduced at once) and the queue's (each tensor once per flush, its
-    plain requests and those with rows).
+    Reads: the Reducer's (requests reduced at once), the queue's (each tensor once per flush, its
+    plain requests and those with rows) and the attention's causal buffers (one read each,
+    together in one call).
     Negative control: a Reducer and a queue that remember nothing read once per name and more."""
     from diagnostics.measure import reducer as reducer_module
 
@@ -314,8 +315,18 @@ def test_each_tensor_is_read_once_per_step(monkeypatch):
         calls.extend({"rows": True} for _ in self.xs)
         return real_rows(self)
 
+    from diagnostics.measure import attention
+
+    real_loop = attention._loop
+
+    def counted_loop(asked):  # the attention's buffers read at their addresses, in one call
+        got = real_loop(asked)
+        calls.extend({"causal": True} for _ in (asked if got is not None else ()))
+        return got
+
     monkeypatch.setattr(reducer_module, "reduce", counted)
     monkeypatch.setattr(reduction, "causal_parts", counted_causal)
+    monkeypatch.setattr(attention, "_loop", counted_loop)
     monkeypatch.setattr(pending, "_reduced", counted_queued)
     monkeypatch.setattr(pending_rows.Rows, "reduce", counted_rows)
     model, x = model_of(seed=6), tokens(seed=6)

@@ -3,6 +3,8 @@
 * :mod:`.probe` — hooks on any ``nn.Module`` that reduce each tensor at once (forward
   activations, backward gradients, attention panels, parameters) and leave no trace;
   :mod:`.pending` — its queue: the tensors whose moments alone are asked, reduced together;
+  :mod:`.attention_observer` — tinylm attention's observer and the queue that measures a pass's
+  layers together (:mod:`.attention`: the statistics from q, k, v and the heads' gradient);
 * :mod:`.sites` — which tensors of a model are measured (embeddings, block stack, attention,
   head, the default points), found once for every job by ``model_sites``;
 * :mod:`.reducer` — ``reduce``, the one reduction of a tensor to every statistic the probe

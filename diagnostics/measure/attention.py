@@ -25,25 +25,35 @@ softmax and its backward then run in blocks of ``block`` query rows against the 
 the block's last row, into the buffers of P and dS, whose entries above the diagonal blocks
 are never written: about (1 + 1/b) / 2 of the explicit path's exponentials for b blocks. The
 reductions read only the causal entries. Nothing outlives the call.
+
+Several layers at once. :func:`statistics_many` takes a list of layers' (q, k, v, grad): each
+layer is cut into its own chunks as above, consecutive chunks (of any layers) are joined into
+groups of at most :data:`GROUP` entries, and every op above runs once per group on the joined
+matrices, the causal reductions of all the group's chunks in one call. Each matrix goes through
+the same arithmetic as alone (the products and the softmax work matrix by matrix and row by
+row), and each chunk is reduced and merged as alone: every layer's vectors are bit for bit those
+:func:`statistics` gives it (tests/test_attention_batch.py). On the CPU the causal mask is
+written by two bitwise ops on the scores' bits (the bits masked_fill_ writes, at a fraction of
+its cost). The probe's :class:`~.attention_observer.AttentionQueue` calls it, by way of
+:func:`summaries`, once per flush: at a launch-bound shape one call for all the layers of a
+pass, rather than about twenty ops per layer.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
+import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-import tinylm
-
-from . import reducer, reduction
+from . import compiled, numba_reducer, reducer, reduction, reference
 from .reducer import merge_attention_vectors, merge_vectors
 from .reducer_choice import chosen
-from .reference import FIELDS
+from .reference import SATURATED_PROB
 
-__all__ = ["statistics", "forward_statistics", "backward_statistics", "AttentionObserver", "observed_attention",
-           "CHUNK", "CHUNK_DEVICE", "BLOCK", "KINDS"]
+__all__ = ["statistics", "statistics_many", "summaries", "forward_statistics", "backward_statistics", "CHUNK",
+           "CHUNK_DEVICE", "GROUP", "GROUP_DEVICE", "BLOCK", "KINDS"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -54,6 +64,10 @@ KINDS = {"scores": "attn_scores", "probs": "attn_probs"}
 #: (fewer, larger launches); one whole T x T matrix where T^2 is larger
 CHUNK = 1 << 18
 CHUNK_DEVICE = 1 << 26
+#: entries of the buffers :func:`statistics_many` joins several chunks into, at most, on the CPU
+#: and elsewhere (a larger chunk alone)
+GROUP = 1 << 17
+GROUP_DEVICE = 1 << 24
 #: query rows per block on the CPU; on other devices a block is the whole matrix (fewer launches)
 BLOCK = 64
 
@@ -72,6 +86,8 @@ def _cpu_structure(device: torch.device) -> bool:
 def _chunk(N: int, T: int, device: torch.device = torch.device("cpu")) -> int:
     """The largest divisor n of N with n T^2 <= CHUNK (CHUNK_DEVICE off the CPU), at least 1."""
     most = max(1, (CHUNK if _cpu_structure(device) else CHUNK_DEVICE) // max(T * T, 1))
+    if N <= most:
+        return N
     return max(n for n in range(1, min(N, most) + 1) if N % n == 0)
 
 
@@ -81,15 +97,23 @@ def _blocks(T: int, device: torch.device, block: int | None) -> list[tuple[int, 
     return [(r0, min(r0 + size, T)) for r0 in range(0, T, size)]
 
 
-def _scores(S: Tensor, r0: int, r1: int, above: Tensor) -> Tensor:
+def _scores(S: Tensor, r0: int, r1: int, above) -> Tensor:
     """S of rows r0..r1-1 against keys 0..r1-1, a view of the chunk's products ``S`` (n, T, T), with
-    the keys after each row (in the diagonal block) set to -inf."""
+    the keys after each row (in the diagonal block) set to -inf. ``above``: :func:`_above`'s
+    mask, or :func:`_above_bits`' pair (the same -inf written by two bitwise ops)."""
     s = S[:, r0:r1, :r1]
-    s[:, :, r0:].masked_fill_(above[:r1 - r0, :r1 - r0], -math.inf)  # the diagonal block: keys after the row
+    w = r1 - r0
+    if isinstance(above, tuple):  # the diagonal block's bits: kept below, those of -inf after the row
+        keep, fill = above
+        s[:, :, r0:].view(keep.dtype).bitwise_and_(keep[:w, :w]).bitwise_or_(fill[:w, :w])
+    else:
+        s[:, :, r0:].masked_fill_(above[:w, :w], -math.inf)  # the diagonal block: keys after the row
     return s
 
 
 _ABOVE: dict = {}
+_BITS = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
+         torch.float16: torch.int16}
 
 
 def _above(T: int, device: torch.device) -> Tensor:
@@ -101,6 +125,23 @@ def _above(T: int, device: torch.device) -> Tensor:
         got = torch.ones(T, T, dtype=torch.bool, device=device).triu_(1)
         if not torch._C._len_torch_dispatch_stack():
             _ABOVE[(T, device)] = got
+    return got
+
+
+def _above_bits(T: int, device: torch.device, dtype: torch.dtype):
+    """:func:`_above` as (keep, fill), integer (T, T) tensors of ``dtype``'s width: x & keep | fill
+    is x's bits on and below the diagonal, -inf's above (what masked_fill_ writes, bit for bit;
+    on the CPU two vectorized ops cost a fraction of one masked fill). None for another dtype."""
+    bits = _BITS.get(dtype)
+    if bits is None:
+        return None
+    got = _ABOVE.get((T, device, dtype))
+    if got is None:
+        mask = _above(T, device)
+        ninf = torch.tensor(-math.inf, dtype=dtype, device=device).view(bits)
+        got = ((~mask).to(bits) * -1, mask.to(bits) * ninf)  # keep: all ones (-1) below; fill: -inf above
+        if not torch._C._len_torch_dispatch_stack():
+            _ABOVE[(T, device, dtype)] = got
     return got
 
 
@@ -162,39 +203,118 @@ def statistics(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | Non
     = grad v^T and dS = P (dP - rowsum(dP P)) as in the module docstring (the softmax and its
     backward in float32 at least; P and dS rounded to the model's dtype). ``block``: query rows
     per block (None: :data:`BLOCK` on the CPU, the whole matrix elsewhere)."""
-    backward = grad is not None and (scores or probs)
-    want = {"scores": forward and scores, "probs": forward and probs, "panel": forward and probs and panel,
+    return statistics_many([(q, k, v, grad)], scores=scores, probs=probs, panel=panel, forward=forward,
+                           block=block)[0]
+
+
+def _wanted(backward: bool, scores: bool, probs: bool, panel: bool, forward: bool) -> dict[str, bool]:
+    backward = backward and (scores or probs)
+    return {"scores": forward and scores, "probs": forward and probs, "panel": forward and probs and panel,
             "scores_grad": backward and scores, "probs_grad": backward and probs}
-    out: dict[str, Tensor | None] = dict.fromkeys(want)
+
+
+def _pieces(items: list, backward: bool, T: int, dev: torch.device) -> list[tuple]:
+    """Each item's chunks, in order: (item index, n, (q, k, v, grad)), n matrices of each item's
+    own :func:`_chunk` (v and grad None without ``backward``): an item of one chunk as it is,
+    (..., T, d); the chunks of another as (n, T, d) slices of its flattening."""
+    out = []
+    for i, (q, k, v, grad) in enumerate(items):
+        N = math.prod(q.shape[:-2])
+        n = _chunk(N, T, dev)
+        if n == N:
+            out.append((i, N, (q, k, v, grad) if backward else (q, k, None, None)))
+            continue
+        flat = [_flat(t) for t in ((q, k, v, grad) if backward else (q, k))]
+        flat += [None] * (4 - len(flat))
+        for c in range(0, N, n):
+            out.append((i, n, tuple(t[c:c + n] if t is not None else None for t in flat)))
+    return out
+
+
+def _groups(pieces: list[tuple], most: int) -> list[list[tuple]]:
+    """Consecutive pieces together, at most ``most`` matrices a group (a larger piece alone)."""
+    groups: list[list[tuple]] = []
+    size = most
+    for piece in pieces:
+        if size + piece[1] > most or not groups:
+            groups.append([])
+            size = 0
+        groups[-1].append(piece)
+        size += piece[1]
+    return groups
+
+
+def _joined(group: list[tuple], at: int, T: int, room: dict) -> tuple[Tensor, bool]:
+    """(part ``at`` (0 q, 1 k, 2 v, 3 grad) of the group's pieces as one (m, T, d) tensor, whether
+    it is a copy of the caller's own): a piece alone as :func:`_flat` gives it (a view where its
+    layout allows); several copied into one buffer of ``room`` ({part: tensor}, made at the
+    first group that joins and reused by the next: no fresh memory per group)."""
+    parts = [p[2][at].detach() for p in group]
+    if len(parts) == 1:
+        return _flat(parts[0]), False
+    n, d = sum(p[1] for p in group), parts[0].shape[-1]
+    buf = room.get(at)
+    if buf is None or buf.shape[0] < n:
+        buf = room[at] = torch.empty(room["most"], T, d, dtype=parts[0].dtype, device=parts[0].device)
+    out = buf[:n]
+    if all(t.shape[1:] == parts[0].shape[1:] for t in parts):  # one copy, whatever each part's layout
+        torch.cat(parts, out=out.view(-1, *parts[0].shape[1:]))
+    else:
+        torch.cat([t.reshape(-1, T, d) for t in parts], out=out)
+    return out, True
+
+
+@torch.no_grad()
+def statistics_many(items: list[tuple], *, scores: bool = True, probs: bool = True, panel: bool = True,
+                    forward: bool = True, block: int | None = None) -> list[dict[str, Tensor | None]]:
+    """:func:`statistics` of each (q, k, v, grad) of ``items`` (one T, d_k, dtype and device; v and
+    grad given for all or for none), the same bits, from one pass over them all: each item cut
+    in its own chunks (:func:`_chunk`), consecutive chunks of any items joined into groups of
+    at most :data:`GROUP` entries (:data:`GROUP_DEVICE` off the CPU), every op of the products,
+    the softmax and its backward run once per group on the joined matrices (the same
+    arithmetic on each matrix as alone), and the causal entries of every chunk reduced in one
+    call (:func:`.reduction.causal_parts`), each chunk's vectors merged into its item's as
+    :func:`statistics` merges them."""
+    backward = items[0][3] is not None and items[0][2] is not None
+    want = _wanted(backward, scores, probs, panel, forward)
+    outs: list[dict[str, Tensor | None]] = [dict.fromkeys(want) for _ in items]
     if not any(want.values()):
-        return out
-    T, dev, dtype = q.shape[-2], q.device, q.dtype
-    qf, kf = _flat(q), _flat(k)
-    vf, gf = (_flat(v), _flat(grad)) if backward else (None, None)
-    N = qf.shape[0]
-    n = _chunk(N, T, dev)
-    above = _above(T, dev)
+        return outs
+    backward = want["scores_grad"] or want["probs_grad"]
+    q0 = items[0][0]
+    T, dev, dtype, d = q0.shape[-2], q0.device, q0.dtype, q0.shape[-1]
+    pieces = _pieces(items, backward, T, dev)
+    most = max(max(p[1] for p in pieces), (GROUP if _cpu_structure(dev) else GROUP_DEVICE) // max(T * T, 1))
+    groups = _groups(pieces, most)
+    m = max(sum(p[1] for p in g) for g in groups)
+    above = (_cpu_structure(dev) and _above_bits(T, dev, dtype)) or _above(T, dev)
     wide = _wide(dtype)
     need_p = want["probs"] or want["scores_grad"]
-    S = torch.empty(n, T, T, dtype=dtype, device=dev)
-    P = torch.empty(n, T, T, dtype=wide, device=dev) if need_p else None  # the softmax's own precision
+    S = torch.empty(m, T, T, dtype=dtype, device=dev)
+    P = torch.empty(m, T, T, dtype=wide, device=dev) if need_p else None  # the softmax's own precision
     Pm = P if not want["probs"] or dtype == wide else torch.empty_like(S)  # the weights, rounded as the model's
-    G = torch.empty(n, T, T, dtype=grad.dtype, device=dev) if backward else None
+    G = torch.empty(m, T, T, dtype=items[0][3].dtype, device=dev) if backward else None
     D = torch.empty_like(G) if want["scores_grad"] else None
-    for c in range(0, N, n):
-        qs = qf[c:c + n] / math.sqrt(q.shape[-1])  # scale the smaller tensor, as attention_scores does
-        torch.matmul(qs, kf[c:c + n].transpose(-2, -1), out=S)  # the whole products: one GEMM per matrix
+    blocks = _blocks(T, dev, block)
+    rounded = want["probs"] and Pm is not P
+    room = {"most": m}  # the joined q, k, v and grad of a group, made once
+    for group in groups:
+        n = sum(p[1] for p in group)
+        s_, p_, pm_, g_, d_ = (b[:n] if b is not None and n < m else b for b in (S, P, Pm, G, D))
+        qj, own = _joined(group, 0, T, room)
+        qs = qj.div_(math.sqrt(d)) if own else qj / math.sqrt(d)  # scale the smaller tensor, as attention_scores does
+        torch.matmul(qs, _joined(group, 1, T, room)[0].transpose(-2, -1), out=s_)  # the whole products
         if backward:
-            torch.matmul(gf[c:c + n], vf[c:c + n].transpose(-2, -1), out=G)  # dP = dO v^T
-        for r0, r1 in _blocks(T, dev, block):
-            s = _scores(S, r0, r1, above)
-            p = _softmax(s, P[:, r0:r1, :r1]) if need_p else None
-            if want["probs"] and Pm is not P:
-                Pm[:, r0:r1, :r1] = p
-            if D is not None:
-                _score_grad(G[:, r0:r1, :r1], p, D[:, r0:r1, :r1])
-        _add(out, want, S, Pm, G, D)
-    return out
+            torch.matmul(_joined(group, 3, T, room)[0], _joined(group, 2, T, room)[0].transpose(-2, -1), out=g_)
+        for r0, r1 in blocks:
+            s = _scores(s_, r0, r1, above)
+            p = _softmax(s, p_[:, r0:r1, :r1]) if need_p else None
+            if rounded:
+                pm_[:, r0:r1, :r1] = p
+            if d_ is not None:
+                _score_grad(g_[:, r0:r1, :r1], p, d_[:, r0:r1, :r1])
+        _add(outs, want, group, s_, pm_, g_, d_)
+    return outs
 
 
 def _score_grad(g: Tensor, p: Tensor, out: Tensor) -> None:
@@ -211,27 +331,116 @@ def _score_grad(g: Tensor, p: Tensor, out: Tensor) -> None:
         out.copy_((gw - rowsum).mul_(p))
 
 
-def _add(out: dict, want: dict, S: Tensor, P: Tensor | None, G: Tensor | None, D: Tensor | None) -> None:
-    """Reduce one chunk's buffers (causal entries) into ``out``, merging with the chunks before:
-    all of them in one call into numba's loops where they take its direct lane."""
-    asked = [(key, t, False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)) if want[key]]
-    if want["probs"]:
-        asked.append(("probs", P, want["panel"]))
-    got = reduction.causal_parts([t for _, t, _ in asked], [p for _, _, p in asked])
-    if got is not None:
-        for (key, _, _), (mom, panel) in zip(asked, got):
-            out[key] = _merge(out[key], mom, merge_vectors)
-            if panel is not None:
-                out["panel"] = _merge(out["panel"], panel, merge_attention_vectors)
-        return
-    for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G)):
-        if want[key]:
-            out[key] = _merge(out[key], reducer.reduce(t, causal=True).moments, merge_vectors)
-    if want["probs"]:
-        r = reducer.reduce(P, causal=True, probs=want["panel"])
-        out["probs"] = _merge(out["probs"], r.moments, merge_vectors)
-        if want["panel"]:
-            out["panel"] = _merge(out["panel"], r.panel, merge_attention_vectors)
+def _add(outs: list[dict], want: dict, group: list[tuple], S: Tensor, P: Tensor | None, G: Tensor | None,
+         D: Tensor | None) -> None:
+    """Reduce one group's buffers (causal entries), each piece's rows apart, into its item's dict
+    of ``outs``, merging with the item's chunks before: all of them in one call into numba's
+    loops where they take its direct lane."""
+    asked, at = [], 0  # (item, key, buffer, first matrix, matrices, panel)
+    for i, n, _ in group:
+        asked += [(i, key, t, at, n, False) for key, t in (("scores", S), ("scores_grad", D), ("probs_grad", G))
+                  if want[key]]
+        if want["probs"]:
+            asked.append((i, "probs", P, at, n, want["panel"]))
+        at += n
+    got = _loop(asked)
+    views = None
+    if got is None:
+        views = [t[a:a + n] for _, _, t, a, n, _ in asked]
+        got = reduction.causal_parts(views, [p for *_, p in asked]) or _compiled_parts(group, asked)
+    if got is None:
+        got = []
+        for view, (*_, panel) in zip(views, asked):
+            r = reducer.reduce(view, causal=True, probs=panel)
+            got.append((r.moments, r.panel if panel else None))
+    for (i, key, *_), (mom, panel) in zip(asked, got):
+        out = outs[i]
+        out[key] = _merge(out[key], mom, merge_vectors)
+        if panel is not None:
+            out["panel"] = _merge(out["panel"], panel, merge_attention_vectors)
+
+
+def _loop(asked: list[tuple]) -> list[tuple] | None:
+    """[(moments, panel or None)] of each (.., buffer, first matrix, matrices, panel) of ``asked``
+    from one call into numba's loop at the matrices' addresses (no views made: what
+    :func:`.reduction.causal_parts` gives their views, bit for bit), or None where they do not
+    all take that lane: float32 CPU buffers on the direct lane, each read by one thread."""
+    if not (asked and reduction.direct() and reduction.all_numba(())):
+        return None
+    T = asked[0][2].shape[-1]
+    if torch.get_num_threads() > 1 and max(n for *_, n, _ in asked) * T * T >= numba_reducer.PARALLEL_MIN:
+        return None  # one the threads would split
+    for t in {id(t): t for _, _, t, _, _, _ in asked}.values():  # each buffer once
+        if not (t.dtype == torch.float32 and t.is_cpu and type(t) in _PLAIN and t.is_contiguous() and not t.is_neg()):
+            return None
+    size = T * T * 4
+    addrs = np.array([t.data_ptr() + a * size for _, _, t, a, _, _ in asked], dtype=np.int64)
+    ns = np.array([n * T * T for *_, n, _ in asked], dtype=np.int64)
+    flags = np.array([p for *_, p in asked], dtype=np.bool_)
+    out = (numba_reducer._loops or numba_reducer._build()).many_at(addrs, ns, T, flags)
+    moms = torch.from_numpy(np.ascontiguousarray(out[:, :10])).unbind(0)
+    panels = iter(torch.from_numpy(out[flags, 10:]).unbind(0))  # a copy: the rows asked, contiguous
+    return [(m, next(panels) if p else None) for m, p in zip(moms, flags.tolist())]
+
+
+def _compiled_parts(group: list[tuple], asked: list[tuple]) -> list[tuple] | None:
+    """[(moments, panel or None)] of ``asked`` (as :func:`_loop` takes it) on the CUDA structure
+    with one compiled call per buffer for all the group's pieces (:func:`_causal_layers`,
+    :func:`_causal_probs_layers`) rather than one per piece, or None where that does not apply
+    (pieces of different sizes, the CPU's own structure, a buffer another kernel reduces,
+    compilation failed, a dispatch mode on): the same formulas as the compiled reducer's, each piece's rows summed apart
+    (counts and max |x| exact, mean and M2 to the rounding of float64 sums)."""
+    if len(group) < 2 or len({n for _, n, _ in group}) != 1 or torch._C._len_torch_dispatch_stack() \
+            or _cpu_structure(asked[0][2].device):
+        return None
+    L, n = len(group), group[0][1]
+    bufs: dict[str, tuple] = {}
+    for _, key, t, _, _, panel in asked:
+        bufs.setdefault(key, (t, panel))
+    if not all(reduction.route(t) == reduction.CUDA for t, _ in bufs.values()) or not compiled.available():
+        return None
+    T = asked[0][2].shape[-1]
+    rows: dict[str, tuple] = {}
+    with reduction.compiling():
+        for key, (t, panel) in bufs.items():
+            x = t[:L * n].view(L, n, T, T)
+            out = compiled.call(_causal_probs_layers if panel else _causal_layers, x)
+            if out is None:
+                return None
+            mom, pan = out if panel else (out, None)
+            rows[key] = (mom.unbind(0), pan.unbind(0) if pan is not None else None)
+    got = []
+    for at, (_, key, _, _, _, panel) in enumerate(asked):  # each piece asks every key, in one order
+        mom, pan = rows[key]
+        got.append((mom[at // len(bufs)], pan[at // len(bufs)] if panel else None))
+    return got
+
+
+def _layer_partials(x: Tensor, probs: bool) -> tuple[Tensor, Tensor]:
+    """(row partials (L, n, T, 10 or 12), each layer's shift (L,)) of causal matrices x (L, n, T, T)."""
+    first = x.reshape(x.shape[0], -1)[:, 0].double()
+    shift = torch.where(torch.isfinite(first), first, 0.0)
+    mask = reference.causal_mask(x.shape[-1], x.device)
+    return compiled.row_partials(x, mask, shift.view(-1, 1, 1, 1), probs=probs), shift
+
+
+def _causal_layers(x: Tensor) -> Tensor:  # x (L, n, T, T) -> (L, 10)
+    parts, shift = _layer_partials(x, False)
+    s = parts.reshape(x.shape[0], -1, parts.shape[-1])
+    return compiled.finish(s[..., :10].sum(1), s[..., 4].amax(1), shift)
+
+
+def _causal_probs_layers(x: Tensor) -> tuple[Tensor, Tensor]:  # x (L, n, T, T) -> (L, 10), (L, 6)
+    parts, shift = _layer_partials(x, True)
+    s = parts.reshape(x.shape[0], -1, parts.shape[-1])
+    mom = compiled.finish(s[..., :10].sum(1), s[..., 4].amax(1), shift)
+    h, top = parts[..., 10], parts[..., 11]  # (L, n, T)
+    later, top = h[..., 1:], top[..., 1:]  # rows t >= 1
+    mean = h.mean((1, 2))
+    lowest = later.amin((1, 2)) if later.numel() else torch.full_like(mean, float("inf"))
+    panel = torch.stack([torch.ones_like(h).sum((1, 2)), mean, (h - mean.view(-1, 1, 1)).square().sum((1, 2)),
+                         lowest, torch.ones_like(later).sum((1, 2)), (top > SATURATED_PROB).sum((1, 2)).double()], -1)
+    return mom, panel
 
 
 #: the parts of :func:`statistics` in the order the op ``tinylm::attention_summary`` lays them out
@@ -285,142 +494,50 @@ def summary(q: Tensor, k: Tensor, v: Tensor | None = None, grad: Tensor | None =
     return out
 
 
-_HELD: dict = {}
+_LIB.define("attention_summaries(Tensor[] q, Tensor[] k, Tensor[] v, Tensor[] grad, bool scores, bool probs, "
+            "bool panel, bool forward) -> Tensor")
 
 
-def _held(device: torch.device) -> tuple[Tensor, Tensor]:
-    """(FIELDS of no entries, ATTN_FIELDS of no rows) on ``device``: made once per device and
-    shared by every place held (never changed in place: a merge makes a new vector)."""
-    got = _HELD.get(device)
-    if got is None:
-        none = torch.zeros(len(FIELDS), dtype=torch.float64, device=device)
-        no_rows = torch.zeros(6, dtype=torch.float64, device=device)
-        no_rows[3] = math.inf  # a fill on the device, no host copy
-        got = _HELD[device] = (none, no_rows)
-    return got
+def _summaries_kernel(q, k, v, grad, scores, probs, panel, forward):
+    """:func:`statistics_many` as one (L, parts) matrix, row i item i's :func:`_summary_kernel` vector."""
+    with torch._C.DisableTorchFunction():
+        items = [(a, b, v[i] if v else None, grad[i] if grad else None) for i, (a, b) in enumerate(zip(q, k))]
+        got = statistics_many(items, scores=scores, probs=probs, panel=panel, forward=forward)
+        keys = [key for key, _ in PARTS if got[0][key] is not None]
+        return torch.stack([torch.cat([g[key] for key in keys]) for g in got])
 
 
-class AttentionObserver:
-    """The observer (:meth:`tinylm.MultiHeadSelfAttention.register_observer`) that measures the
-    tinylm attention ``name``'s ``{name}.scores`` and ``{name}.probs`` (the leaves in ``want``).
-
-    Weights the explicit path formed are measured as a Tap's output is. On the fused path the
-    same figures come from q, k, v and the heads' gradient
-    (:func:`statistics`). When that gradient will come, the forward's
-    figures wait for it and both are taken from one pass over the blocks; the forward's place
-    among the run's records is held until then by a record of no entries, which the first
-    figures replace. A forward still pending at the next forward of the same attention, or on
-    exit (:meth:`flush`), is measured then; the gradient of a forward measured early is
-    measured alone."""
-
-    def __init__(self, run, name: str, want: frozenset[str]):
-        self.run, self.name = run, name
-        self.scores, self.probs = "scores" in want, "probs" in want
-        self.pending: list[dict] = []  # at most one forward whose figures wait for its gradient
-        self.held: set = set()  # (store, key) of places held by a record of no entries
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, heads: Tensor, weights) -> None:
-        run = self.run
-        if not run.active:
-            return None
-        t0 = time.perf_counter()
-        if weights is not None:
-            allowed = self._window_mask(weights[0])
-            for leaf, t in zip(("scores", "probs"), weights):
-                if getattr(self, leaf) and t.is_floating_point():
-                    if leaf == "scores" and allowed is not None:  # the entries a window masks are not scores
-                        t = t.detach().masked_select(allowed)
-                    run._forward(f"{self.name}.{leaf}", KINDS[leaf], t)
-        else:
-            self.flush()
-            later = run.options.backward and heads.requires_grad
-            for leaf in ("scores", "probs"):
-                if getattr(self, leaf):
-                    self._register(leaf, q.device, later)
-            # kept as they are until the gradient comes (the graph holds them until then anyway)
-            entry = {"q": q, "k": k, "v": v, "forward": True}
-            if later:
-                self.pending.append(entry)
-                heads.register_hook(self._hook(entry))
-            else:
-                self._measure(entry, None)
-        run.seconds += time.perf_counter() - t0
-        return None
-
-    def _window_mask(self, scores: Tensor) -> Tensor | None:
-        """The (T, T) mask of the entries a sliding-window attention may attend to (None without a
-        window: the causal entries are the reducer's own)."""
-        module = self.run.model.get_submodule(self.name)
-        if getattr(module, "sliding_window", None) is None:
-            return None
-        return module.mask(scores.shape[-1], scores.device)
-
-    def flush(self) -> None:
-        """Measure the forward still waiting for its gradient, if any."""
-        while self.pending:
-            entry = self.pending.pop()
-            if entry.get("forward"):
-                self._measure(entry, None)
-
-    def _register(self, leaf: str, device: torch.device, hold: bool) -> None:
-        run, key = self.run, f"{self.name}.{leaf}"
-        if key not in run.kinds:
-            run.kinds[key] = KINDS[leaf]
-            run.order.append(key)
-        if key == run.order[0]:
-            run.steps += 1
-        if hold and (key, "forward") not in run._vec:
-            none, no_rows = _held(device)
-            run._vec[(key, "forward")] = none
-            self.held.add(("vec", (key, "forward")))
-            if leaf == "probs" and run.options.attention and key not in run._attn:
-                run._attn[key] = no_rows
-                self.held.add(("attn", key))
-
-    def _record(self, which: str, key, vec: Tensor | None) -> None:
-        if vec is None:
-            return
-        store, merge = (self.run._vec, merge_vectors) if which == "vec" else (self.run._attn, merge_attention_vectors)
-        if (which, key) in self.held:  # the place held in order: the first figures replace it
-            self.held.discard((which, key))
-            store[key] = vec
-            self.run._stats = None
-        else:
-            self.run._add(store, key, vec, merge)
-
-    def _measure(self, entry: dict, grad: Tensor | None) -> None:
-        got = summary(entry["q"], entry["k"], entry["v"], grad, scores=self.scores, probs=self.probs,
-                      panel=self.run.options.attention, forward=entry.pop("forward", False))
-        s, p = f"{self.name}.scores", f"{self.name}.probs"
-        self._record("vec", (s, "forward"), got["scores"])
-        self._record("vec", (p, "forward"), got["probs"])
-        self._record("attn", p, got["panel"])
-        self._record("vec", (p, "backward"), got["probs_grad"])  # in the order autograd reaches them
-        self._record("vec", (s, "backward"), got["scores_grad"])
-
-    def _hook(self, entry: dict):
-        def hook(grad: Tensor) -> None:
-            if not self.run.active:
-                return None
-            t0 = time.perf_counter()
-            self.pending = [e for e in self.pending if e is not entry]
-            self._measure(entry, grad)
-            self.run.seconds += time.perf_counter() - t0
-            return None
-        return hook
+_LIB.impl("attention_summaries", _summaries_kernel, "CompositeExplicitAutograd")
 
 
-def observed_attention(model: nn.Module, points: dict[str, str], named: dict[str, nn.Module] | None = None
-                       ) -> dict[str, frozenset[str]]:
-    """{tinylm attention name: the leaves of ``scores``/``probs`` among ``points``}: those Taps are
-    measured through the attention's observer rather than hooked (a hook would force the explicit
-    path). A subclass with a forward of its own calls no observer: its Taps are hooked.
-    ``named``: ``dict(model.named_modules())`` where the caller has it."""
-    found: dict[str, set[str]] = {}
-    for name, mod in (named if named is not None else dict(model.named_modules())).items():
-        attention = tinylm.MultiHeadSelfAttention
-        if isinstance(mod, attention) and type(mod).forward is attention.forward:
-            for leaf in ("scores", "probs"):
-                if f"{name}.{leaf}" in points and type(getattr(mod, leaf)) is tinylm.Tap:
-                    found.setdefault(name, set()).add(leaf)
-    return {n: frozenset(w) for n, w in found.items()}
+@torch.library.register_fake("tinylm::attention_summaries", lib=_LIB)
+def _(q, k, v, grad, scores, probs, panel, forward):
+    width = sum(n for key, n in PARTS if _asked(key, bool(grad), scores, probs, panel, forward))
+    return q[0].new_empty((len(q), width), dtype=torch.float64)
+
+
+def summaries(items: list[tuple], *, scores: bool = True, probs: bool = True, panel: bool = True,
+              forward: bool = True) -> list[dict[str, Tensor | None]]:
+    """:func:`summary` of each (q, k, v, grad) of ``items`` (as :func:`statistics_many` takes them:
+    one T, d_k, dtype and device; v and grad for all or none), the same bits, from one
+    dispatched op, ``tinylm::attention_summaries`` (its matrix cut by one ``split`` and one
+    ``unbind`` per part), or, for CPU tensors on the direct lane (as :func:`summary`), from
+    :func:`statistics_many` itself."""
+    if items[0][0].is_cpu and chosen() == "auto" and reduction.direct() \
+            and all(type(q) in _PLAIN and type(k) in _PLAIN for q, k, _, _ in items):
+        with torch._C.DisableTorchFunction():  # as inside the op's kernel
+            return statistics_many(items, scores=scores, probs=probs, panel=panel, forward=forward)
+    if len(items) == 1:
+        return [summary(*items[0], scores=scores, probs=probs, panel=panel, forward=forward)]
+    backward = items[0][2] is not None and items[0][3] is not None
+    q, k = [it[0] for it in items], [it[1] for it in items]
+    v, g = ([it[2] for it in items], [it[3] for it in items]) if backward else ([], [])
+    with torch.no_grad():
+        mat = torch.ops.tinylm.attention_summaries(q, k, v, g, scores, probs, panel, forward)
+    keys = [(key, n) for key, n in PARTS if _asked(key, backward, scores, probs, panel, forward)]
+    out: list[dict[str, Tensor | None]] = [{key: None for key, _ in PARTS} for _ in items]
+    cols = mat.split_with_sizes([n for _, n in keys], dim=1) if len(keys) > 1 else [mat]
+    for (key, _), col in zip(keys, cols):
+        for got, row in zip(out, col.unbind(0)):
+            got[key] = row
+    return out

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 import tinylm
 
 from ..options import OptionsError, ProbeOptions
-from .attention import AttentionObserver, observed_attention
+from .attention_observer import AttentionObserver, AttentionQueue, observed_attention
 from .moments import AttnMoments, Moments, ParamStats, ProbeStats
 from .pending import Pending
 from .probe_queue import FLAT_EDGE, Queued
@@ -166,6 +166,8 @@ class ProbeRun(Queued):
         self.reducer = _Reducer()
         #: the plain requests (moments only) waiting to be reduced together (:mod:`.pending`)
         self.queue = Pending()
+        #: the tinylm attentions' entries, measured together (:mod:`.attention_observer`)
+        self.attention_queue = AttentionQueue()
         self._in_place = _IN_PLACE.setdefault(model, set())  # this model's sites that may not wait
         self._forward_waits = False  # forward tensors queued: flushed at the first gradient
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
@@ -214,6 +216,8 @@ class ProbeRun(Queued):
     def flush(self) -> None:
         """Reduce the queued tensors and merge them into the stores (before anything reads them)."""
         self._forward_waits = False
+        if len(self.attention_queue):
+            self.attention_queue.flush()
         if len(self.queue):
             self.queue.flush(self._vec, self._stores)
             self._in_place.update(self.queue.stale_keys)
@@ -517,23 +521,19 @@ def _remove_all(handles: list) -> None:
 
 
 def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
-    """The pass is over: hooks go quiet, the queue is reduced (its error never masks the body's),
+    """The pass is over: hooks go quiet, the queues are reduced (their errors never mask the body's),
     and forwards whose gradient never came are measured now (only when the body completed)."""
     run.active = False
-    if len(run.queue):
+    for observer in observers if run.completed else ():
+        observer.flush()  # a forward whose gradient never came: queued alone
+    if len(run.queue) or len(run.attention_queue):
         t0 = time.perf_counter()
         try:
             run.flush()
         except Exception:  # noqa: BLE001 - the body raised: keep its error, not the flush's
             if run.completed:
                 raise
-            run.queue = Pending()
-        run.seconds += time.perf_counter() - t0
-    waiting = [o for o in observers if o.pending] if run.completed else []
-    if waiting:
-        t0 = time.perf_counter()
-        for observer in waiting:
-            observer.flush()
+            run.queue, run.attention_queue = Pending(), AttentionQueue()
         run.seconds += time.perf_counter() - t0
 
 
