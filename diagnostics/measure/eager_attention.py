@@ -29,6 +29,7 @@ attention and is passed on unmeasured; the watch does not see a call made elsewh
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -92,11 +93,11 @@ class EagerAttentionWatch(SDPAWatch):
             x, dim = _call(func, args, kwargs)
             name = self.where() if is_attention_softmax(x, dim) else None
             if name is not None:
+                t0 = time.perf_counter()
                 with torch._C.DisableTorchFunction():
                     moments, panel, vec = eager_rows(x, self.rows, self.signal is not None)
-                self.record(name, moments, panel)
-                if vec is not None:
-                    self.signal(name, vec)
+                self.report(name, moments, panel, vec)
+                self.seconds += time.perf_counter() - t0
             return func(*args, **kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 

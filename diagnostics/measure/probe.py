@@ -373,15 +373,13 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
     ``{name}.scores`` moments and ``{name}.probs``."""
     running: list[str] = []
 
-    def record(name: str, moments: Tensor, panel: Tensor) -> None:
-        t0 = time.perf_counter()
+    def record(name: str, moments: Tensor, panel: Tensor) -> None:  # timed by the watch (its seconds)
         key = f"{name}.scores"
         if key not in run.kinds:
             run.kinds[key] = "attn_scores"
             run.order.append(key)
         run._add(run._vec, (key, "forward"), moments, merge_vectors)
         run._add(run._attn, f"{name}.probs", panel, merge_attention_vectors)
-        run.seconds += time.perf_counter() - t0
 
     own = {n for n, m in named.items() if isinstance(m, tinylm.MultiHeadSelfAttention) and run.signals is not None}
 
@@ -403,12 +401,14 @@ def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: E
         if on[0] and not running:
             on[0] = False
             watch.__exit__(None, None, None)
+            run.seconds, watch.seconds = run.seconds + watch.seconds, 0.0  # its measurement is the probe's work
 
     def leave() -> None:  # a run that raised before its hooks: the watch is left all the same
         running.clear()
         if on[0]:
             on[0] = False
             watch.__exit__(None, None, None)
+        run.seconds, watch.seconds = run.seconds + watch.seconds, 0.0
 
     hooks = Hooks()
     owner.callback(hooks.remove)

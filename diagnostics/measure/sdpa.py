@@ -33,6 +33,7 @@ the rows sampled.
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import numpy as np
@@ -227,7 +228,8 @@ class SDPAWatch(TorchFunctionMode):
     then runs as it would have. ``where()`` names the caller (None: the call is not reported).
     The measurement runs with torch functions' overrides off, so no other mode sees its ops.
     ``probe_own``: the mode passes every other function on untouched, so the probe's reductions
-    may skip their op's dispatch while it is on (:func:`.reduction.direct`)."""
+    may skip their op's dispatch while it is on (:func:`.reduction.direct`). ``seconds``: the
+    wall time spent measuring calls (the reports included), which the owner reads and resets."""
 
     probe_own = True
 
@@ -235,19 +237,26 @@ class SDPAWatch(TorchFunctionMode):
                  signal: Callable[[str, Tensor], None] | None = None):
         super().__init__()
         self.record, self.where, self.signal = record, where, signal
+        self.seconds = 0.0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             name = self.where()
             if name is not None:
+                t0 = time.perf_counter()
                 names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
                 call = {**dict(zip(names, args)), **kwargs}
                 with torch._C.DisableTorchFunction():
                     moments, panel, vec = summary(call["query"], call["key"], call.get("attn_mask"),
                                                   bool(call.get("is_causal", False)), call.get("scale"),
                                                   self.signal is not None)
-                self.record(name, moments, panel)
-                if vec is not None:
-                    self.signal(name, vec)
+                self.report(name, moments, panel, vec)
+                self.seconds += time.perf_counter() - t0
         return func(*args, **kwargs)
+
+    def report(self, name: str, moments: Tensor, panel: Tensor, vec: Tensor | None) -> None:
+        """Hand one measured call to ``record`` (and its signal vector, if any, to ``signal``)."""
+        self.record(name, moments, panel)
+        if vec is not None:
+            self.signal(name, vec)
