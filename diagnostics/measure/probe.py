@@ -57,7 +57,7 @@ from .pending import Pending
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .reducer_choice import pinned
 from .eager_attention import EagerAttentionWatch
-from .hooks import Hooks
+from .hooks import Hooks, tensor_hook
 from .model_state import ModelState
 from .signals import PEAK_KINDS, Signals
 from .sites import model_sites, model_walk
@@ -277,7 +277,7 @@ class ProbeRun:
         if last is not None and last[0]() is t:
             return last[1]
         targets: list = []
-        t.register_hook(self._grad_hook(targets))
+        tensor_hook(t, self._grad_hook(targets))
         self._hooked = (weakref.ref(t), targets)
         return targets
 
