@@ -12,9 +12,9 @@ shuffled by a seeded generator each round), the first quartile beside it:
   and one trip of autograd into a no-op hook; a torch call passed on by the attention watch
   (:class:`~diagnostics.measure.eager_attention.EagerAttentionWatch`) against none;
 * per pass (forward+backward), for each model: ``bare``; ``machinery``: what the probe puts on
-  without its work (a no-op forward hook on each module it hooks, the attention watch on inside
-  the attention modules with nothing measured, a no-op gradient hook on each output that
-  needs one); ``busy``: the same with each hook running pure Python for about as long as one of
+  without its work (a no-op forward hook on each module it hooks, a no-op gradient hook on each
+  output that needs one and, where the probe needs it for that model, the attention watch's mode
+  on inside the attention modules with nothing measured: :mod:`diagnostics.measure.attention_watch`); ``busy``: the same with each hook running pure Python for about as long as one of
   the probe's hook bodies on average (a control: the pass less those bodies); ``probe``: the
   pass under the default probe less its hook bodies (``run.seconds``, its clocks read in the
   thread's CPU time for this script). Each with its excess over bare: what torch loses.
@@ -124,7 +124,11 @@ def _arms(model, tokens, step):
     observed = P.observed_attention(model, sites.points, named)
     hooked = [n for n, k in sites.points.items() if n in named
               and n.rpartition(".")[2] not in observed.get(n.rpartition(".")[0], ())]
-    watched = P._watched(sites.blocks, named) if sites.blocks and not P._is_tinylm(model) else []
+    try:
+        from diagnostics.measure import attention_watch
+    except ImportError:  # a tree before it: the mode always on
+        attention_watch = types.SimpleNamespace(watched_modules=P._watched)
+    watched = attention_watch.watched_modules(sites.blocks, named) if sites.blocks and not P._is_tinylm(model) else []
     body = {"us": 0.0, "spent": 0.0, "loops": 0}
 
     def busy():  # pure Python (no system call inside): a loop of about body["us"]
@@ -157,9 +161,10 @@ def _arms(model, tokens, step):
             running.pop()
             if not running:
                 watch.__exit__(None, None, None)
-        for name in watched:
-            hooks.pre(named[name], push)
-            hooks.forward(named[name], pop, always_call=True)
+        if getattr(attention_watch, "_BY_NAME", {}).get(model) is not True:  # as the probe: the mode only if needed
+            for name in watched:
+                hooks.pre(named[name], push)
+                hooks.forward(named[name], pop, always_call=True)
         return hooks
 
     def plain(hooks_of=None):

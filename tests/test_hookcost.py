@@ -163,3 +163,87 @@ def test_a_probe_leaves_no_gradient_hook_working_after_it_exits():
     with probe(model) as run:
         model(ids).sum().backward()
     assert any(k[1] == "backward" for k in run.stats.tensors)
+
+
+# ----------------------------------------------------------------------------- attention caught by name
+
+from torch.nn.functional import scaled_dot_product_attention as held_sdpa  # noqa: E402  (held: not caught by name)
+
+
+class HeldBlock(nn.Module):
+    """A nanoGPT block whose attention calls the SDPA function it imported (held, not looked up)."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.ln, self.qkv, self.proj = heads, nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        B, T, d = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(self.ln(x)).split(d, dim=2))
+        y = held_sdpa(q, k, v, is_causal=True)
+        return x + self.proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+class HeldLM(nn.Module):
+    def __init__(self, L: int = 2, d: int = 32, vocab: int = 64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.blocks = nn.Embedding(vocab, d), nn.ModuleList([HeldBlock(d) for _ in range(L)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def _intercepted(monkeypatch) -> list:
+    from diagnostics.measure.eager_attention import EagerAttentionWatch
+
+    n, real = [], EagerAttentionWatch.__torch_function__
+
+    def counted(self, *args, **kwargs):
+        n.append(1)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(EagerAttentionWatch, "__torch_function__", counted)
+    return n
+
+
+@pytest.mark.parametrize("build", [lambda: NanoGPT(L=2, d=32, vocab=64), _hf_gpt2], ids=["nanogpt", "hf-gpt2"])
+def test_attention_looked_up_by_name_is_measured_without_the_mode_after_the_first_pass(monkeypatch, build):
+    model, n = build(), _intercepted(monkeypatch)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    got = []
+    for _ in range(3):
+        n.clear()
+        with probe(model) as run:
+            out = model(ids)
+            (out if isinstance(out, torch.Tensor) else out.logits).float().sum().backward()
+        got.append((len(n), run.stats))
+    assert got[0][0] > 0 and got[1][0] == 0 and got[2][0] == 0  # the mode: on the first pass only
+    first, later = got[0][1], got[2][1]
+    assert sum(k[0].endswith(".scores") for k in later.tensors) == 2
+    assert later.tensors == first.tensors and later.attention == first.attention and later.order == first.order
+    assert F.scaled_dot_product_attention is sdpa.SDPA  # the function put back
+
+
+def test_attention_through_a_held_function_keeps_the_mode_and_is_measured_every_pass(monkeypatch):
+    model, n = HeldLM(), _intercepted(monkeypatch)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        n.clear()
+        with probe(model) as run:
+            model(ids).sum().backward()
+        assert n and sum(k[0].endswith(".scores") for k in run.stats.tensors) == 2
+    # negative control: told (wrongly) that this model's attention is caught by name, the held calls are missed
+    from diagnostics.measure import attention_watch
+
+    attention_watch._BY_NAME[model] = True
+    with probe(model) as run:
+        model(ids).sum().backward()
+    assert not any(k[0].endswith(".scores") for k in run.stats.tensors)
+    assert model not in attention_watch._BY_NAME  # a watched run with nothing caught: learned again
+    with probe(model) as run:
+        model(ids).sum().backward()
+    assert sum(k[0].endswith(".scores") for k in run.stats.tensors) == 2

@@ -36,14 +36,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .sdpa import ROWS, SDPAWatch, masked_additive, rows_of, sample_rows
+from .sdpa import ROWS, SDPA, SDPAWatch, masked_additive, rows_of, sample_rows
 
 __all__ = ["EagerAttentionWatch", "eager_rows", "is_attention_softmax", "SOFTMAX"]
 
 #: the softmax functions seen (a TorchFunctionMode receives these as ``func``)
 SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax, Tensor.softmax)
 #: what the watch measures: the softmax functions and SDPA
-_SEEN = frozenset((*SOFTMAX, F.scaled_dot_product_attention))
+_SEEN = frozenset((*SOFTMAX, SDPA))
 
 
 def _call(func, args: tuple, kwargs: dict) -> tuple[object, object]:
@@ -98,6 +98,7 @@ class EagerAttentionWatch(SDPAWatch):
                     moments, panel, vec = eager_rows(x, self.rows, self.signal is not None)
                 self.report(name, moments, panel, vec)
                 self.seconds += time.perf_counter() - t0
+                self.missed += 1  # seen by the mode alone
             return func(*args, **kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
