@@ -247,3 +247,37 @@ def test_attention_through_a_held_function_keeps_the_mode_and_is_measured_every_
     with probe(model) as run:
         model(ids).sum().backward()
     assert sum(k[0].endswith(".scores") for k in run.stats.tensors) == 2
+
+
+def test_the_function_is_put_back_when_the_step_raises_and_other_threads_pass_through_unmeasured():
+    import threading
+
+    model = NanoGPT(L=2, d=32, vocab=64)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(4))
+    with probe(model):
+        model(ids)  # learned: caught by name from the next probe on
+    q = torch.randn(1, 2, 4, 8)
+    other = []
+
+    def elsewhere():  # another thread's call while this one's watched module runs
+        other.append(F.scaled_dot_product_attention(q, q, q))
+
+    class Boom(RuntimeError):
+        pass
+
+    def raise_in_block(module, args):
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+        raise Boom()
+    handle = model.blocks[1].ln_1.register_forward_pre_hook(raise_in_block)  # block 1 runs: its watch is on
+    try:
+        with pytest.raises(Boom), probe(model) as run:
+            assert F.scaled_dot_product_attention is not sdpa.SDPA  # the name catch is on
+            model(ids)
+    finally:
+        handle.remove()
+    assert F.scaled_dot_product_attention is sdpa.SDPA
+    assert len(other) == 1 and torch.equal(other[0], sdpa.SDPA(q, q, q))
+    scores = [k for k in run.stats.tensors if k[0].endswith(".scores")]
+    assert scores == [("blocks.0.scores", "forward")]  # block 0's call measured, the other thread's not
