@@ -29,20 +29,21 @@ attention and is passed on unmeasured; the watch does not see a call made elsewh
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .sdpa import ROWS, SDPAWatch, masked_additive, rows_of, sample_rows
+from .sdpa import ROWS, SDPA, SDPAWatch, masked_additive, rows_of, sample_rows
 
 __all__ = ["EagerAttentionWatch", "eager_rows", "is_attention_softmax", "SOFTMAX"]
 
 #: the softmax functions seen (a TorchFunctionMode receives these as ``func``)
 SOFTMAX = (torch.softmax, F.softmax, torch.special.softmax, Tensor.softmax)
 #: what the watch measures: the softmax functions and SDPA
-_SEEN = frozenset((*SOFTMAX, F.scaled_dot_product_attention))
+_SEEN = frozenset((*SOFTMAX, SDPA))
 
 
 def _call(func, args: tuple, kwargs: dict) -> tuple[object, object]:
@@ -92,11 +93,12 @@ class EagerAttentionWatch(SDPAWatch):
             x, dim = _call(func, args, kwargs)
             name = self.where() if is_attention_softmax(x, dim) else None
             if name is not None:
+                t0 = time.perf_counter()
                 with torch._C.DisableTorchFunction():
                     moments, panel, vec = eager_rows(x, self.rows, self.signal is not None)
-                self.record(name, moments, panel)
-                if vec is not None:
-                    self.signal(name, vec)
+                self.report(name, moments, panel, vec)
+                self.seconds += time.perf_counter() - t0
+                self.missed += 1  # seen by the mode alone
             return func(*args, **kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 

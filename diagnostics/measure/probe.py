@@ -60,8 +60,8 @@ from .pending import Pending
 from .probe_queue import FLAT_EDGE, Queued
 from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors, reduce
 from .reducer_choice import pinned
-from .eager_attention import EagerAttentionWatch
-from .hooks import Hooks
+from .attention_watch import watch_attention as _watch_attention, watched_modules as _watched  # noqa: F401
+from .hooks import Hooks, tensor_hook
 from .model_state import ModelState
 from .signals import PEAK_KINDS, Signals
 from .sites import model_sites, model_walk
@@ -287,7 +287,7 @@ class ProbeRun(Queued):
         if last is not None and last[0]() is t:
             return last[1]
         targets: list = []
-        t.register_hook(self._grad_hook(targets))
+        tensor_hook(t, self._grad_hook(targets))
         self._hooked = (weakref.ref(t), targets)
         return targets
 
@@ -368,72 +368,6 @@ def _stream_in(run: ProbeRun, name: str, kind: str):
             run.seconds += time.perf_counter() - t0
         return None
     return pre
-
-
-def _watched(stack, named: dict[str, nn.Module]) -> list[str]:
-    """The modules during whose run the attention watch is on: in each block its attention
-    children (a class name ending in ``Attention``, as :mod:`.sites` finds attention), else the
-    block and its children (the innermost running one names a call)."""
-    out: list[str] = []
-    for block in stack.names:
-        children = [f"{block}.{c}" for c, _ in named[block].named_children()]
-        attention = [n for n in children if type(named[n]).__name__.endswith("Attention")]
-        out += attention or [block, *children]
-    return out
-
-
-def _watch_attention(run: ProbeRun, stack, named: dict[str, nn.Module], owner: ExitStack) -> None:
-    """An :class:`EagerAttentionWatch` (SDPA calls and eager softmax) that is on only while one of
-    the :func:`_watched` modules runs (entered by the outermost one's pre-hook, left by its
-    always-called hook; hooks owned by ``owner``, which also leaves the watch if a run never
-    returned), so the rest of the pass pays no interception. Its calls, named by the innermost
-    running watched module (not a tinylm attention: its own observer measures it), add
-    ``{name}.scores`` moments and ``{name}.probs``."""
-    running: list[str] = []
-
-    def record(name: str, moments: Tensor, panel: Tensor) -> None:
-        t0 = time.perf_counter()
-        key = f"{name}.scores"
-        if key not in run.kinds:
-            run.kinds[key] = "attn_scores"
-            run.order.append(key)
-        run._add(run._vec, (key, "forward"), moments, merge_vectors)
-        run._add(run._attn, f"{name}.probs", panel, merge_attention_vectors)
-        run.seconds += time.perf_counter() - t0
-
-    own = {n for n, m in named.items() if isinstance(m, tinylm.MultiHeadSelfAttention) and run.signals is not None}
-
-    def where() -> str | None:
-        return running[-1] if running and run.active and running[-1] not in own else None
-
-    watch = EagerAttentionWatch(record, where, run.signals.attention if run.signals is not None else None)
-    on = [False]
-
-    def push(module, args, _name):
-        if not running and run.active:
-            watch.__enter__()
-            on[0] = True
-        running.append(_name)
-
-    def pop(module, args, output, _name):
-        if running and running[-1] == _name:
-            running.pop()
-        if on[0] and not running:
-            on[0] = False
-            watch.__exit__(None, None, None)
-
-    def leave() -> None:  # a run that raised before its hooks: the watch is left all the same
-        running.clear()
-        if on[0]:
-            on[0] = False
-            watch.__exit__(None, None, None)
-
-    hooks = Hooks()
-    owner.callback(hooks.remove)
-    owner.callback(leave)
-    for name in _watched(stack, named):
-        hooks.pre(named[name], lambda m, a, _name=name: push(m, a, _name))
-        hooks.forward(named[name], lambda m, a, o, _name=name: pop(m, a, o, _name), always_call=True)
 
 
 def _points(model: nn.Module, options: ProbeOptions) -> tuple[dict[str, str], object, dict[str, nn.Module], list]:

@@ -2,7 +2,8 @@
 
 A fused attention kernel never forms its scores or weights, so no module hook can read
 them. Under a probe of a model that is not a tinylm model, :class:`SDPAWatch` (a
-``TorchFunctionMode``) sees each call of the function with its arguments (q, k after any
+``TorchFunctionMode``, or the function's name in ``torch.nn.functional`` where that catches
+the model's calls: :mod:`.attention_watch`) sees each call of the function with its arguments (q, k after any
 rotary embedding, the mask, ``is_causal``, ``scale``, ``enable_gqa``), measures the
 attention of a sample of query rows, and passes the call on unchanged:
 
@@ -33,6 +34,7 @@ the rows sampled.
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import numpy as np
@@ -219,15 +221,25 @@ def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
     return parts[0], parts[1], parts[2] if signal else None
 
 
+#: the function itself (a builtin), whatever name ``torch.nn.functional`` gives it later
+SDPA = F.scaled_dot_product_attention
+_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
 class SDPAWatch(TorchFunctionMode):
     """While entered, every call of ``F.scaled_dot_product_attention`` is measured on its
     sampled rows (:func:`row_statistics`) and reported as ``record(name, moments, panel)`` (the
     scores' FIELDS vector, the panel) and, given ``signal``, ``signal(name, vector)`` (the
-    :data:`SIGNAL` vector; no step then waits for the device); the call
+    :data:`SIGNAL` vector; no step waits for the device); the call
     then runs as it would have. ``where()`` names the caller (None: the call is not reported).
     The measurement runs with torch functions' overrides off, so no other mode sees its ops.
     ``probe_own``: the mode passes every other function on untouched, so the probe's reductions
-    may skip their op's dispatch while it is on (:func:`.reduction.direct`)."""
+    may skip their op's dispatch while it is on (:func:`.reduction.direct`). ``seconds``: the
+    wall time spent measuring calls (the reports included), which the owner reads and resets.
+
+    A call may also reach :meth:`measure_sdpa` another way (:mod:`.attention_watch`: through the
+    module attribute, without the mode); while such a call runs (``caught`` > 0) the mode passes
+    it on, and ``missed`` counts the calls the mode measured itself."""
 
     probe_own = True
 
@@ -235,19 +247,34 @@ class SDPAWatch(TorchFunctionMode):
                  signal: Callable[[str, Tensor], None] | None = None):
         super().__init__()
         self.record, self.where, self.signal = record, where, signal
+        self.seconds = 0.0
+        self.caught = 0
+        self.missed = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            name = self.where()
-            if name is not None:
-                names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-                call = {**dict(zip(names, args)), **kwargs}
-                with torch._C.DisableTorchFunction():
-                    moments, panel, vec = summary(call["query"], call["key"], call.get("attn_mask"),
-                                                  bool(call.get("is_causal", False)), call.get("scale"),
-                                                  self.signal is not None)
-                self.record(name, moments, panel)
-                if vec is not None:
-                    self.signal(name, vec)
+        if func is SDPA and not self.caught and self.measure_sdpa(args, kwargs):
+            self.missed += 1
         return func(*args, **kwargs)
+
+    def measure_sdpa(self, args: tuple, kwargs: dict) -> bool:
+        """Measure one ``scaled_dot_product_attention`` call (its arguments as given) if
+        ``where()`` names it; whether it did."""
+        name = self.where()
+        if name is None:
+            return False
+        t0 = time.perf_counter()
+        call = {**dict(zip(_NAMES, args)), **kwargs}
+        with torch._C.DisableTorchFunction():
+            moments, panel, vec = summary(call["query"], call["key"], call.get("attn_mask"),
+                                          bool(call.get("is_causal", False)), call.get("scale"),
+                                          self.signal is not None)
+        self.report(name, moments, panel, vec)
+        self.seconds += time.perf_counter() - t0
+        return True
+
+    def report(self, name: str, moments: Tensor, panel: Tensor, vec: Tensor | None) -> None:
+        """Hand one measured call to ``record`` (and its signal vector, if any, to ``signal``)."""
+        self.record(name, moments, panel)
+        if vec is not None:
+            self.signal(name, vec)
