@@ -87,7 +87,7 @@ def test_peak_ratio_negative_control_upper_median_differs(monkeypatch):
     differs = 0
     for x in _tensors(1):
         a = x.detach().reshape(-1, x.shape[-1])
-        s = a[torch.as_tensor(signals._sampled(a.shape[0], signals.ROWS))].abs().reshape(-1)
+        s = a[torch.tensor(signals._sampled(a.shape[0], signals.ROWS))].abs().reshape(-1)
         s = s[s.isfinite()].double().sort().values
         if s.numel() % 2 or not s.numel():
             continue
