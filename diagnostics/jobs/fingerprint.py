@@ -398,16 +398,31 @@ def fingerprint(model: nn.Module, tokens=None, options: DiffOptions | None = Non
     return _assemble(run, sites, recorder, batch, options, float(loss.detach()), device)
 
 
+def _to_host(vectors: list[Tensor], sketches: list[Tensor]) -> tuple[list[list[float]], list[np.ndarray]]:
+    """Every site's moments (as float lists) and sketch (as float64 arrays) from one transfer to
+    the host: one flat float64 tensor on the first one's device (one sync on a GPU, not two per
+    site), cut back into each piece's shape (the same values: all are float64)."""
+    if not vectors:
+        return [], []
+    device = vectors[0].device
+    pieces = [t.to(device).reshape(-1) for t in (*vectors, *sketches)]
+    flat = torch.cat(pieces).cpu().numpy()
+    cuts = np.cumsum([p.numel() for p in pieces])[:-1]
+    parts = np.split(flat, cuts)
+    n = len(vectors)
+    return [p.tolist() for p in parts[:n]], [p.reshape(s.shape) for p, s in zip(parts[n:], sketches)]
+
+
 def _assemble(model, sites, recorder, batch, options, loss, device) -> Fingerprint:
     """The records (forward in order, then backward from the loss) and the meta of one pass."""
     keys = list(recorder.store)
-    vectors = torch.stack([recorder.store[k][0].cpu() for k in keys]).tolist() if keys else []
+    vectors, sketches = _to_host([recorder.store[k][0] for k in keys], [recorder.store[k][1] for k in keys])
     records = []
-    for (key, direction), vec in zip(keys, vectors):
+    for (key, direction), vec, sk in zip(keys, vectors, sketches):
         site = next(s for s in sites if s.key == key)
-        _, s, dt, shape = recorder.store[(key, direction)]
+        _, _, dt, shape = recorder.store[(key, direction)]
         records.append(SiteRecord(site.key, site.module, site.kind, site.block, site.order, direction, dt, shape,
-                                  *vec, sketch=s.cpu().numpy()))
+                                  *vec, sketch=sk))
     records.sort(key=lambda r: (r.direction != "forward", r.order if r.direction == "forward" else -r.order))
     arr = batch.numpy().astype(np.int64)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()})
