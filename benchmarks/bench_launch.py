@@ -155,19 +155,18 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     return out
 
 
-def queue_pairs(model, tokens, n: int) -> tuple[float, list[float], float, float]:
-    """The probe's queue on against every request reduced in its hook (``ProbeRun._plain`` always
-    False), the same tree and process: (median over ``n`` interleaved pairs of the queue's CPU
-    time / the other's, the ratios, the median CPU ms of each). CPU time of this thread
-    (``time.thread_time``): what preemption on a loaded machine does not move."""
+def switched_pairs(model, tokens, n: int, owner, name: str, off, seed: int) -> list[tuple[float, float]]:
+    """(CPU seconds with ``owner.name`` as it is, with it replaced by ``off``) of one probed pass
+    each, over ``n`` interleaved pairs (order by a seeded coin) after a warm-up of each, the same
+    tree and process. CPU time of this thread (``time.thread_time``): what preemption on a
+    loaded machine does not move."""
     from diagnostics import probe
-    from diagnostics.measure.probe import ProbeRun
 
-    real = ProbeRun._plain
+    real = getattr(owner, name)
 
-    def run(queued: bool) -> float:
-        if not queued:
-            ProbeRun._plain = lambda self, kind, t, key: False
+    def run(on: bool) -> float:
+        if not on:
+            setattr(owner, name, off)
         try:
             c0 = time.thread_time()
             with probe(model) as r:
@@ -175,49 +174,39 @@ def queue_pairs(model, tokens, n: int) -> tuple[float, list[float], float, float
             r.stats  # noqa: B018 - the one transfer
             return time.thread_time() - c0
         finally:
-            ProbeRun._plain = real
+            setattr(owner, name, real)
     run(True), run(False)
-    rng, ratios, times = random.Random(1), [], {True: [], False: []}
+    rng, out = random.Random(seed), []
     for _ in range(n):
         got = {}
-        for queued in ((True, False) if rng.random() < 0.5 else (False, True)):
-            got[queued] = run(queued)
-            times[queued].append(got[queued] * 1e3)
-        ratios.append(got[True] / got[False])
-    return statistics.median(ratios), ratios, statistics.median(times[True]), statistics.median(times[False])
+        for on in ((True, False) if rng.random() < 0.5 else (False, True)):
+            got[on] = run(on)
+        out.append((got[True], got[False]))
+    return out
+
+
+def queue_pairs(model, tokens, n: int) -> tuple[float, list[float], float, float]:
+    """The probe's queue on against every request reduced in its hook (``ProbeRun._plain`` always
+    False): (median over ``n`` interleaved pairs of the queue's CPU time / the other's, the
+    ratios, the median CPU ms of each) (:func:`switched_pairs`)."""
+    from diagnostics.measure.probe import ProbeRun
+
+    got = switched_pairs(model, tokens, n, ProbeRun, "_plain", lambda self, kind, t, key: False, 1)
+    ratios = [q / h for q, h in got]
+    return (statistics.median(ratios), ratios, statistics.median(q for q, _ in got) * 1e3,
+            statistics.median(h for _, h in got) * 1e3)
 
 
 def rows_pairs(model, tokens, n: int) -> tuple[float, float, float]:
     """The queue's requests with rows (:mod:`diagnostics.measure.pending_rows`) against those
     requests reduced in their hooks (``Pending.takes_rows`` always False: the probe before the
-    queue took them), the same tree and process: (median over ``n`` interleaved pairs of the
-    difference in CPU ms per probed pass, the queued's / the other's CPU time, the other's ms)."""
-    from diagnostics import probe
+    queue took them): (median over ``n`` interleaved pairs of the difference in CPU ms per probed
+    pass, the queued's / the other's CPU time, the other's ms) (:func:`switched_pairs`)."""
     from diagnostics.measure.pending import Pending
 
-    real = Pending.takes_rows
-
-    def run(queued: bool) -> float:
-        if not queued:
-            Pending.takes_rows = lambda self, x: False
-        try:
-            c0 = time.thread_time()
-            with probe(model) as r:
-                step(model, tokens)
-            r.stats  # noqa: B018 - the one transfer
-            return time.thread_time() - c0
-        finally:
-            Pending.takes_rows = real
-    run(True), run(False)
-    rng, diffs, ratios, hooked = random.Random(2), [], [], []
-    for _ in range(n):
-        got = {}
-        for queued in ((True, False) if rng.random() < 0.5 else (False, True)):
-            got[queued] = run(queued)
-        diffs.append((got[False] - got[True]) * 1e3)
-        ratios.append(got[True] / got[False])
-        hooked.append(got[False] * 1e3)
-    return statistics.median(diffs), statistics.median(ratios), statistics.median(hooked)
+    got = switched_pairs(model, tokens, n, Pending, "takes_rows", lambda self, x: False, 2)
+    return (statistics.median((h - q) * 1e3 for q, h in got), statistics.median(q / h for q, h in got),
+            statistics.median(h * 1e3 for _, h in got))
 
 
 def compiled_calls(fn, *args) -> int:

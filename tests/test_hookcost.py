@@ -53,12 +53,14 @@ class EagerAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, d))
 
 
-class EagerLM(nn.Module):
-    def __init__(self, L: int = 2, d: int = 32, vocab: int = 64):
+class BlocksLM(nn.Module):
+    """An embedding, L blocks of ``block`` (a class taking d) and a head."""
+
+    def __init__(self, block: type, L: int = 2, d: int = 32, vocab: int = 64):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList([EagerBlock(d) for _ in range(L)])
+        self.blocks = nn.ModuleList([block(d) for _ in range(L)])
         self.head = nn.Linear(d, vocab)
 
     def forward(self, ids):
@@ -84,7 +86,7 @@ def _hf_gpt2():
 
 
 @pytest.mark.parametrize("build,module,name", [(lambda: NanoGPT(L=2, d=32, vocab=64), sdpa, "summary"),
-                                               (EagerLM, eager_attention, "eager_rows"),
+                                               (lambda: BlocksLM(EagerBlock), eager_attention, "eager_rows"),
                                                (_hf_gpt2, sdpa, "summary")],
                          ids=["nanogpt-sdpa", "eager-softmax", "hf-gpt2"])
 def test_the_watch_measurement_counts_as_the_probes_work_not_torchs(monkeypatch, build, module, name):
@@ -184,20 +186,6 @@ class HeldBlock(nn.Module):
         return x + self.proj(y.transpose(1, 2).reshape(B, T, d))
 
 
-class HeldLM(nn.Module):
-    def __init__(self, L: int = 2, d: int = 32, vocab: int = 64):
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb, self.blocks = nn.Embedding(vocab, d), nn.ModuleList([HeldBlock(d) for _ in range(L)])
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        for b in self.blocks:
-            h = b(h)
-        return self.head(h)
-
-
 def _intercepted(monkeypatch) -> list:
     from diagnostics.measure.eager_attention import EagerAttentionWatch
 
@@ -229,7 +217,7 @@ def test_attention_looked_up_by_name_is_measured_without_the_mode_after_the_firs
 
 
 def test_attention_through_a_held_function_keeps_the_mode_and_is_measured_every_pass(monkeypatch):
-    model, n = HeldLM(), _intercepted(monkeypatch)
+    model, n = BlocksLM(HeldBlock), _intercepted(monkeypatch)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     for _ in range(2):
         n.clear()

@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from . import numba_reducer, reduction
-from .reducer_choice import chosen
 
 __all__ = ["is_dtensor", "local_part", "whole", "gather", "merge_ranks", "moments", "update_ratio_vector",
            "update_ratios", "NOT_MEASURED_SPECTRAL"]
@@ -172,7 +171,7 @@ def _loop_reads(now: list[Tensor], was: list[Tensor]) -> bool:
     """Whether :func:`_plain_ratios` takes numba's loop: every tensor a plain contiguous CPU float32
     one, the two of a pair alike in size, under ``TINYLM_REDUCER=auto`` where nothing observes the
     ops (:func:`.reduction.direct`) and the loop is compiled (:func:`.numba_reducer.ready`)."""
-    if not (chosen() == "auto" and numba_reducer.available() and reduction.direct() and numba_reducer.ready()):
+    if not (reduction.direct() and reduction.all_numba(())):
         return False
     return all(type(a) in _PLAIN and type(b) in _PLAIN and a.dtype is _F32 and b.dtype is _F32 and a.is_cpu
                and b.is_cpu and a.is_contiguous() and b.is_contiguous() and a.numel() == b.numel()

@@ -45,7 +45,6 @@ import tinylm
 from . import numba_reducer, reduction
 from .moments import Moments
 from .reducer import merge_vectors, reduce
-from .reducer_choice import chosen
 from .sdpa import ROWS, sample_rows
 
 __all__ = ["Signals", "peak_ratio", "log_partition", "causal_ceiling", "init_drift", "PEAK_KINDS"]
@@ -67,8 +66,7 @@ def _loop_reads(a: Tensor, max_abs: Tensor) -> bool:
     contiguous plain tensors (and a CPU ``max_abs``) under ``TINYLM_REDUCER=auto``, where nothing
     observes the ops (:func:`.reduction.direct`) and the loop is compiled (:func:`.numba_reducer.ready`)."""
     return a.is_cpu and max_abs.is_cpu and a.dtype in _LOOP_DTYPES and type(a) in _PLAIN and a.is_contiguous() \
-        and a.numel() > 0 and chosen() == "auto" and numba_reducer.available() and reduction.direct() \
-        and numba_reducer.ready()
+        and a.numel() > 0 and reduction.direct() and reduction.all_numba(())
 
 
 @functools.lru_cache(maxsize=64)
