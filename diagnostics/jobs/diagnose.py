@@ -54,7 +54,7 @@ from torch import Tensor, nn
 import tinylm
 
 from ..judge import Thresholds, coverage, judge
-from ..measure.blocks import BlockStack
+from ..measure.blocks import BlockStack, is_norm
 from ..measure.intervals import interval_scope
 from ..measure.moments import ProbeStats
 from ..measure.probe import block_index, probe
@@ -502,32 +502,17 @@ def _scale_invariant(model: nn.Module, arch: dict | None) -> bool:
     return bool(arch and arch.get("norms"))
 
 
-def _is_norm(module: nn.Module) -> bool:
-    """Whether ``module`` is a normalisation layer: its class name holds "Norm" (LayerNorm, RMSNorm,
-    LlamaRMSNorm, ...), or it is a leaf whose parameters are a 1-D ``weight`` and at most a 1-D
-    ``bias`` of the same size (a norm's elementwise affine, whatever the class is called: nanoGPT-style
-    ``LN`` classes calling F.layer_norm)."""
-    if "Norm" in type(module).__name__:
-        return True
-    if next(module.children(), None) is not None:
-        return False
-    params = dict(module.named_parameters(recurse=False))
-    w, b = params.get("weight"), params.get("bias")
-    return w is not None and set(params) <= {"weight", "bias"} and w.dim() == 1 and w.numel() > 1 \
-        and (b is None or b.shape == w.shape)
-
-
 def _architecture(model: nn.Module, stack=None, declared: Declaration | None = None) -> dict | None:
     """What the verdicts' causes and advice need to know of a model's build: a tinylm model's
     norm placement, FFN kind, RoPE, depth, head width and declared init (its tinylm scheme, else the
     declaration's words, "" for none); of any other module, {"norm": "none"} when its blocks hold no
-    normalisation module (:func:`_is_norm`), {"norms": True} when they hold one (placement unknown),
+    normalisation module (:func:`~diagnostics.measure.blocks.is_norm`), {"norms": True} when they hold one (placement unknown),
     None without a block stack."""
     if not isinstance(model, tinylm.TransformerLM):
         if stack is None:
             return None
         named = dict(model.named_modules())
-        normed = any(_is_norm(m) for b in stack.names for m in named[b].modules())
+        normed = any(is_norm(m) for b in stack.names for m in named[b].modules())
         return {"norms": True} if normed else {"norm": "none"}
     c = model.config
     init = c.init if declared is None else declared.scheme or (declared.words if declared.known else "")

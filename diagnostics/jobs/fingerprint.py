@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 import tinylm
 
-from ..measure.blocks import find_blocks
+from ..measure.blocks import find_blocks, is_norm
 from ..measure.outputs import call_model
 from ..measure.probe import instrument_points
 from ..measure.step_record import hook_sites
@@ -85,7 +85,7 @@ def diff_sites(model: nn.Module) -> list[Site]:
     The block stack is :func:`diagnostics.measure.blocks.find_blocks`'s; a block's attention and
     MLP are a tinylm block's ``attn`` and ``ffn`` (as :func:`instrument_points` names them), else
     the block's child whose name ends in attn/attention and mlp/ffn/feed_forward; the final norm
-    is ``ln_final`` for tinylm, else the last norm (LayerNorm or a class named ``*Norm``) after
+    is ``ln_final`` for tinylm, else the last norm (:func:`~diagnostics.measure.blocks.is_norm`) after
     the stack, outside it. A model without a block stack has the logits only."""
     stack = find_blocks(model)
     points = instrument_points(model)
@@ -109,19 +109,13 @@ def diff_sites(model: nn.Module) -> list[Site]:
     for name, mod in model.named_modules():
         if name == stack.names[-1]:
             after = True
-        elif after and stack.index(name) is None and _is_norm(mod):
+        elif after and stack.index(name) is None and is_norm(mod):
             final = name
     if tiny:
         final = "ln_final" if getattr(model, "ln_final", None) is not None else None
     if final is not None:
         out.append(Site("final_norm", final, "final_norm", None, 3 * L + 1))
     return sorted(out, key=lambda s: s.order)
-
-
-def _is_norm(mod: nn.Module) -> bool:
-    """A LayerNorm, or a module with parameters whose class name ends in ``Norm`` (RMSNorm, LlamaRMSNorm)."""
-    return isinstance(mod, nn.LayerNorm) or (type(mod).__name__.endswith("Norm")
-                                             and any(True for _ in mod.parameters(recurse=False)))
 
 
 # ----------------------------------------------------------------------------- the reduction

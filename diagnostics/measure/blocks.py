@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["BlockStack", "find_blocks"]
+__all__ = ["BlockStack", "find_blocks", "is_norm"]
 
 
 @dataclass(frozen=True)
@@ -71,3 +71,18 @@ def find_blocks(model: nn.Module) -> BlockStack | None:
         if best is None or key > best[0]:
             best = (key, stack)
     return best[1] if best else None
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation layer: its class name holds "Norm" (LayerNorm, RMSNorm,
+    LlamaRMSNorm, ...), or it is a leaf whose parameters are a 1-D ``weight`` and at most a 1-D
+    ``bias`` of the same size (a norm's elementwise affine, whatever the class is called: nanoGPT-style
+    ``LN`` classes calling F.layer_norm)."""
+    if "Norm" in type(module).__name__:
+        return True
+    if next(module.children(), None) is not None:
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    w, b = params.get("weight"), params.get("bias")
+    return w is not None and set(params) <= {"weight", "bias"} and w.dim() == 1 and w.numel() > 1 \
+        and (b is None or b.shape == w.shape)
