@@ -131,8 +131,13 @@ def test_fused_and_explicit_paths_agree_with_gradients(dtype, lead, T, H, dk, ro
     # the same relative bound, taken of each tensor's own scale
     rel = tol / float(v.abs().max())
     assert float((yf - ye).abs().max()) <= rel * float(ye.abs().max())
+    # a gradient that is exactly zero (T = 1: one key, so the softmax is constant and q, k get
+    # none) is bounded by the layer's largest gradient: the fused kernel's rounding of that zero
+    # is of the scale of the products it sums, not of the zero
+    layer = max(float(t.abs().max()) for t in ge.values())
     for name in gf:
-        assert float((gf[name] - ge[name]).abs().max()) <= rel * float(ge[name].abs().max()), name
+        scale = float(ge[name].abs().max()) or layer
+        assert float((gf[name] - ge[name]).abs().max()) <= rel * scale, name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
