@@ -98,18 +98,21 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     the direct lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``), the tinylm
     attention summaries (``attention.statistics_many``: all the layers of a flush in one call) and
     the queue's flushes (its plain requests, ``pending._reduced``; those with rows,
-    ``pending_rows.Rows.reduce``)."""
+    ``pending_rows.Rows.reduce``), each SDPA call's sampled rows (``sdpa.summary``) and, at the exit, the parameters' and gradients' moments
+    (``reduction.many``, where no other clocked piece called it)."""
     import importlib
 
     from diagnostics import probe
-    from diagnostics.measure import attention, pending, reduction
+    from diagnostics.measure import attention, params, pending, reduction, sdpa
 
     parts: dict[str, list[float]] = {k: [] for k in ("bare", "entry", "hooks", "torch", "exit", "stats")}
     clocks = {"numba reductions in hooks": [0.0, 0], "attention summaries": [0.0, 0], "queue's reductions": [0.0, 0],
+              "SDPA calls' sampled rows": [0.0, 0], "parameters' and gradients' moments": [0.0, 0],
               "queue's reductions with rows": [0.0, 0]}
     timed = [(reduction, "numba_moments", "numba reductions in hooks"),
              (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics_many", "attention summaries"),
-             (pending, "_reduced", "queue's reductions")]
+             (pending, "_reduced", "queue's reductions"), (sdpa, "summary", "SDPA calls' sampled rows"),
+             (params.reduction, "many", "parameters' and gradients' moments")]
     try:  # a tree whose queue also takes the requests with rows
         timed.append((importlib.import_module("diagnostics.measure.pending_rows").Rows, "reduce",
                       "queue's reductions with rows"))
@@ -117,13 +120,20 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
         del clocks["queue's reductions with rows"]
     real = [(mod, name, getattr(mod, name)) for mod, name, _ in timed]
 
+    inside = [0]  # a clocked piece running: one called inside it (the queue's reduction.many) is its part
+
     def clocked(fn, key):
         def f(*a, **k):
+            if inside[0]:
+                return fn(*a, **k)
+            inside[0] += 1
             t0 = time.perf_counter()
-            out = fn(*a, **k)
-            clocks[key][0] += time.perf_counter() - t0
-            clocks[key][1] += 1
-            return out
+            try:
+                return fn(*a, **k)
+            finally:
+                clocks[key][0] += time.perf_counter() - t0
+                clocks[key][1] += 1
+                inside[0] -= 1
         return f
     for _ in range(n + 1):
         t0 = time.perf_counter()
@@ -153,6 +163,16 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     for key, (secs, calls) in clocks.items():  # means over all passes (the pieces are clocked, so slower)
         out[f"{key} ({calls // (n + 1)} calls)"] = secs * 1e3 / (n + 1)
     return out
+
+
+def floor(parts: dict[str, float]) -> float:
+    """probed/bare with the probe's arithmetic taken out: 1 + (entry + hooks + torch - bare + exit
+    + stats - the clocked reductions) / bare. The clocked pieces include the Python around each
+    kernel call, so this is a lower bound on what the probe's machinery (hooks, walks, records)
+    costs on its own, whatever its reductions cost."""
+    own = sum(parts[k] for k in ("entry", "hooks", "torch", "exit", "stats")) - parts["bare"]
+    arithmetic = sum(v for k, v in parts.items() if k.endswith(" calls)"))
+    return 1 + (own - arithmetic) / parts["bare"]
 
 
 def switched_pairs(model, tokens, n: int, owner, name: str, off, seed: int) -> list[tuple[float, float]]:
@@ -355,6 +375,7 @@ def main(argv=None) -> int:
                 b = breakdown(model, tokens, args.breakdown)
                 print("    probe's parts (ms, median of %d): " % args.breakdown
                       + ", ".join(f"{k} {v:.1f}" for k, v in b.items()))
+                print(f"    the probe's machinery alone (its reductions taken out), probed/bare at least {floor(b):.2f}")
             if not args.no_watch:
                 plain, watched, watch = watch_pair(model, tokens)
                 med, ratios = pairs(plain, watched, args.pairs)

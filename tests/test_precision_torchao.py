@@ -182,3 +182,22 @@ def test_sqnr_matches_torchao_in_bfloat16():
             theirs = torchao_sqnr(recipe, x, w, g)
             for gemm, db in theirs.items():
                 assert abs(rows[(name, gemm, recipe)].sqnr_db - db) <= PARITY_DB, (name, gemm, recipe, db)
+
+
+def test_a_model_torchao_already_converted_is_named_not_misjudged():
+    """Layers that ``convert_to_float8_training`` made ``Float8Linear`` are skipped as already
+    quantized by torchao, the head it left alone is measured; negative control: the same model
+    unconverted has every layer measured and none skipped."""
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    plain = precision(model, None, PrecisionOptions(batch_size=2, seq_len=16, recipes=("tensorwise",)))
+    assert not plain.skipped and len(plain.to_frame()["module"].unique()) == 15
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True),
+                               module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+    got = precision(model, None, PrecisionOptions(batch_size=2, seq_len=16, recipes=("tensorwise",)))
+    assert set(got.to_frame()["module"]) == {"lm_head"}
+    assert len(got.skipped) == 14 and all("already quantized by torchao (Float8Linear)" in why for _, why in got.skipped)

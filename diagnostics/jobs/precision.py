@@ -267,6 +267,18 @@ def _fprop_difference(mod: nn.Module, orient: str | None, x: Tensor, y: Tensor) 
         return (got - ref).norm() / ref.norm().clamp(min=1e-30)
 
 
+def _already_quantized(mod: nn.Module) -> str:
+    """Why a layer that torchao already trains in low precision (``convert_to_float8_training``'s
+    ``Float8Linear``, a weight of one of its tensor subclasses) is not measured ("" when it is not
+    one): its output is already the quantized GEMM's, so there is no unquantized one to hold it to."""
+    owner = type(mod).__module__ if type(mod).__module__.startswith("torchao.") else \
+        type(getattr(mod, "weight", None)).__module__
+    if not owner.startswith("torchao."):
+        return ""
+    return (f"already quantized by torchao ({type(mod).__name__}): its GEMMs run in low precision, with no "
+            "unquantized output to compare; measure the model before converting it")
+
+
 class _Capture:
     """The hooks of one pass: per layer, fprop checked and the three GEMMs measured once g arrives."""
 
@@ -288,7 +300,7 @@ class _Capture:
             why = _shape_check(mod, orient, x, y)
             if not why and not y.requires_grad:
                 why = "its output needs no gradient (dgrad and wgrad not reached)"
-            why = why or self._check(name, mod, orient, x, y)
+            why = why or _already_quantized(mod) or self._check(name, mod, orient, x, y)
             if why:
                 self.skipped[name] = why
                 return
