@@ -98,7 +98,7 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     the direct lane's numba reductions (``reduction.numba_moments`` and ``numba_parts``), the tinylm
     attention summaries (``attention.statistics_many``: all the layers of a flush in one call) and
     the queue's flushes (its plain requests, ``pending._reduced``; those with rows,
-    ``pending_rows.Rows.reduce``), each SDPA call's sampled rows (``sdpa.summary``) and, at the exit, the parameters' and gradients' moments
+    ``pending_rows.Rows.reduce``), the SDPA calls' sampled rows (``sdpa.summary``, ``sdpa.summaries``) and, at the exit, the parameters' and gradients' moments
     (``reduction.many``, where no other clocked piece called it)."""
     import importlib
 
@@ -112,6 +112,7 @@ def breakdown(model, tokens, n: int) -> dict[str, float]:
     timed = [(reduction, "numba_moments", "numba reductions in hooks"),
              (reduction, "numba_parts", "numba reductions in hooks"), (attention, "statistics_many", "attention summaries"),
              (pending, "_reduced", "queue's reductions"), (sdpa, "summary", "SDPA calls' sampled rows"),
+             (sdpa, "summaries", "SDPA calls' sampled rows"),
              (params.reduction, "many", "parameters' and gradients' moments")]
     try:  # a tree whose queue also takes the requests with rows
         timed.append((importlib.import_module("diagnostics.measure.pending_rows").Rows, "reduce",

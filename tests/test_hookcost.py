@@ -85,9 +85,9 @@ def _hf_gpt2():
     return hf("gpt2", L=2, d=32, V=64)()
 
 
-@pytest.mark.parametrize("build,module,name", [(lambda: NanoGPT(L=2, d=32, vocab=64), sdpa, "summary"),
+@pytest.mark.parametrize("build,module,name", [(lambda: NanoGPT(L=2, d=32, vocab=64), sdpa, "rows_of"),
                                                (lambda: BlocksLM(EagerBlock), eager_attention, "eager_rows"),
-                                               (_hf_gpt2, sdpa, "summary")],
+                                               (_hf_gpt2, sdpa, "rows_of")],
                          ids=["nanogpt-sdpa", "eager-softmax", "hf-gpt2"])
 def test_the_watch_measurement_counts_as_the_probes_work_not_torchs(monkeypatch, build, module, name):
     model, calls, pause = build(), [], [0.0]

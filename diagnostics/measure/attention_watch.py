@@ -36,6 +36,7 @@ import tinylm
 
 from .eager_attention import EagerAttentionWatch
 from .hooks import Hooks
+from .sdpa_queue import SDPAQueue
 from .reducer import merge_attention_vectors, merge_vectors
 
 __all__ = ["watch_attention", "watched_modules"]
@@ -98,7 +99,8 @@ def watch_attention(run, stack, named: dict[str, nn.Module], owner: ExitStack) -
     returned), so the rest of the pass pays no interception; the mode itself only where the
     model's calls are not caught by name (module docstring). Its calls, named by the innermost
     running watched module (not a tinylm attention: its own observer measures it), add
-    ``{name}.scores`` moments and ``{name}.probs``; its time is the probe's (``run.seconds``)."""
+    ``{name}.scores`` moments and ``{name}.probs``; its time is the probe's (``run.seconds``). The
+    SDPA calls wait in ``run.sdpa_queue`` (:mod:`.sdpa_queue`), flushed with the probe's queue."""
     running: list[str] = []
     model = run.model
 
@@ -116,6 +118,7 @@ def watch_attention(run, stack, named: dict[str, nn.Module], owner: ExitStack) -
         return running[-1] if running and run.active and running[-1] not in own else None
 
     watch = EagerAttentionWatch(record, where, run.signals.attention if run.signals is not None else None)
+    watch.queue = run.sdpa_queue = SDPAQueue(watch.report, run.signals is not None, run.forward_waits)
     decided = _BY_NAME.get(model)
     use_mode, use_name = decided is not True, decided is not False
     watch.by_name, state = 0, {"on": False, "prior": None, "runs": 0, "empty": 0, "start": 0}

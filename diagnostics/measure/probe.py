@@ -62,6 +62,7 @@ from .reducer import Reducer, Reduction, merge_attention_vectors, merge_vectors,
 from .reducer_choice import pinned
 from .attention_watch import watch_attention as _watch_attention, watched_modules as _watched  # noqa: F401
 from .hooks import Hooks, tensor_hook
+from .sdpa_queue import SDPAQueue
 from .model_state import ModelState
 from .signals import PEAK_KINDS, Signals
 from .sites import model_sites, model_walk
@@ -168,6 +169,8 @@ class ProbeRun(Queued):
         self.queue = Pending()
         #: the tinylm attentions' entries, measured together (:mod:`.attention_observer`)
         self.attention_queue = AttentionQueue()
+        #: the SDPA calls waiting to be measured together (:mod:`.sdpa_queue`; set by the attention watch)
+        self.sdpa_queue: SDPAQueue | None = None
         self._in_place = _IN_PLACE.setdefault(model, set())  # this model's sites that may not wait
         self._forward_waits = False  # forward tensors queued: flushed at the first gradient
         self._hooked: tuple | None = None  # (weak ref, targets) of the last tensor given a gradient hook
@@ -216,6 +219,8 @@ class ProbeRun(Queued):
     def flush(self) -> None:
         """Reduce the queued tensors and merge them into the stores (before anything reads them)."""
         self._forward_waits = False
+        if self.sdpa_queue is not None and len(self.sdpa_queue):
+            self.sdpa_queue.flush()
         if len(self.attention_queue):
             self.attention_queue.flush()
         if len(self.queue):
@@ -460,7 +465,7 @@ def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
     run.active = False
     for observer in observers if run.completed else ():
         observer.flush()  # a forward whose gradient never came: queued alone
-    if len(run.queue) or len(run.attention_queue):
+    if len(run.queue) or len(run.attention_queue) or (run.sdpa_queue is not None and len(run.sdpa_queue)):
         t0 = time.perf_counter()
         try:
             run.flush()
@@ -468,6 +473,8 @@ def _finish(run: ProbeRun, observers: list[AttentionObserver]) -> None:
             if run.completed:
                 raise
             run.queue, run.attention_queue = Pending(), AttentionQueue()
+            if run.sdpa_queue is not None:
+                run.sdpa_queue.clear()
         run.seconds += time.perf_counter() - t0
 
 

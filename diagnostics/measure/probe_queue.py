@@ -36,6 +36,10 @@ class Queued:
         elif forward:
             self._forward_waits = True
 
+    def forward_waits(self) -> None:
+        """A forward's request waits in another queue (an SDPA call's): flush at the first gradient."""
+        self._forward_waits = True
+
     def _factor(self, inv) -> Tensor | None:
         """A norm's per-token factor: the tensor, or the queue's :class:`~.pending.Later` (flushed
         now if it has not come: the forward's flush before the first gradient fills it)."""

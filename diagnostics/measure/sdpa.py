@@ -48,8 +48,8 @@ from .reducer import reduce
 from .reducer_choice import chosen
 from .reference import SATURATED_PROB
 
-__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "rows_of", "masked_additive", "ROWS",
-           "SIGNAL"]
+__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "rows_of", "masked_additive", "summary",
+           "summaries", "ROWS", "SIGNAL"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -221,6 +221,53 @@ def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
     return parts[0], parts[1], parts[2] if signal else None
 
 
+def _group_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """:func:`rows_of` of each call of a group (q of one shape, k of one shape, one mask): the
+    sampled rows' logits of all of them from one stacked product, each call's figures from its
+    slice (the same logits, bit for bit, as the call alone: one (R, d) x (d, S) product per head
+    either way)."""
+    s, allowed = _logits(torch.stack(qs), torch.stack(ks), attn_mask, is_causal, scale, rows)
+    return [rows_of(s[g], allowed, signal) for g in range(len(qs))]
+
+
+_LIB.define("sdpa_summaries(Tensor[] q, Tensor[] k, Tensor? attn_mask, bool is_causal, float? scale, int rows, "
+            "bool signal) -> Tensor")
+
+
+def _summaries_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal):
+    """(calls, width): :func:`_summary_kernel`'s vector of each call of a group, one row each."""
+    with torch._C.DisableTorchFunction():
+        return torch.stack([torch.cat([v for v in got if v is not None]) for got in
+                            _group_kernel([t.detach() for t in qs], [t.detach() for t in ks], attn_mask, is_causal,
+                                          scale, rows, signal)])
+
+
+_LIB.impl("sdpa_summaries", _summaries_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("tinylm::sdpa_summaries", lib=_LIB)
+def _(qs, ks, attn_mask, is_causal, scale, rows, signal):
+    return qs[0].new_empty((len(qs), 16 + (len(SIGNAL) if signal else 0)), dtype=torch.float64)
+
+
+def summaries(qs: list[Tensor], ks: list[Tensor], attn_mask: Tensor | None, is_causal: bool, scale: float | None,
+              signal: bool = False) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """:func:`summary` of each of several calls that share their shapes, dtypes, device, mask,
+    ``is_causal`` and ``scale`` (a model's layers): one stacked product of the sampled rows for
+    all of them and, through the op, one ``tinylm::sdpa_summaries`` and one ``unbind``; without
+    the op's dispatch where :func:`summary` skips it. Each call's figures are those it gets alone."""
+    scale = None if scale is None else float(scale)
+    q = qs[0]
+    if q.is_cpu and chosen() == "auto" and all(type(t) in _PLAIN for t in (*qs, *ks)) and reduction.direct():
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            return _group_kernel([t.detach() for t in qs], [t.detach() for t in ks], attn_mask, is_causal, scale,
+                                 ROWS, signal)
+    with torch.no_grad():
+        vecs = torch.ops.tinylm.sdpa_summaries(qs, ks, attn_mask, is_causal, scale, ROWS, signal)
+        parts = [p.unbind(0) for p in vecs.split_with_sizes([10, 6, len(SIGNAL)] if signal else [10, 6], dim=1)]
+    return list(zip(parts[0], parts[1], parts[2] if signal else [None] * len(qs)))
+
+
 #: the function itself (a builtin), whatever name ``torch.nn.functional`` gives it later
 SDPA = F.scaled_dot_product_attention
 _NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -239,7 +286,8 @@ class SDPAWatch(TorchFunctionMode):
 
     A call may also reach :meth:`measure_sdpa` another way (:mod:`.attention_watch`: through the
     module attribute, without the mode); while such a call runs (``caught`` > 0) the mode passes
-    it on, and ``missed`` counts the calls the mode measured itself."""
+    it on, and ``missed`` counts the calls the mode measured itself. With a ``queue``, a call of
+    plain tensors waits there and is measured, and reported, at the queue's flush."""
 
     probe_own = True
 
@@ -247,6 +295,8 @@ class SDPAWatch(TorchFunctionMode):
                  signal: Callable[[str, Tensor], None] | None = None):
         super().__init__()
         self.record, self.where, self.signal = record, where, signal
+        #: where calls wait to be measured together (an :class:`~.sdpa_queue.SDPAQueue`), else None: in the call
+        self.queue = None
         self.seconds = 0.0
         self.caught = 0
         self.missed = 0
@@ -265,6 +315,13 @@ class SDPAWatch(TorchFunctionMode):
             return False
         t0 = time.perf_counter()
         call = {**dict(zip(_NAMES, args)), **kwargs}
+        q, k, mask = call["query"], call["key"], call.get("attn_mask")
+        if self.queue is not None and self.queue.takes(q, k, mask):  # measured with the others at its flush
+            if self.queue.add(name, q, k, mask, bool(call.get("is_causal", False)), call.get("scale")):
+                with torch._C.DisableTorchFunction():
+                    self.queue.flush()
+            self.seconds += time.perf_counter() - t0
+            return True
         with torch._C.DisableTorchFunction():
             moments, panel, vec = summary(call["query"], call["key"], call.get("attn_mask"),
                                           bool(call.get("is_causal", False)), call.get("scale"),
