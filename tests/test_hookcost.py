@@ -1,8 +1,9 @@
 """The probe's own work is clocked as its own, and its gradient hooks are put on cheaply.
 
-* The attention watch's measurement of a call (an SDPA call's sampled rows, an eager softmax's)
-  is the probe's work: it counts in ``run.seconds`` (the hook bodies), not in the pass's torch
-  time, for a nanoGPT-style block, an eager-softmax block and a Hugging Face GPT-2.
+* The attention watch's measurement (the SDPA calls' sampled rows, at the flush of their queue; an
+  eager softmax's, in its call) is the probe's work: it counts in ``run.seconds`` (the hook bodies
+  and the exit), not in the pass's torch time, for a nanoGPT-style block, an eager-softmax block
+  and a Hugging Face GPT-2.
 * :func:`diagnostics.measure.hooks.tensor_hook` runs each hook once, in the order the tensor's
   hooks were put on (``register_hook``'s interleaved), with the gradient ``register_hook``'s
   would get; a leaf or a tensor a torch-function mode would see takes ``register_hook`` itself.
@@ -85,11 +86,13 @@ def _hf_gpt2():
     return hf("gpt2", L=2, d=32, V=64)()
 
 
-@pytest.mark.parametrize("build,module,name", [(lambda: NanoGPT(L=2, d=32, vocab=64), sdpa, "rows_of"),
-                                               (lambda: BlocksLM(EagerBlock), eager_attention, "eager_rows"),
-                                               (_hf_gpt2, sdpa, "rows_of")],
+# the SDPA calls of the two blocks are measured together at the queue's flush (one group), each eager
+# softmax in its call
+@pytest.mark.parametrize("build,module,name,n", [(lambda: NanoGPT(L=2, d=32, vocab=64), sdpa, "_group_kernel", 1),
+                                                 (lambda: BlocksLM(EagerBlock), eager_attention, "eager_rows", 2),
+                                                 (_hf_gpt2, sdpa, "_group_kernel", 1)],
                          ids=["nanogpt-sdpa", "eager-softmax", "hf-gpt2"])
-def test_the_watch_measurement_counts_as_the_probes_work_not_torchs(monkeypatch, build, module, name):
+def test_the_watch_measurement_counts_as_the_probes_work_not_torchs(monkeypatch, build, module, name, n):
     model, calls, pause = build(), [], [0.0]
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     _slowed(monkeypatch, module, name, calls, pause)
@@ -107,9 +110,9 @@ def test_the_watch_measurement_counts_as_the_probes_work_not_torchs(monkeypatch,
     pause[0] = PAUSE
     calls.clear()
     slow_rest, own = pass_under(ProbeOptions())
-    assert len(calls) == 2  # one call per block, each made to take PAUSE
-    assert own >= 2 * PAUSE, own  # the measurement is in the hook bodies...
-    assert slow_rest - rest < PAUSE, (slow_rest, rest)  # ...and not in what is left to torch (2 PAUSE if it were)
+    assert len(calls) == n  # one call per measurement, each made to take PAUSE
+    assert own >= n * PAUSE, own  # the measurement is in the hook bodies...
+    assert slow_rest - rest < PAUSE, (slow_rest, rest)  # ...and not in what is left to torch (n PAUSE if it were)
     # negative control: without the watch nothing is measured and the pauses never happen
     calls.clear()
     _, own = pass_under(ProbeOptions(attention=False))

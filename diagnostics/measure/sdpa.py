@@ -108,20 +108,31 @@ def rows_of(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, T
     its loop, the rows' softmax (one op) and one call into that loop (:mod:`._numba_rows`; the
     same figures to the rounding of the logarithms and the order of the sums), else the torch
     formulas."""
+    return rows_of_each(s[None], allowed, signal)[0]
+
+
+def rows_of_each(s: Tensor, allowed: Tensor, signal: bool = False) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """:func:`rows_of` of each s[g] of logits stacked on a first dimension (each call of a group),
+    ``allowed`` broadcast to one s[g]: one softmax for all of them (a row's softmax is the row's
+    alone, whatever rows are beside it) and one call into the loop each."""
+    one = s.shape[1:]
     if not (s.is_cpu and s.dtype in _ROW_DTYPES and type(s) in _PLAIN and s.numel() and numba_reducer.available()
             and numba_reducer.ready()):
-        return row_statistics(s, allowed, signal)
+        return [row_statistics(s[g], allowed, signal) for g in range(s.shape[0])]
     S = s.shape[-1]
     if allowed.dim() != 2 or not allowed.is_contiguous():  # (A, S): row m of the logits reads row m % A
         lead = allowed.shape[:-2] if allowed.dim() > 2 else ()
-        a = allowed.expand(s.shape) if any(d != 1 for d in lead) else allowed.expand(s.shape[-2:])
+        a = allowed.expand(one) if any(d != 1 for d in lead) else allowed.expand(one[-2:])
         allowed = a.reshape(-1, S).contiguous()
-    out = np.zeros(19)
-    flat = s.detach().reshape(-1, allowed.shape[0], S).contiguous()  # no gradient flows through here
+    flat = s.detach().reshape(s.shape[0], -1, allowed.shape[0], S).contiguous()  # no gradient flows through here
     p = torch.softmax(torch.where(allowed, flat, -math.inf), -1)  # the rows' weights, one vectorised op
-    numba_reducer.rows_loop()(flat.view(-1, S).numpy(), p.view(-1, S).numpy(), allowed.numpy(), out)
-    vec = torch.from_numpy(out)
-    return vec[:10], vec[10:16], vec[16:] if signal else None
+    loop, keys, out = numba_reducer.rows_loop(), allowed.numpy(), []
+    for g in range(s.shape[0]):
+        got = np.zeros(19)
+        loop(flat[g].view(-1, S).numpy(), p[g].view(-1, S).numpy(), keys, got)
+        vec = torch.from_numpy(got)
+        out.append((vec[:10], vec[10:16], vec[16:] if signal else None))
+    return out
 
 
 _ROW_DTYPES = (torch.float32, torch.float64)
@@ -223,11 +234,11 @@ def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
 
 def _group_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal) -> list[tuple[Tensor, Tensor, Tensor | None]]:
     """:func:`rows_of` of each call of a group (q of one shape, k of one shape, one mask): the
-    sampled rows' logits of all of them from one stacked product, each call's figures from its
-    slice (the same logits, bit for bit, as the call alone: one (R, d) x (d, S) product per head
-    either way)."""
+    sampled rows' logits of all of them from one stacked product and their weights from one
+    softmax (:func:`rows_of_each`), each call's figures from its slice (the same bits as the call
+    alone: one (R, d) x (d, S) product per head either way, and a row's softmax is its own)."""
     s, allowed = _logits(torch.stack(qs), torch.stack(ks), attn_mask, is_causal, scale, rows)
-    return [rows_of(s[g], allowed, signal) for g in range(len(qs))]
+    return rows_of_each(s, allowed, signal)
 
 
 _LIB.define("sdpa_summaries(Tensor[] q, Tensor[] k, Tensor? attn_mask, bool is_causal, float? scale, int rows, "
