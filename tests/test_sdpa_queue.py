@@ -123,3 +123,27 @@ def test_a_shared_additive_mask_groups_and_a_different_one_does_not():
     assert ops.counts["sdpa_summaries.default"] == 2  # the shared mask's two calls, the other alone
     for g, w in zip(got, want):
         assert torch.equal(g[0], w[0]) and torch.equal(g[1], w[1])
+
+
+@pytest.mark.parametrize("signal", [False, True])
+def test_under_the_cuda_structure_a_group_takes_the_same_ops_for_any_number_of_calls(monkeypatch, signal):
+    """What a GPU launches for a group: the kernel of ``tinylm::sdpa_summaries`` dispatches as many ops
+    for 8 calls as for 1 (every figure reduced over all dimensions but the group's), and its figures
+    are each call's alone to float64 rounding; negative control: the calls one by one dispatch about 8
+    times the group's ops."""
+    monkeypatch.setenv("TINYLM_REDUCER", "cuda")
+    counts, calls = [], []
+    for n in (1, 3, 8):
+        calls = _calls([9] * n, seed=n)
+        with OpCount() as ops:
+            group = sdpa._summaries_kernel([q for q, _ in calls], [k for _, k in calls], None, True, None, sdpa.ROWS,
+                                           signal)
+        counts.append(ops.total)
+    assert counts[0] == counts[1] == counts[2], counts
+    with OpCount() as each:
+        alone = [sdpa._summary_kernel(q, k, None, True, None, sdpa.ROWS, signal) for q, k in calls]
+    assert each.total > 7 * counts[0], (each.total, counts)
+    assert all(torch.allclose(g, a, rtol=1e-12, atol=0) for g, a in zip(group.unbind(0), alone))
+    monkeypatch.setenv("TINYLM_REDUCER", "auto")  # numba's loop: the same figures to float32 rounding
+    numba = [sdpa._summary_kernel(q, k, None, True, None, sdpa.ROWS, signal) for q, k in calls]
+    assert all(torch.allclose(g, a, rtol=1e-6, atol=1e-12) for g, a in zip(group.unbind(0), numba))  # float32 weights

@@ -435,7 +435,12 @@ def test_a_recorded_step_never_waits_for_the_device_per_layer(which):
             run(model).backward()
         watch.record(1.5)
     assert waits.count == 0 and watch.history["records"][0]["attention"]
-    # the control: the same rows measured the way a probe without signals does (selecting the entries) wait
+    # a probe without signals measures the rows by the same masked formulas: nothing waits either
     with _Waits() as waits:
         row_statistics(torch.randn(1, 2, 4, 4), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert waits.count == 0
+    # the control: selecting the allowed entries (how those rows were measured before) waits
+    with _Waits() as waits:
+        s = torch.randn(1, 2, 4, 4)
+        s[s.isfinite() & torch.ones(4, 4, dtype=torch.bool).tril()].sum()
     assert waits.count > 0

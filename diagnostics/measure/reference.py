@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["FIELDS", "ATTN_FIELDS", "SATURATED_PROB", "moments", "panel", "row_mean_squares", "cosines",
+__all__ = ["FIELDS", "ATTN_FIELDS", "SATURATED_PROB", "moments", "moments_each", "panel", "row_mean_squares", "cosines",
            "causal_mask"]
 
 #: Layout of a moment vector: measured entries, finite ones, their mean and M2 = sum (x - mean)^2,
@@ -37,20 +37,27 @@ def causal_mask(T: int, device: torch.device | str = "cpu") -> Tensor:
 
 def moments(x: Tensor, measured: Tensor | None = None) -> Tensor:
     """The FIELDS vector (float64) of the entries of ``x`` where ``measured`` (broadcast to x) is True."""
+    return moments_each(x[None], None if measured is None else measured.expand_as(x)[None])[0]
+
+
+def moments_each(x: Tensor, measured: Tensor | None = None) -> Tensor:
+    """(G, 10): the FIELDS vector of each x[g] (the entries where ``measured``, broadcast to x, is
+    True), every figure reduced over all dimensions but the first: the same ops for any G."""
     x = x.detach().double()
     m = torch.ones_like(x, dtype=torch.bool) if measured is None else measured.expand_as(x)
+    x, m = x.reshape(x.shape[0], -1), m.reshape(x.shape[0], -1)
     finite = m & torch.isfinite(x)
     a = torch.where(finite, x.abs(), 0.0)
-    count = finite.sum()
-    mean = torch.where(finite, x, 0.0).sum() / count.clamp(min=1)
-    m2 = torch.where(finite, x - mean, 0.0).square().sum()
+    count = finite.sum(1)
+    mean = torch.where(finite, x, 0.0).sum(1) / count.clamp(min=1)
+    m2 = torch.where(finite, x - mean[:, None], 0.0).square().sum(1)
     nonzero = m & (x != 0)  # NaN is nonzero
     return torch.stack([
-        m.sum(), count, mean, m2, a.amax() if x.numel() else a.sum(),
-        (m & (x == 0)).sum(),
-        (nonzero & (x.abs() < 2.0**-14)).sum(), (a >= 2.0**16).sum(),
-        (nonzero & (x.abs() < 2.0**-126)).sum(), (a >= 2.0**127).sum(),
-    ]).double()
+        m.sum(1), count, mean, m2, a.amax(1) if x.shape[1] else a.sum(1),
+        (m & (x == 0)).sum(1),
+        (nonzero & (x.abs() < 2.0**-14)).sum(1), (a >= 2.0**16).sum(1),
+        (nonzero & (x.abs() < 2.0**-126)).sum(1), (a >= 2.0**127).sum(1),
+    ], 1).double()
 
 
 def panel(p: Tensor, causal: bool = True) -> Tensor:

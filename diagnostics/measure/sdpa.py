@@ -44,12 +44,11 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from . import numba_reducer, reduction, reference
-from .reducer import reduce
 from .reducer_choice import chosen
 from .reference import SATURATED_PROB
 
-__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "rows_of", "masked_additive", "summary",
-           "summaries", "ROWS", "SIGNAL"]
+__all__ = ["SDPAWatch", "sample_rows", "sampled_attention", "row_statistics", "row_statistics_each", "rows_of",
+           "rows_of_each", "masked_additive", "summary", "summaries", "ROWS", "SIGNAL"]
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 
@@ -79,46 +78,62 @@ def row_statistics(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Te
     least, the scale and any additive mask applied) where ``allowed`` (broadcast to s) marks the
     keys each row may attend to. p_t = softmax over the allowed keys (a row with none: all 0);
     the panel is [rows, mean entropy, M2 of the entropy, min entropy over rows with more than
-    one key, count of those rows, how many of them put > 0.99 on one key]. With ``signal`` no
-    step waits for the device (the moments from :func:`.reference.moments` of the masked
-    entries; without, from :func:`.reducer.reduce` of the entries selected)."""
+    one key, count of those rows, how many of them put > 0.99 on one key]. The moments are
+    :func:`.reference.moments` of the masked entries: no step waits for the device."""
+    return _first(row_statistics_each(s[None], allowed, signal))
+
+
+def _first(each: tuple[Tensor, Tensor, Tensor | None]) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Row 0 of each matrix of (moments, panel, signal or None)."""
+    return each[0][0], each[1][0], None if each[2] is None else each[2][0]
+
+
+@torch.no_grad()
+def row_statistics_each(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`row_statistics` of each s[g] of logits stacked on a first dimension (each call of a
+    group), ``allowed`` broadcast to s, as matrices: moments (G, 10), panel (G, 6), signal (G, 3)
+    or None. Every figure is reduced over all dimensions but the first, so a group of any size
+    takes the same ops (on a GPU the same launches as one call)."""
+    G = s.shape[0]
     allowed = allowed.expand(s.shape)
     s = torch.where(allowed, s, -math.inf)
-    measured = allowed & torch.isfinite(s)
-    moments = reference.moments(s, measured) if signal else reduce(s[measured]).moments
+    moments = reference.moments_each(s, allowed & torch.isfinite(s))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no key left: all zero
-    h = torch.special.entr(p.double()).sum(-1)  # (..., R)
-    keys = allowed.sum(-1)
+    h = torch.special.entr(p.double()).sum(-1).reshape(G, -1)  # (G, rows)
+    keys = allowed.sum(-1).reshape(G, -1)
     later = keys > 1
-    top = p.amax(-1)
-    mean = h.mean() if h.numel() else h.new_zeros(())
-    lowest = torch.where(later, h, math.inf).amin() if h.numel() else h.new_tensor(math.inf)
-    panel = torch.stack([h.new_tensor(float(h.numel())), mean, (h - mean).square().sum(), lowest,
-                         later.sum().double(), ((top > SATURATED_PROB) & later).sum().double()])
+    top = p.amax(-1).reshape(G, -1)
+    n = h.shape[1]
+    mean = h.mean(1) if n else h.new_zeros(G)
+    lowest = torch.where(later, h, math.inf).amin(1) if n else h.new_full((G,), math.inf)
+    rows = h.new_full((G,), float(n))
+    panel = torch.stack([rows, mean, (h - mean[:, None]).square().sum(1), lowest, later.sum(1).double(),
+                         ((top > SATURATED_PROB) & later).sum(1).double()], 1)
     if not signal:
         return moments, panel, None
     # |s| of the allowed entries (NaN and +inf kept: they are logits), 0 for the masked
-    largest = torch.where(allowed, s.abs(), 0.0).amax().double() if s.numel() else h.new_zeros(())
-    vec = torch.stack([largest, keys.clamp(min=1).double().log().sum(), h.new_tensor(float(h.numel()))])
-    return moments, panel, vec
+    flat = torch.where(allowed, s.abs(), 0.0).reshape(G, -1)
+    largest = flat.amax(1).double() if flat.shape[1] else h.new_zeros(G)
+    return moments, panel, torch.stack([largest, keys.clamp(min=1).double().log().sum(1), rows], 1)
 
 
 def rows_of(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`row_statistics`: for CPU logits under ``TINYLM_REDUCER=auto`` once numba's cache holds
     its loop, the rows' softmax (one op) and one call into that loop (:mod:`._numba_rows`; the
     same figures to the rounding of the logarithms and the order of the sums), else the torch
-    formulas."""
-    return rows_of_each(s[None], allowed, signal)[0]
+    formulas (what a CUDA tensor gets: ``TINYLM_REDUCER=cuda`` makes a CPU tensor take them too)."""
+    return _first(rows_of_each(s[None], allowed, signal))
 
 
-def rows_of_each(s: Tensor, allowed: Tensor, signal: bool = False) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+def rows_of_each(s: Tensor, allowed: Tensor, signal: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`rows_of` of each s[g] of logits stacked on a first dimension (each call of a group),
-    ``allowed`` broadcast to one s[g]: one softmax for all of them (a row's softmax is the row's
-    alone, whatever rows are beside it) and one call into the loop each."""
+    ``allowed`` broadcast to one s[g], as :func:`row_statistics_each`'s matrices: on numba's path
+    one softmax for all of them (a row's softmax is the row's alone, whatever rows are beside it)
+    and one call into the loop each."""
     one = s.shape[1:]
-    if not (s.is_cpu and s.dtype in _ROW_DTYPES and type(s) in _PLAIN and s.numel() and numba_reducer.available()
-            and numba_reducer.ready()):
-        return [row_statistics(s[g], allowed, signal) for g in range(s.shape[0])]
+    if not (s.is_cpu and s.dtype in _ROW_DTYPES and type(s) in _PLAIN and s.numel() and chosen() == "auto"
+            and numba_reducer.available() and numba_reducer.ready()):
+        return row_statistics_each(s, allowed, signal)
     S = s.shape[-1]
     if allowed.dim() != 2 or not allowed.is_contiguous():  # (A, S): row m of the logits reads row m % A
         lead = allowed.shape[:-2] if allowed.dim() > 2 else ()
@@ -126,13 +141,11 @@ def rows_of_each(s: Tensor, allowed: Tensor, signal: bool = False) -> list[tuple
         allowed = a.reshape(-1, S).contiguous()
     flat = s.detach().reshape(s.shape[0], -1, allowed.shape[0], S).contiguous()  # no gradient flows through here
     p = torch.softmax(torch.where(allowed, flat, -math.inf), -1)  # the rows' weights, one vectorised op
-    loop, keys, out = numba_reducer.rows_loop(), allowed.numpy(), []
+    loop, keys, got = numba_reducer.rows_loop(), allowed.numpy(), np.zeros((s.shape[0], 19))
     for g in range(s.shape[0]):
-        got = np.zeros(19)
-        loop(flat[g].view(-1, S).numpy(), p[g].view(-1, S).numpy(), keys, got)
-        vec = torch.from_numpy(got)
-        out.append((vec[:10], vec[10:16], vec[16:] if signal else None))
-    return out
+        loop(flat[g].view(-1, S).numpy(), p[g].view(-1, S).numpy(), keys, got[g])
+    out = torch.from_numpy(got)
+    return out[:, :10], out[:, 10:16], out[:, 16:] if signal else None
 
 
 _ROW_DTYPES = (torch.float32, torch.float64)
@@ -232,7 +245,7 @@ def summary(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, sca
     return parts[0], parts[1], parts[2] if signal else None
 
 
-def _group_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+def _group_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal) -> tuple[Tensor, Tensor, Tensor | None]:
     """:func:`rows_of` of each call of a group (q of one shape, k of one shape, one mask): the
     sampled rows' logits of all of them from one stacked product and their weights from one
     softmax (:func:`rows_of_each`), each call's figures from its slice (the same bits as the call
@@ -248,9 +261,8 @@ _LIB.define("sdpa_summaries(Tensor[] q, Tensor[] k, Tensor? attn_mask, bool is_c
 def _summaries_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal):
     """(calls, width): :func:`_summary_kernel`'s vector of each call of a group, one row each."""
     with torch._C.DisableTorchFunction():
-        return torch.stack([torch.cat([v for v in got if v is not None]) for got in
-                            _group_kernel([t.detach() for t in qs], [t.detach() for t in ks], attn_mask, is_causal,
-                                          scale, rows, signal)])
+        return torch.cat([v for v in _group_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal) if v is not None],
+                         1)
 
 
 _LIB.impl("sdpa_summaries", _summaries_kernel, "CompositeExplicitAutograd")
@@ -271,8 +283,8 @@ def summaries(qs: list[Tensor], ks: list[Tensor], attn_mask: Tensor | None, is_c
     q = qs[0]
     if q.is_cpu and chosen() == "auto" and all(type(t) in _PLAIN for t in (*qs, *ks)) and reduction.direct():
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            return _group_kernel([t.detach() for t in qs], [t.detach() for t in ks], attn_mask, is_causal, scale,
-                                 ROWS, signal)
+            moments, panel, vec = _group_kernel(qs, ks, attn_mask, is_causal, scale, ROWS, signal)
+        return list(zip(moments.unbind(0), panel.unbind(0), vec.unbind(0) if signal else [None] * len(qs)))
     with torch.no_grad():
         vecs = torch.ops.tinylm.sdpa_summaries(qs, ks, attn_mask, is_causal, scale, ROWS, signal)
         parts = [p.unbind(0) for p in vecs.split_with_sizes([10, 6, len(SIGNAL)] if signal else [10, 6], dim=1)]
