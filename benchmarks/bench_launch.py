@@ -251,6 +251,34 @@ def compiled_calls(fn, *args) -> int:
     return calls[0]
 
 
+def sdpa_inner_ops(fn, *args) -> tuple[int, int]:
+    """(calls of the SDPA summary ops, aten ops their kernels dispatch) in one ``fn(*args)``: a
+    registered op counts once in :class:`~diagnostics.measure.opcount.OpCount`, but on a GPU each
+    op its kernel dispatches is a launch. Each ``tinylm::sdpa_summaries`` / ``sdpa_summary`` call
+    is captured, then its kernel run again on the same arguments under a counter."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from diagnostics.measure import sdpa
+    from diagnostics.measure.opcount import OpCount
+
+    kernels = {op: getattr(sdpa, fn) for op, fn in (("sdpa_summaries", "_summaries_kernel"),
+                                                     ("sdpa_summary", "_summary_kernel")) if hasattr(sdpa, fn)}
+    seen = []
+
+    class Capture(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            if name in kernels:
+                seen.append((name, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+    with Capture():
+        fn(*args)
+    with OpCount() as ops:
+        for name, a, k in seen:
+            kernels[name](*a, **k)
+    return len(seen), ops.total
+
+
 def count(fn, *args):
     from diagnostics.measure.opcount import OpCount
 
@@ -361,6 +389,9 @@ def main(argv=None) -> int:
                   f"all host reads {ops.host_reads}")
             print("    added: " + ", ".join(f"{k} {v}" for k, v in added.most_common(args.top)))
             print(f"    compiled calls per probed pass: {compiled_calls(probed, model, tokens)}")
+            calls, inner = sdpa_inner_ops(probed, model, tokens)
+            if calls:
+                print(f"    SDPA summary ops per probed pass: {calls}, dispatching {inner} aten ops inside (launches on a GPU)")
             med, ratios = pairs(lambda: step(model, tokens), lambda: probed(model, tokens), args.pairs)
             print(f"    time probed/bare: median {med:.2f} over {len(ratios)} pairs "
                   f"(range {min(ratios):.2f}-{max(ratios):.2f})")
