@@ -389,7 +389,7 @@ def main(argv=None) -> int:
                   f"all host reads {ops.host_reads}")
             print("    added: " + ", ".join(f"{k} {v}" for k, v in added.most_common(args.top)))
             print(f"    compiled calls per probed pass: {compiled_calls(probed, model, tokens)}")
-            calls, inner = sdpa_inner_ops(probed, model, tokens)
+            calls, inner = sdpa_inner_ops(probed, model, tokens) if reducer == "cuda" else (0, 0)
             if calls:
                 print(f"    SDPA summary ops per probed pass: {calls}, dispatching {inner} aten ops inside (launches on a GPU)")
             med, ratios = pairs(lambda: step(model, tokens), lambda: probed(model, tokens), args.pairs)
