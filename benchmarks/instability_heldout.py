@@ -34,6 +34,7 @@ control's), the rules of instability_runs.py.
 
     python benchmarks/instability_heldout.py [--workers N] [--json PATH] [--only SUBSTR]
     python benchmarks/instability_heldout.py --rejudge PATH   # judge the saved histories again, train nothing
+    python benchmarks/instability_heldout.py --nanogpt PATH/model.py   # the NanoGPT runs on nanoGPT's own model
 
 ``--rejudge`` replays each saved watch history through the watch's own judge
 (:class:`diagnostics.jobs.watch_alerts.AlertBook`, the verdicts over time and the recorded
@@ -295,10 +296,55 @@ def by_name(name: str) -> Run:
     return next(r for r in CATALOG if r.name == name)
 
 
+#: the environment variable naming nanoGPT's own model.py (``--nanogpt``), read by each worker
+NANOGPT_ENV = "INSTABILITY_NANOGPT_MODEL"
+
+
+def nanogpt_builds(run: Run) -> bool:
+    """Whether nanoGPT's own ``GPT`` builds ``run``'s model: pre-LN, tied head, final norm."""
+    return run.model == "nanogpt" and not run.post and run.tied and run.final_norm
+
+
+class NanoGPTModel(nn.Module):
+    """nanoGPT's ``GPT`` (from its own model.py) called as this loop calls a model: the logits of
+    every position, which nanoGPT returns when it is given targets (its own loss is not used)."""
+
+    def __init__(self, gpt: nn.Module):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx, idx)[0]
+
+
+def _nanogpt(path: str, run: Run, vocab: int) -> nn.Module:
+    """``run``'s model built by the ``GPT`` class of nanoGPT's model.py at ``path``; eager attention
+    as nanoGPT builds it where SDPA is missing (its causal mask buffer)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("nanogpt_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()):  # its parameter count, printed by every build
+        gpt = module.GPT(module.GPTConfig(block_size=run.ctx, vocab_size=vocab, n_layer=run.layers, n_head=run.heads,
+                                          n_embd=run.d_model, dropout=0.0, bias=True))
+    if run.attention == "eager":
+        for block in gpt.transformer.h:
+            block.attn.flash = False
+            block.attn.register_buffer("bias", torch.tril(torch.ones(run.ctx, run.ctx)).view(1, 1, run.ctx, run.ctx))
+    return NanoGPTModel(gpt)
+
+
 def build(run: Run) -> nn.Module:
     _, vocab = data()
     torch.manual_seed(run.seed)
-    if run.model == "nanogpt":
+    if run.model == "nanogpt" and os.environ.get(NANOGPT_ENV):
+        model = _nanogpt(os.environ[NANOGPT_ENV], run, vocab)
+        blocks = model.gpt.transformer.h
+    elif run.model == "nanogpt":
         model = NanoGPT(vocab, run.ctx, run.d_model, run.layers, run.heads, flash=run.attention == "sdpa",
                         post=run.post, tied=run.tied, final_norm=run.final_norm)
         blocks = model.transformer.h
@@ -513,10 +559,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of run names")
     ap.add_argument("--tuning", action="store_true", help="train the tuning set's runs instead (healthy first)")
     ap.add_argument("--rejudge", default="", help="a results file: judge its histories again, train nothing")
+    ap.add_argument("--nanogpt", default="", metavar="MODEL_PY",
+                    help="nanoGPT's own model.py: the NanoGPT runs its GPT can build use it (the others are left out)")
     args = ap.parse_args(argv)
     if args.rejudge:
         return _rejudged(args.rejudge)
     catalog = IR.CATALOG if args.tuning else CATALOG
+    if args.nanogpt:
+        if args.tuning or not Path(args.nanogpt).is_file():
+            print(f"--nanogpt {args.nanogpt}: give nanoGPT's model.py (a file), without --tuning", file=sys.stderr)
+            return 2
+        os.environ[NANOGPT_ENV] = str(Path(args.nanogpt).resolve())
+        pairs = {r.name: r for r in catalog}
+        catalog = [r for r in catalog if nanogpt_builds(r) and all(
+            nanogpt_builds(c) for c in catalog if c.control_of == r.name or r.control_of == c.name)]
     names = [r.name for r in catalog if not args.only or any(s in r.name for s in args.only.split(","))]
     if args.tuning:  # the healthy runs first: the false alarms are what this set is read for
         names.sort(key=lambda n: IR.by_name(n).role != "healthy")
