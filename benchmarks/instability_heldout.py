@@ -570,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--nanogpt {args.nanogpt}: give nanoGPT's model.py (a file), without --tuning", file=sys.stderr)
             return 2
         os.environ[NANOGPT_ENV] = str(Path(args.nanogpt).resolve())
+        if args.json == str(DEFAULT_JSON):  # not over the re-written model's results
+            args.json = str(DEFAULT_JSON.with_name("instability_heldout_nanogpt.json"))
         pairs = {r.name: r for r in catalog}
         catalog = [r for r in catalog if nanogpt_builds(r) and all(
             nanogpt_builds(c) for c in catalog if c.control_of == r.name or r.control_of == c.name)]
