@@ -2,7 +2,8 @@
 row reductions) against :mod:`diagnostics.measure.reference` on the CPU, tinylm's fused attention
 against its explicit path, the blockwise attention statistics against the explicit tensors',
 fp16/bf16 under- and overflow counts, a whole probe on the device against the same probe on
-the CPU, and a ``torch.compile``d model against the eager one.
+the CPU (tinylm, and a Hugging Face GPT-2 whose SDPA calls are measured by groups), and a
+``torch.compile``d model against the eager one.
 
 Contract as on the CPU: counts and max |x| exactly; mean and M2 to float64 rounding of the
 sums (the device sums in another order); figures of a whole model to the float32 rounding by
@@ -213,3 +214,50 @@ def test_compiled_model_on_cuda_equals_the_eager_model():
     loss = TF.cross_entropy(compiled(tok[:, :-1]), tok[:, 1:])
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def _hf_gpt2(layers: int, device: str):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=CFG.vocab_size, n_positions=64, n_embd=64, n_layer=layers, n_head=4,
+                                     attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(device)
+
+
+def test_sdpa_model_on_cuda_equals_the_cpu_and_waits_for_no_layer():
+    """A Hugging Face GPT-2 (SDPA): its calls' sampled rows, measured by groups at the queue's flush
+    (the masked formulas on the device, numba's loop on the CPU), give the CPU's figures to float32
+    rounding; and a probed pass's host transfers do not grow with depth (no call waits)."""
+    from diagnostics.measure.transfers import TransferCounter
+
+    tok = _tokens(device="cpu")
+    stats = {}
+    for device in ("cpu", "cuda"):
+        model = _hf_gpt2(2, device)
+        with probe(model) as run:
+            out = model(tok[:, :-1].to(device)).logits
+            TF.cross_entropy(out, tok[:, 1:].to(device)).backward()
+        stats[device] = run.stats
+    c, d = stats["cpu"], stats["cuda"]
+    scores = [k for k in c.tensors if k[0].endswith(".scores")]
+    assert len(scores) == 2 and set(scores) <= set(d.tensors)
+    for key in scores:
+        m, n = c.tensors[key], d.tensors[key]
+        assert (n.n_total, n.count) == (m.n_total, m.count), key
+        assert abs(n.var - m.var) <= 1e-3 * m.var, key
+    for name, a in c.attention.items():
+        b = d.attention[name]
+        assert (a.rows, a.rows_after_first) == (b.rows, b.rows_after_first)
+        assert abs(a.entropy_mean - b.entropy_mean) <= 1e-4 * a.entropy_mean
+    counts = {}
+    for layers in (2, 4):
+        model, tok_d = _hf_gpt2(layers, "cuda"), tok.cuda()
+        with probe(model):  # warm-up
+            TF.cross_entropy(model(tok_d[:, :-1]).logits, tok_d[:, 1:]).backward()
+        counter = TransferCounter()
+        with probe(model) as run:
+            with counter:
+                TF.cross_entropy(model(tok_d[:, :-1]).logits, tok_d[:, 1:]).backward()
+        counts[layers] = counter.syncs
+        run.stats
+    assert counts[2] == counts[4], counts
