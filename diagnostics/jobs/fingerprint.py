@@ -84,9 +84,10 @@ def diff_sites(model: nn.Module) -> list[Site]:
 
     The block stack is :func:`diagnostics.measure.blocks.find_blocks`'s; a block's attention and
     MLP are a tinylm block's ``attn`` and ``ffn`` (as :func:`instrument_points` names them), else
-    the block's child whose name ends in attn/attention and mlp/ffn/feed_forward; the final norm
-    is ``ln_final`` for tinylm, else the last norm (:func:`~diagnostics.measure.blocks.is_norm`) after
-    the stack, outside it. A model without a block stack has the logits only."""
+    the block's child whose name ends in attn/attention and mlp/ffn/feed_forward (the MLP: else
+    the block's last linear child, the MLP's output where its layers are the block's own, as in
+    OPT); the final norm is ``ln_final`` for tinylm, else :func:`_final_norm`. A model without a
+    block stack has the logits only."""
     stack = find_blocks(model)
     points = instrument_points(model)
     L = len(stack) if stack is not None else 0
@@ -98,24 +99,39 @@ def diff_sites(model: nn.Module) -> list[Site]:
     named = dict(model.named_modules())
     for i, block in enumerate(stack.names):
         out.append(Site(f"layers.{i}", block, "residual", i, 3 * i + 3))
-        for child, _ in named[block].named_children():
+        ffn = own_linear = None
+        for child, mod in named[block].named_children():
             name = f"{block}.{child}"
             if (points.get(name) == "attn_branch") if tiny else bool(_ATTN.search(child)):
                 out.append(Site(f"layers.{i}.attn", name, "attn_branch", i, 3 * i + 1))
             elif (points.get(name) == "ffn_branch") if tiny else bool(_FFN.search(child)):
-                out.append(Site(f"layers.{i}.ffn", name, "ffn_branch", i, 3 * i + 2))
-    after = False
-    final = None
-    for name, mod in model.named_modules():
-        if name == stack.names[-1]:
-            after = True
-        elif after and stack.index(name) is None and is_norm(mod):
-            final = name
+                ffn = name
+            elif not tiny and isinstance(mod, nn.Linear):
+                own_linear = name  # the block's last linear child: its MLP's output where the MLP is no child (OPT)
+        if ffn or own_linear:
+            out.append(Site(f"layers.{i}.ffn", ffn or own_linear, "ffn_branch", i, 3 * i + 2))
+    final = _final_norm(model, stack)
     if tiny:
         final = "ln_final" if getattr(model, "ln_final", None) is not None else None
     if final is not None:
         out.append(Site("final_norm", final, "final_norm", None, 3 * L + 1))
     return sorted(out, key=lambda s: s.order)
+
+
+def _final_norm(model: nn.Module, stack) -> str | None:
+    """The last norm (:func:`~diagnostics.measure.blocks.is_norm`) after the block stack and outside
+    it; else the last norm outside it whose own name says "final" (OPT registers its final norm
+    before its blocks)."""
+    after, final, named = False, None, None
+    for name, mod in model.named_modules():
+        if name == stack.names[-1]:
+            after = True
+        elif stack.index(name) is None and is_norm(mod):
+            if after:
+                final = name
+            elif "final" in name.rsplit(".", 1)[-1]:
+                named = name
+    return final or named
 
 
 # ----------------------------------------------------------------------------- the reduction
