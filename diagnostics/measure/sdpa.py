@@ -250,7 +250,11 @@ def _group_kernel(qs, ks, attn_mask, is_causal, scale, rows, signal) -> tuple[Te
     sampled rows' logits of all of them from one stacked product and their weights from one
     softmax (:func:`rows_of_each`), each call's figures from its slice (the same bits as the call
     alone: one (R, d) x (d, S) product per head either way, and a row's softmax is its own)."""
-    s, allowed = _logits(torch.stack(qs), torch.stack(ks), attn_mask, is_causal, scale, rows)
+    if len(qs) == 1:  # a call alone (past the queue's bound, or the only one of its shape): views, no copy
+        q, k = qs[0][None], ks[0][None]
+    else:  # the stacks copy what waited: at most the queue's bound
+        q, k = torch.stack(qs), torch.stack(ks)
+    s, allowed = _logits(q, k, attn_mask, is_causal, scale, rows)
     return rows_of_each(s, allowed, signal)
 
 
