@@ -132,62 +132,18 @@ def test_the_watch_names_an_epsilon_dominated_adam_at_its_first_record():
     assert _watched("adam_eps_stall/control", 11) == []
 
 
-_NANOGPT_STANDIN = '''
-import torch
-from torch import nn
-from dataclasses import dataclass
-
-@dataclass
-class GPTConfig:
-    block_size: int = 64
-    vocab_size: int = 10
-    n_layer: int = 1
-    n_head: int = 1
-    n_embd: int = 8
-    dropout: float = 0.0
-    bias: bool = True
-
-class Attn(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.flash = True
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.attn = Attn()
-        self.mlp = nn.Linear(d, d)
-    def forward(self, x):
-        return x + self.mlp(x)
-
-class GPT(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        print("number of parameters: (printed by nanoGPT)")
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(config.vocab_size, config.n_embd),
-                                              h=nn.ModuleList([Block(config.n_embd) for _ in range(config.n_layer)])))
-    def forward(self, idx, targets=None):
-        x = self.transformer.wte(idx)
-        for b in self.transformer.h:
-            x = b(x)
-        logits = x @ self.transformer.wte.weight.t()
-        return (logits, None) if targets is not None else (logits[:, [-1]], None)
-'''
-
-
-def test_heldout_runs_on_a_given_nanogpt_model_file(tmp_path, monkeypatch, capsys):
+def test_heldout_runs_on_a_given_nanogpt_model_file(tmp_path, monkeypatch):
     """``--nanogpt`` builds the NanoGPT runs with the given model.py's ``GPT`` (every position's
     logits, eager attention with nanoGPT's mask buffer), keeps only the runs that class can build
     (pre-LN, tied, final norm) with their controls, and refuses a missing file with exit 2."""
     import instability_heldout as H
 
-    path = tmp_path / "model.py"
-    path.write_text(_NANOGPT_STANDIN)
+    path = tmp_path / "model.py"  # a model.py whose GPT behaves as nanoGPT's does (tests/test_nanogpt.py)
+    path.write_text("from tests.test_nanogpt import GPT, GPTConfig  # noqa: F401\n")
     monkeypatch.setenv(H.NANOGPT_ENV, str(path))
     run = H.by_name("healthy/nanogpt-eager-4l")
     model = H.build(run)
-    assert isinstance(model, H.NanoGPTModel) and type(model.gpt).__name__ == "GPT" and "printed" not in capsys.readouterr().out
+    assert isinstance(model, H.NanoGPTModel) and type(model.gpt).__name__ == "GPT"
     assert all(not b.attn.flash and b.attn.bias.shape == (1, 1, run.ctx, run.ctx) for b in model.gpt.transformer.h)
     assert model(torch.zeros(2, 5, dtype=torch.long)).shape[:2] == (2, 5)
     kept = {r.name for r in H.CATALOG if H.nanogpt_builds(r)}
