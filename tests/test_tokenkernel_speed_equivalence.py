@@ -94,3 +94,27 @@ def test_the_panel_size_does_not_change_the_result(monkeypatch):
     monkeypatch.setattr(tk, "_PANEL", 1000)
     whole = tk.attention_kernel(K, 1.0, 1.0, 1.0, 8, rope_theta=None, draws=4, seed=2)["heads"]
     assert np.abs(small - whole).max() <= TOL * np.abs(whole).max()
+
+
+def test_the_panels_on_several_threads_give_the_same_bits(monkeypatch):
+    """The causal products' panels spread over threads (the walk's caller's count) are each the same
+    ops on any thread: the same bits as one thread. The spy proves the threads were used; the
+    negative control above (another sample) shows the comparison sees a change."""
+    K = kernel(40, 40)
+    monkeypatch.setattr(tk, "_PANEL", 7)
+    pools = []
+    real = tk.ThreadPoolExecutor
+
+    def spy(workers):
+        pools.append(workers)
+        return real(workers)
+    monkeypatch.setattr(tk, "ThreadPoolExecutor", spy)
+    got = {}
+    for workers in (1, 3):
+        token = tk.WORKERS.set(workers)
+        try:
+            got[workers] = tk.attention_kernel(K, 1.0, 1.0, 1.0, 8, rope_theta=None, draws=4, seed=2)["heads"]
+        finally:
+            tk.WORKERS.reset(token)
+    assert pools and set(pools) == {3}
+    assert np.array_equal(got[1], got[3])

@@ -101,8 +101,8 @@ from tinylm.validate import integer
 from ..options import OptionsError
 from .gaussian import activation_of
 from .prediction import Prediction, qk_norm_outside
-from .tokenkernel_maps import (_QUAD_NODES, _act_mean, act_cross_moment, attention_kernel, attention_samples,
-                               layer_normalize, mean_cosine, normalize, silu_cross_moment)
+from .tokenkernel_maps import (_QUAD_NODES, WORKERS, _act_mean, act_cross_moment, attention_kernel,
+                               attention_samples, layer_normalize, mean_cosine, normalize, silu_cross_moment)
 
 # the maps of :mod:`.tokenkernel_maps` are re-exported here, beside the walk that applies them
 __all__ = ["KernelTheory", "BlockKernel", "kernel_theory", "cached_kernel_theory", "clear_cache", "token_coincidence",
@@ -436,12 +436,14 @@ def kernel_theory(config: tinylm.ModelConfig, seq_len: int, *, scheme: str | Non
     # than it saves; and one thread makes
     # the Monte Carlo sums, hence the predictions, independent of the caller's thread count.
     threads = torch.get_num_threads()
+    token = WORKERS.set(threads)  # the causal products' panels, one torch thread each, on the caller's threads
     try:
         if threads != 1:
             torch.set_num_threads(1)
         with torch.no_grad():
             return _Walk(config, seq_len, scheme, draws, seed, quad_nodes, coincidence, keep_kernels).run()
     finally:
+        WORKERS.reset(token)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 

@@ -18,6 +18,8 @@ The backward kernel (:mod:`.backkernel`) reads the same attention draws.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from functools import lru_cache
 
 import numpy as np
@@ -34,6 +36,9 @@ __all__ = ["normalize", "layer_normalize", "attention_kernel", "attention_sample
 _QUAD_NODES = 32
 #: rows per panel of the causal products A K A^T (:func:`_add_causal_sandwich`)
 _PANEL = 64
+#: threads over which :func:`_add_causal_sandwich` spreads its panels (each panel the same ops on any
+#: thread, torch itself on one: the sums do not depend on it); set by the walk to the caller's count
+WORKERS = ContextVar("tokenkernel_workers", default=1)
 
 
 def normalize(K: np.ndarray, gain2: float, eps: float) -> np.ndarray:
@@ -175,13 +180,25 @@ def _add_causal_sandwich(acc: torch.Tensor, A: torch.Tensor, K: torch.Tensor) ->
     per panel: about T^3 / 3 multiply-adds each over all panels (the dense A K A^T costs 2 T^3),
     and the same sums as the dense product up to float64 rounding.
 
+    The panels run on :data:`WORKERS` threads (the caller's torch thread count; the matrix
+    products release the interpreter), each the same ops whichever thread runs it: the same bits.
+
     Shapes: acc (T, T) float64; A (b, T, T) float64, zero above the diagonal; K (T, T) float64.
     """
     T = A.shape[-1]
-    for lo in range(0, T, _PANEL):
+
+    def panel(lo: int) -> None:
         hi = min(T, lo + _PANEL)
         AK = A[:, lo:hi, :hi] @ K[:hi, :hi]  # (b, p, hi): (A K)[rows, :hi]
         acc[lo:hi, :hi] += (AK @ A[:, :hi, :hi].transpose(-1, -2)).sum(0)  # (p, hi): (A K A^T)[rows, :hi]
+    starts = range(0, T, _PANEL)
+    workers = min(WORKERS.get(), len(starts))
+    if workers <= 1:
+        for lo in starts:
+            panel(lo)
+        return
+    with ThreadPoolExecutor(workers) as pool:  # each panel writes its own rows; the largest first
+        list(pool.map(panel, reversed(starts)))
 
 
 @lru_cache(maxsize=8)
