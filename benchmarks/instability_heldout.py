@@ -48,6 +48,7 @@ Each worker process uses one thread.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -317,14 +318,21 @@ class NanoGPTModel(nn.Module):
         return self.gpt(idx, idx)[0]
 
 
-def _nanogpt(path: str, run: Run, vocab: int) -> nn.Module:
-    """``run``'s model built by the ``GPT`` class of nanoGPT's model.py at ``path``; eager attention
-    as nanoGPT builds it where SDPA is missing (its causal mask buffer)."""
+@functools.lru_cache(maxsize=2)
+def _nanogpt_module(path: str):
+    """nanoGPT's model.py at ``path``, loaded once per process."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("nanogpt_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def _nanogpt(path: str, run: Run, vocab: int) -> nn.Module:
+    """``run``'s model built by the ``GPT`` class of nanoGPT's model.py at ``path``; eager attention
+    as nanoGPT builds it where SDPA is missing (its causal mask buffer)."""
+    module = _nanogpt_module(path)
     import contextlib
     import io
 

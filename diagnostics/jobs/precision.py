@@ -271,9 +271,7 @@ def _already_quantized(mod: nn.Module) -> str:
     """Why a layer that torchao already trains in low precision (``convert_to_float8_training``'s
     ``Float8Linear``, a weight of one of its tensor subclasses) is not measured ("" when it is not
     one): its output is already the quantized GEMM's, so there is no unquantized one to hold it to."""
-    owner = type(mod).__module__ if type(mod).__module__.startswith("torchao.") else \
-        type(getattr(mod, "weight", None)).__module__
-    if not owner.startswith("torchao."):
+    if not any(t.__module__.startswith("torchao.") for t in (type(mod), type(getattr(mod, "weight", None)))):
         return ""
     return (f"already quantized by torchao ({type(mod).__name__}): its GEMMs run in low precision, with no "
             "unquantized output to compare; measure the model before converting it")
